@@ -1,0 +1,22 @@
+"""fxpipe: turn a PyTorch model into a balanced pipeline across devices, automatically.
+
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], example_inputs=(x,), chunks=8)
+    y = pipe(x)          # equals model(x)
+    print(pipe.plan)     # how the model was split
+"""
+
+from passes.codegen import Stage
+from passes.cost_model import DeviceSpec, Link, NodeCost
+from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
+                           PartitionError, StageError, TraceError)
+from passes.partition import Partition
+
+from .api import compile
+from .pipeline import Pipeline
+from .report import Plan
+
+__all__ = [
+    "compile", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
+    "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
+    "CostError", "StageError",
+]

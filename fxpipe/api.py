@@ -1,0 +1,84 @@
+"""`fxpipe.compile`: the passes called in order, then a Pipeline that runs their result."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from passes.annotate_costs import annotate_costs, bind_inputs
+from passes.codegen import split_stages
+from passes.cost_model import LinkFn, cost_graph, default_link
+from passes.errors import BatchError, FxpipeError
+from passes.functionalize import functionalize
+from passes.partition import partition
+from passes.trace import CaptureMode, trace
+
+from . import microbatch
+from .devices import DeviceLike, parse_devices
+from .pipeline import Pipeline
+from .report import make_plan
+
+
+def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
+            example_inputs: tuple | Any = (), example_kwargs: Mapping[str, Any] | None = None, *,
+            chunks: int = 1, capture: CaptureMode = "auto",
+            leaf_modules: Iterable[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
+            link: LinkFn = default_link, repeats: int = 5, verify: bool = True) -> Pipeline:
+    """Split `model` into one stage per entry of `devices`, balanced by measured time.
+
+    `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
+    `example_kwargs` its keyword inputs; costs are measured on one micro-batch of it, on
+    `devices[0]`. `chunks` is the number of micro-batches each call is split into.
+    With `verify`, the pipeline's output on the example is checked against the model's (skipped
+    when the model is in training mode, where dropout or BatchNorm make outputs differ).
+    """
+    specs = parse_devices(devices)
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    example_kwargs = dict(example_kwargs or {})
+    if not isinstance(chunks, int) or chunks < 1:
+        raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1")
+
+    verify = verify and not model.training
+    if verify:   # before stages take the parameters to their devices
+        with torch.no_grad():
+            expected = model(*example_inputs, **example_kwargs)
+    gm = trace(model, example_inputs, example_kwargs, capture=capture,
+               leaf_modules=leaf_modules, concrete_args=concrete_args)
+    functionalize(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    example = dict(zip(names, bind_inputs(gm, example_inputs, example_kwargs)))
+    first_chunk = microbatch.split(example, chunks)[0]
+    annotate_costs(gm, tuple(first_chunk[n] for n in names), device=specs[0].name, repeats=repeats)
+    plan = partition(cost_graph(gm), specs, link)
+    stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
+    verified = "yes" if verify else (
+        "skipped (model in training mode)" if model.training else "skipped (verify=False)")
+    pipe = Pipeline(gm, stages, make_plan(gm.meta["capture"], plan, stages, chunks, verified),
+                    chunks)
+    if verify:
+        with torch.no_grad():
+            _check_reproduces(expected, pipe(*example_inputs, **example_kwargs))
+    return pipe
+
+
+def _check_reproduces(expected: Any, actual: Any) -> None:
+    """Raise unless the pipeline's output equals the model's on the example inputs."""
+    flat_expected, spec = torch.utils._pytree.tree_flatten(expected)
+    flat_actual, actual_spec = torch.utils._pytree.tree_flatten(actual)
+    problem = "" if spec == actual_spec else f"outputs differ in structure ({actual_spec} vs {spec})"
+    for i, (e, a) in enumerate(zip(flat_expected, flat_actual)):
+        if problem:
+            break
+        try:
+            torch.testing.assert_close(a, e, equal_nan=True, check_device=False)
+        except AssertionError as error:
+            problem = f"output {i} differs: {str(error).splitlines()[0]}"
+    if problem:
+        raise FxpipeError(
+            f"the pipeline does not reproduce the model on the example inputs: {problem}. "
+            f"If the model mixes samples across the batch (BatchNorm in training mode, a reduction "
+            f"over dimension 0), micro-batches change its result: use chunks=1, or pass "
+            f"verify=False to accept micro-batch semantics")

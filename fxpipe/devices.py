@@ -1,0 +1,51 @@
+"""Device lists: parse and check what the user passed, before anything runs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from passes.cost_model import DeviceSpec
+from passes.errors import DeviceError
+
+DeviceLike = str | torch.device | DeviceSpec
+
+
+def parse_devices(devices: Sequence[DeviceLike] | DeviceLike) -> list[DeviceSpec]:
+    """One DeviceSpec per stage. `"cpu"` may repeat (each entry is its own stage and worker)."""
+    if isinstance(devices, (str, torch.device, DeviceSpec)):
+        devices = [devices]
+    devices = list(devices)
+    if not devices:
+        raise DeviceError("no devices given: pass one device per stage, e.g. devices=['cpu', 'cpu']")
+    return [_parse(d) for d in devices]
+
+
+def _parse(device: DeviceLike) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        _check(device.name)
+        return device
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"{device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
+    if parsed.type == "cuda" and parsed.index is None:
+        parsed = torch.device("cuda", 0)
+    _check(str(parsed))
+    return DeviceSpec(str(parsed))
+
+
+def _check(name: str) -> None:
+    device = torch.device(name)
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise DeviceError(f"device {name!r} is not supported: fxpipe runs stages on 'cpu' and "
+                          f"'cuda:N' devices")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.index or 0
+    if index >= count:
+        have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
+        raise DeviceError(f"device {name!r} does not exist on this machine ({have}): "
+                          f"use one of those or 'cpu'")

@@ -1,0 +1,149 @@
+"""Measure every node: `node.meta["cost"] = NodeCost(fwd_s, bwd_s, out_bytes, param_bytes)`.
+
+`CostInterpreter` runs the graph on example inputs like `torch.fx.passes.shape_prop.ShapeProp`
+does, timing each node's call. The graph runs `warmup + repeats` times, from fresh copies of the
+inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
+a stage boundary. On CUDA the device is synchronised around every node.
+
+Buffers the model updates while running (BatchNorm statistics) are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from .cost_model import NodeCost
+from .errors import CostError, InputError
+
+
+class CostInterpreter(fx.Interpreter):
+    """An Interpreter that records the wall time and output size of every node it runs."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device):
+        super().__init__(gm)
+        self.device = device
+        self.times_s: dict[fx.Node, list[float]] = {}
+        self.out_bytes: dict[fx.Node, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *_: None)
+        sync(self.device)
+        start = time.perf_counter()
+        try:
+            result = super().run_node(n)
+        except Exception as e:
+            raise CostError(f"node {n.name!r} failed while its cost was measured: "
+                            f"{type(e).__name__}: {e}\n  node: {n.format_node()}") from e
+        sync(self.device)
+        self.times_s.setdefault(n, []).append(time.perf_counter() - start)
+        self.out_bytes[n] = tensor_bytes(result)
+        return result
+
+
+def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, Any] | None = None,
+                   *, device: str | torch.device | None = None, repeats: int = 5,
+                   warmup: int = 1) -> fx.GraphModule:
+    """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
+
+    `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
+    moved there. Inputs are given as the model takes them, positionally and by keyword.
+    """
+    device = torch.device(device) if device is not None else _device_of(gm)
+    gm.to(device)
+    inputs = bind_inputs(gm, args, kwargs)
+    interpreter = CostInterpreter(gm, device)
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    try:
+        with torch.no_grad():
+            for _ in range(warmup + repeats):
+                fresh = [_to_device(_clone(v), device) for v in inputs]
+                interpreter.run(*fresh)
+    finally:
+        for name, b in gm.named_buffers():
+            b.copy_(saved[name])
+    owned = _param_bytes_by_node(gm)
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        times = interpreter.times_s[n][warmup:] or interpreter.times_s[n]
+        n.meta["cost"] = NodeCost(fwd_s=statistics.median(times),
+                                  out_bytes=interpreter.out_bytes[n], param_bytes=owned.get(n, 0))
+    return gm
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of all tensors in a (nested) value."""
+    total = 0
+    def visit(v):
+        nonlocal total
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        return v
+    fx.node.map_aggregate(value, visit)
+    return total
+
+
+def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Parameter and buffer bytes, each tensor counted at the first node that references it."""
+    seen: set[int] = set()
+    owned: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            module = gm.get_submodule(n.target)
+            tensors = list(module.parameters()) + list(module.buffers())
+        elif n.op == "get_attr":
+            value = _get_attr(gm, n.target)
+            tensors = [value] if isinstance(value, torch.Tensor) else []
+        else:
+            continue
+        fresh = [t for t in tensors if id(t) not in seen]
+        seen.update(id(t) for t in fresh)
+        owned[n] = sum(t.numel() * t.element_size() for t in fresh)
+    return owned
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def bind_inputs(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> list[Any]:
+    """The value of every placeholder, in order, from inputs given as the model takes them."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(args) > len(placeholders):
+        raise InputError(f"{len(args)} positional inputs given, but the graph takes "
+                         f"{len(placeholders)}: {', '.join(n.target for n in placeholders)}")
+    kwargs = dict(kwargs or {})
+    values = list(args)
+    for n in placeholders[len(args):]:
+        name = n.target.lstrip("*")
+        if name in kwargs:
+            values.append(kwargs.pop(name))
+        elif n.args:
+            values.append(n.args[0])           # the placeholder's default
+        else:
+            raise InputError(f"no value for input {name!r}: pass it positionally or by keyword")
+    if kwargs:
+        raise InputError(f"inputs {sorted(kwargs)} are not inputs of the graph "
+                        f"({', '.join(n.target for n in placeholders)})")
+    return values
+
+
+def _device_of(gm: fx.GraphModule) -> torch.device:
+    for t in list(gm.parameters()) + list(gm.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _clone(value: Any) -> Any:
+    return fx.node.map_aggregate(value, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return fx.node.map_aggregate(
+        value, lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)

@@ -1,0 +1,225 @@
+"""The cost model: what a stage costs, as pure functions of plain data.
+
+The partitioner minimises these numbers and the schedule simulator predicts with them, so the plan
+and the prediction always agree. Nothing here touches a GraphModule except `cost_graph`, which
+reads `node.meta["cost"]` once and returns a `CostGraph`, plain tuples a test can also build by hand.
+
+Units are in the names: seconds (`_s`), bytes (`_bytes`), bytes per second (`bytes_per_s`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch.fx as fx
+
+from .errors import CostError
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs: written by `annotate_costs` (or by hand) as `node.meta["cost"]`.
+
+    `fwd_s` and `bwd_s` are measured on a reference device of speed 1.0; `out_bytes` is the size of
+    the node's output (what a consumer on another stage receives); `param_bytes` the parameters and
+    buffers the node owns.
+    """
+
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    out_bytes: int = 0
+    param_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device a stage runs on: its torch name, relative speed and memory (`inf`: unbounded)."""
+
+    name: str
+    speed: float = 1.0
+    memory_bytes: float = math.inf
+
+
+@dataclass(frozen=True)
+class Link:
+    """The time to move `n` bytes between two devices is `latency_s + n / bytes_per_s`."""
+
+    latency_s: float
+    bytes_per_s: float = math.inf
+
+    def time_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+# Between two stages on the same device nothing is copied; the hand-off itself (a queue put and a
+# thread wake-up) still costs tens of microseconds on CPU, which is what bounds a CPU pipeline.
+SAME_DEVICE = Link(latency_s=30e-6)
+HOST_DEVICE = Link(latency_s=15e-6, bytes_per_s=12e9)   # PCIe-class copy
+PEER_DEVICE = Link(latency_s=10e-6, bytes_per_s=20e9)
+
+LinkFn = Callable[[DeviceSpec, DeviceSpec], Link]
+
+
+def default_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
+    """A link by device kinds; `fxpipe.devices.calibrate_links` measures real ones."""
+    if src.name == dst.name or (src.name.startswith("cpu") and dst.name.startswith("cpu")):
+        return SAME_DEVICE
+    if src.name.startswith("cpu") or dst.name.startswith("cpu"):
+        return HOST_DEVICE
+    return PEER_DEVICE
+
+
+# The driver feeds graph inputs and collects graph outputs; it lives on the host.
+DRIVER = DeviceSpec("cpu")
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """A costed DAG in topological order, the partitioner's whole input.
+
+    Node `i` is either a graph input (`is_input[i]`: fed by the driver, placed in no stage) or a
+    computing node. `preds[i]` are the nodes whose values node `i` reads; `to_output[i]` says its
+    value is part of the graph's output (sent to the driver).
+    """
+
+    names: tuple[str, ...]
+    time_s: tuple[float, ...]
+    out_bytes: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    preds: tuple[tuple[int, ...], ...]
+    is_input: tuple[bool, ...]
+    to_output: tuple[bool, ...]
+    succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        n = len(self.names)
+        for column in (self.time_s, self.out_bytes, self.param_bytes, self.preds, self.is_input,
+                       self.to_output):
+            assert len(column) == n, "every CostGraph column needs one entry per node"
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for i, ps in enumerate(self.preds):
+            for p in ps:
+                assert p < i, f"CostGraph must be in topological order: {p} -> {i}"
+                succs[p].append(i)
+        object.__setattr__(self, "succs", tuple(tuple(dict.fromkeys(s)) for s in succs))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def compute_nodes(self) -> list[int]:
+        return [i for i in range(len(self)) if not self.is_input[i]]
+
+
+def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
+    """Read `node.meta["cost"]` of every node into a CostGraph (`training` adds backward time)."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = set(output.all_input_nodes)
+    costs = []
+    for n in nodes:
+        cost = n.meta.get("cost")
+        if cost is None:
+            raise CostError(
+                f"node {n.name!r} ({n.format_node()}) has no cost: run passes.annotate_costs on the "
+                f"graph first, or set node.meta['cost'] = NodeCost(...) by hand")
+        costs.append(cost)
+    return CostGraph(
+        names=tuple(n.name for n in nodes),
+        time_s=tuple(c.fwd_s + (c.bwd_s if training else 0.0) for c in costs),
+        out_bytes=tuple(c.out_bytes for c in costs),
+        param_bytes=tuple(c.param_bytes for c in costs),
+        preds=tuple(tuple(dict.fromkeys(index[p] for p in n.all_input_nodes)) for n in nodes),
+        is_input=tuple(n.op == "placeholder" for n in nodes),
+        to_output=tuple(n in outputs for n in nodes),
+    )
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's predicted cost: compute on its device, transfers in and out, memory held."""
+
+    compute_s: float
+    comm_s: float
+    memory_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    num_nodes: int
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[DeviceSpec],
+                link: LinkFn = default_link, *, activation_factor: float = 1.0) -> list[StageCost]:
+    """The cost of every stage, given `stage_of[i]` for every compute node (ignored for inputs).
+
+    A value is sent once per (producer, receiving stage), however many nodes there read it; graph
+    inputs come from the driver and graph outputs go back to it, and both ends of a transfer pay
+    for it. Memory is the parameters and buffers the stage owns, plus `activation_factor` times the
+    activations of one micro-batch it holds: the values its nodes produce and the values it
+    receives. Training with 1F1B keeps up to `num_stages` micro-batches in flight: pass that.
+    """
+    k = len(devices)
+    compute = [0.0] * k
+    comm = [0.0] * k
+    params = [0] * k
+    activations = [0] * k
+    sent = [0] * k
+    received = [0] * k
+    count = [0] * k
+    for i in range(len(graph)):
+        src = None if graph.is_input[i] else stage_of[i]
+        src_dev = DRIVER if src is None else devices[src]
+        nbytes = graph.out_bytes[i]
+        if src is not None:
+            compute[src] += graph.time_s[i] / devices[src].speed
+            params[src] += graph.param_bytes[i]
+            activations[src] += nbytes
+            count[src] += 1
+        receivers = dict.fromkeys(stage_of[j] for j in graph.succs[i])
+        receivers.pop(src, None)
+        for dst in receivers:
+            t = link(src_dev, devices[dst]).time_s(nbytes)
+            comm[dst] += t
+            received[dst] += nbytes
+            activations[dst] += nbytes
+            if src is not None:
+                comm[src] += t
+                sent[src] += nbytes
+        if graph.to_output[i] and src is not None:
+            comm[src] += link(devices[src], DRIVER).time_s(nbytes)
+            sent[src] += nbytes
+    return [StageCost(compute[s], comm[s],
+                      stage_memory_bytes(params[s], activations[s], activation_factor),
+                      sent[s], received[s], count[s])
+            for s in range(k)]
+
+
+def stage_memory_bytes(param_bytes: int, activation_bytes: int,
+                       activation_factor: float = 1.0) -> int:
+    """A stage's memory: its parameters plus `activation_factor` copies of its activations."""
+    return param_bytes + math.ceil(activation_factor * activation_bytes)
+
+
+def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:
+    """No partition onto `devices` has a bottleneck below this.
+
+    All compute must be done somewhere: at best spread over the devices in proportion to their
+    speeds; and the slowest single node must run whole on the fastest device.
+    """
+    times = [graph.time_s[i] for i in graph.compute_nodes]
+    if not times:
+        return 0.0
+    speeds = [d.speed for d in devices]
+    return max(sum(times) / sum(speeds), max(times) / max(speeds))
+
+
+def stage_order_is_valid(graph: CostGraph, stage_of: Sequence[int] | Mapping[int, int]) -> bool:
+    """True when no value flows from a later stage to an earlier one."""
+    return all(stage_of[p] <= stage_of[i]
+               for i in graph.compute_nodes for p in graph.preds[i] if not graph.is_input[p])
