@@ -8,8 +8,8 @@ Inputs and outputs are pytrees (nested tuples, lists, dicts, dataclass-like cont
     -> [{"x": x[0:2], "mask": mask[0:2], "scale": 0.5}, ..., {"x": x[5:6], ...}]
 
 Values without a batch dimension (Python scalars, 0-d tensors) are given whole to every chunk.
-`merge` is the inverse: tensors are concatenated along dimension 0; other values must be equal in
-every chunk.
+`merge` is the inverse: tensors are concatenated along dimension 0; 0-d tensors and other values
+must be equal in every chunk.
 """
 
 from __future__ import annotations
@@ -64,12 +64,15 @@ def merge(outputs: Sequence[Any]) -> Any:
     for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
         first = column[0]
         if isinstance(first, torch.Tensor):
-            if first.dim() == 0:
+            if first.dim() == 0 and all(torch.equal(v, first) for v in column[1:]):
+                merged.append(first)           # a value without batch dimension, e.g. a constant
+            elif first.dim() == 0:
                 raise BatchError(
                     f"output {i} is a 0-d tensor (a reduction over the batch, like a mean loss), "
                     f"which cannot be rebuilt from micro-batches: return per-sample values and "
                     f"reduce after the pipeline")
-            merged.append(torch.cat(column, dim=0))
+            else:
+                merged.append(torch.cat(column, dim=0))
         elif all(v == first for v in column[1:]):
             merged.append(first)
         else:

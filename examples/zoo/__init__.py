@@ -109,7 +109,6 @@ def _calibrate_batchnorm(model: nn.Module, sample_shape: tuple[int, ...]) -> Non
         model(torch.randn(_CALIBRATION_BATCH, *sample_shape))
     for m, momentum in zip(norms, momenta):
         m.momentum = momentum
-        m.num_batches_tracked.zero_()
 
 
 def _make_case(module: ModuleType, fx_traceable: bool, size: str = "tiny", batch: int = 4, seed: int = 0) -> ZooCase:

@@ -472,6 +472,8 @@ def _unary_ok(kind: str, f: int, s: float, flags: dict[str, bool]) -> bool:
         return False
     if kind in ("split", "chunk") and flags["single_output"]:
         return False
+    if kind in ("softmax", "layer_norm"):
+        return f >= 2  # constant output on a single feature
     if kind == "add_const":
         return s + min(_CONSTANTS) <= _SCALE_LIMIT
     if kind == "add_buffer":
@@ -502,6 +504,8 @@ def _draw_op(draw: Any, b: _Builder, a: int, second: list[int], forced: bool,
             fc, sc = b.feats[c], b.scales[c]
             if kind == "cat":
                 ok = forced or f + fc <= MAX_FEATURES
+            elif kind == "sub" and c == a:
+                ok = False  # x - x is identically zero
             else:
                 ok = fc == f and _binary_scale(kind, s, sc) <= _SCALE_LIMIT
             if ok:

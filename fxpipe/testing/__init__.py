@@ -1,0 +1,18 @@
+"""Testing fxpipe, and your own passes and models, the way fxpipe tests itself.
+
+    from hypothesis import given
+    from fxpipe.testing import models, assert_pipeline_matches
+
+    @given(models(max_nodes=40, branching=True, inputs=(1, 3)))
+    def test_my_model_pipelines(case):
+        model, example_inputs = case
+        assert_pipeline_matches(model, example_inputs, devices=["cpu"] * 3)
+
+`models` generates random valid nn.Modules, `assert_pipeline_matches` compiles one and compares
+the pipeline with the model, naming the first stage whose values differ.
+"""
+
+from ._check import assert_pipeline_matches
+from ._modelgen import GeneratedModel, ModelCase, models
+
+__all__ = ["models", "ModelCase", "GeneratedModel", "assert_pipeline_matches"]

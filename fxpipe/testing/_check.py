@@ -1,0 +1,99 @@
+"""`assert_pipeline_matches`: compile a model and check the pipeline against it."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..api import compile
+from ..pipeline import Pipeline
+
+
+def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
+                            example_kwargs: Mapping[str, Any] | None = None, *,
+                            devices: Sequence[str] = ("cpu", "cpu"), chunks: int | None = None,
+                            backward: bool = False, rtol: float | None = None,
+                            atol: float | None = None, **compile_options: Any) -> Pipeline:
+    """Compile `model` and assert the pipeline's outputs (and gradients) equal the model's.
+
+    `chunks` defaults to as many micro-batches as the batch allows, up to 4. With `backward`,
+    `pipe(...)` and `model(...)` are both back-propagated from the sum of their outputs and every
+    parameter's gradient is compared. On a mismatch the message names the first stage whose
+    outputs differ from the model's values for the same nodes. Returns the pipeline.
+    """
+    example_kwargs = dict(example_kwargs or {})
+    if chunks is None:
+        rows = [t.shape[0] for t in pytree.tree_leaves((example_inputs, example_kwargs))
+                if isinstance(t, torch.Tensor) and t.dim() > 0]
+        chunks = max(1, min(4, min(rows, default=1)))
+    pipe = compile(model, list(devices), example_inputs, example_kwargs, chunks=chunks,
+                   verify=False, **compile_options)
+    tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    expected = model(*example_inputs, **example_kwargs)
+    actual = pipe(*example_inputs, **example_kwargs)
+    try:
+        _assert_trees_close(actual, expected, tolerance, "output")
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{_first_differing_stage(pipe, example_inputs, example_kwargs, tolerance)}") from None
+    if backward:
+        params = dict(pipe.named_parameters())
+        model.zero_grad()
+        grads_model = _grads(expected, params)
+        grads_pipe = _grads(actual, params)
+        for name in params:
+            _assert_trees_close(grads_pipe[name], grads_model[name], tolerance,
+                                f"gradient of {name!r}")
+    return pipe
+
+
+def _grads(outputs: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    loss = sum(t.float().sum() for t in pytree.tree_leaves(outputs)
+               if isinstance(t, torch.Tensor) and t.requires_grad)
+    wanted = [p for p in params.values() if p.requires_grad]
+    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else []
+    return dict(zip([n for n, p in params.items() if p.requires_grad], grads))
+
+
+def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) -> None:
+    flat_actual, spec_actual = pytree.tree_flatten(actual)
+    flat_expected, spec_expected = pytree.tree_flatten(expected)
+    assert spec_actual == spec_expected, (
+        f"{what} structure differs: pipeline gives {spec_actual}, model gives {spec_expected}")
+    for i, (a, e) in enumerate(zip(flat_actual, flat_expected)):
+        if isinstance(e, torch.Tensor) or isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, e, check_device=False, **tolerance,
+                                       msg=lambda m: f"{what} leaf {i} differs: {m}")
+        else:
+            assert a == e, f"{what} leaf {i} differs: {a!r} != {e!r}"
+
+
+def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict, tolerance: dict) -> str:
+    """Run the whole graph and the stages one after the other; name the first that disagrees."""
+    from passes.annotate_costs import bind_inputs
+
+    gm = pipe.module
+    inputs = bind_inputs(gm, args, kwargs)
+    reference: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            reference[n.name] = result = super().run_node(n)
+            return result
+
+    with torch.no_grad():
+        Recorder(gm).run(*inputs)
+        env = dict(reference)
+        for stage in pipe.stage_info:
+            out = stage.module(*(env[name] for name in stage.inputs))
+            for name, value in zip(stage.outputs, out):
+                try:
+                    _assert_trees_close(value, reference[name], tolerance, name)
+                except AssertionError as error:
+                    return (f"stage {stage.index} is the first whose values differ: node {name!r}: "
+                            f"{error}\n{stage.module.code}")
+    return ("every stage agrees with the model on the whole batch: the difference comes from "
+            "splitting it into micro-batches (an op that mixes samples across the batch?)")

@@ -1,0 +1,88 @@
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given, strategies as st
+from torch import nn
+
+from passes.codegen import split_stages
+from passes.errors import PartitionError
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        g = self.b(h) + y
+        return {"out": self.c(torch.cat([h, g], dim=1)), "h": h}
+
+
+def computing(gm):
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def run_stages(stages, inputs):
+    env = dict(inputs)
+    for stage in stages:
+        out = stage.module(*(env[name] for name in stage.inputs))
+        env.update(zip(stage.outputs, out))
+    return env
+
+
+@given(st.data())
+def test_any_forward_assignment_gives_stages_that_compose_to_the_model(data):
+    model = Branchy()
+    gm = fx.symbolic_trace(model)
+    k = data.draw(st.integers(1, 4))
+    stage_of, current = {}, 0
+    for n in computing(gm):             # a non-decreasing stage along the graph order
+        current = data.draw(st.integers(current, k - 1))
+        stage_of[n.name] = current
+    stages = split_stages(gm, stage_of, ["cpu"] * k)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    env = run_stages(stages, {"x": x, "y": y})
+    expected = model(x, y)
+    torch.testing.assert_close(env["c"], expected["out"])
+    torch.testing.assert_close(env["relu"], expected["h"])
+    # every node in exactly one stage, under its own name
+    names = [n.name for s in stages for n in computing(s.module)]
+    assert sorted(names) == sorted(n.name for n in computing(gm))
+
+
+def test_parameters_live_in_exactly_one_stage():
+    gm = fx.symbolic_trace(Branchy())
+    stage_of = {n.name: (0 if n.name in ("a", "relu") else 1) for n in computing(gm)}
+    first, second = split_stages(gm, stage_of, ["cpu", "cpu"])
+    assert {k for k, _ in first.module.named_parameters()} == {"a.weight", "a.bias"}
+    assert {k for k, _ in second.module.named_parameters()} == {
+        "b.weight", "b.bias", "c.weight", "c.bias"}
+    assert first.outputs == ("relu",) and second.inputs == ("relu", "y")
+
+
+def test_a_value_is_sent_straight_to_the_stage_that_reads_it():
+    gm = fx.symbolic_trace(Branchy())
+    order = [n.name for n in computing(gm)]
+    stage_of = {name: min(i, 2) for i, name in enumerate(order)}   # a, relu, then the rest
+    stages = split_stages(gm, stage_of, ["cpu"] * 3)
+    assert "relu" in stages[2].inputs          # read by cat in stage 2, skipping stage 1... 
+    assert stages[1].outputs == ("relu",)      # ...relu is produced by stage 1 only once
+    assert stages[0].outputs == ("a",)
+
+
+def test_backward_edges_are_refused():
+    gm = fx.symbolic_trace(Branchy())
+    stage_of = {n.name: 1 for n in computing(gm)}
+    stage_of["c"] = 0
+    with pytest.raises(PartitionError, match="later stage"):
+        split_stages(gm, stage_of, ["cpu", "cpu"])
+
+
+def test_stage_code_is_readable_python_with_the_models_names():
+    gm = fx.symbolic_trace(Branchy())
+    stage_of = {n.name: (0 if n.name in ("a", "relu") else 1) for n in computing(gm)}
+    _, second = split_stages(gm, stage_of, ["cpu", "cpu"])
+    assert "def forward(self, relu, y):" in second.module.code
+    assert "self.c(cat)" in second.module.code
+    assert type(second.module).__name__ == "Stage1"

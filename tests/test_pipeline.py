@@ -1,0 +1,182 @@
+"""End to end: fxpipe.compile on generated and hand-written models, and its errors."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import assert_pipeline_matches, models
+
+
+@given(models(max_nodes=14), st.integers(1, 4), st.integers(1, 5))
+def test_generated_models_match_on_any_stage_and_chunk_count(case, num_stages, chunks):
+    model, inputs = case
+    chunks = min(chunks, inputs[0].shape[0])
+    num_nodes = len([n for n in torch.fx.symbolic_trace(model).graph.nodes
+                     if n.op not in ("placeholder", "output")])
+    num_stages = min(num_stages, num_nodes)
+    pipe = assert_pipeline_matches(model, inputs, devices=["cpu"] * num_stages, chunks=chunks)
+
+    stage_of = pipe.plan.partition.stage_of
+    computing = [n.name for n in pipe.module.graph.nodes if n.op not in ("placeholder", "output")]
+    assert sorted(stage_of) == sorted(computing)              # every node in exactly one stage
+    in_stages = [n.name for s in pipe.stages for n in s.graph.nodes
+                 if n.op not in ("placeholder", "output")]
+    assert sorted(in_stages) == sorted(computing)
+    for stage in pipe.stage_info:                                # no value flows backwards
+        for name in stage.inputs:
+            assert stage_of.get(name, -1) < stage.index
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True))
+        self.right = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(2 * width)
+
+    def forward(self, x):
+        return self.norm(torch.cat([self.left(x) + x, self.right(x)], dim=1))
+
+
+class Net(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [Block(width), nn.Linear(2 * width, width), Block(width), nn.Linear(2 * width, 4)])
+
+    def forward(self, x, bias=None):
+        for block in self.blocks:
+            x = block(x)
+        return {"logits": x, "bias": bias} if bias is None else {"logits": x + bias}
+
+
+def test_keyword_inputs_and_uneven_batches():
+    model = Net().eval()
+    x, bias = torch.randn(7, 16), torch.randn(7, 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), {"bias": bias}, chunks=3)
+    torch.testing.assert_close(pipe(x, bias=bias), model(x, bias=bias))
+    torch.testing.assert_close(pipe(x[:5], bias=bias[:5]), model(x[:5], bias=bias[:5]))
+
+
+def test_gradients_flow_through_the_pipeline_like_through_the_model():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, 16)
+    assert_pipeline_matches(model, (x,), devices=["cpu"] * 4, chunks=4, backward=True)
+
+
+def test_all_stages_work_on_every_micro_batch():
+    model, x = Net().eval(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=4)
+    pipe(x)
+    ran = sorted((e.action.stage, e.action.microbatch) for e in pipe.last_run.events)
+    assert ran == [(s, m) for s in range(4) for m in range(4)]
+
+
+def test_the_plan_is_a_table_and_stage_code_is_printable():
+    model, x = Net().eval(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2)
+    text = str(pipe.plan)
+    for column in ("stage", "device", "nodes", "predicted ms", "params MB", "bytes sent"):
+        assert column in text
+    assert "captured by fx" in text
+    assert pipe.stages[1].code.lstrip().startswith("def forward(self")
+
+
+def test_state_dict_uses_the_models_names_and_loads_back():
+    model, x = Net().eval(), torch.randn(4, 16)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2)
+    assert set(pipe.state_dict()) == set(model.state_dict())
+    assert {n for n, _ in pipe.named_parameters()} == {n for n, _ in model.named_parameters()}
+    fresh = Net()
+    fresh.load_state_dict(pipe.state_dict())
+    torch.testing.assert_close(fresh.eval()(x), model(x))
+
+
+# ---- bad input gets a clear FxpipeError ---------------------------------------------------------
+
+@pytest.mark.parametrize("devices, message", [
+    ([], "no devices"),
+    (["banana"], "not a device"),
+    (["cuda:7"], "does not exist"),
+    (["meta"], "not supported"),
+])
+def test_bad_devices_are_refused(devices, message):
+    with pytest.raises(fxpipe.DeviceError, match=message):
+        fxpipe.compile(Net(), devices, (torch.randn(4, 16),))
+
+
+def test_more_stages_than_the_graph_can_fill_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(fxpipe.PartitionError, match="too few for 5 stages"):
+        fxpipe.compile(model, ["cpu"] * 5, (torch.randn(4, 4),))
+
+
+def test_a_batch_smaller_than_chunks_is_refused():
+    with pytest.raises(fxpipe.BatchError, match="2 rows cannot be split into 4"):
+        fxpipe.compile(Net(), ["cpu"], (torch.randn(2, 16),), chunks=4)
+    pipe = fxpipe.compile(Net(), ["cpu"], (torch.randn(4, 16),), chunks=4)
+    with pytest.raises(fxpipe.BatchError, match="3 rows cannot be split into 4"):
+        pipe(torch.randn(3, 16))
+
+
+class Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_inputs_without_a_batch_dimension_are_refused():
+    with pytest.raises(fxpipe.BatchError, match="no input has a batch dimension"):
+        fxpipe.compile(Double(), ["cpu"], (torch.tensor(1.0),), chunks=2)
+
+
+class Untraceable(nn.Module):
+    def forward(self, x):
+        while x.norm() > 1:
+            x = x / 2
+        return x
+
+
+def test_an_untraceable_model_is_refused_with_its_source_line():
+    with pytest.raises(fxpipe.TraceError, match="while x.norm"):
+        fxpipe.compile(Untraceable(), ["cpu"], (torch.randn(2, 3),))
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        if x.abs().max() > 100:
+            raise ValueError("input too large")
+        return x
+
+
+class Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.boom = Boom()
+
+    def forward(self, x):
+        return self.boom(self.second(torch.relu(self.first(x))))
+
+
+def test_a_failing_stage_is_named_and_the_pipeline_stays_usable():
+    model, x = Fragile().eval(), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4)
+    stage = pipe.plan.partition.stage_of["boom"]
+    threads_before = threading.active_count()
+    bad = x.clone()
+    bad[5] = 1e6       # lands in micro-batch 2
+    with pytest.raises(fxpipe.StageError, match=f"stage {stage} .* micro-batch 2.*input too large") as info:
+        pipe(bad)
+    assert info.value.stage == stage and info.value.microbatch == 2
+    assert threading.active_count() == threads_before
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_moving_a_pipeline_is_refused():
+    pipe = fxpipe.compile(Net().eval(), ["cpu"], (torch.randn(2, 16),))
+    with pytest.raises(fxpipe.FxpipeError, match="compile"):
+        pipe.to("cpu")
