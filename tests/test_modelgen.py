@@ -29,7 +29,7 @@ except Exception:  # fxpipe/__init__.py may be mid-edit: load the file directly
 models = _modelgen.models
 ModelCase = _modelgen.ModelCase
 
-FAST = settings(max_examples=30, deadline=None, database=None,
+FAST = settings(max_examples=50, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -117,6 +117,10 @@ def test_every_value_is_used(case):
     consumed = {i for op in spec.ops for i in op.args}
     assert set(range(spec.n_inputs)) <= consumed
     assert set(range(len(spec.value_features))) <= consumed | set(spec.outputs)
+    for op in spec.ops:  # no degenerate (constant-valued) ops
+        assert not (op.kind == "sub" and op.args[0] == op.args[1])
+        if op.kind in ("softmax", "layer_norm"):
+            assert spec.value_features[op.args[0]] >= 2
     gm = torch.fx.symbolic_trace(case.model)
     for node in gm.graph.nodes:
         if node.op != "output":
