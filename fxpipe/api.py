@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -16,6 +17,7 @@ from passes.partition import partition
 from passes.trace import CaptureMode, trace
 
 from . import microbatch
+from .schedules import SCHEDULES, ScheduleName
 from .devices import DeviceLike, parse_devices
 from .pipeline import Pipeline
 from .report import make_plan
@@ -25,12 +27,18 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             example_inputs: tuple | Any = (), example_kwargs: Mapping[str, Any] | None = None, *,
             chunks: int = 1, capture: CaptureMode = "auto",
             leaf_modules: Iterable[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
-            link: LinkFn = default_link, repeats: int = 5, verify: bool = True) -> Pipeline:
+            schedule: ScheduleName = "gpipe", training: bool | None = None,
+            threads_per_stage: int | None = None, link: LinkFn = default_link, repeats: int = 5,
+            verify: bool = True) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
     `example_kwargs` its keyword inputs; costs are measured on one micro-batch of it, on
     `devices[0]`. `chunks` is the number of micro-batches each call is split into.
+    `schedule` ("gpipe" or "1f1b") orders forwards and backwards in `Pipeline.train_step`.
+    `training` (default: `model.training`) also measures backward costs and balances stages on
+    forward plus backward time. `threads_per_stage` sets each CPU stage's intra-op threads
+    (default: the cores shared evenly among the CPU stages).
     With `verify`, the pipeline's output on the example is checked against the model's (skipped
     when the model is in training mode, where dropout or BatchNorm make outputs differ).
     """
@@ -40,6 +48,12 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(chunks, int) or chunks < 1:
         raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1")
+    if schedule not in SCHEDULES:
+        raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    training = model.training if training is None else training
+    if threads_per_stage is None:
+        cpu_stages = sum(d.name.startswith("cpu") for d in specs)
+        threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
 
     verify = verify and not model.training
     if verify:   # before stages take the parameters to their devices
@@ -51,13 +65,14 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     example = dict(zip(names, bind_inputs(gm, example_inputs, example_kwargs)))
     first_chunk = microbatch.split(example, chunks)[0]
-    annotate_costs(gm, tuple(first_chunk[n] for n in names), device=specs[0].name, repeats=repeats)
-    plan = partition(cost_graph(gm), specs, link)
+    annotate_costs(gm, tuple(first_chunk[n] for n in names), device=specs[0].name, repeats=repeats,
+                   backward=training)
+    plan = partition(cost_graph(gm, training=training), specs, link)
     stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
     verified = "yes" if verify else (
         "skipped (model in training mode)" if model.training else "skipped (verify=False)")
     pipe = Pipeline(gm, stages, make_plan(gm.meta["capture"], plan, stages, chunks, verified),
-                    chunks)
+                    chunks, schedule=schedule, threads_per_stage=threads_per_stage)
     if verify:
         with torch.no_grad():
             _check_reproduces(expected, pipe(*example_inputs, **example_kwargs))

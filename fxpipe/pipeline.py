@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.fx as fx
@@ -15,7 +15,7 @@ from passes.errors import FxpipeError
 from . import microbatch
 from .report import Plan
 from .runtime import Run, Runtime
-from .schedules import gpipe
+from .schedules import ScheduleName, Slot, gpipe, simulate, timetable_for
 
 
 class Pipeline(nn.Module):
@@ -31,8 +31,10 @@ class Pipeline(nn.Module):
     """
 
     def __init__(self, graph_module: fx.GraphModule, stages: Sequence[Stage], plan: Plan,
-                 chunks: int):
+                 chunks: int, *, schedule: ScheduleName = "gpipe",
+                 threads_per_stage: int | None = None):
         super().__init__()
+        self.schedule = schedule
         self.module = graph_module     # holds the parameters, under the model's names
         self._stages = list(stages)
         self.plan = plan
@@ -42,7 +44,8 @@ class Pipeline(nn.Module):
         self._output_template = output.args[0]
         self._placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._runtime = Runtime(stages, [n.name for n in output.all_input_nodes
-                                         if n.op != "placeholder"])
+                                         if n.op != "placeholder"],
+                                threads_per_stage=threads_per_stage)
 
     @property
     def stages(self) -> list[fx.GraphModule]:
@@ -59,6 +62,60 @@ class Pipeline(nn.Module):
         outputs, self.last_run = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks)
         return microbatch.merge([_rebuild(self._output_template, {**chunk, **out})
                                  for chunk, out in zip(chunks, outputs)])
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                   reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+        """Forward and backward over all micro-batches, following `self.schedule`; returns the loss.
+
+        `inputs` is the model's input: a tensor, a tuple of positional inputs or a dict of keyword
+        inputs. `target` is split into micro-batches like the inputs, and `loss_fn(output, target)`
+        runs on each micro-batch in the last stage. With `reduction="mean"` (a `loss_fn` that
+        averages over the batch) each micro-batch's loss is weighted by its share of the rows, so
+        the returned loss and the gradients left in `.grad` equal those of the whole batch; with
+        `"sum"` micro-batch losses are added. The optimizer step is the caller's.
+        """
+        if reduction not in ("mean", "sum"):
+            raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
+            (inputs if isinstance(inputs, tuple) else (inputs,)), {})
+        values = dict(zip(self._placeholders, bind_inputs(self.module, args, kwargs)))
+        chunks = microbatch.split(values, self.chunks)
+        targets = microbatch.split(target, self.chunks)
+        rows = [microbatch.batch_size(c) for c in targets]
+        if sum(rows) != microbatch.batch_size(values):
+            raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
+                              f"{microbatch.batch_size(values)}: pass one target row per sample")
+        weights = [r / sum(rows) if reduction == "mean" else 1.0 for r in rows]
+
+        def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
+            loss = loss_fn(_rebuild(self._output_template, graph_values), targets[m])
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise FxpipeError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
+            return loss * weights[m]
+
+        timetable = timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
+        losses, self.last_run = self._runtime.run(timetable, chunks, loss_of=loss_of)
+        return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+
+    def predict(self, *, training: bool = False) -> list[Slot]:
+        """The timeline the cost model predicts for one call (or one `train_step`).
+
+        The same timetable the runtime executes, each action taking its stage's predicted time.
+        `predict()[-1].end_s` is the predicted duration of the whole step.
+        """
+        plan = self.plan.partition
+        forward_s = [stage.compute_s + stage.comm_s for stage in plan.stages]
+        backward_s = [0.0] * len(plan.stages)     # gradients cross the same links, backwards
+        for node in self.module.graph.nodes:
+            s = plan.stage_of.get(node.name)
+            if s is not None:
+                backward_s[s] += node.meta["cost"].bwd_s / plan.devices[s].speed
+        backward_s = [b + stage.comm_s for b, stage in zip(backward_s, plan.stages)]
+        timetable = (timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
+                     if training else gpipe(len(self._stages), self.chunks))
+        return simulate(timetable,
+                        lambda a: forward_s[a.stage] if a.phase.value == "F" else backward_s[a.stage],
+                        self._runtime.reads_from(training))
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

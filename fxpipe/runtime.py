@@ -1,10 +1,18 @@
 """Executes a timetable: one worker thread per stage, values handed over through queues.
 
 The caller's thread is the driver: it feeds each stage the graph inputs it reads, one message per
-micro-batch, and collects the graph outputs. A stage receives, for each micro-batch, one message
-from each stage (or the driver) it reads from, in micro-batch order, so a FIFO queue per
-(sender, receiver) pair is all the synchronisation there is. Workers release the GIL inside torch
-ops, so stages overlap.
+micro-batch, and collects what comes back. A stage receives, for each micro-batch, one message from
+each stage (or the driver) it reads from, in micro-batch order, so a FIFO queue per (phase, sender,
+receiver) is all the synchronisation there is. Workers release the GIL inside torch ops, so stages
+overlap.
+
+Inference (`loss_of=None`) runs forwards only; the graph outputs go back to the driver. Tensors cross
+stages still attached to autograd, so `pipe(x).sum().backward()` works as for the model.
+
+Training (`loss_of` given) cuts autograd at every stage boundary: a stage detaches what it receives,
+the last stage turns the graph outputs of micro-batch m into its loss, and a backward action runs
+`torch.autograd.backward` on the stage's own outputs with the gradients its readers sent back, then
+sends its inputs' gradients to their producers. Activations are freed after each backward.
 
 On a GPU each worker runs on its own CUDA stream; a message carries an event recorded after the
 sender's work, and the receiver's stream waits on it before using the tensors.
@@ -15,12 +23,13 @@ the caller gets a `StageError` naming the stage, the micro-batch and the stateme
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -28,27 +37,21 @@ import torch.fx as fx
 from passes.codegen import Stage
 from passes.errors import StageError
 
-from .schedules import Action, Phase, Timetable
+from .schedules import Action, Phase, Slot, Timetable
 
 DRIVER = -1
 _ABORT = object()
 
-
-@dataclass(frozen=True)
-class Event:
-    """One action as it ran: seconds since the run started."""
-
-    action: Action
-    start_s: float
-    end_s: float
+LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
 
 
 @dataclass
 class Run:
-    """What the last run did, action by action, for reports and traces."""
+    """What the latest run did, action by action (seconds from its start), for reports and traces."""
 
-    events: list[Event] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
     wall_s: float = 0.0
+    num_stages: int = 0
 
 
 @dataclass
@@ -57,105 +60,232 @@ class _Message:
     ready: Any = None          # a CUDA event the receiver waits on, if the sender used a GPU
 
 
-class Runtime:
-    """Runs the stages of one pipeline; holds only their wiring, so it can run many times."""
+@dataclass
+class _Saved:
+    """What a training forward keeps for its backward."""
 
-    def __init__(self, stages: Sequence[Stage], output_names: Sequence[str]):
+    inputs: dict[str, Any]       # what it received, other stages' tensors as detached leaves
+    outputs: dict[str, Any]
+    loss: torch.Tensor | None = None
+
+
+class Runtime:
+    """The wiring of one pipeline's stages; runs timetables on them, any number of times."""
+
+    def __init__(self, stages: Sequence[Stage], output_names: Sequence[str], *,
+                 threads_per_stage: int | None = None):
         self.stages = list(stages)
+        self.threads_per_stage = threads_per_stage
         producer = {name: stage.index for stage in stages for name in stage.outputs}
-        # reads[dst][src]: the names stage `dst` (or the driver) receives from `src`
-        self.reads: dict[int, dict[int, list[str]]] = {}
-        for stage in stages:
-            for name in stage.inputs:
-                src = producer.get(name, DRIVER)
-                self.reads.setdefault(stage.index, {}).setdefault(src, []).append(name)
-        for name in output_names:
-            self.reads.setdefault(DRIVER, {}).setdefault(producer[name], []).append(name)
+        self.producer = producer
+        last = len(stages) - 1
+        # reads[dst][src]: the names `dst` receives from `src` in a forward. Graph outputs go to the
+        # driver in inference, and to the last stage, which computes the loss, in training.
+        self.reads = _wiring(stages, producer, output_names, DRIVER)
+        self.train_reads = _wiring(stages, producer, output_names, last)
         self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
                         for s in stages]
+
+    def reads_from(self, training: bool) -> dict[int, list[int]]:
+        """Which stages each stage reads from (the driver left out): the timetable's dependencies."""
+        reads = self.train_reads if training else self.reads
+        return {dst: [src for src in srcs if src != DRIVER] for dst, srcs in reads.items()
+                if dst != DRIVER}
+
+    def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]], *,
+            loss_of: LossFn | None = None) -> tuple[list[Any], Run]:
+        """Run `timetable` on per-micro-batch graph inputs.
+
+        Returns per-micro-batch graph outputs (inference) or per-micro-batch losses, detached
+        (training), and the record of the run.
+        """
+        return _Execution(self, inputs, loss_of).run(timetable)
+
+
+def _wiring(stages, producer, output_names, outputs_to) -> dict[int, dict[int, list[str]]]:
+    reads: dict[int, dict[int, list[str]]] = {}
+    for stage in stages:
+        for name in stage.inputs:
+            reads.setdefault(stage.index, {}).setdefault(producer.get(name, DRIVER), []).append(name)
+    for name in output_names:
+        src = producer[name]
+        if src != outputs_to:
+            reads.setdefault(outputs_to, {}).setdefault(src, []).append(name)
+    return reads
+
+
+class _Execution:
+    """One run: its queues, what training forwards saved, and its record."""
+
+    def __init__(self, runtime: Runtime, inputs: Sequence[dict[str, Any]], loss_of: LossFn | None):
+        self.rt = runtime
+        self.inputs = list(inputs)
+        self.loss_of = loss_of
+        self.training = loss_of is not None
+        self.reads = runtime.train_reads if self.training else runtime.reads
+        self.channels: dict[tuple[Phase, int, int], queue.SimpleQueue] = {}
+        for dst, srcs in self.reads.items():
+            for src in srcs:
+                self.channels[Phase.FORWARD, src, dst] = queue.SimpleQueue()
+                if self.training and src != DRIVER:
+                    self.channels[Phase.BACKWARD, dst, src] = queue.SimpleQueue()
+        self.saved: dict[tuple[int, int], _Saved] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.errors: list[StageError] = []
+        self.record = Run(num_stages=len(runtime.stages))
+        self.grad_enabled = torch.is_grad_enabled()
+        self.start = 0.0
 
     def sends(self, src: int) -> dict[int, list[str]]:
         return {dst: srcs[src] for dst, srcs in self.reads.items() if src in srcs}
 
-    def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]]) -> tuple[list[dict], Run]:
-        """Run `timetable` on per-micro-batch graph inputs; per-micro-batch graph outputs."""
-        channels = {(src, dst): queue.SimpleQueue()
-                    for dst, srcs in self.reads.items() for src in srcs}
-        errors: list[StageError] = []
-        record = Run()
-        start = time.perf_counter()
-        grad = torch.is_grad_enabled()
+    def abort(self) -> None:
+        for channel in self.channels.values():
+            channel.put(_ABORT)
 
-        def abort():
-            for channel in channels.values():
-                channel.put(_ABORT)
-
-        def work(stage: Stage, actions: list[Action]):
-            action = Action(stage.index, 0, Phase.FORWARD)
-            try:
-                with torch.set_grad_enabled(grad), _on_stream(self.streams[stage.index]):
-                    for action in actions:
-                        if not self._step(stage, action, channels, record, start):
-                            return
-            except BaseException as e:
-                errors.append(_stage_error(stage, action, e))
-                abort()
-
-        threads = [threading.Thread(target=work, args=(stage, timetable[stage.index]),
+    def run(self, timetable: Timetable) -> tuple[list[Any], Run]:
+        threads = [threading.Thread(target=self.work, args=(stage, timetable[stage.index]),
                                     name=f"fxpipe-stage-{stage.index}", daemon=True)
-                   for stage in self.stages]
+                   for stage in self.rt.stages]
         outputs: list[dict] = []
+        finished = False
+        self.start = time.perf_counter()
         try:
             for t in threads:
                 t.start()
-            for m, values in enumerate(inputs):
+            for values in self.inputs:
                 for dst, names in self.sends(DRIVER).items():
-                    channels[DRIVER, dst].put(_Message({n: values[n] for n in names}))
-            for m in range(len(inputs)):
-                received = self._receive(DRIVER, channels, None)
-                if received is None:
-                    break
-                outputs.append(received)
+                    self.channels[Phase.FORWARD, DRIVER, dst].put(
+                        _Message({n: values[n] for n in names}))
+            if not self.training:
+                for _ in self.inputs:
+                    received = self.receive(Phase.FORWARD, DRIVER, None)
+                    if received is None:
+                        break
+                    outputs.append(received)
+            finished = True
         finally:
-            if len(outputs) < len(inputs):
-                abort()
+            if not finished or len(outputs) < len(self.inputs) and not self.training:
+                self.abort()
             for t in threads:
                 t.join()
-        if errors:
-            raise errors[0] from errors[0].__cause__
-        record.wall_s = time.perf_counter() - start
-        return outputs, record
+        if self.errors:
+            raise self.errors[0] from self.errors[0].__cause__
+        self.record.wall_s = time.perf_counter() - self.start
+        self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
+        if self.training:
+            return [self.losses[m] for m in range(len(self.inputs))], self.record
+        return outputs, self.record
 
-    def _step(self, stage: Stage, action: Action, channels, record: Run, start: float) -> bool:
-        if action.phase is not Phase.FORWARD:
-            raise NotImplementedError(f"{action}: this runtime runs forward actions only")
-        values = self._receive(stage.index, channels, stage.device)
+    # --- the worker --------------------------------------------------------------------------
+
+    def work(self, stage: Stage, actions: list[Action]) -> None:
+        action = Action(stage.index, 0, Phase.FORWARD)
+        try:
+            if self.rt.threads_per_stage and stage.device.type == "cpu":
+                torch.set_num_threads(self.rt.threads_per_stage)   # per thread on OpenMP builds
+            stream = self.rt.streams[stage.index]
+            with torch.set_grad_enabled(self.grad_enabled or self.training), (
+                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                for action in actions:
+                    step = self.forward if action.phase is Phase.FORWARD else self.backward
+                    began = step(stage, action.microbatch)
+                    if began is None:
+                        return
+                    self.record.slots.append(Slot(action, began, time.perf_counter() - self.start))
+        except BaseException as e:
+            self.errors.append(_stage_error(stage, action, e))
+            self.abort()
+
+    def forward(self, stage: Stage, m: int) -> float | None:
+        """Run micro-batch m's forward on `stage`; when its inputs arrived, or None on abort."""
+        values = self.receive(Phase.FORWARD, stage.index, stage.device)
         if values is None:
-            return False
-        began = time.perf_counter() - start
-        out = stage.module(*(values[name] for name in stage.inputs))
-        out = dict(zip(stage.outputs, out))
-        stream = self.streams[stage.index]
-        ready = stream.record_event() if stream is not None else None
-        for dst, names in self.sends(stage.index).items():
-            channels[stage.index, dst].put(_Message({n: out[n] for n in names}, ready))
-        record.events.append(Event(action, began, time.perf_counter() - start))
-        return True
+            return None
+        began = time.perf_counter() - self.start
+        if self.training:
+            values = {k: _detach_leaf(v) if self.rt.producer.get(k, DRIVER) != DRIVER else v
+                      for k, v in values.items()}
+        out = dict(zip(stage.outputs, stage.module(*(values[name] for name in stage.inputs))))
+        if self.training:
+            saved = self.saved[stage.index, m] = _Saved(values, out)
+            if stage.index == len(self.rt.stages) - 1:
+                saved.loss = self.loss_of(m, {**self.inputs[m], **values, **out})
+                self.losses[m] = saved.loss.detach()
+        self.send(Phase.FORWARD, stage, {dst: {n: out[n] for n in names}
+                                         for dst, names in self.sends(stage.index).items()})
+        return began
 
-    def _receive(self, dst: int, channels, device: torch.device | None) -> dict[str, Any] | None:
-        """One message from every sender of `dst`, moved to `device`; None if the run aborted."""
-        values: dict[str, Any] = {}
-        for src in self.reads.get(dst, {}):
-            message = channels[src, dst].get()
+    def backward(self, stage: Stage, m: int) -> float | None:
+        """Run micro-batch m's backward on `stage`; when its gradients arrived, or None on abort."""
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
+        saved = self.saved.pop((stage.index, m))
+        for dst in self.sends(stage.index):
+            message = self.channels[Phase.BACKWARD, dst, stage.index].get()
             if message is _ABORT:
                 return None
-            if message.ready is not None and device is not None and device.type == "cuda":
-                torch.cuda.current_stream(device).wait_event(message.ready)
-            elif message.ready is not None:
-                message.ready.synchronize()
+            _wait(message, stage.device)
+            for name, grads in message.values.items():
+                for leaf, g in zip(_leaves(saved.outputs[name]), grads):
+                    if g is not None and leaf.requires_grad:
+                        roots.append(leaf)
+                        root_grads.append(_to(g, stage.device))
+        began = time.perf_counter() - self.start
+        if saved.loss is not None:
+            roots.append(saved.loss)
+            root_grads.append(None)
+        if roots:   # autograd sums the gradients of an output read by several stages
+            torch.autograd.backward(roots, root_grads)
+        self.send(Phase.BACKWARD, stage, {
+            src: {n: [leaf.grad for leaf in _leaves(saved.inputs[n])] for n in names}
+            for src, names in self.reads.get(stage.index, {}).items() if src != DRIVER})
+        return began
+
+    # --- messages ----------------------------------------------------------------------------
+
+    def send(self, phase: Phase, stage: Stage, messages: dict[int, dict[str, Any]]) -> None:
+        stream = self.rt.streams[stage.index]
+        ready = stream.record_event() if stream is not None else None
+        for dst, values in messages.items():
+            self.channels[phase, stage.index, dst].put(_Message(values, ready))
+
+    def receive(self, phase: Phase, dst: int, device: torch.device | None) -> dict[str, Any] | None:
+        """One forward message from every sender of `dst`, moved to `device`; None on abort."""
+        values: dict[str, Any] = {}
+        for src in self.reads.get(dst, {}):
+            message = self.channels[phase, src, dst].get()
+            if message is _ABORT:
+                return None
+            _wait(message, device)
             values.update(message.values if device is None else
                           {k: _to(v, device) for k, v in message.values.items()})
         return values
+
+
+def _wait(message: _Message, device: torch.device | None) -> None:
+    if message.ready is None:
+        return
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(message.ready)
+    else:
+        message.ready.synchronize()
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) value, in a fixed order."""
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def _detach_leaf(value: Any) -> Any:
+    """A received tensor as a fresh autograd leaf, so this stage's backward stops here."""
+    def cut(v):
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v.detach().requires_grad_(True)
+        return v
+    return fx.node.map_aggregate(value, cut)
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -167,19 +297,6 @@ def _to(value: Any, device: torch.device) -> Any:
             moved.record_stream(torch.cuda.current_stream(device))
         return moved
     return fx.node.map_aggregate(value, move)
-
-
-class _on_stream:
-    def __init__(self, stream):
-        self.context = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc):
-        if self.context is not None:
-            self.context.__exit__(*exc)
 
 
 def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:

@@ -1,20 +1,34 @@
-"""Pipeline schedules as pure timetables.
+"""Pipeline schedules as pure timetables, and a simulator that predicts them.
 
 A schedule says, for every stage, in which order it runs which micro-batch's forward (`F`) or
-backward (`B`). It is plain data: the runtime executes it, the simulator predicts it, tests read
-it. `str(Action(1, 3, Phase.FORWARD))` is `1F3`: stage 1, forward, micro-batch 3.
+backward (`B`). It is plain data: the runtime executes it, `simulate` predicts its timing from the
+cost model, `validate` proves it cannot deadlock, and tests read it literally.
+`str(Action(1, 3, Phase.FORWARD))` is `1F3`: stage 1, forward, micro-batch 3.
 
-GPipe with 3 stages and 4 micro-batches, forward only (one row per stage):
+GPipe, 3 stages, 4 micro-batches, training (all forwards, then all backwards):
 
-    stage 0: 0F0 0F1 0F2 0F3
-    stage 1: 1F0 1F1 1F2 1F3
-    stage 2: 2F0 2F1 2F2 2F3
+    stage 0: 0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3
+    stage 1: 1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3
+    stage 2: 2F0 2F1 2F2 2F3 2B0 2B1 2B2 2B3
+
+1F1B, same sizes: stage s first runs `num_stages - 1 - s` forwards, then alternates one forward
+and one backward, so it never holds more than `num_stages - s` micro-batches of activations:
+
+    stage 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+    stage 1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3
+    stage 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
+
+Dependencies are those of a DAG of stages: `F` of micro-batch m on stage s needs `F` of m on every
+stage s reads from; `B` of m on s needs its own `F` of m and `B` of m on every stage reading from s.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import Callable, Literal, Mapping, NamedTuple, Sequence
+
+from passes.errors import FxpipeError
 
 
 class Phase(Enum):
@@ -32,6 +46,8 @@ class Action(NamedTuple):
 
 
 Timetable = list[list[Action]]   # timetable[stage] is that stage's actions, in order
+ScheduleName = Literal["gpipe", "1f1b"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
 
 def gpipe(num_stages: int, chunks: int, *, backward: bool = False) -> Timetable:
@@ -41,6 +57,102 @@ def gpipe(num_stages: int, chunks: int, *, backward: bool = False) -> Timetable:
             for s in range(num_stages)]
 
 
-def format_timetable(timetable: Timetable) -> str:
-    return "\n".join(f"stage {s}: " + " ".join(map(str, actions))
+def one_f_one_b(num_stages: int, chunks: int) -> Timetable:
+    """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then cool-down."""
+    timetable = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, chunks)
+        actions = [Action(s, m, Phase.FORWARD) for m in range(warmup)]
+        for m in range(chunks - warmup):
+            actions += [Action(s, warmup + m, Phase.FORWARD), Action(s, m, Phase.BACKWARD)]
+        actions += [Action(s, m, Phase.BACKWARD) for m in range(chunks - warmup, chunks)]
+        timetable.append(actions)
+    return timetable
+
+
+def timetable_for(schedule: ScheduleName, num_stages: int, chunks: int, *,
+                  backward: bool) -> Timetable:
+    if schedule not in SCHEDULES:
+        raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if schedule == "1f1b" and backward:
+        return one_f_one_b(num_stages, chunks)
+    return gpipe(num_stages, chunks, backward=backward)
+
+
+def format_timetable(timetable: Timetable, mark: Action | None = None) -> str:
+    """One row per stage; `mark` is bracketed (e.g. the step a deadlock stops at)."""
+    return "\n".join(f"stage {s}: " + " ".join(f"[{a}]" if a == mark else str(a) for a in actions)
                      for s, actions in enumerate(timetable))
+
+
+# --- simulation -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Slot:
+    """When one action runs in a simulated (or measured) run, in seconds from the start."""
+
+    action: Action
+    start_s: float
+    end_s: float
+
+
+def dependencies(action: Action, reads_from: Mapping[int, Sequence[int]],
+                 read_by: Mapping[int, Sequence[int]]) -> list[Action]:
+    """The actions `action` must wait for, given which stages each stage reads from."""
+    s, m, phase = action
+    if phase is Phase.FORWARD:
+        return [Action(p, m, Phase.FORWARD) for p in reads_from.get(s, ())]
+    return [Action(s, m, Phase.FORWARD)] + [Action(c, m, Phase.BACKWARD) for c in read_by.get(s, ())]
+
+
+def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
+             reads_from: Mapping[int, Sequence[int]], *,
+             message_s: Callable[[Action, Action], float] = lambda a, b: 0.0) -> list[Slot]:
+    """Run the timetable on an ideal machine: each stage does its actions in order, each action
+    starts when its stage is free and its dependencies have finished (plus `message_s` for a
+    dependency on another stage). Raises if the timetable deadlocks, showing where."""
+    read_by: dict[int, list[int]] = {}
+    for s, sources in reads_from.items():
+        for p in sources:
+            read_by.setdefault(p, []).append(s)
+    done: dict[Action, float] = {}
+    position = [0] * len(timetable)
+    free_at = [0.0] * len(timetable)
+    slots: list[Slot] = []
+    remaining = sum(map(len, timetable))
+    while remaining:
+        progressed = False
+        for s, actions in enumerate(timetable):
+            while position[s] < len(actions):
+                action = actions[position[s]]
+                deps = dependencies(action, reads_from, read_by)
+                if any(d not in done for d in deps):
+                    break
+                ready = max([free_at[s]] + [done[d] + (message_s(d, action) if d.stage != s else 0.0)
+                                           for d in deps])
+                end = ready + duration_s(action)
+                slots.append(Slot(action, ready, end))
+                done[action] = free_at[s] = end
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = next(a[position[s]] for s, a in enumerate(timetable) if position[s] < len(a))
+            raise FxpipeError(f"the timetable deadlocks: no stage can run its next action "
+                              f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
+    return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
+
+
+def validate(timetable: Timetable, chunks: int, reads_from: Mapping[int, Sequence[int]], *,
+             backward: bool) -> None:
+    """Raise unless every stage runs each micro-batch's forward (and backward) exactly once,
+    each stage's own forward before its backward, and the whole timetable can run to the end."""
+    phases = [Phase.FORWARD, Phase.BACKWARD] if backward else [Phase.FORWARD]
+    for s, actions in enumerate(timetable):
+        expected = sorted((m, p.value) for m in range(chunks) for p in phases)
+        got = sorted((a.microbatch, a.phase.value) for a in actions)
+        if got != expected or any(a.stage != s for a in actions):
+            raise FxpipeError(f"stage {s} must run each of {chunks} micro-batches "
+                              f"{'forward and backward' if backward else 'forward'} once, "
+                              f"on itself:\n{format_timetable(timetable)}")
+    simulate(timetable, lambda a: 1.0, reads_from)

@@ -24,39 +24,68 @@ from .errors import CostError, InputError
 class CostInterpreter(fx.Interpreter):
     """An Interpreter that records the wall time and output size of every node it runs."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device):
+    def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False):
         super().__init__(gm)
         self.device = device
+        self.backward = backward
         self.times_s: dict[fx.Node, list[float]] = {}
+        self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
 
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def run_node(self, n: fx.Node) -> Any:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *_: None)
-        sync(self.device)
+        self.sync()
         start = time.perf_counter()
         try:
             result = super().run_node(n)
+            self.sync()
+            self.times_s.setdefault(n, []).append(time.perf_counter() - start)
+            if self.backward and n.op.startswith("call"):
+                self.backward_s.setdefault(n, []).append(self._time_backward(n))
         except Exception as e:
             raise CostError(f"node {n.name!r} failed while its cost was measured: "
                             f"{type(e).__name__}: {e}\n  node: {n.format_node()}") from e
-        sync(self.device)
-        self.times_s.setdefault(n, []).append(time.perf_counter() - start)
         self.out_bytes[n] = tensor_bytes(result)
         return result
+
+    def _time_backward(self, n: fx.Node) -> float:
+        """The time of the node's backward alone: its inputs as fresh leaves, ones as gradient.
+
+        `torch.autograd.grad` leaves every `.grad` as it was."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = fx.node.map_aggregate((args, kwargs), _leaf_if_float)
+        with torch.enable_grad():
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        outputs = [t for t in _tensors(out) if t.requires_grad]
+        wanted = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if n.op == "call_module":
+            wanted += [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
+        if not outputs or not wanted:
+            return 0.0
+        grads = [torch.ones_like(t) for t in outputs]
+        self.sync()
+        start = time.perf_counter()
+        torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
+        self.sync()
+        return time.perf_counter() - start
 
 
 def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, Any] | None = None,
                    *, device: str | torch.device | None = None, repeats: int = 5,
-                   warmup: int = 1) -> fx.GraphModule:
+                   warmup: int = 1, backward: bool = False) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
     `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
-    moved there. Inputs are given as the model takes them, positionally and by keyword.
+    moved there. Inputs are given as the model takes them, positionally and by keyword. With
+    `backward`, each node's backward is timed too (`bwd_s`), from its own inputs.
     """
     device = torch.device(device) if device is not None else _device_of(gm)
     gm.to(device)
     inputs = bind_inputs(gm, args, kwargs)
-    interpreter = CostInterpreter(gm, device)
+    interpreter = CostInterpreter(gm, device, backward=backward)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
     try:
         with torch.no_grad():
@@ -71,7 +100,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
         if n.op == "output":
             continue
         times = interpreter.times_s[n][warmup:] or interpreter.times_s[n]
+        backward_times = interpreter.backward_s.get(n, [0.0])
         n.meta["cost"] = NodeCost(fwd_s=statistics.median(times),
+                                  bwd_s=statistics.median(backward_times[warmup:] or backward_times),
                                   out_bytes=interpreter.out_bytes[n], param_bytes=owned.get(n, 0))
     return gm
 
@@ -138,6 +169,18 @@ def _device_of(gm: fx.GraphModule) -> torch.device:
     for t in list(gm.parameters()) + list(gm.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def _leaf_if_float(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value
 
 
 def _clone(value: Any) -> Any:

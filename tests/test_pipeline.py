@@ -72,7 +72,7 @@ def test_all_stages_work_on_every_micro_batch():
     model, x = Net().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=4)
     pipe(x)
-    ran = sorted((e.action.stage, e.action.microbatch) for e in pipe.last_run.events)
+    ran = sorted((e.action.stage, e.action.microbatch) for e in pipe.last_run.slots)
     assert ran == [(s, m) for s in range(4) for m in range(4)]
 
 

@@ -1,0 +1,86 @@
+import pytest
+from hypothesis import given, strategies as st
+
+from fxpipe.schedules import (Action, Phase, format_timetable, gpipe, one_f_one_b, simulate,
+                              validate)
+from passes.errors import FxpipeError
+
+
+def chain(k):
+    return {s: [s - 1] for s in range(1, k)}
+
+
+def test_gpipe_runs_all_forwards_then_all_backwards():
+    assert format_timetable(gpipe(2, 3, backward=True)) == (
+        "stage 0: 0F0 0F1 0F2 0B0 0B1 0B2\n"
+        "stage 1: 1F0 1F1 1F2 1B0 1B1 1B2")
+
+
+def test_1f1b_warms_up_then_alternates():
+    assert format_timetable(one_f_one_b(3, 4)) == (
+        "stage 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3\n"
+        "stage 1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3\n"
+        "stage 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3")
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages():
+    assert format_timetable(one_f_one_b(3, 1)) == (
+        "stage 0: 0F0 0B0\nstage 1: 1F0 1B0\nstage 2: 2F0 2B0")
+
+
+def test_action_prints_short():
+    assert str(Action(1, 3, Phase.BACKWARD)) == "1B3"
+
+
+def in_flight(actions):
+    """The most micro-batches a stage holds activations for at once."""
+    held = peak = 0
+    for a in actions:
+        held += 1 if a.phase is Phase.FORWARD else -1
+        peak = max(peak, held)
+    return peak
+
+
+@st.composite
+def stage_dags(draw):
+    """Stage graphs: each stage reads from some earlier stages (a DAG, with skips)."""
+    k = draw(st.integers(1, 6))
+    reads = {}
+    for s in range(1, k):
+        sources = draw(st.sets(st.integers(0, s - 1), max_size=s))
+        reads[s] = sorted(sources | {s - 1})       # every stage reads its predecessor
+    return k, reads
+
+
+@given(stage_dags(), st.integers(1, 9))
+def test_every_schedule_is_valid_on_any_stage_dag(dag, chunks):
+    k, reads = dag
+    validate(gpipe(k, chunks), chunks, reads, backward=False)
+    validate(gpipe(k, chunks, backward=True), chunks, reads, backward=True)
+    timetable = one_f_one_b(k, chunks)
+    validate(timetable, chunks, reads, backward=True)
+    assert all(in_flight(a) <= min(k - s, chunks) for s, a in enumerate(timetable))
+    assert max(in_flight(a) for a in gpipe(k, chunks, backward=True)) == chunks
+
+
+def test_a_deadlocking_timetable_is_shown_with_the_blocked_step():
+    bad = [[Action(0, 0, Phase.BACKWARD), Action(0, 0, Phase.FORWARD)]]
+    with pytest.raises(FxpipeError, match=r"deadlocks.*\n.*\[0B0\]"):
+        validate(bad, 1, {}, backward=True)
+
+
+def test_a_timetable_missing_an_action_is_refused():
+    with pytest.raises(FxpipeError, match="stage 1 must run"):
+        validate([[Action(0, 0, Phase.FORWARD)], []], 1, chain(2), backward=False)
+
+
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_gpipe_on_equal_stages_takes_the_textbook_time(k, m):
+    slots = simulate(gpipe(k, m), lambda a: 1.0, chain(k))
+    assert max(s.end_s for s in slots) == m + k - 1
+
+
+def test_simulation_adds_message_time_between_stages():
+    slots = simulate(gpipe(2, 1), lambda a: 1.0, chain(2), message_s=lambda a, b: 0.5)
+    assert [(str(s.action), s.start_s, s.end_s) for s in slots] == [
+        ("0F0", 0.0, 1.0), ("1F0", 1.5, 2.5)]
