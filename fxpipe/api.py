@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from passes.annotate_costs import annotate_costs, bind_inputs
+from passes.annotate_costs import annotate_costs
 from passes.codegen import split_stages
 from passes.cost_model import LinkFn, cost_graph, default_link
 from passes.errors import BatchError, FxpipeError
@@ -62,12 +62,13 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     gm = trace(model, example_inputs, example_kwargs, capture=capture,
                leaf_modules=leaf_modules, concrete_args=concrete_args)
     functionalize(gm)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    example = dict(zip(names, bind_inputs(gm, example_inputs, example_kwargs)))
-    first_chunk = microbatch.split(example, chunks)[0]
-    annotate_costs(gm, tuple(first_chunk[n] for n in names), device=specs[0].name, repeats=repeats,
+    first_args, first_kwargs = microbatch.split((example_inputs, example_kwargs), chunks)[0]
+    annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=repeats,
                    backward=training)
-    plan = partition(cost_graph(gm, training=training), specs, link)
+    # Activations held per stage: one micro-batch in inference; in training, GPipe keeps every
+    # micro-batch until the backwards, 1F1B at most as many as there are stages.
+    in_flight = 1 if not training else chunks if schedule == "gpipe" else min(chunks, len(specs))
+    plan = partition(cost_graph(gm, training=training), specs, link, activation_factor=in_flight)
     stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
     verified = "yes" if verify else (
         "skipped (model in training mode)" if model.training else "skipped (verify=False)")

@@ -13,44 +13,65 @@ partition can beat, and says whether its bottleneck is proven optimal. It is a p
 the CostGraph, the devices, the link function and the options.
 
 Devices are used in the order given: stage `s` runs on `devices[s]` (list them in the order of
-the interconnect). Since devices may differ, the search places nodes knowing each stage's speed,
-memory and links; it does not permute the devices (`reorder_devices=True` tries every distinct
-order of a short device list and keeps the best).
+the interconnect). The search knows each stage's speed, memory and links, so it puts more work
+on faster devices and less on smaller ones, but it does not permute the devices unless asked
+(`reorder_devices=True` tries every distinct order of a short device list and keeps the best).
+Asking for more stages than computing nodes is an error; `num_stages_for` tells how many
+stages of one kind of device are worth using.
 
-Methods (all run when they fit; the best partition under the exact cost model is kept):
+Methods, all deterministic (their limits count work, not time); the partition with the least
+exact bottleneck wins:
 
-1. **Ideal DP** (Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph
+1. **Slicing topological orders** (always; the upper bound the others prune with). Binary
+   search on the bottleneck B; for a given B one greedy pass closes each stage as late as its
+   time allows: received values are priced over the real link, a sender is re-charged when a
+   second stage receives its value, and a stage stops growing as soon as a transfer pushes an
+   earlier stage over B. O(n + e) per pass, O((n + e) log(1/eps)) per order; run over the
+   graph's order and a depth-first order that keeps each branch together.
+2. **DP over ideals** (Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph
    Operators", NeurIPS 2020). A valid partition is a chain of ideals (downward-closed node sets)
-   0 = I_0 < I_1 < ... < I_k = V; stage `s` is I_{s+1} - I_s. Dynamic programming over pairs of
-   ideals minimises the largest *relaxed* stage time, in which a stage's transfers are priced
-   from the pair alone: a received value over the cheapest link from an earlier stage, a sent
-   value once over the cheapest link to a later stage. Relaxed times never exceed exact ones, so
-   the DP's value is a lower bound on every partition, and it is exact whenever each value is
-   received by at most one later stage over uniform links (typical DNNs). Where the DP's best
-   partition costs more under the exact model, a branch and bound over chains of ideals, pruned
-   with the DP's values, finds the exact optimum. Time O(n N + k P) for N ideals and P pairs of
-   ideals (P <= N^2 / 2, fewer after pruning pairs whose compute alone exceeds a known upper
-   bound); run while N and P stay small, which they do for chains with parallel branches
-   (a sequential model has n + 1 ideals).
-2. **Slicing topological orders**: binary search on the bottleneck B; for a given B a greedy
-   pass over the order closes each stage as late as its exact time allows (received values are
-   priced over the real link, a sender is re-charged when a second stage receives its value, a
-   stage is abandoned as soon as a transfer pushes an earlier stage over B). O(n + e) per pass,
-   O((n + e) log(1/eps)) per order, run over the graph's order and a depth-first order that keeps
-   each branch together.
+   {} = I_0 < I_1 < ... < I_k = V; stage `s` is I_{s+1} - I_s. The DP over pairs of ideals
+   minimises the largest *relaxed* stage time, where a stage's transfers are priced from the
+   pair alone: a received value over the cheapest link from an earlier stage, a sent value once
+   over the cheapest link to a later stage. Relaxed times never exceed exact ones, so the DP's
+   value bounds every partition from below, and it is exact when each value is received by at
+   most one later stage over uniform links (typical DNNs). Only pairs whose compute fits under
+   the best bottleneck known are tried, only ideals in the compute bands where stage boundaries
+   can fall take part, and sources are scanned from the largest down, stopping once compute
+   alone reaches the best value: O(n N) to list N ideals (IDEAL_LIMIT), then O(k P) for the P
+   pairs tried (<= k N^2 / 2, about k N w in practice for a band of w ideals). A sequential
+   graph has n + 1 ideals; chains with parallel branches have few more.
+3. **Branch and bound on exact transfers**, when the DP's partition costs more under the exact
+   model than the DP's value (a value received by several stages, or unequal links): chains are
+   built from the last stage back, so each stage's sends are priced exactly, and what precedes
+   it is bounded by the DP's values. Finishing proves the optimum.
+4. **Band probes** when the full DP is over its work limit: a DP limited to stages of at most L
+   needs only the ideals in narrow bands and either finds the relaxed optimum or proves every
+   partition slower than L; L rises from the compute bound until the work limit, raising the
+   certified bound.
+5. **Exact slicing** of each order (methods 2-3 on the n + 1 prefixes of the order) for graphs
+   of up to PREFIX_LIMIT nodes when nothing above proved optimality: the best contiguous split
+   of that order, so never worse than a split of it by node counts, parameters or time.
 
-The lower bound reported is the DP's value when method 1 ran, else `cost_model.lower_bound_s`
-(total compute over total speed; the largest node on the fastest device). `optimal` is true when
-the bottleneck meets the bound, or when the branch and bound finished.
+`lower_bound_s` is the best of: total compute over total speed and the largest node on the
+fastest device (`cost_model.lower_bound_s`), the DP's value, the probes' L, and the optimum
+itself when methods 2-3 finished. `optimal` is true when the bottleneck meets it.
+
+Time on this machine (benchmarks/partition_speed.py, DNN-shaped graphs): ~0.02-0.07 s for
+1,000 nodes, 0.4-0.75 s for 10,000 nodes into 2-8 stages (proven optimal), ~0.8 s for 50,000
+nodes (slicing, certified within 0.1%). Slicing grows as (n + e) log(1/eps), nearly independent
+of k; listing ideals as n times the graph's width; the DP as k times the pairs in the bands, and
+it stops at WORK_LIMIT (about 1 s), after which the slicing and a weaker bound stand.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
+import collections
+import contextlib
 import math
-from dataclasses import dataclass, replace
-from typing import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import torch.fx as fx
 from tabulate import tabulate
@@ -60,11 +81,11 @@ from .cost_model import (DRIVER, CostGraph, DeviceSpec, Link, LinkFn, StageCost,
 from .errors import PartitionError
 
 # Limits that keep the exact methods fast in pure Python; beyond them the slicing result stands,
-# with the weaker bound. Measured on 2 shared cores: ~0.3 s at the limits.
-IDEAL_LIMIT = 2_000
-PAIR_LIMIT = 200_000
-SEARCH_LIMIT = 20_000
-REORDER_LIMIT = 24
+# with a weaker bound. Work, not time, so that results do not depend on the machine's load.
+IDEAL_LIMIT = 50_000        # ideals listed before the exact DP is given up (~0.3 s to list)
+PREFIX_LIMIT = 3_000        # nodes up to which each order's slicing is also solved exactly
+WORK_LIMIT = 1_000_000      # subset tests + 8 per candidate stage, per call (~1 s here)
+REORDER_LIMIT = 24          # device orders `reorder_devices` may try
 # Relative slack for float noise: a bottleneck within it of the bound counts as meeting it.
 _TOL = 1e-9
 
@@ -171,29 +192,36 @@ def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
     _check_request(graph, devices)
     orders = [devices]
     if reorder_devices:
-        orders = list(dict.fromkeys(itertools.islice(itertools.permutations(devices),
-                                                     REORDER_LIMIT * math.factorial(len(devices)))))
-        if len(orders) > REORDER_LIMIT:
+        count = math.factorial(len(devices))
+        for copies in collections.Counter(devices).values():
+            count //= math.factorial(copies)
+        if count > REORDER_LIMIT:
             raise PartitionError(
-                f"{len(orders)} distinct orders of {len(devices)} devices are too many to try "
-                f"(at most {REORDER_LIMIT}): pass reorder_devices=False and order them yourself")
-    results = []
+                f"{count} distinct orders of {len(devices)} devices are too many to try (at "
+                f"most {REORDER_LIMIT}): pass reorder_devices=False and order them yourself")
+        orders = list(_distinct_orders(devices))
+    results, proven_infeasible = [], True
     for ds in orders:
-        result = _partition(graph, ds, link, activation_factor)
+        result, infeasible = _partition(graph, ds, link, activation_factor)
         if result is not None:
             results.append(result)
+        proven_infeasible = proven_infeasible and infeasible
     if not results:
-        raise _memory_error(graph, devices, link, activation_factor)
+        raise _memory_error(graph, devices, link, activation_factor, proven_infeasible)
     best = min(results, key=lambda p: p.bottleneck_s)
     if len(orders) > 1:
-        # The bound of one device order bounds only that order: the minimum over orders is valid.
-        bound = min(p.lower_bound_s for p in results)
-        best = replace(best, lower_bound_s=bound,
-                       optimal=all(p.optimal for p in results if p is best or
-                                   p.lower_bound_s < best.bottleneck_s * (1 - _TOL)) and
-                       best.bottleneck_s <= bound * (1 + _TOL) or
-                       all(p.optimal for p in results),
-                       method=best.method + f"; best of {len(orders)} device orders")
+        # Each order's bound holds for that order only, so the smallest is the one that holds;
+        # an order where nothing was found is bounded by compute alone.
+        bounds = [p.lower_bound_s for p in results]
+        if len(results) < len(orders):
+            bounds.append(lower_bound_s(graph, devices))
+        bound = min(bounds)
+        optimal = (best.bottleneck_s <= bound * (1 + _TOL) or
+                   len(results) == len(orders) and all(p.optimal for p in results))
+        proven = sum(p.optimal for p in results)
+        best = replace(best, lower_bound_s=min(bound, best.bottleneck_s), optimal=optimal,
+                       method=f"best of {len(orders)} device orders, {proven} solved to "
+                              f"optimality; for this order: {best.method}")
     return best
 
 
@@ -207,6 +235,8 @@ def num_stages_for(graph: CostGraph | fx.GraphModule, device: DeviceSpec, max_st
     """
     if isinstance(graph, fx.GraphModule):
         graph = cost_graph(graph, training=training)
+    if max_stages < 1:
+        raise PartitionError(f"max_stages is {max_stages}: pass at least 1")
     limit = min(max_stages, len(graph.compute_nodes))
     bottlenecks = {}
     for k in range(1, limit + 1):
@@ -216,13 +246,31 @@ def num_stages_for(graph: CostGraph | fx.GraphModule, device: DeviceSpec, max_st
         except PartitionError:
             continue
     if not bottlenecks:
-        raise _memory_error(graph, (device,) * limit, link, activation_factor)
+        raise _memory_error(graph, (device,) * limit, link, activation_factor, False)
     best = min(bottlenecks.values())
     return min(k for k, b in bottlenecks.items() if b <= best * (1 + tolerance))
 
 
 # ----------------------------------------------------------------------------------------------
 # The search
+
+
+def _distinct_orders(devices: tuple[DeviceSpec, ...]) -> Iterator[tuple[DeviceSpec, ...]]:
+    """Every distinct order of `devices`, the given one first."""
+    kinds = list(dict.fromkeys(devices))
+    left = collections.Counter(devices)
+
+    def extend(prefix: tuple[DeviceSpec, ...]) -> Iterator[tuple[DeviceSpec, ...]]:
+        if len(prefix) == len(devices):
+            yield prefix
+        for kind in kinds:
+            if left[kind]:
+                left[kind] -= 1
+                yield from extend(prefix + (kind,))
+                left[kind] += 1
+
+    yield devices
+    yield from (order for order in extend(()) if order != devices)
 
 
 def _check_request(graph: CostGraph, devices: Sequence[DeviceSpec]) -> None:
@@ -259,16 +307,24 @@ class _Model:
         self._earlier = [tuple(dict.fromkeys(self.links[t][s] for t in range(s)))
                          for s in range(k)]
 
-    def send_min(self, s: int, nbytes: int) -> float:
-        """The least a stage-`s` value can cost its sender to reach one later stage."""
-        return _cheapest(self._later[s], nbytes)
+        self._send: dict[int, list[float]] = {}
+        self._receive: dict[int, list[float]] = {}
 
-    def recv_min(self, s: int, p: int) -> float:
-        """The least receiving node `p`'s value can cost stage `s`."""
-        nbytes = self.graph.out_bytes[p]
-        if self.graph.is_input[p]:
-            return self.from_driver[s].time_s(nbytes)
-        return _cheapest(self._earlier[s], nbytes)
+    def send_min(self, s: int) -> list[float]:
+        """Per node: the least its value costs a stage-`s` sender to reach one later stage."""
+        if s not in self._send:
+            self._send[s] = _cheapest(self._later[s], self.graph.out_bytes)
+        return self._send[s]
+
+    def recv_min(self, s: int) -> list[float]:
+        """Per node: the least receiving its value can cost stage `s` (inf: it cannot)."""
+        if s not in self._receive:
+            out_bytes = self.graph.out_bytes
+            earlier = _cheapest(self._earlier[s], out_bytes) if s else [math.inf] * len(out_bytes)
+            driver = self.from_driver[s]
+            self._receive[s] = [driver.time_s(b) if is_input else t
+                                for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
+        return self._receive[s]
 
     def memory(self, s: int, param_bytes: int, activation_bytes: int) -> bool:
         """True when stage `s` fits its device."""
@@ -281,49 +337,74 @@ class _Model:
         return max(c.time_s for c in costs)
 
 
-def _cheapest(links: tuple[Link, ...], nbytes: int) -> float:
-    if len(links) == 1:
-        return links[0].time_s(nbytes)
-    return min((link.time_s(nbytes) for link in links), default=0.0)
+def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
+    """Per value size: its time over the fastest of `links` (0 when there is none)."""
+    times = [0.0] * len(out_bytes) if not links else None
+    for link in links:
+        latency, rate = link.latency_s, link.bytes_per_s
+        over = [latency + b / rate for b in out_bytes]
+        times = over if times is None else [min(t, u) for t, u in zip(times, over)]
+    return times
 
 
 def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
-               activation_factor: float) -> Partition | None:
-    """The best partition for one device order, or None when none found fits in memory."""
+               activation_factor: float) -> tuple[Partition | None, bool]:
+    """The best partition for one device order, or (None, whether no partition fits is
+    proven) when none found fits in memory."""
     model = _Model(graph, devices, link, activation_factor)
     bound = lower_bound_s(graph, devices)
+    orders = list(_orders(graph))
     candidates: list[tuple[float, list[int], str]] = []
-    for name, order in _orders(graph):
+    for name, order in orders:
         sliced = _best_slicing(model, order, bound)
         if sliced is not None:
             candidates.append((model.bottleneck(sliced), sliced, f"slicing the {name} order"))
-    upper = min((c[0] for c in candidates), default=math.inf)
-    dp = _IdealDP.run(model, upper)
-    method = "slicing topological orders (binary search on the bottleneck)"
-    proven = False
-    if dp is not None:
-        bound = max(bound, dp.lower_bound)
-        if dp.stage_of is not None:
-            candidates.append((model.bottleneck(dp.stage_of), dp.stage_of, dp.method))
-        proven = dp.proven
-        method = dp.method
+
+    def exact(lattice: _Lattice, floor: float) -> _Exact | None:
+        incumbent_s, incumbent, _ = min(candidates, key=lambda c: c[0],
+                                        default=(math.inf, None, ""))
+        return _exact(model, lattice, incumbent, incumbent_s, floor, budget)
+
+    budget = _Budget(WORK_LIMIT)
+    lattice = _Lattice.ideals(graph)
+    found = None if lattice is None else exact(lattice, bound)
+    if found is not None and found.stage_of is None:
+        if found.proven:
+            return None, True
+        found = None
+    if found is None:
+        why = "too many ideals" if lattice is None else "over its work limit"
+        proof = f"bound: compute over speed (exact DP skipped: {why})"
+    else:
+        bound = max(bound, found.lower_bound)
+        ideals = f"DP over {len(lattice.masks)} ideals (Tarnawski et al. 2020)"
+        proof = {"tight": ideals, "nothing better": ideals,
+                 "probes": f"bound: {ideals} limited to narrow bands"}.get(
+            found.note, f"{ideals}, then {found.note}")
+        candidates.append((model.bottleneck(found.stage_of), found.stage_of, "the ideal DP"))
+    proven = found is not None and found.proven
+    if not proven:
+        for name, order in orders:
+            if len(order) <= PREFIX_LIMIT:
+                sliced = exact(_Lattice.prefixes(graph, order), 0.0)
+                if sliced is not None and sliced.stage_of is not None:
+                    candidates.append((model.bottleneck(sliced.stage_of), sliced.stage_of,
+                                       f"exact slicing of the {name} order"))
     if not candidates:
-        return None
+        return None, False
     bottleneck, stage_of, how = min(candidates, key=lambda c: c[0])
-    if dp is not None and dp.proven:
+    if proven:
         bound = max(bound, bottleneck)   # exhaustive: the bottleneck itself is the optimum
     optimal = proven or bottleneck <= bound * (1 + _TOL)
-    if dp is None:
-        method = f"{how}; bound: compute over speed ({_IdealDP.why_not(model)})"
-    elif not dp.proven:
-        method = f"{how}; {dp.method}"
-    return evaluate(graph, stage_of, devices, link, optimal=optimal, method=method,
-                    lower_bound=bound, activation_factor=activation_factor)
+    return evaluate(graph, stage_of, devices, link, optimal=optimal,
+                    method=f"found by {how}; {proof}" + (": proven optimal" if optimal else ""),
+                    lower_bound=bound, activation_factor=activation_factor), False
 
 
 def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
-                  activation_factor: float) -> PartitionError:
-    """An error naming the stages that need more memory than their device has."""
+                  activation_factor: float, proven: bool) -> PartitionError:
+    """An error naming the stages that need more memory than their device has; `proven` says
+    the exact search showed that no partition fits (else only that none was found)."""
     roomiest = max(d.memory_bytes for d in devices)
     for i in graph.compute_nodes:
         need = stage_memory_bytes(graph.param_bytes[i], graph.out_bytes[i], activation_factor)
@@ -333,15 +414,19 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
                 f"has (at most {roomiest / 1e6:.1f} MB): use devices with more memory or a "
                 f"smaller micro-batch")
     unbounded = tuple(replace(d, memory_bytes=math.inf) for d in devices)
-    plan = _partition(graph, unbounded, link, activation_factor)
+    plan, _ = _partition(graph, unbounded, link, activation_factor)
     assert plan is not None
     over = [f"stage {s} on {d.name} needs {c.memory_bytes / 1e6:.1f} MB but has "
             f"{d.memory_bytes / 1e6:.1f} MB"
-            for s, (d, c) in enumerate(zip(devices, plan.stages)) if c.memory_bytes > d.memory_bytes]
+            for s, (d, c) in enumerate(zip(devices, plan.stages))
+            if c.memory_bytes > d.memory_bytes]
     need = sum(c.memory_bytes for c in plan.stages)
     have = sum(d.memory_bytes for d in devices)
+    verdict = ("no partition into {} stages fits the devices' memory" if proven else
+               "fxpipe found no partition into {} stages that fits the devices' memory (the "
+               "graph is too large for the exact search, so one may exist)")
     return PartitionError(
-        f"no partition into {len(devices)} stages fits the devices' memory. The fastest "
+        f"{verdict.format(len(devices))}. The fastest "
         f"partition ignoring memory needs {need / 1e6:.1f} MB in all ({have / 1e6:.1f} MB "
         f"available): {'; '.join(over) or 'each stage fits, but no fast one does'}. Add devices, "
         f"use devices with more memory, or use smaller micro-batches")
@@ -374,22 +459,40 @@ def _best_slicing(model: _Model, order: list[int], bound: float) -> list[int] | 
 
     Starts from the lower bound and gallops up (bound * (1 + 2^j / 1024)) to the first bottleneck
     the greedy pass meets, then bisects to a relative precision of 1e-4 (1e-7 on small graphs).
+    A pass that fails because later stages re-charged an earlier one for sending it their values
+    is retried (up to 3 times) with that stage closed earlier by the amount it went over.
     """
     position = [-1] * len(model.graph)
     for at, i in enumerate(order):
         position[i] = at
     last = [max((position[j] for j in model.graph.succs[i]), default=-1)
             for i in range(len(model.graph))]
-    best = _slice(model, order, position, last, math.inf)
+
+    def feasible(limit: float) -> tuple[list[int], float] | None:
+        reserve = [0.0] * model.k
+        for _ in range(4):
+            over: dict[int, float] = {}
+            found = _slice(model, order, position, last, limit, reserve, over)
+            if found is not None or not over:
+                return found
+            for s, amount in over.items():
+                reserve[s] += amount
+        return None
+
+    best = feasible(math.inf)
     if best is None:
         return None
     high = best[1]
     low = bound
     step = 1 / 1024
     precision = 1e-7 if len(order) <= 2_000 else 1e-4
-    while high > low * (1 + precision):
-        target = min(low * (1 + step), (low + high) / 2) if step else (low + high) / 2
-        found = _slice(model, order, position, last, target)
+    for _ in range(200):
+        if high - low <= precision * high:
+            break
+        target = (low + high) / 2
+        if step and low > 0:
+            target = min(target, low * (1 + step))
+        found = feasible(target)
         if found is None:
             low = target
             step = step * 2 if step else 0
@@ -401,10 +504,13 @@ def _best_slicing(model: _Model, order: list[int], bound: float) -> list[int] | 
 
 
 def _slice(model: _Model, order: list[int], position: list[int], last: list[int],
-           limit: float) -> tuple[list[int], float] | None:
-    """One greedy pass: close each stage at the last node that keeps every stage within `limit`.
+           limit: float, reserve: list[float], over: dict[int, float]
+           ) -> tuple[list[int], float] | None:
+    """One greedy pass: close each stage at the last node that keeps every stage within `limit`
+    (stage `s`'s own time within `limit - reserve[s]`, room for later charges).
 
-    Returns the stage of every node and the bottleneck, or None when `limit` is not met. Stage
+    Returns the stage of every node and the bottleneck, or None when `limit` is not met; `over`
+    then says by how much later transfers pushed which earlier stages over the limit. Stage
     times are exact except that a value sent to later stages is first charged at the cheapest
     link to one of them; the receiving stage tops the charge up to the real link, and charges
     again for every further receiving stage. Compute, received values and memory only grow as a
@@ -421,6 +527,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
     for s in range(k):
         speed, capacity = devices[s].speed, devices[s].memory_bytes
         to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
+        send_min = model.send_min(s)
         final = s == k - 1
         fixed = 0.0          # compute, received values and outputs: grows with the stage
         sending = 0.0        # values read after the stage's end, charged at the cheapest link
@@ -437,7 +544,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
             if to_output[i]:
                 fixed += to_driver.time_s(out_bytes[i])
             if last[i] > at:
-                sending += model.send_min(s, out_bytes[i])
+                sending += send_min[i]
             overflow = False
             for p in preds[i]:
                 if is_input[p]:
@@ -447,20 +554,23 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
                         activation_bytes += out_bytes[p]
                 elif position[p] >= start:
                     if last[p] == at:
-                        sending -= model.send_min(s, out_bytes[p])
+                        sending -= send_min[p]
                 elif p not in received:
                     received[p] = None
                     sender = stage_of[p]
                     t = links[sender][s].time_s(out_bytes[p])
                     fixed += t
                     activation_bytes += out_bytes[p]
-                    more = t if received_once[p] else t - model.send_min(sender, out_bytes[p])
+                    more = t if received_once[p] else t - model.send_min(sender)[p]
                     charges.append((sender, more, p))
                     extra[sender] += more
-                    overflow = overflow or load[sender] + extra[sender] > limit
+                    if load[sender] + extra[sender] > limit:
+                        overflow = True
+                        over[sender] = max(over.get(sender, 0.0),
+                                           load[sender] + extra[sender] - limit)
             if overflow or fixed > limit or not model.memory(s, param_bytes, activation_bytes):
                 break
-            if fixed + sending <= limit and (not final or at == n - 1):
+            if fixed + sending <= limit - reserve[s] and (not final or at == n - 1):
                 end = (at + 1, fixed + sending, len(charges))
         if end is None:
             return None
@@ -478,185 +588,193 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
 # Method 1: dynamic programming over ideals, then branch and bound
 
 
-@dataclass
-class _IdealDP:
-    """Tarnawski et al. 2020's DP over the graph's ideals, with the relaxed stage times.
+class _OverBudget(Exception):
+    pass
 
-    `lower_bound` bounds every partition; `stage_of` is the DP's (or the search's) best
-    partition, None when none fits in memory; `proven` says it is exactly optimal.
+
+class _Budget:
+    """Counts the exact methods' work (subset tests; 8 per candidate stage) against a limit.
+
+    Work, not time, so that the result does not depend on the machine's load.
     """
 
-    lower_bound: float
-    stage_of: list[int] | None
-    proven: bool
-    method: str
+    def __init__(self, limit: int):
+        self.left = limit
+        self.floor = 0
 
-    @staticmethod
-    def why_not(model: _Model) -> str:
-        return (f"more than {IDEAL_LIMIT} ideals or {PAIR_LIMIT} pairs of ideals: the exact DP "
-                f"was skipped")
+    def spend(self, amount: int) -> None:
+        self.left -= amount
+        if self.left < self.floor:
+            raise _OverBudget
 
-    @staticmethod
-    def run(model: _Model, upper: float) -> _IdealDP | None:
-        """The DP's result, or None when the graph has too many ideals or pairs of them."""
-        lattice = _Lattice.build(model.graph)
-        if lattice is None:
-            return None
-        pairs = lattice.pairs(model, upper)
-        if pairs is None:
-            return None
-        k = model.k
-        full = len(lattice.masks) - 1
-        # best[s][I]: the least relaxed bottleneck of splitting ideal I into stages 0..s.
-        best: list[list[float]] = []
-        choice: list[list[int]] = []
-        for s in range(k):
-            cost = _StageCost(model, lattice, s)
-            values = [math.inf] * len(lattice.masks)
-            chosen = [-1] * len(lattice.masks)
-            targets = [full] if s == k - 1 else range(1, full)
-            for i in targets:
-                for j, pair in pairs[i]:
-                    before = 0.0 if s == 0 else best[s - 1][j]
-                    if (s == 0) != (j == 0) or before >= values[i]:
-                        continue
-                    value = max(before, cost(pair))
-                    if value < values[i]:
-                        values[i], chosen[i] = value, j
-            best.append(values)
-            choice.append(chosen)
-        bound = best[k - 1][full]
-        ideals = f"DP over {len(lattice.masks)} ideals"
-        if bound == math.inf:
-            if upper < math.inf:
-                raise AssertionError("the DP lost the slicing's partition")
-            return _IdealDP(math.inf, None, True, f"{ideals}: nothing fits in memory")
-        chain = [full]
-        for s in range(k - 1, 0, -1):
-            chain.append(choice[s][chain[-1]])
-        stage_of = lattice.stage_of(list(reversed(chain)))
-        exact = model.bottleneck(stage_of)
-        if exact <= bound * (1 + _TOL):
-            return _IdealDP(bound, stage_of, True,
-                            f"{ideals} (Tarnawski et al. 2020): proven optimal")
-        searched = _search(model, lattice, pairs, best, stage_of, exact)
-        if searched is None:
-            return _IdealDP(bound, stage_of, False,
-                            f"bound: {ideals}; branch and bound stopped after {SEARCH_LIMIT} steps")
-        return _IdealDP(bound, searched, True,
-                        f"{ideals}, then branch and bound on exact transfers: proven optimal")
+    @contextlib.contextmanager
+    def share(self, fraction: float) -> Iterator[None]:
+        """Within the block, spend at most `fraction` of what is left."""
+        saved = self.floor
+        self.floor = max(saved, self.left - int(self.left * fraction))
+        try:
+            yield
+        finally:
+            self.floor = saved
 
 
 @dataclass
 class _Lattice:
-    """The ideals of the graph's computing nodes as bit masks, with what the DP needs of each.
+    """A family of ideals as bit masks, with what the DP needs of each.
 
-    Bit `b` stands for computing node `nodes[b]`; ideals are listed by size, the empty ideal
-    first and the whole graph last.
+    Either every ideal of the computing nodes (`ideals`), or the prefixes of one topological
+    order (`prefixes`, whose chains are the contiguous slicings of that order). Bit `b` stands
+    for computing node `nodes[b]`; ideals are listed by size, empty first and the whole graph last.
     """
 
     graph: CostGraph
     nodes: list[int]
-    masks: list[int]
-    time_s: list[float]
-    param_bytes: list[int]
-    out_bytes: list[int]
-    output_count: list[int]
-    output_bytes: list[int]
-    frontier: list[tuple[int, ...]]    # bits whose value is read outside the ideal
     reader_mask: list[int]             # graph node -> mask of the computing nodes reading it
+    pred_bits: list[tuple[int, ...]]   # bit -> bits of the computing nodes it reads
     inputs: list[int]
+    masks: list[int] = field(default_factory=lambda: [0])
+    time_s: list[float] = field(default_factory=lambda: [0.0])
+    param_bytes: list[int] = field(default_factory=lambda: [0])
+    out_bytes: list[int] = field(default_factory=lambda: [0])
+    output_count: list[int] = field(default_factory=lambda: [0])
+    output_bytes: list[int] = field(default_factory=lambda: [0])
+    frontier: list[int] = field(default_factory=lambda: [0])   # members read outside, a mask
+    _pairs: dict[tuple[int, int], _Pair] = field(default_factory=dict)
+    _open: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @staticmethod
-    def build(graph: CostGraph) -> _Lattice | None:
+    def _empty(graph: CostGraph, nodes: list[int]) -> _Lattice:
+        bit = {i: b for b, i in enumerate(nodes)}
+        return _Lattice(graph, nodes, [sum(1 << bit[j] for j in graph.succs[i])
+                                       for i in range(len(graph))],
+                        [tuple(bit[p] for p in graph.preds[i] if p in bit) for i in nodes],
+                        [i for i in range(len(graph)) if graph.is_input[i]])
+
+    @staticmethod
+    def ideals(graph: CostGraph) -> _Lattice | None:
+        """All ideals, grown one node at a time, or None past IDEAL_LIMIT. O(N * width)."""
         nodes = graph.compute_nodes
+        if len(nodes) + 1 > IDEAL_LIMIT:
+            return None
+        lattice = _Lattice._empty(graph, nodes)
         bit = {i: b for b, i in enumerate(nodes)}
         pred_mask = [sum(1 << bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
-        reader_mask = [sum(1 << bit[j] for j in graph.succs[i]) for i in range(len(graph))]
-        masks, seen, level = [0], {0}, [0]
+        ready = sum(1 << b for b in range(len(nodes)) if pred_mask[b] == 0)
+        seen = {0}
+        level = [(0, 0, ready)]                      # (mask, index, nodes that may join)
         while level:
             grown = []
-            for mask in level:
-                for b in range(len(nodes)):
-                    if not mask >> b & 1 and pred_mask[b] & ~mask == 0:
-                        bigger = mask | 1 << b
-                        if bigger not in seen:
-                            seen.add(bigger)
-                            grown.append(bigger)
-            if len(seen) > IDEAL_LIMIT:
-                return None
-            level = sorted(grown)
-            masks.extend(level)
-        lattice = _Lattice(graph, nodes, masks, [], [], [], [], [], [], reader_mask,
-                           [i for i in range(len(graph)) if graph.is_input[i]])
-        for mask in masks:
-            members = [nodes[b] for b in range(len(nodes)) if mask >> b & 1]
-            outputs = [i for i in members if graph.to_output[i]]
-            lattice.time_s.append(math.fsum(graph.time_s[i] for i in members))
-            lattice.param_bytes.append(sum(graph.param_bytes[i] for i in members))
-            lattice.out_bytes.append(sum(graph.out_bytes[i] for i in members))
-            lattice.output_count.append(len(outputs))
-            lattice.output_bytes.append(sum(graph.out_bytes[i] for i in outputs))
-            lattice.frontier.append(tuple(b for b in range(len(nodes)) if mask >> b & 1 and
-                                          reader_mask[nodes[b]] & ~mask))
+            for mask, index, can_join in level:
+                rest = can_join
+                while rest:
+                    low = rest & -rest
+                    rest ^= low
+                    bigger = mask | low
+                    if bigger in seen:
+                        continue
+                    seen.add(bigger)
+                    if len(seen) > IDEAL_LIMIT:
+                        return None
+                    b = low.bit_length() - 1
+                    joining = can_join & ~low
+                    readers = lattice.reader_mask[nodes[b]]
+                    while readers:
+                        r = readers & -readers
+                        readers ^= r
+                        if pred_mask[r.bit_length() - 1] & ~bigger == 0:
+                            joining |= r
+                    grown.append((bigger, lattice._add(index, b, bigger), joining))
+            level = grown
         return lattice
 
-    def pairs(self, model: _Model, upper: float) -> list[list[tuple[int, _Pair]]] | None:
-        """For every ideal I, the ideals J < I whose difference may be a stage.
+    @staticmethod
+    def prefixes(graph: CostGraph, order: list[int]) -> _Lattice:
+        """The n + 1 prefixes of a topological order of the computing nodes."""
+        lattice = _Lattice._empty(graph, order)
+        for b in range(len(order)):
+            lattice._add(b, b, (1 << (b + 1)) - 1)
+        return lattice
 
-        A stage whose compute alone exceeds `upper` (the bottleneck of a known partition) on the
-        fastest device cannot be in a better partition, so such pairs are skipped.
-        """
-        fastest = max(d.speed for d in model.devices)
-        widest = upper * fastest * (1 + _TOL)
-        by_time = sorted(range(len(self.masks)), key=lambda i: (self.time_s[i], i))
-        sorted_times = [self.time_s[i] for i in by_time]
-        pairs: list[list[tuple[int, _Pair]]] = [[] for _ in self.masks]
-        count = 0
-        for i, mask in enumerate(self.masks):
-            low = bisect.bisect_left(sorted_times, self.time_s[i] - widest)
-            high = bisect.bisect_right(sorted_times, self.time_s[i] * (1 + _TOL))
-            count += high - low
-            if count > PAIR_LIMIT * 4:
-                return None
-            for j in sorted(by_time[low:high]):
-                inner = self.masks[j]
-                if j < i and inner & ~mask == 0:
-                    pairs[i].append((j, self._pair(j, i)))
-            if sum(map(len, pairs)) > PAIR_LIMIT:
-                return None
-        return pairs
+    def _add(self, parent: int, b: int, mask: int) -> int:
+        """Record ideal `mask`, which is ideal `parent` plus bit `b`; returns its index."""
+        i = self.nodes[b]
+        graph = self.graph
+        self.masks.append(mask)
+        self.time_s.append(self.time_s[parent] + graph.time_s[i])
+        self.param_bytes.append(self.param_bytes[parent] + graph.param_bytes[i])
+        self.out_bytes.append(self.out_bytes[parent] + graph.out_bytes[i])
+        output = graph.to_output[i]
+        self.output_count.append(self.output_count[parent] + output)
+        self.output_bytes.append(self.output_bytes[parent] + output * graph.out_bytes[i])
+        frontier = self.frontier[parent]
+        if self.reader_mask[i] & ~mask:
+            frontier |= 1 << b
+        for p in self.pred_bits[b]:        # only what b reads can stop being read outside
+            if frontier >> p & 1 and not self.reader_mask[self.nodes[p]] & ~mask:
+                frontier &= ~(1 << p)
+        self.frontier.append(frontier)
+        return len(self.masks) - 1
 
-    def _pair(self, j: int, i: int) -> _Pair:
-        stage = self.masks[i] & ~self.masks[j]
-        received = [self.nodes[b] for b in self.frontier[j] if self.reader_mask[self.nodes[b]] & stage]
-        received += [p for p in self.inputs if self.reader_mask[p] & stage]
-        sending = [self.nodes[b] for b in self.frontier[i] if stage >> b & 1]
-        out_bytes = self.graph.out_bytes
-        return _Pair(
-            time_s=self.time_s[i] - self.time_s[j],
-            received=tuple(received), sending=tuple(sending),
-            output_count=self.output_count[i] - self.output_count[j],
-            output_bytes=self.output_bytes[i] - self.output_bytes[j],
-            param_bytes=self.param_bytes[i] - self.param_bytes[j],
-            activation_bytes=(self.out_bytes[i] - self.out_bytes[j] +
-                              sum(out_bytes[p] for p in received)))
+    def members(self, mask: int) -> list[int]:
+        return [self.nodes[b] for b in _bits(mask)]
+
+    def pair(self, j: int, i: int) -> _Pair:
+        """The candidate stage I - J (J a subset of I), computed once."""
+        key = (j, i)
+        if key not in self._pairs:
+            stage = self.masks[i] & ~self.masks[j]
+            graph = self.graph
+            received = [p for _, p in self._frontier(j) if self.reader_mask[p] & stage]
+            received += [p for p in self.inputs if self.reader_mask[p] & stage]
+            self._pairs[key] = _Pair(
+                self.time_s[i] - self.time_s[j], tuple(received),
+                tuple(p for b, p in self._frontier(i) if stage >> b & 1),
+                self.output_count[i] - self.output_count[j],
+                self.output_bytes[i] - self.output_bytes[j],
+                self.param_bytes[i] - self.param_bytes[j],
+                self.out_bytes[i] - self.out_bytes[j] + sum(graph.out_bytes[p] for p in received))
+        return self._pairs[key]
+
+    def _frontier(self, i: int) -> list[tuple[int, int]]:
+        """(bit, node) of the members of ideal `i` read outside it, computed once."""
+        if i not in self._open:
+            self._open[i] = [(b, self.nodes[b]) for b in _bits(self.frontier[i])]
+        return self._open[i]
+
+    def subsets(self, i: int, candidates: list[int], times: list[float], widest: float,
+                budget: _Budget) -> Iterator[int]:
+        """The ideals among `candidates` (sorted by time) that are proper subsets of ideal `i`
+        with at most `widest` less compute."""
+        mask, time_s = self.masks[i], self.time_s[i]
+        low = bisect.bisect_left(times, time_s - widest) if widest < math.inf else 0
+        high = bisect.bisect_right(times, time_s * (1 + _TOL))
+        budget.spend(high - low)
+        for j in candidates[low:high]:
+            if j < i and self.masks[j] & ~mask == 0:
+                yield j
 
     def stage_of(self, chain: list[int]) -> list[int]:
         """The assignment of a chain of ideals (indices), the whole graph last."""
         stage_of = [-1] * len(self.graph)
         previous = 0
         for s, i in enumerate(chain):
-            stage = self.masks[i] & ~previous
-            for b, node in enumerate(self.nodes):
-                if stage >> b & 1:
-                    stage_of[node] = s
+            for node in self.members(self.masks[i] & ~previous):
+                stage_of[node] = s
             previous = self.masks[i]
         return stage_of
 
 
-@dataclass(frozen=True)
-class _Pair:
+def _bits(mask: int) -> list[int]:
+    """The positions of the set bits of `mask`, lowest first."""
+    found = []
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        found.append(low.bit_length() - 1)
+    return found
+
+
+class _Pair(NamedTuple):
     """A candidate stage I - J: what its relaxed time and memory depend on."""
 
     time_s: float
@@ -671,66 +789,228 @@ class _Pair:
 class _StageCost:
     """The relaxed time of a candidate stage on stage `s`'s device (inf if it does not fit)."""
 
-    def __init__(self, model: _Model, lattice: _Lattice, s: int):
+    def __init__(self, model: _Model, s: int):
         graph = model.graph
         self.model, self.s = model, s
         self.speed = model.devices[s].speed
-        self.receive = {p: model.recv_min(s, p) for p in range(len(graph))
-                        if graph.succs[p] and (graph.is_input[p] or s > 0)}
-        self.send = {b: model.send_min(s, graph.out_bytes[b]) for b in range(len(graph))
-                     if graph.succs[b] and s < model.k - 1}
+        self.receive = model.recv_min(s)
+        self.send = model.send_min(s)
         self.out = model.to_driver[s]
+        self.capacity = model.devices[s].memory_bytes
+        self.factor = model.activation_factor
 
     def __call__(self, pair: _Pair) -> float:
-        if not self.model.memory(self.s, pair.param_bytes, pair.activation_bytes):
+        # Rounding activations up adds less than a byte: only a near miss needs the exact test.
+        if pair.param_bytes + pair.activation_bytes * self.factor + 1 > self.capacity and \
+                not self.model.memory(self.s, pair.param_bytes, pair.activation_bytes):
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
         return (pair.time_s / self.speed + out + sum(self.receive[p] for p in pair.received) +
-                sum(self.send[p] for p in pair.sending))
+                self.relaxed_send(pair))
+
+    def relaxed_send(self, pair: _Pair) -> float:
+        return sum(self.send[p] for p in pair.sending)
 
 
-class _OutOfSteps(Exception):
-    pass
+@dataclass
+class _Exact:
+    """What the exact methods proved on one family of ideals.
 
-
-def _search(model: _Model, lattice: _Lattice, pairs: list[list[tuple[int, _Pair]]],
-            best: list[list[float]], incumbent: list[int], incumbent_s: float) -> list[int] | None:
-    """Branch and bound over chains of ideals, exact transfers at the leaves.
-
-    Chains are built from the last stage back; a branch is cut when its relaxed stage times or
-    the DP's value for what remains reach the best exact bottleneck found so far. Returns the
-    optimal assignment, or None after SEARCH_LIMIT steps.
+    `lower_bound` bounds every partition of the family; `stage_of` is the best partition found
+    (None when none fits in memory); `proven` says it is optimal in the family.
     """
-    costs = [_StageCost(model, lattice, s) for s in range(model.k)]
-    state = {"best": incumbent, "best_s": incumbent_s, "steps": 0}
-    chain = [0] * model.k
+
+    lower_bound: float
+    stage_of: list[int] | None
+    proven: bool
+    note: str
+
+
+def _exact(model: _Model, lattice: _Lattice, incumbent: list[int] | None, incumbent_s: float,
+           floor: float, budget: _Budget) -> _Exact | None:
+    """The DP over `lattice`, then branch and bound; None when `budget` runs out first.
+
+    `incumbent` is the best partition known (bottleneck `incumbent_s`, inf if none): stages
+    that alone take longer cannot improve on it and are skipped. When that DP is too big,
+    `_probe` raises the lower bound `floor` instead. Each step gets half the budget left.
+    """
+    costs = [_StageCost(model, s) for s in range(model.k)]
+    try:
+        with budget.share(0.5):
+            best = _dp(model, lattice, costs, incumbent_s, budget)
+    except _OverBudget:
+        with budget.share(0.5):
+            return _probe(model, lattice, costs, floor, incumbent, incumbent_s, budget)
+    k, full = model.k, len(lattice.masks) - 1
+    value = best[k - 1][full][0]
+    bound = min(value, incumbent_s)
+    if value == math.inf:
+        return _Exact(bound, incumbent, True, "nothing better")
+    stage_of = _chain(lattice, best, k)
+    exact = model.bottleneck(stage_of)
+    if exact <= bound * (1 + _TOL):
+        return _Exact(bound, stage_of, True, "tight")
+    if exact > incumbent_s:
+        stage_of, exact = incumbent, incumbent_s
+    try:
+        with budget.share(0.5):
+            found = _search(model, lattice, costs, best, stage_of, exact, budget)
+    except _OverBudget:
+        return _Exact(bound, stage_of, False, "branch and bound over its work limit")
+    return _Exact(bound, found, True, "branch and bound on exact transfers")
+
+
+def _probe(model: _Model, lattice: _Lattice, costs: list[_StageCost], floor: float,
+           incumbent: list[int] | None, incumbent_s: float, budget: _Budget) -> _Exact | None:
+    """A lower bound from DPs limited to stages of at most L, for L rising from `floor`.
+
+    A DP limited to L finds the least relaxed bottleneck when it is at most L, and otherwise
+    proves every partition slower than L; a small L keeps only the ideals in narrow bands of
+    compute around the stage boundaries, so such DPs stay cheap where the full one is not. L
+    gallops up (floor * (1 + 2^j / 512)) until a DP succeeds or the budget is spent.
+    """
+    if floor <= 0:
+        return None
+    k = model.k
+    proven = floor
+    step = 1 / 512
+    while proven * (1 + step) < incumbent_s:
+        limit = proven * (1 + step)
+        try:
+            best = _dp(model, lattice, costs, limit, budget)
+        except _OverBudget:
+            break
+        value = best[k - 1][-1][0]
+        if value < math.inf:
+            stage_of = _chain(lattice, best, k)
+            exact = model.bottleneck(stage_of)
+            if exact > incumbent_s:
+                stage_of, exact = incumbent, incumbent_s
+            return _Exact(value, stage_of, exact <= value * (1 + _TOL), "probes")
+        proven = limit
+        step *= 2
+    if proven <= floor:
+        return None
+    return _Exact(proven, incumbent, False, "probes")
+
+
+def _chain(lattice: _Lattice, best: list[list[tuple[float, int]]], k: int) -> list[int]:
+    """The DP's best assignment, followed back from the whole graph."""
+    chain = [len(lattice.masks) - 1]
+    for s in range(k - 1, 0, -1):
+        chain.append(best[s][chain[-1]][1])
+    return lattice.stage_of(list(reversed(chain)))
+
+
+def _dp(model: _Model, lattice: _Lattice, costs: list[_StageCost], limit_s: float,
+        budget: _Budget) -> list[list[tuple[float, int]]]:
+    """best[s][I] = (least relaxed bottleneck of splitting ideal I into stages 0..s, the ideal
+    before stage s). Only stages whose compute alone stays within `limit_s` are tried, only
+    ideals reachable within it extended, and only ideals the remaining stages can finish ended."""
+    k, full = model.k, len(lattice.masks) - 1
+    limit = limit_s * (1 + _TOL)
+    fastest = max(d.speed for d in model.devices)
+    by_time = sorted(range(len(lattice.masks)), key=lambda i: (lattice.time_s[i], i))
+    all_times = [lattice.time_s[i] for i in by_time]
+    total = lattice.time_s[full]
+    unreached = (math.inf, -1)
+    best: list[list[tuple[float, int]]] = []
+    for s in range(k):
+        values = [unreached] * len(lattice.masks)
+        sources = [0] if s == 0 else [j for j in by_time if best[s - 1][j][0] <= limit]
+        times = [lattice.time_s[j] for j in sources]
+        widest = limit * model.devices[s].speed
+        if s == k - 1:
+            targets = [full]
+        elif not sources:
+            targets = []
+        else:   # reachable from a source in one stage, and finishable by the stages left
+            low = total - (k - 1 - s) * limit * fastest
+            high = times[-1] + widest
+            targets = sorted(i for i in by_time[bisect.bisect_left(all_times, low):
+                                                bisect.bisect_right(all_times, high)]
+                             if 0 < i < full)
+        speed, masks, previous = model.devices[s].speed, lattice.masks, best[-1] if s else None
+        for i in targets:
+            # Largest sources first: the stage's compute grows, and once it alone reaches the
+            # best value found no smaller source can do better.
+            mask, time_i, value_i, source_i = masks[i], lattice.time_s[i], limit, -1
+            first = bisect.bisect_right(times, time_i * (1 + _TOL)) - 1
+            at = first
+            while at >= 0 and (time_i - times[at]) / speed <= value_i:
+                j = sources[at]
+                at -= 1
+                if j >= i or masks[j] & ~mask:
+                    continue
+                before = previous[j][0] if s else 0.0
+                if before > value_i or before == value_i and source_i >= 0:
+                    continue
+                budget.spend(8)
+                value = max(before, costs[s](lattice.pair(j, i)))
+                if value < value_i or value == value_i and source_i < 0:
+                    value_i, source_i = value, j
+            budget.spend(first - at)
+            if source_i >= 0:
+                values[i] = (value_i, source_i)
+        best.append(values)
+    return best
+
+
+def _search(model: _Model, lattice: _Lattice, costs: list[_StageCost],
+            best: list[list[tuple[float, int]]], incumbent: list[int], incumbent_s: float,
+            budget: _Budget) -> list[int]:
+    """Branch and bound over chains of ideals, from the last stage back; the optimal assignment.
+
+    A stage chosen after the later ones knows where its values go, so its sends are priced
+    exactly (one per receiving stage, over the real link); what precedes it is bounded by the
+    DP's value. A branch is cut when either reaches the best exact bottleneck found so far.
+    Raises _OverBudget past WORK_LIMIT.
+    """
+    graph = model.graph
+    stage_of = [-1] * len(graph)
+    state = {"best": incumbent, "best_s": incumbent_s}
+    by_time = sorted(range(len(lattice.masks)), key=lambda i: (lattice.time_s[i], i))
+    times = [lattice.time_s[j] for j in by_time]
+
+    def sends(s: int, sending: tuple[int, ...]) -> float:
+        total = 0.0
+        for p in sending:
+            for t in dict.fromkeys(stage_of[r] for r in graph.succs[p] if stage_of[r] > s):
+                total += model.links[s][t].time_s(graph.out_bytes[p])
+        return total
 
     def visit(s: int, i: int, suffix: float) -> None:
+        cut = state["best_s"] * (1 - _TOL)
+        sources = [0] if s == 0 else lattice.subsets(
+            i, by_time, times, cut * model.devices[s].speed, budget)
         options = []
-        for j, pair in pairs[i]:
-            if (s == 0) != (j == 0):
+        for j in sources:
+            before = best[s - 1][j][0] if s else 0.0
+            if before >= cut:
                 continue
-            value = max(suffix, costs[s](pair), best[s - 1][j] if s else 0.0)
-            if value < state["best_s"] * (1 - _TOL):
-                options.append((value, j, pair))
-        options.sort(key=lambda o: (o[0], o[1]))
-        for value, j, pair in options:
-            if value >= state["best_s"] * (1 - _TOL):
-                return
-            state["steps"] += 1
-            if state["steps"] > SEARCH_LIMIT:
-                raise _OutOfSteps
-            chain[s] = i
-            if s > 0:
-                visit(s - 1, j, max(suffix, costs[s](pair)))
+            pair = lattice.pair(j, i)
+            relaxed = costs[s](pair)
+            if max(suffix, relaxed, before) < cut:
+                options.append((max(suffix, relaxed, before), j, relaxed, pair))
+        options.sort(key=lambda o: o[:2])
+        for _, j, relaxed, pair in options:
+            cut = state["best_s"] * (1 - _TOL)
+            if max(suffix, relaxed) >= cut:
                 continue
-            stage_of = lattice.stage_of(chain)
-            exact = model.bottleneck(stage_of)
-            if exact < state["best_s"]:
-                state["best"], state["best_s"] = stage_of, exact
+            budget.spend(8 + len(pair.sending))
+            members = lattice.members(lattice.masks[i] & ~lattice.masks[j])
+            for node in members:
+                stage_of[node] = s
+            cost = relaxed - costs[s].relaxed_send(pair) + sends(s, pair.sending)
+            if max(suffix, cost, best[s - 1][j][0] if s else 0.0) < cut:
+                if s > 0:
+                    visit(s - 1, j, max(suffix, cost))
+                else:
+                    exact = model.bottleneck(stage_of)
+                    if exact < state["best_s"]:
+                        state["best"], state["best_s"] = list(stage_of), exact
+            for node in members:
+                stage_of[node] = -1
 
-    try:
-        visit(model.k - 1, len(lattice.masks) - 1, 0.0)
-    except _OutOfSteps:
-        return None
+    visit(model.k - 1, len(lattice.masks) - 1, 0.0)
     return state["best"]

@@ -1,0 +1,183 @@
+"""Random costed graphs, and the brute-force partitioner that is `passes.partition`'s oracle.
+
+    from hypothesis import given
+    from fxpipe.testing import dags, brute_force_partition
+
+    @given(dags(max_nodes=10))
+    def test_my_partitioner(case):
+        best = brute_force_partition(case.graph, case.devices)
+        assert my_partition(case.graph, case.devices).bottleneck_s >= best.bottleneck_s
+
+`dags` draws a `DagCase`: a `CostGraph` (graph inputs first, random edges, costs and sizes) and
+the devices to split it over (random names, hence links, speeds and memory). Graphs stay small
+enough for `brute_force_partition`, which tries every valid assignment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from hypothesis import strategies as st
+
+from passes.cost_model import CostGraph, DeviceSpec, LinkFn, default_link, stage_costs
+from passes.errors import PartitionError
+from passes.partition import Partition, evaluate
+
+# Names choose the links (cpu-cpu hand-offs, host copies, peer copies) through `default_link`.
+DEVICE_NAMES = ("cpu", "cuda:0", "cuda:1")
+SPEEDS = (0.5, 1.0, 2.0)
+
+
+@dataclass(frozen=True)
+class DagCase:
+    """A costed graph and the devices to partition it over (stage `s` on `devices[s]`)."""
+
+    graph: CostGraph
+    devices: tuple[DeviceSpec, ...]
+
+
+@st.composite
+def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stages: int = 4,
+         max_inputs: int = 2, max_assignments: int = 50_000, memory: bool = True) -> DagCase:
+    """A random `DagCase` of at most `max_nodes` nodes (inputs included) and 2..4 devices.
+
+    The number of computing nodes `m` is kept to `stages ** m <= max_assignments`, which bounds
+    `brute_force_partition`'s work. Times are multiples of 0.1 ms (ties happen, on purpose),
+    values up to 16 MB (transfers as slow as compute), parameters up to 4 MB. Sinks are graph
+    outputs, and so is any other node with probability 1/4. With `memory`, a device's memory may
+    be a fraction of what the whole graph needs, so that some cases cannot fit.
+    """
+    k = draw(st.integers(min_stages, max_stages), label="stages")
+    inputs = draw(st.integers(0, max_inputs), label="inputs")
+    most = min(max_nodes - inputs, int(math.log(max_assignments) / math.log(k)))
+    computing = draw(st.integers(k, max(k, most)), label="computing nodes")
+    n = inputs + computing
+    preds = [()] * inputs
+    for i in range(inputs, n):
+        chosen = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        preds.append(tuple(sorted(chosen)))
+    has_succ = {p for ps in preds for p in ps}
+    time_s = [0.0] * inputs + [draw(st.integers(0, 20)) * 1e-4 for _ in range(computing)]
+    out_bytes = [draw(st.integers(0, 8)) * 2_000_000 for _ in range(n)]
+    param_bytes = [0] * inputs + [draw(st.integers(0, 4)) * 1_000_000 for _ in range(computing)]
+    to_output = [i >= inputs and (i not in has_succ or draw(st.integers(0, 3)) == 0)
+                 for i in range(n)]
+    graph = CostGraph(names=tuple(f"x{i}" if i < inputs else f"n{i}" for i in range(n)),
+                      time_s=tuple(time_s), out_bytes=tuple(out_bytes),
+                      param_bytes=tuple(param_bytes), preds=tuple(preds),
+                      is_input=tuple(i < inputs for i in range(n)), to_output=tuple(to_output))
+    need = sum(param_bytes) + 2 * sum(out_bytes)
+    devices = []
+    for _ in range(k):
+        fraction = draw(st.sampled_from((None, None, 0.3, 0.5, 0.8))) if memory else None
+        devices.append(DeviceSpec(name=draw(st.sampled_from(DEVICE_NAMES)),
+                                  speed=draw(st.sampled_from(SPEEDS)),
+                                  memory_bytes=math.inf if fraction is None else need * fraction))
+    return DagCase(graph, tuple(devices))
+
+
+def brute_force_partition(graph: CostGraph, devices: Sequence[DeviceSpec],
+                          link: LinkFn = default_link, *,
+                          activation_factor: float = 1.0) -> Partition:
+    """The optimal partition, by trying every valid assignment: the oracle for `partition`.
+
+    Valid: every computing node in one of `len(devices)` stages, no value flowing backwards, no
+    stage empty, every stage within its device's memory. Each is priced by
+    `cost_model.stage_costs`; the first with the least bottleneck (in the order tried: nodes in
+    graph order, stages in increasing order) wins. O(k^n) for n computing nodes: small graphs only.
+    Raises PartitionError when no assignment is valid.
+    """
+    devices = tuple(devices)
+    k = len(devices)
+    computing = graph.compute_nodes
+    if not 1 <= k <= len(computing):
+        raise PartitionError(f"cannot split {len(computing)} computing nodes into {k} stages")
+    stage_of = [-1] * len(graph)
+    used = [0] * k
+    best: list = [math.inf, None, 0]     # bottleneck, assignment, assignments tried
+
+    def assign(position: int) -> None:
+        if position == len(computing):
+            if 0 in used:
+                return
+            best[2] += 1
+            costs = stage_costs(graph, stage_of, devices, link,
+                                activation_factor=activation_factor)
+            if all(c.memory_bytes <= d.memory_bytes for c, d in zip(costs, devices)):
+                bottleneck = max(c.time_s for c in costs)
+                if bottleneck < best[0]:
+                    best[0], best[1] = bottleneck, list(stage_of)
+            return
+        if sum(u == 0 for u in used) > len(computing) - position:
+            return                       # too few nodes left to fill every stage
+        i = computing[position]
+        first = max((stage_of[p] for p in graph.preds[i] if not graph.is_input[p]), default=0)
+        for s in range(first, k):
+            stage_of[i] = s
+            used[s] += 1
+            assign(position + 1)
+            used[s] -= 1
+        stage_of[i] = -1
+
+    assign(0)
+    if best[1] is None:
+        raise PartitionError(f"none of the {best[2]} valid assignments fits the devices' memory")
+    return evaluate(graph, best[1], devices, link, optimal=True,
+                    method=f"brute force over {best[2]} valid assignments", lower_bound=best[0],
+                    activation_factor=activation_factor)
+
+
+def synthetic_graph(num_nodes: int, *, seed: int = 0) -> CostGraph:
+    """A DNN-shaped costed graph of `num_nodes` nodes (one graph input), the same for a seed.
+
+    Built from blocks drawn at random: plain chains, residual blocks (a branch of 2-5 nodes and an
+    add), inception blocks (2-4 parallel branches of 1-4 nodes and a concat) and U-Net skips (a
+    value kept and read again many blocks later). Times are log-uniform in 10 us .. 1 ms,
+    values 10 kB .. 1 MB, parameters 0 .. 1 MB.
+    """
+    import random
+
+    rng = random.Random(seed)
+    preds: list[tuple[int, ...]] = [()]
+    kept: list[int] = []
+
+    def add(*inputs: int) -> int:
+        preds.append(tuple(sorted(set(inputs))))
+        return len(preds) - 1
+
+    current = 0
+    while len(preds) < num_nodes:
+        kind = rng.choice(("chain", "residual", "inception", "skip"))
+        if kind == "chain":
+            for _ in range(rng.randint(1, 6)):
+                current = add(current)
+        elif kind == "residual":
+            branch = current
+            for _ in range(rng.randint(2, 5)):
+                branch = add(branch)
+            current = add(current, branch)
+        elif kind == "inception":
+            ends = []
+            for _ in range(rng.randint(2, 4)):
+                end = current
+                for _ in range(rng.randint(1, 4)):
+                    end = add(end)
+                ends.append(end)
+            current = add(*ends)
+        elif kept and rng.random() < 0.5:
+            current = add(current, kept.pop())
+        else:
+            kept.append(current)
+            current = add(current)
+    preds = preds[:num_nodes]
+    n = len(preds)
+    read = {p for ps in preds for p in ps}
+    return CostGraph(
+        names=("x",) + tuple(f"n{i}" for i in range(1, n)),
+        time_s=(0.0,) + tuple(10 ** rng.uniform(-5, -3) for _ in range(1, n)),
+        out_bytes=tuple(int(10 ** rng.uniform(4, 6)) for _ in range(n)),
+        param_bytes=(0,) + tuple(rng.choice((0, 0, rng.randint(0, 10 ** 6))) for _ in range(1, n)),
+        preds=tuple(preds), is_input=(True,) + (False,) * (n - 1),
+        to_output=tuple(i > 0 and i not in read for i in range(n)))

@@ -1,0 +1,241 @@
+"""The partitioner: optimal where it says so, valid always, bounded, deterministic, clear errors."""
+
+from __future__ import annotations
+
+import math
+import random
+from unittest import mock
+
+import pytest
+import torch.fx as fx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fxpipe.testing import DagCase, brute_force_partition, dags, synthetic_graph
+from passes.cost_model import PEER_DEVICE, CostGraph, DeviceSpec, NodeCost, stage_costs
+from passes.errors import PartitionError
+import passes.partition as partition_module
+from passes.partition import Partition, check_valid, num_stages_for, partition
+
+MS = 1e-3
+CPU = DeviceSpec("cpu")
+GPUS = tuple(DeviceSpec(f"cuda:{i}") for i in range(16))
+
+
+def graph_of(preds: dict[str, tuple[str, ...]], time_ms: dict[str, float] | None = None, *,
+             inputs: tuple[str, ...] = ("x",), out_bytes: dict[str, int] | None = None,
+             param_bytes: dict[str, int] | None = None, outputs: tuple[str, ...] = ()) -> CostGraph:
+    """A CostGraph by hand: `preds` lists the computing nodes in order with what they read."""
+    names = list(inputs) + list(preds)
+    index = {name: i for i, name in enumerate(names)}
+    read = {p for ps in preds.values() for p in ps}
+    time_ms, out_bytes, param_bytes = time_ms or {}, out_bytes or {}, param_bytes or {}
+    return CostGraph(
+        names=tuple(names),
+        time_s=tuple(time_ms.get(n, 0.0 if n in inputs else 1.0) * MS for n in names),
+        out_bytes=tuple(out_bytes.get(n, 0) for n in names),
+        param_bytes=tuple(param_bytes.get(n, 0) for n in names),
+        preds=tuple(tuple(index[p] for p in preds.get(n, ())) for n in names),
+        is_input=tuple(n in inputs for n in names),
+        to_output=tuple(n in outputs or (n not in inputs and n not in read) for n in names))
+
+
+def chain(n: int, time_ms: list[float] | None = None, **kwargs) -> CostGraph:
+    names = [f"n{i}" for i in range(n)]
+    preds = {name: ("x",) if i == 0 else (names[i - 1],) for i, name in enumerate(names)}
+    times = dict(zip(names, time_ms)) if time_ms else None
+    return graph_of(preds, times, **kwargs)
+
+
+def assert_valid(graph: CostGraph, result: Partition) -> None:
+    """Every computing node in a stage, values flow forward, no stage empty, memory fits."""
+    stage_of = [result.stage_of.get(name, -1) for name in graph.names]
+    assert set(result.stage_of) == {graph.names[i] for i in graph.compute_nodes}
+    check_valid(graph, stage_of, result.num_stages)
+    assert all(cost.num_nodes > 0 for cost in result.stages)
+    assert all(c.memory_bytes <= d.memory_bytes for c, d in zip(result.stages, result.devices))
+    assert result.bottleneck_s == max(c.time_s for c in result.stages)
+    assert result.lower_bound_s <= result.bottleneck_s
+
+
+# ------------------------------------------------------------------------------------------------
+# Against the brute-force oracle
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
+    try:
+        oracle = brute_force_partition(case.graph, case.devices)
+    except PartitionError:
+        with pytest.raises(PartitionError):
+            partition(case.graph, case.devices)
+        return
+    result = partition(case.graph, case.devices)
+    assert_valid(case.graph, result)
+    assert result.bottleneck_s >= oracle.bottleneck_s * (1 - 1e-9)
+    assert result.lower_bound_s <= oracle.bottleneck_s * (1 + 1e-9)
+    if result.optimal:
+        assert math.isclose(result.bottleneck_s, oracle.bottleneck_s, rel_tol=1e-9)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(), st.sampled_from([(40, 10**5, 0), (300, 10**5, 100), (10**6, 5, 0)]))
+def test_fallbacks_never_beat_the_oracle_nor_overclaim(case: DagCase, limits):
+    # Tiny work and ideal limits force the paths large graphs take: slicing, band probes,
+    # a stopped branch and bound, exact slicing of one order.
+    work, ideals, prefix = limits
+    with mock.patch.multiple(partition_module, WORK_LIMIT=work, IDEAL_LIMIT=ideals,
+                             PREFIX_LIMIT=prefix):
+        try:
+            result = partition(case.graph, case.devices)
+        except PartitionError:
+            return      # may be reported when only the exact search would find a fit
+    oracle = brute_force_partition(case.graph, case.devices)
+    assert_valid(case.graph, result)
+    assert result.bottleneck_s >= oracle.bottleneck_s * (1 - 1e-9)
+    assert result.lower_bound_s <= oracle.bottleneck_s * (1 + 1e-9)
+    if result.optimal:
+        assert math.isclose(result.bottleneck_s, oracle.bottleneck_s, rel_tol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dags(max_nodes=9, memory=False))
+def test_small_graphs_are_proven_optimal(case: DagCase):
+    assert partition(case.graph, case.devices).optimal
+
+
+# ------------------------------------------------------------------------------------------------
+# Large graphs
+
+
+def random_wide_dag(n: int, seed: int) -> CostGraph:
+    """Edges from any of the previous 40 nodes: far too many ideals for the exact DP."""
+    rng = random.Random(seed)
+    preds = {f"n{i}": tuple(dict.fromkeys(
+        ["x"] if i == 0 else [f"n{rng.randrange(max(0, i - 40), i)}"
+                              for _ in range(rng.randint(1, 3))])) for i in range(n)}
+    times = {name: rng.uniform(0.01, 1.0) for name in preds}
+    sizes = {name: rng.randint(1, 10 ** 6) for name in preds}
+    return graph_of(preds, times, out_bytes=sizes, param_bytes=sizes)
+
+
+@pytest.mark.parametrize("graph", [random_wide_dag(3000, seed=1), synthetic_graph(5000, seed=2)],
+                         ids=["wide", "dnn-like"])
+@pytest.mark.parametrize("k", [2, 7])
+def test_large_graphs_give_valid_bounded_partitions(graph: CostGraph, k: int):
+    devices = [DeviceSpec(f"cuda:{i}", speed=1.0 + i % 3, memory_bytes=math.inf)
+               for i in range(k)]
+    result = partition(graph, devices)
+    assert_valid(graph, result)
+    assert result.bottleneck_s >= result.lower_bound_s > 0
+    assert result.gap < 1.2
+
+
+# ------------------------------------------------------------------------------------------------
+# Behaviours
+
+
+def test_same_input_gives_the_same_partition():
+    graph = synthetic_graph(800, seed=3)
+    devices = [DeviceSpec(f"cuda:{i}", speed=1 + i % 2) for i in range(5)]
+    first = partition(graph, devices)
+    again = partition(CostGraph(graph.names, graph.time_s, graph.out_bytes, graph.param_bytes,
+                                graph.preds, graph.is_input, graph.to_output), devices)
+    assert first == again
+    assert list(first.stage_of.items()) == list(again.stage_of.items())
+
+
+def test_sequential_graph_is_split_evenly_and_proven_optimal():
+    result = partition(chain(12), [CPU] * 4)
+    assert result.optimal
+    assert [len(names) for names in result.stage_names] == [3, 3, 3, 3]
+    assert "proven optimal" in str(result)
+
+
+def test_faster_device_gets_proportionally_more_work():
+    result = partition(chain(8), [DeviceSpec("cpu", speed=1.0), DeviceSpec("cpu", speed=3.0)])
+    assert [len(names) for names in result.stage_names] == [2, 6]
+    assert result.optimal
+
+
+def test_device_order_is_kept_unless_reordering_is_asked():
+    graph = chain(4, [3.0, 3.0, 1.0, 1.0])
+    slow_first = [DeviceSpec("cpu", speed=1.0), DeviceSpec("cpu", speed=3.0)]
+    kept = partition(graph, slow_first)
+    assert kept.devices == tuple(slow_first)
+    best = partition(graph, slow_first, reorder_devices=True)
+    assert best.devices == tuple(reversed(slow_first))
+    assert best.bottleneck_s < kept.bottleneck_s
+
+
+def test_parallel_branches_are_proven_optimal():
+    # x -> a -> {b1 -> b2, c1 -> c2} -> d
+    graph = graph_of({"a": ("x",), "b1": ("a",), "b2": ("b1",), "c1": ("a",), "c2": ("c1",),
+                      "d": ("b2", "c2")}, {"a": 1, "b1": 4, "b2": 1, "c1": 1, "c2": 4, "d": 1})
+    result = partition(graph, [CPU] * 2)
+    assert result.optimal
+    assert result.bottleneck_s == brute_force_partition(graph, [CPU] * 2).bottleneck_s
+
+
+def test_value_is_sent_once_per_receiving_stage_not_once_per_edge():
+    # a's value is read by b and c: one transfer to stage 1 when both are there, two when the
+    # readers are in stages 1 and 2.
+    graph = graph_of({"a": ("x",), "b": ("a",), "c": ("a",), "d": ("b", "c")},
+                     out_bytes={"a": 1000, "b": 10, "c": 10}, outputs=("d",))
+    gpus = GPUS[:3]
+    together = stage_costs(graph, [-1, 0, 1, 1, 2], gpus)
+    assert together[0].sent_bytes == 1000
+    assert together[1].received_bytes == 1000
+    apart = stage_costs(graph, [-1, 0, 1, 2, 2], gpus)
+    assert apart[0].sent_bytes == 2000
+    assert apart[0].comm_s - together[0].comm_s == pytest.approx(PEER_DEVICE.time_s(1000))
+
+
+def test_too_many_stages_is_an_error_that_says_how_many_fit():
+    with pytest.raises(PartitionError, match="3 computing nodes, too few for 4 stages"):
+        partition(chain(3), [CPU] * 4)
+
+
+def test_memory_error_names_the_stage_and_how_much_it_needs():
+    graph = chain(4, param_bytes={f"n{i}": 10_000_000 for i in range(4)})
+    small = [DeviceSpec("cpu", memory_bytes=15e6), DeviceSpec("cpu", memory_bytes=15e6)]
+    with pytest.raises(PartitionError, match=r"stage \d on cpu needs 20\.0 MB but has 15\.0 MB"):
+        partition(graph, small)
+
+
+def test_memory_error_names_a_node_too_big_for_any_device():
+    graph = chain(3, param_bytes={"n1": 50_000_000})
+    with pytest.raises(PartitionError, match="node 'n1' alone needs 50.0 MB"):
+        partition(graph, [DeviceSpec("cpu", memory_bytes=20e6)] * 2)
+
+
+def test_memory_limits_move_nodes_to_the_device_that_has_room():
+    graph = chain(4, param_bytes={f"n{i}": 10_000_000 for i in range(4)})
+    devices = [DeviceSpec("cpu", memory_bytes=15e6), DeviceSpec("cpu", memory_bytes=40e6)]
+    result = partition(graph, devices)
+    assert [len(names) for names in result.stage_names] == [1, 3]
+
+
+def test_activation_factor_multiplies_activation_memory():
+    graph = chain(4, out_bytes={f"n{i}": 1_000_000 for i in range(4)})
+    once = partition(graph, [CPU] * 2)
+    twice = partition(graph, [CPU] * 2, activation_factor=2.0)
+    assert [c.memory_bytes for c in twice.stages] == [2 * c.memory_bytes for c in once.stages]
+
+
+def test_num_stages_for_stops_where_more_devices_stop_helping():
+    # One 10 ms node dominates: beyond 2 stages the bottleneck cannot go down.
+    graph = chain(6, [10.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert num_stages_for(graph, CPU, max_stages=6) == 2
+    assert num_stages_for(chain(8), CPU, max_stages=4) == 4
+
+
+def test_partitions_a_graph_module_with_costs_on_its_nodes():
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    for node in gm.graph.nodes:
+        node.meta["cost"] = NodeCost(fwd_s=1e-3, out_bytes=64, param_bytes=80)
+    result = partition(gm, [CPU] * 3)
+    assert sorted(result.stage_of.values()) == [0, 1, 2]
+    assert result.optimal
