@@ -8,9 +8,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.annotate_costs import bind_inputs
 from passes.codegen import Stage
 from passes.errors import FxpipeError
+from passes.signature import signature_of
 
 from . import microbatch
 from .report import Plan
@@ -34,6 +34,7 @@ class Pipeline(nn.Module):
                  chunks: int, *, schedule: ScheduleName = "gpipe",
                  threads_per_stage: int | None = None):
         super().__init__()
+        self.training = graph_module.training
         self.schedule = schedule
         self.module = graph_module     # holds the parameters, under the model's names
         self._stages = list(stages)
@@ -41,7 +42,7 @@ class Pipeline(nn.Module):
         self.chunks = chunks
         self.last_run: Run | None = None
         (output,) = [n for n in graph_module.graph.nodes if n.op == "output"]
-        self._output_template = output.args[0]
+        self._signature = signature_of(graph_module)   # model inputs -> graph -> model output
         self._placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._runtime = Runtime(stages, [n.name for n in output.all_input_nodes
                                          if n.op != "placeholder"],
@@ -57,10 +58,10 @@ class Pipeline(nn.Module):
         return list(self._stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = dict(zip(self._placeholders, bind_inputs(self.module, args, kwargs)))
+        values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
         chunks = microbatch.split(values, self.chunks)
         outputs, self.last_run = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks)
-        return microbatch.merge([_rebuild(self._output_template, {**chunk, **out})
+        return microbatch.merge([self._signature.rebuild_outputs({**chunk, **out})
                                  for chunk, out in zip(chunks, outputs)])
 
     def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -78,7 +79,7 @@ class Pipeline(nn.Module):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
             (inputs if isinstance(inputs, tuple) else (inputs,)), {})
-        values = dict(zip(self._placeholders, bind_inputs(self.module, args, kwargs)))
+        values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
         chunks = microbatch.split(values, self.chunks)
         targets = microbatch.split(target, self.chunks)
         rows = [microbatch.batch_size(c) for c in targets]
@@ -88,7 +89,7 @@ class Pipeline(nn.Module):
         weights = [r / sum(rows) if reduction == "mean" else 1.0 for r in rows]
 
         def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
-            loss = loss_fn(_rebuild(self._output_template, graph_values), targets[m])
+            loss = loss_fn(self._signature.rebuild_outputs(graph_values), targets[m])
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise FxpipeError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
             return loss * weights[m]
@@ -131,6 +132,13 @@ class Pipeline(nn.Module):
         return self.module.load_state_dict(state_dict, strict, assign)
 
     def train(self, mode: bool = True) -> "Pipeline":
+        captured = self.plan.capture.training
+        if captured is not None and captured != mode:
+            have, want = ("train", "eval") if captured else ("eval", "train")
+            raise FxpipeError(
+                f"this pipeline's graph was captured by torch.export in {have} mode, which fixes "
+                f"how its dropout and BatchNorm behave: compile the model after model.{want}() "
+                f"to run it in {want} mode")
         super().train(mode)
         for stage in self._stages:
             stage.module.train(mode)
@@ -143,16 +151,3 @@ class Pipeline(nn.Module):
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
 
-
-def _rebuild(template: Any, values: dict[str, Any]) -> Any:
-    """The graph's output structure with every node replaced by its value."""
-    if isinstance(template, fx.Node):
-        return values[template.name]
-    if isinstance(template, tuple):
-        items = [_rebuild(v, values) for v in template]
-        return type(template)(*items) if hasattr(template, "_fields") else tuple(items)
-    if isinstance(template, list):
-        return [_rebuild(v, values) for v in template]
-    if isinstance(template, dict):
-        return {k: _rebuild(v, values) for k, v in template.items()}
-    return template

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -9,12 +11,17 @@ from tabulate import tabulate
 
 from passes.codegen import Stage
 from passes.partition import Partition
-from passes.trace import Capture
+from passes.trace import Capture, module_path
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How a model was split: how it was captured, the partition, and what each stage holds."""
+    """How a model was split: how it was captured, the partition, and what each stage holds.
+
+    `stage_modules[s]` are the model's modules stage `s` runs, by qualified name, in order: a
+    module wholly inside the stage once (numbered siblings as a range, `model.layers.0-3`), one
+    that the stage shares with another as `name (part)`, so a stage's ends show in the model.
+    """
 
     capture: Capture
     partition: Partition
@@ -22,15 +29,19 @@ class Plan:
     stage_spans: tuple[tuple[str, str], ...]     # first and last node of each stage
     stage_param_bytes: tuple[int, ...]
     verified: str
+    stage_modules: tuple[tuple[str, ...], ...] = ()
 
     def table(self) -> str:
         rows = []
         for s, cost in enumerate(self.partition.stages):
             first, last = self.stage_spans[s]
-            rows.append((s, self.partition.devices[s].name, cost.num_nodes, f"{first} .. {last}",
+            modules = self.stage_modules[s] if self.stage_modules else ()
+            runs = ", ".join(modules) if modules else f"{first} .. {last}"
+            rows.append((s, self.partition.devices[s].name, cost.num_nodes, runs,
                          cost.time_s * 1e3, self.stage_param_bytes[s] / 1e6, cost.sent_bytes))
         return tabulate(rows, headers=["stage", "device", "nodes", "runs", "predicted ms",
-                                       "params MB", "bytes sent"], floatfmt=".3f")
+                                       "params MB", "bytes sent"], floatfmt=".3f",
+                        maxcolwidths=[None, None, None, 64, None, None, None])
 
     def __str__(self) -> str:
         p = self.partition
@@ -54,4 +65,45 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
     param_bytes = tuple(
         sum(t.numel() * t.element_size() for t in list(s.module.parameters()) + list(s.module.buffers()))
         for s in stages)
-    return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified)
+    return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
+                stage_modules(stages))
+
+
+def stage_modules(stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:
+    """The modules each stage runs (see `Plan`), from the module path each node records."""
+    chains = [[_ancestors(module_path(n)) for n in stage.module.graph.nodes
+               if n.op not in ("placeholder", "output", "get_attr")] for stage in stages]
+    total = Counter(p for stage in chains for chain in stage for p in chain)
+    listed = []
+    for stage in chains:
+        here = Counter(p for chain in stage for p in chain)
+        names: dict[str, None] = {}
+        for chain in stage:
+            whole = [p for p in chain if here[p] == total[p]]
+            if chain:
+                names[whole[0] if whole else f"{chain[-1]} (part)"] = None
+        listed.append(_ranges(list(names)))
+    return tuple(listed)
+
+
+def _ancestors(path: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]; the top level (``) has none."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _ranges(names: list[str]) -> tuple[str, ...]:
+    """Numbered siblings in a row as one range: `layers.0, layers.1, layers.2` -> `layers.0-2`."""
+    out: list[tuple[str, int, int] | str] = []
+    for name in names:
+        match = re.fullmatch(r"(.*)\.([0-9]+)", name)
+        if match and out and isinstance(out[-1], tuple) and out[-1][0] == match[1] \
+                and out[-1][2] + 1 == int(match[2]):
+            out[-1] = (match[1], out[-1][1], int(match[2]))
+        elif match:
+            out.append((match[1], int(match[2]), int(match[2])))
+        else:
+            out.append(name)
+    return tuple(item if isinstance(item, str) else
+                 f"{item[0]}.{item[1]}" + (f"-{item[2]}" if item[2] > item[1] else "")
+                 for item in out)

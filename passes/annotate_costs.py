@@ -17,8 +17,10 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
+from .codegen import place
 from .cost_model import NodeCost
-from .errors import CostError, InputError
+from .errors import CostError
+from .signature import signature_of
 
 
 class CostInterpreter(fx.Interpreter):
@@ -83,7 +85,7 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     `backward`, each node's backward is timed too (`bwd_s`), from its own inputs.
     """
     device = torch.device(device) if device is not None else _device_of(gm)
-    gm.to(device)
+    place(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
@@ -103,7 +105,8 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
         backward_times = interpreter.backward_s.get(n, [0.0])
         n.meta["cost"] = NodeCost(fwd_s=statistics.median(times),
                                   bwd_s=statistics.median(backward_times[warmup:] or backward_times),
-                                  out_bytes=interpreter.out_bytes[n], param_bytes=owned.get(n, 0))
+                                  out_bytes=0 if n.op == "get_attr" else interpreter.out_bytes[n],
+                                  param_bytes=owned.get(n, 0))
     return gm
 
 
@@ -120,21 +123,29 @@ def tensor_bytes(value: Any) -> int:
 
 
 def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Parameter and buffer bytes, each tensor counted at the first node that references it."""
+    """Parameter and buffer bytes, each tensor counted at the first node that references it.
+
+    A `get_attr` is never sent between stages: `passes.codegen` copies it into each stage that
+    reads it. So its tensor is counted at its first reader, and its `out_bytes` is 0.
+    """
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[int] = set()
     owned: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
+        holder = n
         if n.op == "call_module":
             module = gm.get_submodule(n.target)
             tensors = list(module.parameters()) + list(module.buffers())
         elif n.op == "get_attr":
             value = _get_attr(gm, n.target)
             tensors = [value] if isinstance(value, torch.Tensor) else []
+            readers = [u for u in n.users if u.op != "output"]
+            holder = min(readers, key=position.__getitem__) if readers else n
         else:
             continue
         fresh = [t for t in tensors if id(t) not in seen]
         seen.update(id(t) for t in fresh)
-        owned[n] = sum(t.numel() * t.element_size() for t in fresh)
+        owned[holder] = owned.get(holder, 0) + sum(t.numel() * t.element_size() for t in fresh)
     return owned
 
 
@@ -145,24 +156,7 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
 
 def bind_inputs(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> list[Any]:
     """The value of every placeholder, in order, from inputs given as the model takes them."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(args) > len(placeholders):
-        raise InputError(f"{len(args)} positional inputs given, but the graph takes "
-                         f"{len(placeholders)}: {', '.join(n.target for n in placeholders)}")
-    kwargs = dict(kwargs or {})
-    values = list(args)
-    for n in placeholders[len(args):]:
-        name = n.target.lstrip("*")
-        if name in kwargs:
-            values.append(kwargs.pop(name))
-        elif n.args:
-            values.append(n.args[0])           # the placeholder's default
-        else:
-            raise InputError(f"no value for input {name!r}: pass it positionally or by keyword")
-    if kwargs:
-        raise InputError(f"inputs {sorted(kwargs)} are not inputs of the graph "
-                        f"({', '.join(n.target for n in placeholders)})")
-    return values
+    return signature_of(gm).flatten_inputs(args, kwargs)
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:

@@ -4,10 +4,16 @@ Stage `s` is a GraphModule whose placeholders are the values it reads from outsi
 values of earlier stages), named as in the original graph, and whose output is the tuple of values
 that later stages or the graph's output need. Nodes keep their names, order and `meta`, so
 `print(stage.code)` reads like the slice of the model it is. The input graph is not modified.
+
+Parameters are never sent: a `get_attr` node (how export graphs read parameters) is copied into
+every stage that reads it, so each stage holds the parameters it uses. Higher-order ops' bodies
+(sub-GraphModules) go with the stage that calls them, and `place` points the devices that export
+wrote into ops (`arange(..., device=cpu)`) at the stage's own device.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -33,22 +39,26 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
     """Split `gm` into `len(devices)` stages, stage `s` holding the nodes with `stage_of[n] == s`.
 
     Every node but placeholders and the output needs a stage, and no node may read a value of a
-    later stage. Parameters and buffers move to their stage's device; a parameter shared by stages
-    on different devices is an error.
+    later stage. A `get_attr` node is copied into each stage that reads it, so it needs no stage
+    of its own (given one, it stays there only when nothing reads it; a graph output without one
+    comes from the last stage). Parameters and buffers move to their stage's device; a parameter
+    shared by stages on different devices is an error.
     """
     devices = [torch.device(d) for d in devices]
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     _check(nodes, stage_of, len(devices))
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     graph_outputs = set(output.all_input_nodes)
+    owner = {n: stage_of.get(n.name, len(devices) - 1) for n in nodes}   # who sends it out
+    where = {n: _stages_holding(n, stage_of, owner[n]) for n in nodes}
 
     stages = []
     for s, device in enumerate(devices):
-        members = [n for n in nodes if stage_of[n.name] == s]
+        members = [n for n in nodes if s in where[n]]
         inputs = list(dict.fromkeys(p for n in members for p in n.all_input_nodes
-                                    if p.op == "placeholder" or stage_of[p.name] != s))
-        outputs = [n for n in members if n in graph_outputs or
-                   any(u.op != "output" and stage_of[u.name] != s for u in n.users)]
+                                    if p.op == "placeholder" or s not in where[p]))
+        outputs = [n for n in members if (n in graph_outputs and owner[n] == s) or
+                   any(u.op != "output" and s not in where[u] for u in n.users)]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for p in inputs:
@@ -58,21 +68,67 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
             env[n] = graph.node_copy(n, lambda p: env[p])
         graph.output(tuple(env[n] for n in outputs))
         module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+        for name, child in module.named_children():   # its own copy of each op body, to place
+            if isinstance(child, fx.GraphModule) and not _has_state(child):
+                setattr(module, name, copy.deepcopy(child))
         stages.append(Stage(s, module, tuple(p.name for p in inputs), tuple(n.name for n in outputs),
                             device))
     _move(stages)
     return stages
 
 
+def place(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
+    """Move `gm`'s parameters and buffers to `device`, and make its ops create tensors there.
+
+    An export graph names the example's device in ops that create tensors (`arange(8,
+    device=cpu)`, `to(mask, cpu)`), in its own graph and in its op bodies; each becomes `device`.
+    Modifies `gm` and returns it.
+    """
+    device = torch.device(device)
+    gm.to(device)
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for n in module.graph.nodes:
+            if any(isinstance(v, torch.device) for v in _leaves((n.args, n.kwargs))):
+                n.args, n.kwargs = fx.node.map_aggregate(
+                    (n.args, n.kwargs), lambda v: device if isinstance(v, torch.device) else v)
+                changed = True
+        if changed:
+            module.recompile()
+    return gm
+
+
+def _stages_holding(n: fx.Node, stage_of: Mapping[str, int], owner: int) -> set[int]:
+    """The stages that hold `n`: its own, or for a get_attr, every stage that reads it."""
+    if n.op != "get_attr":
+        return {stage_of[n.name]}
+    readers = {stage_of[u.name] if u.op != "output" else owner for u in n.users}
+    return readers or ({stage_of[n.name]} if n.name in stage_of else set())
+
+
+def _has_state(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _leaves(value) -> list:
+    found: list = []
+    fx.node.map_aggregate(value, lambda v: found.append(v))
+    return found
+
+
 def _check(nodes: Sequence[fx.Node], stage_of: Mapping[str, int], num_stages: int) -> None:
     for n in nodes:
+        if n.name not in stage_of and n.op == "get_attr":
+            continue                   # copied into the stages that read it
         if n.name not in stage_of:
             raise PartitionError(f"node {n.name!r} has no stage: every node needs one")
         if not 0 <= stage_of[n.name] < num_stages:
             raise PartitionError(f"node {n.name!r} is in stage {stage_of[n.name]}, "
                                  f"outside 0..{num_stages - 1}")
         for p in n.all_input_nodes:
-            if p.op != "placeholder" and stage_of[p.name] > stage_of[n.name]:
+            if p.op not in ("placeholder", "get_attr") and stage_of[p.name] > stage_of[n.name]:
                 raise PartitionError(
                     f"node {n.name!r} (stage {stage_of[n.name]}) reads {p.name!r} from the later "
                     f"stage {stage_of[p.name]}: stages may only pass values forward")
@@ -90,4 +146,4 @@ def _move(stages: Sequence[Stage]) -> None:
                     f"{stage.index} on {stage.device}: a parameter lives on one device; place "
                     f"those stages on the same device")
     for stage in stages:
-        stage.module.to(stage.device)
+        place(stage.module, stage.device)

@@ -114,8 +114,12 @@ class CostGraph:
 
 
 def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
-    """Read `node.meta["cost"]` of every node into a CostGraph (`training` adds backward time)."""
-    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    """Read `node.meta["cost"]` of every node into a CostGraph (`training` adds backward time).
+
+    Parameter reads (`get_attr`) are left out: codegen copies one into every stage that reads it,
+    and `annotate_costs` counts its bytes at its first reader.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
     index = {n: i for i, n in enumerate(nodes)}
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = set(output.all_input_nodes)
@@ -132,7 +136,8 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
         time_s=tuple(c.fwd_s + (c.bwd_s if training else 0.0) for c in costs),
         out_bytes=tuple(c.out_bytes for c in costs),
         param_bytes=tuple(c.param_bytes for c in costs),
-        preds=tuple(tuple(dict.fromkeys(index[p] for p in n.all_input_nodes)) for n in nodes),
+        preds=tuple(tuple(dict.fromkeys(index[p] for p in n.all_input_nodes if p in index))
+                    for n in nodes),
         is_input=tuple(n.op == "placeholder" for n in nodes),
         to_output=tuple(n in outputs for n in nodes),
     )

@@ -6,6 +6,11 @@ and it hides a dependency the partitioner must see (later readers of `x` need th
 pass rewrites each in-place op `y = f_(x)` as `y = f(x)` and points every later reader of `x` at `y`,
 turning the hidden dependency into an edge. Mutations of views are left alone (their base would
 also change); see DESIGN.md.
+
+Export graphs spell in-place ops in ATen (`aten.relu_.default`, `aten.add_.Tensor`): those whose
+schema writes their first argument become their out-of-place overload. Writes to parameters and
+buffers (`get_attr` nodes, e.g. BatchNorm's `num_batches_tracked.add_(1)` in train mode) are state
+updates the model keeps, and stay.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         mutated = _mutated_input(gm, node)
-        if mutated is None or _is_view(mutated):
+        if mutated is None or _is_view(mutated) or mutated.op == "get_attr":
             continue
-        if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        if isinstance(node.target, torch._ops.OpOverload):
+            node.target = _out_of_place_aten(node.target)
+        elif node.op == "call_function" and node.target in _INPLACE_OPERATORS:
             node.target = _INPLACE_OPERATORS[node.target]
         elif node.op == "call_function" and node.target is operator.setitem:
             node.target = setitem
@@ -69,7 +76,9 @@ def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     if not node.args or not isinstance(node.args[0], fx.Node):
         return None
     target = node.target
-    if node.op == "call_function":
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        inplace = _out_of_place_aten(target) is not None
+    elif node.op == "call_function":
         inplace = (target in _INPLACE_OPERATORS or target is operator.setitem or
                    (getattr(target, "__module__", None) in ("torch", "torch._C._VariableFunctions")
                     and callable(getattr(torch, getattr(target, "__name__", "")[:-1] or "_", None))
@@ -91,9 +100,22 @@ def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
 
 
 def _is_view(node: fx.Node) -> bool:
+    if isinstance(node.target, torch._ops.OpOverload):   # ATen: its result aliases an input
+        return any(r.alias_info is not None for r in node.target._schema.returns)
     return ((node.op == "call_method" and node.target in _VIEW_METHODS) or
             (node.op == "call_function" and node.target in (operator.getitem, torch.flatten,
                                                             torch.transpose, torch.narrow)))
+
+
+def _out_of_place_aten(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """`aten.relu.default` for `aten.relu_.default`: the same overload without the write, if any."""
+    schema = op._schema
+    name = schema.name.split("::")[-1]
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    if not name.endswith("_") or name.startswith("_") or first is None or not first.is_write:
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
 
 
 def _read_after(node: fx.Node, mutated: fx.Node, position: dict[fx.Node, int]) -> None:

@@ -21,11 +21,16 @@ def test_generated_models_match_on_any_stage_and_chunk_count(case, num_stages, c
     pipe = assert_pipeline_matches(model, inputs, devices=["cpu"] * num_stages, chunks=chunks)
 
     stage_of = pipe.plan.partition.stage_of
-    computing = [n.name for n in pipe.module.graph.nodes if n.op not in ("placeholder", "output")]
+    computing = [n.name for n in pipe.module.graph.nodes
+                 if n.op not in ("placeholder", "output", "get_attr")]
     assert sorted(stage_of) == sorted(computing)              # every node in exactly one stage
     in_stages = [n.name for s in pipe.stages for n in s.graph.nodes
-                 if n.op not in ("placeholder", "output")]
+                 if n.op not in ("placeholder", "output", "get_attr")]
     assert sorted(in_stages) == sorted(computing)
+    for stage in pipe.stages:           # parameter reads are copied to the stages that read them
+        for n in stage.graph.nodes:
+            if n.op == "get_attr":
+                assert n.users
     for stage in pipe.stage_info:                                # no value flows backwards
         for name in stage.inputs:
             assert stage_of.get(name, -1) < stage.index

@@ -1,0 +1,133 @@
+"""Every real architecture through `fxpipe.compile`: how it was captured, split, and if it matches.
+
+    python benchmarks/zoo.py [--size small] [--stages 4] [--chunks 4] [--batch 8]
+                             [--capture auto] [--models resnet50 llama ...]
+
+The zoo's vision models (examples/zoo) and, when `transformers` is installed, Hugging Face
+GPT-2, BERT, T5, Llama, Mistral and DistilBERT built from small configs (random weights, no
+network). Each is compiled onto `--stages` CPU stages and called once on its example.
+
+Columns: the model; the nodes of its captured graph (ops, parameters not counted); the capture
+path (`fx`, `fx+leaves`, `export`); the stages; the predicted bottleneck of one micro-batch over
+the partitioner's lower bound (1.00 is optimal); the bytes crossing stages per micro-batch; the
+wall time of `fxpipe.compile` (capture, costs, partition, codegen, the output check); whether the
+pipeline's output equals the model's (largest absolute difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import fxpipe  # noqa: E402
+from examples.zoo import ZOO, build  # noqa: E402
+
+HF_MODELS = ("gpt2", "bert", "t5", "llama", "mistral", "distilbert")
+
+
+def hf_case(name: str, size: str, batch: int):
+    """A Hugging Face model from a config (`tiny`: 2 layers of 64, else 4 of 256) and its inputs."""
+    import transformers as t
+
+    layers, width, seq = (2, 64, 16) if size == "tiny" else (4, 256, 64)
+    heads, vocab = 4, 1000
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    decoder = dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                   num_key_value_heads=heads // 2, intermediate_size=4 * width,
+                   max_position_embeddings=2 * seq, use_cache=False, **common)
+    configs = {
+        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(n_layer=layers, n_embd=width, n_head=heads,
+                                                 n_positions=2 * seq, use_cache=False, **common)),
+        "bert": (t.BertForSequenceClassification, t.BertConfig(
+            num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+            intermediate_size=4 * width, max_position_embeddings=2 * seq, **common)),
+        "t5": (t.T5ForConditionalGeneration, t.T5Config(
+            num_layers=layers, num_decoder_layers=layers, d_model=width, d_kv=width // heads,
+            num_heads=heads, d_ff=4 * width, use_cache=False, decoder_start_token_id=0, **common)),
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**decoder)),
+        "mistral": (t.MistralForCausalLM, t.MistralConfig(sliding_window=seq // 2, **decoder)),
+        "distilbert": (t.DistilBertForSequenceClassification, t.DistilBertConfig(
+            n_layers=layers, dim=width, n_heads=heads, hidden_dim=4 * width,
+            max_position_embeddings=2 * seq, **common)),
+    }
+    model_class, config = configs[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        inputs = {"input_ids": torch.randint(2, vocab, (batch, seq)),
+                  "attention_mask": torch.ones(batch, seq, dtype=torch.long)}
+        if name == "t5":
+            inputs["decoder_input_ids"] = torch.randint(2, vocab, (batch, seq))
+    return model, (), inputs
+
+
+def largest_difference(actual, expected) -> float:
+    pairs = zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected))
+    return max((float((a - e).abs().max()) for a, e in pairs if isinstance(e, torch.Tensor)),
+               default=0.0)
+
+
+def row(name: str, model, args: tuple, kwargs: dict, options: argparse.Namespace) -> list:
+    start = time.perf_counter()
+    try:
+        pipe = fxpipe.compile(model, ["cpu"] * options.stages, args, kwargs,
+                              chunks=options.chunks, capture=options.capture)
+    except fxpipe.FxpipeError as error:
+        return [name, "", "failed", "", "", "", "", str(error).splitlines()[0][:60]]
+    compile_s = time.perf_counter() - start
+    with torch.no_grad():
+        difference = largest_difference(pipe(*args, **kwargs), model(*args, **kwargs))
+    plan = pipe.plan.partition
+    capture = pipe.plan.capture
+    ops = sum(n.op not in ("placeholder", "output", "get_attr") for n in pipe.module.graph.nodes)
+    return [name, ops, capture.method + (f" ({', '.join(capture.leaves)})" if capture.leaves else ""),
+            plan.num_stages, f"{plan.bottleneck_s / plan.lower_bound_s:.2f}",
+            sum(s.sent_bytes for s in plan.stages), f"{compile_s:.1f}",
+            f"yes ({difference:.0e})" if difference < 1e-3 else f"NO ({difference:.0e})"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=["tiny", "small", "full"])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--capture", default="auto", choices=["auto", "fx", "export"])
+    parser.add_argument("--models", nargs="*", help="zoo or Hugging Face model names (all)")
+    options = parser.parse_args()
+    try:
+        import transformers  # noqa: F401
+        hf = list(HF_MODELS)
+    except ImportError:
+        hf = []
+    names = options.models or [*ZOO, *hf]
+    torch.set_num_threads(1)            # stages share the cores; one intra-op thread each
+    warnings.filterwarnings("ignore")
+    rows = []
+    for name in names:
+        if name in ZOO:
+            case = build(name, size=options.size, batch=options.batch)
+            model, args, kwargs = case.model, case.example_inputs, case.example_kwargs
+        else:
+            model, args, kwargs = hf_case(name, options.size, options.batch)
+        rows.append(row(name, model, args, kwargs, options))
+        print(f"  {name}: done", file=sys.stderr, flush=True)
+    print(f"fxpipe.compile on {options.stages} CPU stages, {options.chunks} micro-batches, "
+          f"batch {options.batch}, zoo size {options.size!r}, capture={options.capture!r}")
+    print(tabulate(rows, headers=["model", "nodes", "capture", "stages", "bottleneck / bound",
+                                  "bytes crossing", "compile s", "matches"],
+                   colalign=("left", "right", "left", "right", "right", "right", "right", "left"),
+                   disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()

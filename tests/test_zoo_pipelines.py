@@ -1,0 +1,75 @@
+"""Every zoo architecture (examples/zoo, size "tiny") pipelined: same outputs, same gradients.
+
+Default capture takes fx for all but `dynamic` (fx with its loop kept whole as a leaf); the same
+models captured by torch.export check export graphs on real CNN and attention patterns too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import fxpipe
+from examples.zoo import ZOO, ZooCase, build
+from fxpipe.testing import assert_pipeline_matches
+
+NAMES = sorted(ZOO)
+# Micro-batches take other conv kernels than the whole batch: over ~100 layers rounding
+# differences reach 1e-4 (see test_zoo_models.py). A lost sample or parameter is O(1) wrong.
+TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}
+
+_cases: dict[str, ZooCase] = {}
+
+
+def case(name: str) -> ZooCase:
+    if name not in _cases:
+        _cases[name] = build(name, size="tiny", batch=4, seed=0)
+    return _cases[name]
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_model_pipeline_matches_outputs_and_gradients(name, stages):
+    c = case(name)
+    pipe = assert_pipeline_matches(c.model, c.example_inputs, c.example_kwargs,
+                                   devices=["cpu"] * stages, chunks=2, backward=True, **TOLERANCE)
+    capture = pipe.plan.capture
+    if name == "dynamic":
+        assert capture.method == "fx+leaves" and capture.leaves == ("downsample",)
+        assert "kept whole: downsample" in str(pipe.plan)
+    else:
+        assert capture.method == "fx"
+
+
+@pytest.mark.parametrize("stages", [2, 8])
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_model_captured_by_export_matches_outputs_and_gradients(name, stages):
+    c = case(name)
+    pipe = assert_pipeline_matches(c.model, c.example_inputs, c.example_kwargs,
+                                   devices=["cpu"] * stages, chunks=2, backward=True,
+                                   capture="export", **TOLERANCE)
+    assert pipe.plan.capture.method == "export"
+
+
+@pytest.mark.skipif(not hasattr(fxpipe.Pipeline, "train_step"), reason="no Pipeline.train_step")
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_model_train_step_gives_the_models_gradients(name):
+    c = case(name)
+    model, (x,) = c.model, c.example_inputs
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        target = torch.randn_like(model(x))
+    model.zero_grad()
+    expected_loss = F.mse_loss(model(x), target)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=2)
+    loss = pipe.train_step(x, target, F.mse_loss)
+    torch.testing.assert_close(loss, expected_loss, **TOLERANCE)
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], **TOLERANCE,
+                                   msg=lambda m: f"{name} {n}: {m}")
+    model.zero_grad()
