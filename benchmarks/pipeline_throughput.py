@@ -53,6 +53,19 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def side_by_side(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, timed in interleaved rounds so drift hits all alike."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def torch_pipelining_worker(rank, channels, split, x, target, chunks, repeats, port, results):
     """One process of torch.distributed.pipelining: stage `rank` of the same split."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -112,49 +125,48 @@ def main() -> None:
     x = torch.randn(args.batch, 3, 32, 32)
     target = torch.randn(args.batch, args.channels, 32, 32)
 
-    with torch.no_grad():
-        seq_infer_s = median_s(lambda: model(x), args.repeats)
-
     def seq_train():
         model.zero_grad()
         F.mse_loss(model(x), target).backward()
-    seq_train_s = median_s(seq_train, args.repeats)
-    print(f"sequential, 1 thread: inference {seq_infer_s * 1e3:.1f} ms, "
-          f"training step {seq_train_s * 1e3:.1f} ms per batch of {args.batch}")
 
     rows = []
     for chunks in args.chunks:
-        with torch.no_grad():
-            seq_mb_s = median_s(lambda: [model(c) for c in x.tensor_split(chunks)], args.repeats)
         pipe = fxpipe.compile(model, ["cpu"] * STAGES, (x,), chunks=chunks, training=True,
                               threads_per_stage=1, verify=False)
-        with torch.no_grad():
-            infer_s = median_s(lambda: pipe(x), args.repeats)
 
-        def train_step():
+        def pipe_train():
             model.zero_grad()
             pipe.train_step(x, target, F.mse_loss)
-        train_s = median_s(train_step, args.repeats)
-        predicted_infer_s = pipe.predict()[-1].end_s
-        predicted_train_s = pipe.predict(training=True)[-1].end_s
+
+        with torch.no_grad():
+            infer = side_by_side({
+                "seq": lambda: model(x),
+                "seq-mb": lambda: [model(c) for c in x.tensor_split(chunks)],
+                "pipe": lambda: pipe(x)}, args.repeats)
+        train = side_by_side({"seq": seq_train, "pipe": pipe_train}, args.repeats)
+        predicted_infer_s = max(s.end_s for s in pipe.predict())
+        predicted_train_s = max(s.end_s for s in pipe.predict(training=True))
         ideal = STAGES * chunks / (chunks + STAGES - 1)
-        row = [chunks, ideal, seq_infer_s / infer_s, seq_mb_s / infer_s,
-               seq_mb_s / infer_s / ideal * 100,
-               predicted_infer_s * 1e3, infer_s * 1e3, (predicted_infer_s / infer_s - 1) * 100,
-               seq_train_s / train_s, predicted_train_s * 1e3, train_s * 1e3,
-               (predicted_train_s / train_s - 1) * 100]
+        overlap = infer["seq-mb"] / infer["pipe"]
+        row = [chunks, ideal, infer["seq"] / infer["pipe"], overlap, overlap / ideal * 100,
+               predicted_infer_s * 1e3, infer["pipe"] * 1e3,
+               (predicted_infer_s / infer["pipe"] - 1) * 100,
+               train["seq"] / train["pipe"], predicted_train_s * 1e3, train["pipe"] * 1e3,
+               (predicted_train_s / train["pipe"] - 1) * 100]
         if not args.no_torch_pipelining:
             split = sum(1 for name, s in pipe.plan.partition.stage_of.items() if s == 0
                         and name.lstrip("_").isdigit())
             tp_infer_s, tp_train_s = torch_pipelining(args.channels, split, x, target, chunks,
                                                       args.repeats)
-            row += [seq_infer_s / tp_infer_s, seq_train_s / tp_train_s]
+            row += [infer["seq"] / tp_infer_s, train["seq"] / tp_train_s,
+                    tp_infer_s / infer["pipe"], tp_train_s / train["pipe"]]
         rows.append(row)
 
     headers = ["chunks", "ideal x", "infer x seq", "infer x seq-mb", "% of ideal", "pred ms", "meas ms", "err %",
                "train x seq", "train pred ms", "train meas ms", "train err %"]
     if not args.no_torch_pipelining:
-        headers += ["torch.pipelining infer x seq", "torch.pipelining train x seq"]
+        headers += ["torch.pipelining infer x seq", "torch.pipelining train x seq",
+                    "fxpipe / torch.pipelining infer", "fxpipe / torch.pipelining train"]
     print(f"\nfxpipe, {STAGES} stages x 1 thread: speed-up over 1 thread sequential (samples/s "
           f"ratio), predicted and measured time per batch:")
     print(tabulate(rows, headers=headers, floatfmt=".2f"))

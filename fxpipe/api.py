@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -11,22 +11,23 @@ from torch import nn
 from passes.annotate_costs import annotate_costs
 from passes.codegen import split_stages
 from passes.cost_model import LinkFn, cost_graph, default_link
-from passes.errors import BatchError, FxpipeError
+from passes.errors import BatchError, FxpipeError, PartitionError
 from passes.functionalize import functionalize
-from passes.partition import partition
+from passes.partition import num_stages_for, partition
 from passes.trace import CaptureMode, trace
 
 from . import microbatch
-from .schedules import SCHEDULES, ScheduleName
 from .devices import DeviceLike, parse_devices
 from .pipeline import Pipeline
 from .report import make_plan
+from .schedules import SCHEDULES, ScheduleName
 
 
 def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             example_inputs: tuple | Any = (), example_kwargs: Mapping[str, Any] | None = None, *,
             chunks: int = 1, capture: CaptureMode = "auto",
             leaf_modules: Iterable[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
+            num_stages: int | Literal["auto"] | None = None,
             schedule: ScheduleName = "gpipe", training: bool | None = None,
             threads_per_stage: int | None = None, link: LinkFn = default_link, repeats: int = 5,
             verify: bool = True) -> Pipeline:
@@ -35,6 +36,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
     `example_kwargs` its keyword inputs; costs are measured on one micro-batch of it, on
     `devices[0]`. `chunks` is the number of micro-batches each call is split into.
+    `num_stages` uses only the first devices: a number, or "auto" for the fewest whose
+    bottleneck is within 2% of using them all (you have 8 GPUs; how many pay off?).
     `schedule` ("gpipe" or "1f1b") orders forwards and backwards in `Pipeline.train_step`.
     `training` (default: `model.training`) also measures backward costs and balances stages on
     forward plus backward time. `threads_per_stage` sets each CPU stage's intra-op threads
@@ -51,9 +54,6 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     if schedule not in SCHEDULES:
         raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     training = model.training if training is None else training
-    if threads_per_stage is None:
-        cpu_stages = sum(d.name.startswith("cpu") for d in specs)
-        threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
 
     verify = verify and not model.training
     if verify:   # before stages take the parameters to their devices
@@ -68,7 +68,18 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     # Activations held per stage: one micro-batch in inference; in training, GPipe keeps every
     # micro-batch until the backwards, 1F1B at most as many as there are stages.
     in_flight = 1 if not training else chunks if schedule == "gpipe" else min(chunks, len(specs))
-    plan = partition(cost_graph(gm, training=training), specs, link, activation_factor=in_flight)
+    graph = cost_graph(gm, training=training)
+    if num_stages == "auto":
+        num_stages = num_stages_for(graph, specs, link, activation_factor=in_flight)
+    if num_stages is not None:
+        if not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs):
+            raise PartitionError(f"num_stages={num_stages!r}: use 'auto' or a number from 1 to "
+                                 f"the {len(specs)} devices given")
+        specs = specs[:num_stages]
+    plan = partition(graph, specs, link, activation_factor=in_flight)
+    if threads_per_stage is None:
+        cpu_stages = sum(d.name.startswith("cpu") for d in specs)
+        threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
     stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
     verified = "yes" if verify else (
         "skipped (model in training mode)" if model.training else "skipped (verify=False)")

@@ -102,16 +102,17 @@ class Pipeline(nn.Module):
         """The timeline the cost model predicts for one call (or one `train_step`).
 
         The same timetable the runtime executes, each action taking its stage's predicted time.
-        `predict()[-1].end_s` is the predicted duration of the whole step.
+        `max(slot.end_s for slot in pipe.predict())` is the predicted duration of the whole step.
         """
         plan = self.plan.partition
-        forward_s = [stage.compute_s + stage.comm_s for stage in plan.stages]
-        backward_s = [0.0] * len(plan.stages)     # gradients cross the same links, backwards
+        forward_s = [stage.comm_s for stage in plan.stages]
+        backward_s = [stage.comm_s for stage in plan.stages]   # gradients cross the same links
         for node in self.module.graph.nodes:
             s = plan.stage_of.get(node.name)
             if s is not None:
-                backward_s[s] += node.meta["cost"].bwd_s / plan.devices[s].speed
-        backward_s = [b + stage.comm_s for b, stage in zip(backward_s, plan.stages)]
+                cost = node.meta["cost"]
+                forward_s[s] += cost.fwd_s / plan.devices[s].speed
+                backward_s[s] += cost.bwd_s / plan.devices[s].speed
         timetable = (timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
                      if training else gpipe(len(self._stages), self.chunks))
         return simulate(timetable,

@@ -96,7 +96,7 @@ def _ranges(names: list[str]) -> tuple[str, ...]:
     """Numbered siblings in a row as one range: `layers.0, layers.1, layers.2` -> `layers.0-2`."""
     out: list[tuple[str, int, int] | str] = []
     for name in names:
-        match = re.fullmatch(r"(.*)\.([0-9]+)", name)
+        match = re.fullmatch(r"(?:(.*)\.)?([0-9]+)", name)
         if match and out and isinstance(out[-1], tuple) and out[-1][0] == match[1] \
                 and out[-1][2] + 1 == int(match[2]):
             out[-1] = (match[1], out[-1][1], int(match[2]))
@@ -105,5 +105,6 @@ def _ranges(names: list[str]) -> tuple[str, ...]:
         else:
             out.append(name)
     return tuple(item if isinstance(item, str) else
-                 f"{item[0]}.{item[1]}" + (f"-{item[2]}" if item[2] > item[1] else "")
+                 (f"{item[0]}." if item[0] else "") + f"{item[1]}" +
+                 (f"-{item[2]}" if item[2] > item[1] else "")
                  for item in out)

@@ -225,28 +225,29 @@ def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
     return best
 
 
-def num_stages_for(graph: CostGraph | fx.GraphModule, device: DeviceSpec, max_stages: int,
+def num_stages_for(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
                    link: LinkFn = default_link, *, tolerance: float = 0.02,
                    activation_factor: float = 1.0, training: bool = False) -> int:
-    """How many stages to use when `max_stages` devices like `device` are available.
+    """How many of `devices` to use: "I have these (e.g. `[gpu] * 8`), how many stages pay?"
 
-    Partitions the graph into 1 .. `max_stages` stages and returns the fewest whose bottleneck is
-    within `tolerance` (relative) of the best: a stage beyond that adds a device but no speed.
+    Partitions the graph onto the first 1 .. len(devices) devices and returns the fewest whose
+    bottleneck is within `tolerance` (relative) of the best: a stage beyond that adds a device but
+    no speed.
     """
     if isinstance(graph, fx.GraphModule):
         graph = cost_graph(graph, training=training)
-    if max_stages < 1:
-        raise PartitionError(f"max_stages is {max_stages}: pass at least 1")
-    limit = min(max_stages, len(graph.compute_nodes))
+    if not devices:
+        raise PartitionError("no devices: pass at least one")
+    limit = min(len(devices), len(graph.compute_nodes))
     bottlenecks = {}
     for k in range(1, limit + 1):
         try:
-            bottlenecks[k] = partition(graph, [device] * k, link,
+            bottlenecks[k] = partition(graph, devices[:k], link,
                                        activation_factor=activation_factor).bottleneck_s
         except PartitionError:
             continue
     if not bottlenecks:
-        raise _memory_error(graph, (device,) * limit, link, activation_factor, False)
+        raise _memory_error(graph, tuple(devices[:limit]), link, activation_factor, False)
     best = min(bottlenecks.values())
     return min(k for k, b in bottlenecks.items() if b <= best * (1 + tolerance))
 

@@ -228,8 +228,8 @@ def test_activation_factor_multiplies_activation_memory():
 def test_num_stages_for_stops_where_more_devices_stop_helping():
     # One 10 ms node dominates: beyond 2 stages the bottleneck cannot go down.
     graph = chain(6, [10.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert num_stages_for(graph, CPU, max_stages=6) == 2
-    assert num_stages_for(chain(8), CPU, max_stages=4) == 4
+    assert num_stages_for(graph, [CPU] * 6) == 2
+    assert num_stages_for(chain(8), [CPU] * 4) == 4
 
 
 def test_partitions_a_graph_module_with_costs_on_its_nodes():

@@ -185,3 +185,35 @@ def test_moving_a_pipeline_is_refused():
     pipe = fxpipe.compile(Net().eval(), ["cpu"], (torch.randn(2, 16),))
     with pytest.raises(fxpipe.FxpipeError, match="compile"):
         pipe.to("cpu")
+
+
+class OneHeavyLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heavy = nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        h = self.heavy(x)                       # one node: no split can beat its time
+        for _ in range(6):
+            h = torch.tanh(h) * 0.5
+        return h
+
+
+def test_auto_stage_count_stops_where_more_devices_stop_helping():
+    model, x = OneHeavyLayer().eval(), torch.randn(256, 1024)
+    auto = fxpipe.compile(model, ["cpu"] * 8, (x,), num_stages="auto")
+    assert auto.plan.partition.num_stages <= 2
+    every = fxpipe.compile(model, ["cpu"] * 8, (x,))
+    assert every.plan.partition.num_stages == 8
+    two = fxpipe.compile(model, ["cpu"] * 8, (x,), num_stages=2)
+    assert two.plan.partition.num_stages == 2 and len(two.stages) == 2
+    with pytest.raises(fxpipe.PartitionError, match="num_stages=9"):
+        fxpipe.compile(model, ["cpu"] * 8, (x,), num_stages=9)
+
+
+def test_the_plan_names_the_modules_each_stage_runs():
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]).eval()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (torch.randn(4, 8),))
+    runs = pipe.plan.stage_modules
+    assert [r[0].split("-")[0] for r in runs] == ["0", runs[1][0].split("-")[0]]
+    assert all(len(r) == 1 and "-" in r[0] for r in runs)      # e.g. ("0-3",), ("4-7",)
