@@ -30,45 +30,7 @@ from tabulate import tabulate  # noqa: E402
 
 import fxpipe  # noqa: E402
 from examples.zoo import ZOO, build  # noqa: E402
-
-HF_MODELS = ("gpt2", "bert", "t5", "llama", "mistral", "distilbert")
-
-
-def hf_case(name: str, size: str, batch: int):
-    """A Hugging Face model from a config (`tiny`: 2 layers of 64, else 4 of 256) and its inputs."""
-    import transformers as t
-
-    layers, width, seq = (2, 64, 16) if size == "tiny" else (4, 256, 64)
-    heads, vocab = 4, 1000
-    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    decoder = dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
-                   num_key_value_heads=heads // 2, intermediate_size=4 * width,
-                   max_position_embeddings=2 * seq, use_cache=False, **common)
-    configs = {
-        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(n_layer=layers, n_embd=width, n_head=heads,
-                                                 n_positions=2 * seq, use_cache=False, **common)),
-        "bert": (t.BertForSequenceClassification, t.BertConfig(
-            num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
-            intermediate_size=4 * width, max_position_embeddings=2 * seq, **common)),
-        "t5": (t.T5ForConditionalGeneration, t.T5Config(
-            num_layers=layers, num_decoder_layers=layers, d_model=width, d_kv=width // heads,
-            num_heads=heads, d_ff=4 * width, use_cache=False, decoder_start_token_id=0, **common)),
-        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**decoder)),
-        "mistral": (t.MistralForCausalLM, t.MistralConfig(sliding_window=seq // 2, **decoder)),
-        "distilbert": (t.DistilBertForSequenceClassification, t.DistilBertConfig(
-            n_layers=layers, dim=width, n_heads=heads, hidden_dim=4 * width,
-            max_position_embeddings=2 * seq, **common)),
-    }
-    model_class, config = configs[name]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = model_class(config).eval()
-        inputs = {"input_ids": torch.randint(2, vocab, (batch, seq)),
-                  "attention_mask": torch.ones(batch, seq, dtype=torch.long)}
-        if name == "t5":
-            inputs["decoder_input_ids"] = torch.randint(2, vocab, (batch, seq))
-    return model, (), inputs
-
+from examples.zoo.hf import HF_MODELS, build_hf  # noqa: E402
 
 def largest_difference(actual, expected) -> float:
     pairs = zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected))
@@ -118,7 +80,7 @@ def main() -> None:
             case = build(name, size=options.size, batch=options.batch)
             model, args, kwargs = case.model, case.example_inputs, case.example_kwargs
         else:
-            model, args, kwargs = hf_case(name, options.size, options.batch)
+            (model, kwargs), args = build_hf(name, options.size, options.batch), ()
         rows.append(row(name, model, args, kwargs, options))
         print(f"  {name}: done", file=sys.stderr, flush=True)
     print(f"fxpipe.compile on {options.stages} CPU stages, {options.chunks} micro-batches, "

@@ -16,53 +16,12 @@ from fxpipe.testing import assert_pipeline_matches
 
 transformers = pytest.importorskip("transformers", minversion="5")
 
-VOCAB, BATCH, SEQ = 64, 4, 8
+from examples.zoo.hf import HF_MODELS, build_hf  # noqa: E402
 
 
-def _configs() -> dict:
-    t = transformers
-    small = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    return {
-        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, n_positions=32, use_cache=False, **small)),
-        "bert": (t.BertForSequenceClassification, t.BertConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=32, **small)),
-        "t5": (t.T5ForConditionalGeneration, t.T5Config(
-            num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64,
-            use_cache=False, decoder_start_token_id=0, **small)),
-        "llama": (t.LlamaForCausalLM, t.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=32, use_cache=False, **small)),
-        "mistral": (t.MistralForCausalLM, t.MistralConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=32, sliding_window=4, use_cache=False,
-            **small)),
-        "distilbert": (t.DistilBertForSequenceClassification, t.DistilBertConfig(
-            n_layers=2, dim=32, n_heads=4, hidden_dim=64, max_position_embeddings=32, **small)),
-    }
-
-
-CONFIGS = _configs()
-
-
-def build(name: str):
-    """The model in eval mode and its keyword inputs: token ids and a mask with some padding."""
-    model_class, config = CONFIGS[name]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = model_class(config).eval()
-        inputs = {"input_ids": torch.randint(2, VOCAB, (BATCH, SEQ)),
-                  "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
-        inputs["attention_mask"][0, -3:] = 0
-        if name == "t5":
-            inputs["decoder_input_ids"] = torch.randint(2, VOCAB, (BATCH, SEQ))
-    return model, inputs
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(HF_MODELS))
 def case(request):
-    return request.param, *build(request.param)
+    return request.param, *build_hf(request.param, size="tiny", batch=4)
 
 
 @pytest.mark.parametrize("stages", [2, 4, 8])
@@ -105,7 +64,6 @@ def loss_fn(output, target):
     return F.cross_entropy(output.logits.flatten(0, -2), target.flatten())
 
 
-@pytest.mark.skipif(not hasattr(fxpipe.Pipeline, "train_step"), reason="no Pipeline.train_step")
 def test_train_step_gives_the_models_gradients(case):
     name, model, inputs = case
     logits = model(**inputs).logits
