@@ -10,7 +10,9 @@ same micro-batches one after the other ("x seq-mb"), which separates the pipelin
 the change in per-sample speed that smaller batches bring. The ideal GPipe bound for k stages and
 m micro-batches is k*m/(m+k-1); "% of ideal" is the x seq-mb speed-up over it.
 torch.distributed.pipelining runs the same split (the one fxpipe chose) in 2 gloo processes with
-ScheduleGPipe. Run it alone: two cores are easily shared into noise.
+ScheduleGPipe. Every process runs with `fxpipe.tune_cpu_allocator()` (glibc keeps freed
+activations instead of page-faulting them in again: 2x on this model, for every contender); pass
+--default-allocator to see the difference. Run it alone: two cores are easily shared into noise.
 """
 
 from __future__ import annotations
@@ -66,11 +68,14 @@ def side_by_side(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def torch_pipelining_worker(rank, channels, split, x, target, chunks, repeats, port, results):
+def torch_pipelining_worker(rank, channels, split, x, target, chunks, repeats, port, results,
+                            tune):
     """One process of torch.distributed.pipelining: stage `rank` of the same split."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if tune:
+        fxpipe.tune_cpu_allocator()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
     try:
@@ -100,14 +105,14 @@ def torch_pipelining_worker(rank, channels, split, x, target, chunks, repeats, p
         dist.destroy_process_group()
 
 
-def torch_pipelining(channels, split, x, target, chunks, repeats) -> tuple[float, float]:
+def torch_pipelining(channels, split, x, target, chunks, repeats, tune) -> tuple[float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.spawn(torch_pipelining_worker, args=(channels, split, x, target, chunks, repeats, port, results),
-             nprocs=STAGES, join=True)
+    mp.spawn(torch_pipelining_worker, nprocs=STAGES, join=True,
+             args=(channels, split, x, target, chunks, repeats, port, results, tune))
     return results.get()
 
 
@@ -118,7 +123,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-torch-pipelining", action="store_true")
+    parser.add_argument("--default-allocator", action="store_true")
     args = parser.parse_args()
+    tune = not args.default_allocator and fxpipe.tune_cpu_allocator()
+    print(f"glibc allocator tuned (fxpipe.tune_cpu_allocator): {'yes' if tune else 'no'}")
 
     torch.set_num_threads(1)
     model = build(args.channels)
@@ -157,7 +165,7 @@ def main() -> None:
             split = sum(1 for name, s in pipe.plan.partition.stage_of.items() if s == 0
                         and name.lstrip("_").isdigit())
             tp_infer_s, tp_train_s = torch_pipelining(args.channels, split, x, target, chunks,
-                                                      args.repeats)
+                                                      args.repeats, tune)
             row += [infer["seq"] / tp_infer_s, train["seq"] / tp_train_s,
                     tp_infer_s / infer["pipe"], tp_train_s / train["pipe"]]
         rows.append(row)

@@ -12,11 +12,12 @@ from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, Inpu
 from passes.partition import Partition
 
 from .api import compile
+from .devices import tune_cpu_allocator
 from .pipeline import Pipeline
 from .report import Plan
 
 __all__ = [
-    "compile", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
+    "compile", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
     "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
     "CostError", "StageError",
 ]

@@ -1,7 +1,9 @@
-"""Device lists: parse and check what the user passed, before anything runs."""
+"""Device lists: parse and check what the user passed, before anything runs; CPU tuning."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Sequence
 
 import torch
@@ -49,3 +51,24 @@ def _check(name: str) -> None:
         have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
         raise DeviceError(f"device {name!r} does not exist on this machine ({have}): "
                           f"use one of those or 'cpu'")
+
+
+def tune_cpu_allocator(*, keep_bytes: int = 1 << 30) -> bool:
+    """Make glibc keep freed activation memory for reuse, instead of returning it to the system.
+
+    By default glibc hands large freed blocks back to the OS, so every micro-batch's activations
+    are page-faulted in anew, and worker threads' arenas are trimmed after each use; a CPU pipeline
+    of a conv net with 12 MB activations ran 2x slower for it here. This caps the size of blocks
+    served by mmap at 32 MB and keeps up to `keep_bytes` of free memory. It affects the whole
+    process (the same as setting MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_), so fxpipe
+    never calls it by itself. Returns False where the C library is not glibc.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, keep_bytes))

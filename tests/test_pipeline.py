@@ -1,5 +1,6 @@
 """End to end: fxpipe.compile on generated and hand-written models, and its errors."""
 
+import platform
 import threading
 
 import pytest
@@ -217,3 +218,10 @@ def test_the_plan_names_the_modules_each_stage_runs():
     runs = pipe.plan.stage_modules
     assert [r[0].split("-")[0] for r in runs] == ["0", runs[1][0].split("-")[0]]
     assert all(len(r) == 1 and "-" in r[0] for r in runs)      # e.g. ("0-3",), ("4-7",)
+
+
+def test_tuning_the_cpu_allocator_works_on_glibc_and_keeps_results_the_same():
+    model, x = Net().eval(), torch.randn(8, 16)
+    assert fxpipe.tune_cpu_allocator() == (platform.libc_ver()[0] == "glibc")
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
+    torch.testing.assert_close(pipe(x), model(x))
