@@ -52,7 +52,6 @@ def test_zoo_model_captured_by_export_matches_outputs_and_gradients(name, stages
     assert pipe.plan.capture.method == "export"
 
 
-@pytest.mark.skipif(not hasattr(fxpipe.Pipeline, "train_step"), reason="no Pipeline.train_step")
 @pytest.mark.parametrize("name", NAMES)
 def test_zoo_model_train_step_gives_the_models_gradients(name):
     c = case(name)
