@@ -35,14 +35,18 @@ class Stage:
 
 
 def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
-                 devices: Sequence[str | torch.device]) -> list[Stage]:
+                 devices: Sequence[str | torch.device], *,
+                 send_parameters: bool = False) -> list[Stage]:
     """Split `gm` into `len(devices)` stages, stage `s` holding the nodes with `stage_of[n] == s`.
 
     Every node but placeholders and the output needs a stage, and no node may read a value of a
-    later stage. A `get_attr` node is copied into each stage that reads it, so it needs no stage
-    of its own (given one, it stays there only when nothing reads it; a graph output without one
-    comes from the last stage). Parameters and buffers move to their stage's device; a parameter
-    shared by stages on different devices is an error.
+    later stage. A `get_attr` node needs no stage of its own (given one, it stays there only when
+    nothing reads it; a graph output without one comes from the last stage): it is copied into
+    each stage that reads it on the device of the parameter's home, the first stage using the
+    parameter; stages on other devices receive it from the home stage, like any value, so its
+    gradients flow back to the one Parameter (`send_parameters` sends it to every other stage,
+    even on the same device). Parameters and buffers move to their home stage's device; a
+    submodule called by stages on different devices is an error.
     """
     devices = [torch.device(d) for d in devices]
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -50,7 +54,14 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     graph_outputs = set(output.all_input_nodes)
     owner = {n: stage_of.get(n.name, len(devices) - 1) for n in nodes}   # who sends it out
-    where = {n: _stages_holding(n, stage_of, owner[n]) for n in nodes}
+    home = _homes(gm, nodes, stage_of, owner)
+    where = {}
+    for n in nodes:
+        where[n] = _stages_holding(n, stage_of, owner[n])
+        if n.op == "get_attr" and id(_attr(gm, n.target)) in home:
+            h = home[id(_attr(gm, n.target))]
+            local = {s for s in where[n] if devices[s] == devices[h] and not send_parameters}
+            where[n] = local | ({h} if local != where[n] else set())
 
     stages = []
     for s, device in enumerate(devices):
@@ -108,6 +119,26 @@ def _stages_holding(n: fx.Node, stage_of: Mapping[str, int], owner: int) -> set[
     return readers or ({stage_of[n.name]} if n.name in stage_of else set())
 
 
+def _homes(gm: fx.GraphModule, nodes: Sequence[fx.Node], stage_of: Mapping[str, int],
+           owner: Mapping[fx.Node, int]) -> dict[int, int]:
+    """The home of each parameter and buffer (by id): the first stage that uses it."""
+    home: dict[int, int] = {}
+    for n in nodes:
+        if n.op == "call_module":
+            module = gm.get_submodule(n.target)
+            for t in list(module.parameters()) + list(module.buffers()):
+                home[id(t)] = min(home.get(id(t), stage_of[n.name]), stage_of[n.name])
+        elif n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor):
+            for s in _stages_holding(n, stage_of, owner[n]):
+                home[id(_attr(gm, n.target))] = min(home.get(id(_attr(gm, n.target)), s), s)
+    return home
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
 def _has_state(module: torch.nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
@@ -143,7 +174,7 @@ def _move(stages: Sequence[Stage]) -> None:
             if first.device != stage.device:
                 raise DeviceError(
                     f"{name!r} is used by stage {first.index} on {first.device} and by stage "
-                    f"{stage.index} on {stage.device}: a parameter lives on one device; place "
-                    f"those stages on the same device")
+                    f"{stage.index} on {stage.device}, inside a submodule both call: a parameter "
+                    f"lives on one device; place those stages on the same device")
     for stage in stages:
         place(stage.module, stage.device)

@@ -1,6 +1,7 @@
 """Pipelined training: gradients, losses, buffers and names equal the model's."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
+import fxpipe.api
 from fxpipe import timeline
+from passes.codegen import split_stages
 
 
 class Net(nn.Module):
@@ -206,3 +209,27 @@ def test_the_run_is_recorded_and_predicted_and_drawn(tmp_path):
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == {str(s.action) for s in ran}
     picture = timeline.write_svg(ran, tmp_path / "run.svg").read_text()
     assert picture.startswith("<svg") and picture.count("<rect") == len(ran) + 1
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_parameter_sent_between_stages_gets_every_gradient(monkeypatch, schedule):
+    """How stages on different devices share a tied weight: its home stage sends it like a value
+    and the gradients come back; forced here on one device, where it is otherwise copied."""
+    monkeypatch.setattr(fxpipe.api, "split_stages",
+                        functools.partial(split_stages, send_parameters=True))
+    torch.manual_seed(0)
+    model = Tied()
+    reference = copy.deepcopy(model)
+    ids, target = torch.randint(0, 11, (6,)), torch.randint(0, 11, (6,))
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (ids,), chunks=2, schedule=schedule)
+    home, reader = (pipe.plan.partition.stage_of[n] for n in ("embed", "matmul"))
+    assert home < reader
+    assert "embed_weight" in pipe.stage_info[reader].inputs     # received, not held
+    assert not any(True for _ in pipe.stages[reader].parameters())
+    pipe.train_step(ids, target, F.cross_entropy)
+    reference_step(reference, ids, target, F.cross_entropy, 2)
+    assert_same_grads(model, reference)
+    model.zero_grad(), reference.zero_grad()
+    pipe(ids).sum().backward()                                   # and through plain autograd
+    reference(ids).sum().backward()
+    assert_same_grads(model, reference)
