@@ -232,7 +232,7 @@ class _Execution:
                         roots.append(leaf)
                         root_grads.append(_to(g, stage.device))
         began = time.perf_counter() - self.start
-        if saved.loss is not None:
+        if saved.loss is not None and saved.loss.requires_grad:   # no parameters, no graph
             roots.append(saved.loss)
             root_grads.append(None)
         if roots:   # autograd sums the gradients of an output read by several stages

@@ -17,7 +17,7 @@ def test_generated_models_match_on_any_stage_and_chunk_count(case, num_stages, c
     model, inputs = case
     chunks = min(chunks, inputs[0].shape[0])
     num_nodes = len([n for n in torch.fx.symbolic_trace(model).graph.nodes
-                     if n.op not in ("placeholder", "output")])
+                     if n.op not in ("placeholder", "output", "get_attr")])
     num_stages = min(num_stages, num_nodes)
     pipe = assert_pipeline_matches(model, inputs, devices=["cpu"] * num_stages, chunks=chunks)
 
