@@ -17,7 +17,7 @@ from passes.partition import num_stages_for, partition
 from passes.trace import CaptureMode, trace
 
 from . import microbatch
-from .devices import DeviceLike, parse_devices
+from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
 from .report import make_plan
 from .schedules import SCHEDULES, ScheduleName
@@ -29,7 +29,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             leaf_modules: Iterable[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
             num_stages: int | Literal["auto"] | None = None,
             schedule: ScheduleName = "gpipe", training: bool | None = None,
-            threads_per_stage: int | None = None, link: LinkFn = default_link, repeats: int = 5,
+            threads_per_stage: int | None = None,
+            link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
             verify: bool = True) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
@@ -41,7 +42,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `schedule` ("gpipe" or "1f1b") orders forwards and backwards in `Pipeline.train_step`.
     `training` (default: `model.training`) also measures backward costs and balances stages on
     forward plus backward time. `threads_per_stage` sets each CPU stage's intra-op threads
-    (default: the cores shared evenly among the CPU stages).
+    (default: the cores shared evenly among the CPU stages). `link` prices transfers between
+    devices: "default" (typical figures by device kind), "measure" (timed here, see
+    `fxpipe.devices.measure_links`) or your own `(src, dst) -> Link` function.
     With `verify`, the pipeline's output on the example is checked against the model's (skipped
     when the model is in training mode, where dropout or BatchNorm make outputs differ).
     """
@@ -54,6 +57,12 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     if schedule not in SCHEDULES:
         raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     training = model.training if training is None else training
+    if link == "measure":
+        link = measure_links(specs)
+    elif link == "default":
+        link = default_link
+    elif not callable(link):
+        raise FxpipeError(f"link={link!r}: use 'default', 'measure' or a (src, dst) -> Link function")
 
     verify = verify and not model.training
     if verify:   # before stages take the parameters to their devices

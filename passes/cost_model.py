@@ -63,7 +63,7 @@ LinkFn = Callable[[DeviceSpec, DeviceSpec], Link]
 
 
 def default_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
-    """A link by device kinds; `fxpipe.devices.calibrate_links` measures real ones."""
+    """A link by device kinds; `fxpipe.devices.measure_links` measures real ones."""
     if src.name == dst.name or (src.name.startswith("cpu") and dst.name.startswith("cpu")):
         return SAME_DEVICE
     if src.name.startswith("cpu") or dst.name.startswith("cpu"):
