@@ -63,6 +63,15 @@ def assert_valid(graph: CostGraph, result: Partition) -> None:
 # Against the brute-force oracle
 
 
+def assert_agrees_with_oracle(graph, result, oracle):
+    """Valid, never better than the optimum, a true bound, and optimal when it says so."""
+    assert_valid(graph, result)
+    assert result.bottleneck_s >= oracle.bottleneck_s * (1 - 1e-9)
+    assert result.lower_bound_s <= oracle.bottleneck_s * (1 + 1e-9)
+    if result.optimal:
+        assert math.isclose(result.bottleneck_s, oracle.bottleneck_s, rel_tol=1e-9)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dags())
 def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
@@ -73,11 +82,7 @@ def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
             partition(case.graph, case.devices)
         return
     result = partition(case.graph, case.devices)
-    assert_valid(case.graph, result)
-    assert result.bottleneck_s >= oracle.bottleneck_s * (1 - 1e-9)
-    assert result.lower_bound_s <= oracle.bottleneck_s * (1 + 1e-9)
-    if result.optimal:
-        assert math.isclose(result.bottleneck_s, oracle.bottleneck_s, rel_tol=1e-9)
+    assert_agrees_with_oracle(case.graph, result, oracle)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,11 +98,7 @@ def test_fallbacks_never_beat_the_oracle_nor_overclaim(case: DagCase, limits):
         except PartitionError:
             return      # may be reported when only the exact search would find a fit
     oracle = brute_force_partition(case.graph, case.devices)
-    assert_valid(case.graph, result)
-    assert result.bottleneck_s >= oracle.bottleneck_s * (1 - 1e-9)
-    assert result.lower_bound_s <= oracle.bottleneck_s * (1 + 1e-9)
-    if result.optimal:
-        assert math.isclose(result.bottleneck_s, oracle.bottleneck_s, rel_tol=1e-9)
+    assert_agrees_with_oracle(case.graph, result, oracle)
 
 
 @settings(max_examples=40, deadline=None)
