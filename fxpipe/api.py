@@ -74,18 +74,17 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     first_args, first_kwargs = microbatch.split((example_inputs, example_kwargs), chunks)[0]
     annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=repeats,
                    backward=training)
-    # Activations held per stage: one micro-batch in inference; in training, GPipe keeps every
-    # micro-batch until the backwards, 1F1B at most as many as there are stages.
-    in_flight = 1 if not training else chunks if schedule == "gpipe" else min(chunks, len(specs))
     graph = cost_graph(gm, training=training)
     if num_stages == "auto":
-        num_stages = num_stages_for(graph, specs, link, activation_factor=in_flight)
+        num_stages = num_stages_for(graph, specs, link,
+                                    activation_factor=_in_flight(training, schedule, chunks, 1))
     if num_stages is not None:
         if not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs):
             raise PartitionError(f"num_stages={num_stages!r}: use 'auto' or a number from 1 to "
                                  f"the {len(specs)} devices given")
         specs = specs[:num_stages]
-    plan = partition(graph, specs, link, activation_factor=in_flight)
+    plan = partition(graph, specs, link,
+                     activation_factor=_in_flight(training, schedule, chunks, len(specs)))
     if threads_per_stage is None:
         cpu_stages = sum(d.name.startswith("cpu") for d in specs)
         threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
@@ -96,11 +95,19 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                     chunks, schedule=schedule, threads_per_stage=threads_per_stage)
     if verify:
         with torch.no_grad():
-            _check_reproduces(expected, pipe(*example_inputs, **example_kwargs))
+            _check_reproduces(expected, pipe(*example_inputs, **example_kwargs), chunks)
     return pipe
 
 
-def _check_reproduces(expected: Any, actual: Any) -> None:
+def _in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> int:
+    """Micro-batches of activations a stage holds at once: one in inference; in training, GPipe
+    keeps every micro-batch until the backwards, 1F1B at most as many as there are stages."""
+    if not training:
+        return 1
+    return chunks if schedule == "gpipe" else min(chunks, num_stages)
+
+
+def _check_reproduces(expected: Any, actual: Any, chunks: int) -> None:
     """Raise unless the pipeline's output equals the model's on the example inputs."""
     flat_expected, spec = torch.utils._pytree.tree_flatten(expected)
     flat_actual, actual_spec = torch.utils._pytree.tree_flatten(actual)
@@ -112,9 +119,13 @@ def _check_reproduces(expected: Any, actual: Any) -> None:
             torch.testing.assert_close(a, e, equal_nan=True, check_device=False)
         except AssertionError as error:
             problem = f"output {i} differs: {str(error).splitlines()[0]}"
-    if problem:
+    if problem and chunks > 1:
         raise FxpipeError(
             f"the pipeline does not reproduce the model on the example inputs: {problem}. "
-            f"If the model mixes samples across the batch (BatchNorm in training mode, a reduction "
-            f"over dimension 0), micro-batches change its result: use chunks=1, or pass "
-            f"verify=False to accept micro-batch semantics")
+            f"If the model mixes samples across the batch (a reduction or a normalisation over "
+            f"dimension 0), micro-batches change its result: use chunks=1, or verify=False to "
+            f"accept micro-batch semantics as GPipe does. Otherwise this is a bug in fxpipe: "
+            f"please report it with the model")
+    if problem:
+        raise FxpipeError(f"the pipeline does not reproduce the model on the example inputs: "
+                          f"{problem}. This is a bug in fxpipe: please report it with the model")

@@ -45,7 +45,10 @@ def _parse(device: DeviceLike) -> DeviceSpec:
 
 
 def _check(name: str) -> None:
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"{name!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
     if device.type == "cpu":
         return
     if device.type != "cuda":

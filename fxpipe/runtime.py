@@ -14,8 +14,10 @@ the last stage turns the graph outputs of micro-batch m into its loss, and a bac
 `torch.autograd.backward` on the stage's own outputs with the gradients its readers sent back, then
 sends its inputs' gradients to their producers. Activations are freed after each backward.
 
-On a GPU each worker runs on its own CUDA stream; a message carries an event recorded after the
-sender's work, and the receiver's stream waits on it before using the tensors.
+On a GPU each worker runs on its own CUDA stream, which first waits for the caller's stream (its
+inputs, the last optimizer step), and which the caller's stream waits for at the end. A stage's
+message carries an event recorded after its work, and the receiver's stream waits on it before
+using the tensors (see `_to` for how copies between devices are kept safe).
 
 If a stage fails, every queue gets an abort token, all workers stop, the threads are joined, and
 the caller gets a `StageError` naming the stage, the micro-batch and the statement that failed.
@@ -76,7 +78,15 @@ class Runtime:
                  threads_per_stage: int | None = None):
         self.stages = list(stages)
         self.threads_per_stage = threads_per_stage
-        producer = {name: stage.index for stage in stages for name in stage.outputs}
+        producer: dict[str, int] = {}
+        for stage in stages:
+            for name in stage.outputs:
+                assert producer.setdefault(name, stage.index) == stage.index, (
+                    f"{name!r} is sent by stages {producer[name]} and {stage.index}")
+        for stage in stages:
+            for name in stage.inputs:
+                assert producer.get(name, DRIVER) < stage.index, (
+                    f"stage {stage.index} reads {name!r} from stage {producer[name]}, not earlier")
         self.producer = producer
         last = len(stages) - 1
         # reads[dst][src]: the names `dst` receives from `src` in a forward. Graph outputs go to the
@@ -134,6 +144,8 @@ class _Execution:
         self.errors: list[StageError] = []
         self.record = Run(num_stages=len(runtime.stages))
         self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                         if torch.is_autocast_enabled(kind)]
         self.start = 0.0
 
     def sends(self, src: int) -> dict[int, list[str]]:
@@ -150,6 +162,9 @@ class _Execution:
         outputs: list[dict] = []
         finished = False
         self.start = time.perf_counter()
+        streams = [stream for stream in self.rt.streams if stream is not None]
+        for stream in streams:   # stages start after the caller's queued work (inputs, opt.step)
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
         try:
             for t in threads:
                 t.start()
@@ -169,6 +184,8 @@ class _Execution:
                 self.abort()
             for t in threads:
                 t.join()
+            for stream in streams:   # and the caller's later work after theirs (losses, .grad)
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
         if self.errors:
             raise self.errors[0] from self.errors[0].__cause__
         self.record.wall_s = time.perf_counter() - self.start
@@ -185,8 +202,12 @@ class _Execution:
             if self.rt.threads_per_stage and stage.device.type == "cpu":
                 torch.set_num_threads(self.rt.threads_per_stage)   # per thread on OpenMP builds
             stream = self.rt.streams[stage.index]
-            with torch.set_grad_enabled(self.grad_enabled or self.training), (
-                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            with contextlib.ExitStack() as context:   # the caller's thread-local modes, here too
+                context.enter_context(torch.set_grad_enabled(self.grad_enabled or self.training))
+                for kind, dtype in self.autocast:
+                    context.enter_context(torch.autocast(kind, dtype=dtype))
+                if stream is not None:
+                    context.enter_context(torch.cuda.stream(stream))
                 for action in actions:
                     step = self.forward if action.phase is Phase.FORWARD else self.backward
                     began = step(stage, action.microbatch)
@@ -289,12 +310,22 @@ def _detach_leaf(value: Any) -> Any:
 
 
 def _to(value: Any, device: torch.device) -> Any:
+    """`value`'s tensors on `device`, safe to use on this thread's current stream.
+
+    A tensor another stage made on this GPU is marked as used by this stream, so the allocator
+    does not hand its memory back to the sender first. A copy to the GPU is queued on this stream;
+    one from another GPU is waited for (correct first: its source may be freed once this returns);
+    one to the CPU is synchronous, since CPU ops do not wait for streams."""
     def move(v):
-        if not isinstance(v, torch.Tensor) or v.device == device:
+        if not isinstance(v, torch.Tensor):
             return v
-        moved = v.to(device, non_blocking=True)
-        if device.type == "cuda":
-            moved.record_stream(torch.cuda.current_stream(device))
+        if v.device == device:
+            if device.type == "cuda":
+                v.record_stream(torch.cuda.current_stream(device))
+            return v
+        moved = v.to(device, non_blocking=device.type == "cuda")
+        if device.type == "cuda" and v.device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         return moved
     return fx.node.map_aggregate(value, move)
 

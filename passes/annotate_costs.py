@@ -58,7 +58,9 @@ class CostInterpreter(fx.Interpreter):
 
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        args, kwargs = fx.node.map_aggregate((args, kwargs), _leaf_if_float)
+        state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
+        args, kwargs = fx.node.map_aggregate(     # activations become leaves; parameters stay
+            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
         outputs = [t for t in _tensors(out) if t.requires_grad]

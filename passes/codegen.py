@@ -5,8 +5,9 @@ values of earlier stages), named as in the original graph, and whose output is t
 that later stages or the graph's output need. Nodes keep their names, order and `meta`, so
 `print(stage.code)` reads like the slice of the model it is. The input graph is not modified.
 
-Parameters are never sent: a `get_attr` node (how export graphs read parameters) is copied into
-every stage that reads it, so each stage holds the parameters it uses. Higher-order ops' bodies
+A `get_attr` node (how export graphs read parameters) is copied into every stage that reads it
+on its parameter's device, so those stages hold the parameters they use; a stage on another
+device receives it from the parameter's home stage. Higher-order ops' bodies
 (sub-GraphModules) go with the stage that calls them, and `place` points the devices that export
 wrote into ops (`arange(..., device=cpu)`) at the stage's own device.
 """
@@ -53,23 +54,23 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
     _check(nodes, stage_of, len(devices))
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     graph_outputs = set(output.all_input_nodes)
-    owner = {n: stage_of.get(n.name, len(devices) - 1) for n in nodes}   # who sends it out
+    owner = {n: stage_of.get(n.name, len(devices) - 1) for n in nodes}   # the one that sends it
     home = _homes(gm, nodes, stage_of, owner)
-    where = {}
+    where = {}                                                           # the stages that hold it
     for n in nodes:
         where[n] = _stages_holding(n, stage_of, owner[n])
         if n.op == "get_attr" and id(_attr(gm, n.target)) in home:
-            h = home[id(_attr(gm, n.target))]
+            h = owner[n] = home[id(_attr(gm, n.target))]
             local = {s for s in where[n] if devices[s] == devices[h] and not send_parameters}
-            where[n] = local | ({h} if local != where[n] else set())
+            where[n] = local | ({h} if n in graph_outputs or local != where[n] else set())
 
     stages = []
     for s, device in enumerate(devices):
         members = [n for n in nodes if s in where[n]]
         inputs = list(dict.fromkeys(p for n in members for p in n.all_input_nodes
                                     if p.op == "placeholder" or s not in where[p]))
-        outputs = [n for n in members if (n in graph_outputs and owner[n] == s) or
-                   any(u.op != "output" and s not in where[u] for u in n.users)]
+        outputs = [n for n in members if owner[n] == s and (n in graph_outputs or any(
+            u.op != "output" and stage_of[u.name] not in where[n] for u in n.users))]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for p in inputs:

@@ -86,3 +86,29 @@ def test_stage_code_is_readable_python_with_the_models_names():
     assert "def forward(self, relu, y):" in second.module.code
     assert "self.c(cat)" in second.module.code
     assert type(second.module).__name__ == "Stage1"
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.tanh(torch.tanh(x @ self.w) @ self.w) @ self.w
+
+
+def test_a_parameter_read_on_another_device_is_sent_once_from_its_home():
+    from fxpipe.runtime import Runtime
+
+    gm = fx.symbolic_trace(Tied())
+    order = [n.name for n in computing(gm) if n.op != "get_attr"]   # matmul, tanh, matmul_1, ...
+    stage_of = {name: min(i // 2, 2) for i, name in enumerate(order)}
+    # stages 0 and 2 share a device, stage 1 is elsewhere ("meta": nothing runs, wiring only)
+    stages = split_stages(gm, stage_of, ["cpu", "meta", "cpu"])
+    readers = [s for s in stages if any(n.op != "get_attr" and "w" in [a.name for a in n.all_input_nodes]
+                                        for n in s.module.graph.nodes)]
+    assert len(readers) == 3
+    assert "w" in stages[0].outputs and "w" not in stages[2].outputs     # sent by its home only
+    assert "w" in stages[1].inputs and "w" not in stages[2].inputs       # a copy where it lives
+    runtime = Runtime(stages, ["matmul_2"])
+    assert runtime.producer["w"] == 0

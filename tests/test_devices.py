@@ -28,3 +28,8 @@ def test_compile_can_measure_links_or_take_them_given():
     assert slow.plan.partition.bottleneck_s > 1.0          # each stage sends or receives once
     with pytest.raises(fxpipe.FxpipeError, match="link='fast'"):
         fxpipe.compile(model, ["cpu"] * 2, (x,), link="fast")
+
+
+def test_a_device_spec_naming_no_device_is_refused():
+    with pytest.raises(fxpipe.DeviceError, match="'gpu0' is not a device"):
+        parse_devices([DeviceSpec("gpu0")])

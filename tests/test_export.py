@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import namedtuple
 
 import pytest
@@ -332,3 +333,19 @@ def test_an_export_pipeline_refuses_a_mode_it_was_not_captured_in():
     with pytest.raises(fxpipe.FxpipeError, match="captured by torch.export in eval mode"):
         pipe.train()
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_an_export_graph_with_batchnorm_trains_with_the_models_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 2)).train()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(8, 4), torch.randn(8, 2)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, capture="export")
+    loss = pipe.train_step(x, target, torch.nn.functional.mse_loss)
+    expected = sum(torch.nn.functional.mse_loss(reference(xc), tc) / 2
+                   for xc, tc in zip(x.tensor_split(2), target.tensor_split(2)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")

@@ -225,3 +225,12 @@ def test_tuning_the_cpu_allocator_works_on_glibc_and_keeps_results_the_same():
     assert fxpipe.tune_cpu_allocator() == (platform.libc_ver()[0] == "glibc")
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_autocast_reaches_the_stages():
+    model, x = Net().eval(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = model(x), pipe(x)
+    assert actual["logits"].dtype == expected["logits"].dtype == torch.bfloat16
+    torch.testing.assert_close(actual["logits"], expected["logits"])
