@@ -222,9 +222,3 @@ def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:
         return 0.0
     speeds = [d.speed for d in devices]
     return max(sum(times) / sum(speeds), max(times) / max(speeds))
-
-
-def stage_order_is_valid(graph: CostGraph, stage_of: Sequence[int] | Mapping[int, int]) -> bool:
-    """True when no value flows from a later stage to an earlier one."""
-    return all(stage_of[p] <= stage_of[i]
-               for i in graph.compute_nodes for p in graph.preds[i] if not graph.is_input[p])
