@@ -526,7 +526,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
     received_once = bytearray(len(graph))   # some later stage already receives the value
     start = 0
     for s in range(k):
-        speed, capacity = devices[s].speed, devices[s].memory_bytes
+        speed = devices[s].speed
         to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
         send_min = model.send_min(s)
         final = s == k - 1
@@ -791,7 +791,6 @@ class _StageCost:
     """The relaxed time of a candidate stage on stage `s`'s device (inf if it does not fit)."""
 
     def __init__(self, model: _Model, s: int):
-        graph = model.graph
         self.model, self.s = model, s
         self.speed = model.devices[s].speed
         self.receive = model.recv_min(s)

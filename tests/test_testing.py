@@ -4,7 +4,6 @@ import operator
 
 import pytest
 import torch
-import torch.fx as fx
 from hypothesis import HealthCheck, find, settings
 
 import fxpipe.api

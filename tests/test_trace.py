@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.fx as fx
 from torch import nn
 
 from passes.errors import TraceError
