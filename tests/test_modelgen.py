@@ -321,10 +321,6 @@ def test_docstring_example_runs():
     doc = models.__doc__
     example = textwrap.dedent(doc.split("Example::\n", 1)[1].split("\n\n    On failure", 1)[0])
     assert "from fxpipe.testing import models" in example
-    try:
-        from fxpipe.testing import models as _public  # noqa: F401
-    except ImportError:  # fxpipe.testing/__init__.py not written yet
-        example = example.replace("from fxpipe.testing import models", "")
-    ns = {"models": models}
+    ns: dict = {}
     exec(compile(example, "<docstring>", "exec"), ns)
     ns["test_traced_model_matches_eager"]()
