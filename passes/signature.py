@@ -5,7 +5,14 @@ Hugging Face `ModelOutput`... Its GraphModule has flat placeholders, and its out
 values. `Signature` maps between the two, for both front-ends:
 
 - torch.fx graphs have one placeholder per forward parameter, named after it (defaults kept), and
-  the output node holds the output's structure with nodes as leaves.
+  the output node holds the output's structure with nodes as leaves. `*args` and `**kwargs` are
+  one placeholder each, bound to a tuple and a dict; `plain_varargs` (run by `passes.trace`)
+  drops fx's `*` from their targets, so that `fx.Interpreter` too reads one value per placeholder,
+  while the module's `forward` still takes `*args`, `**kwargs` as the model does. An input fx
+  specialised through `concrete_args` (traced at its value, e.g. `mask=None`) is a placeholder
+  that fx renames (`mask_1`) and checks (`mask has been specialized to have value None`): it is
+  taken under its own name, and a value other than the traced one is refused by name, up front,
+  since the graph computes with the traced one.
 - torch.export graphs have one placeholder per leaf of the example's `(args, kwargs)`, in the
   order of the graph's `in_spec`, and return flat values that `out_spec` puts back together. They
   take positionally what the example gave positionally, the rest by keyword. Export fixed every
@@ -17,12 +24,15 @@ values. `Signature` maps between the two, for both front-ends:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+import re
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import _assert_is_none
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .errors import InputError
@@ -43,7 +53,9 @@ class Signature:
     positionally; `defaults` holds values for those a caller may leave out. `in_spec` is the
     structure of the example's `(args, kwargs)` for an export graph (None for fx: one placeholder
     per name). `sizes[i]` are placeholder `i`'s fixed sizes (None: any size). `out_leaves` are the
-    output's leaves, node names or `Constant`s, in `out_spec`'s order.
+    output's leaves, node names or `Constant`s, in `out_spec`'s order. `var_positional` and
+    `var_keyword` name the fx placeholders of `*args` and `**kwargs` (also in `names`), and
+    `specialised` maps the inputs fx traced at a fixed value to that value.
     """
 
     placeholders: tuple[str, ...]
@@ -54,6 +66,9 @@ class Signature:
     sizes: tuple[tuple[int | None, ...] | None, ...]
     out_spec: pytree.TreeSpec
     out_leaves: tuple[str | Constant, ...]
+    var_positional: str | None = None
+    var_keyword: str | None = None
+    specialised: Mapping[str, Any] = field(default_factory=dict)
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """The value of every placeholder, in order, from inputs given as the model takes them."""
@@ -78,16 +93,21 @@ class Signature:
         return pytree.tree_unflatten(leaves, self.out_spec)
 
     def _bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if len(args) > self.positional:
+        if len(args) > self.positional and self.var_positional is None:
             by_keyword = self.names[self.positional:]
             raise InputError(
                 f"{len(args)} positional inputs given, but the graph takes {self.positional} "
                 f"positionally ({', '.join(self.names[:self.positional]) or 'none'})" +
                 (f": pass {', '.join(by_keyword)} by keyword, as the example did" if by_keyword
                  else ""))
-        given = dict(zip(self.names, args))
-        unknown = sorted(k for k in kwargs if k not in self.names)
-        if unknown:
+        given = dict(zip(self.names, args[:self.positional]))
+        if self.var_positional is not None:
+            given[self.var_positional] = tuple(args[self.positional:])
+        variadic = (self.var_positional, self.var_keyword)
+        unknown = sorted(k for k in kwargs if k not in self.names or k in variadic)
+        if self.var_keyword is not None:
+            given[self.var_keyword] = {k: kwargs.pop(k) for k in unknown}
+        elif unknown:
             hint = ("; the graph was exported from an example without them: compile with them in "
                     "example_kwargs" if self.in_spec is not None else "")
             raise InputError(f"inputs {unknown} are not inputs of the graph "
@@ -102,6 +122,17 @@ class Signature:
                     raise InputError(f"no value for input {name!r}: pass it positionally or by "
                                      f"keyword")
                 given[name] = self.defaults[name]
+        for name, traced in self.specialised.items():
+            if not _same(given[name], traced):
+                value = given[name]
+                shown = (f"a tensor of shape {tuple(value.shape)}"
+                         if isinstance(value, torch.Tensor) else repr(value))
+                raise InputError(
+                    f"input {name!r} is {shown}, but the graph was traced with {name}={traced!r}: "
+                    f"torch.fx fixed it to that value (an input the example does not give is "
+                    f"traced at its default). Pass {traced!r} or leave it out; to pass other "
+                    f"values, compile again with {name} in example_inputs or example_kwargs, so "
+                    f"that it becomes an input of the graph")
         return given
 
     def _check_sizes(self, leaves: list[Any]) -> None:
@@ -126,15 +157,96 @@ def signature_of(gm: fx.GraphModule) -> Signature:
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is not None and info.in_spec is not None:
         return _exported(placeholders, output, info)
-    return _traced(placeholders, output)
+    return _traced(placeholders, output, getattr(gm.graph._codegen, "stars", {}))
 
 
-def _traced(placeholders: list[fx.Node], output: fx.Node) -> Signature:
-    names = tuple(p.target.lstrip("*") for p in placeholders)
-    defaults = {p.target.lstrip("*"): p.args[0] for p in placeholders if p.args}
+class VarArgsCodeGen(fx.graph.CodeGen):
+    """fx's code, with a `*` or `**` put back before plain placeholders holding `*args` and
+    `**kwargs`: `def forward(self, x, *xs)` reads `xs` as a tuple. `stars`: target -> "*" or "**".
+    """
+
+    def __init__(self, stars: Mapping[str, str]):
+        super().__init__()
+        self.stars = dict(stars)
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
+        return super().gen_fn_def([self.stars.get(v, "") + v for v in free_vars],
+                                  maybe_return_annotation)
+
+
+def plain_varargs(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make fx's `*args`/`**kwargs` placeholders of `gm` plain ones (in place; returns `gm`).
+
+    `fx.Interpreter` gives a placeholder whose target starts with `*` every remaining input, so
+    `Interpreter.run(*signature_of(gm).flatten_inputs(...))`, one value per placeholder, would
+    wrap the tuple in a list. A plain target takes the tuple as it is; `VarArgsCodeGen` keeps
+    `gm(x, a, b)` working as `model(x, a, b)`. Graphs with another codegen (export's) are left.
+    """
+    starred = [p for p in gm.graph.find_nodes(op="placeholder") if p.target.startswith("*")]
+    if not starred or type(gm.graph._codegen) is not fx.graph.CodeGen:
+        return gm
+    stars = {}
+    for p in starred:
+        name = p.target.lstrip("*")
+        stars[name] = p.target[:-len(name)]
+        p.target = name
+    gm.graph.set_codegen(VarArgsCodeGen(stars))
+    gm.recompile()
+    return gm
+
+
+def _traced(placeholders: list[fx.Node], output: fx.Node, stars: Mapping[str, str]) -> Signature:
+    names, defaults, specialised, star_of = [], {}, {}, {}
+    for p in placeholders:
+        fixed = _specialisation(p)
+        if fixed is not None:    # the traced value is the one to pass when the caller does not
+            name, value = fixed
+            specialised[name] = defaults[name] = value
+        else:
+            name = p.target.lstrip("*")
+            star_of[name] = stars.get(name) or p.target[:-len(name)]   # "", "*" or "**"
+            if p.args:
+                defaults[name] = p.args[0]
+        names.append(name)
+    var_positional = next((n for n, star in star_of.items() if star == "*"), None)
+    var_keyword = next((n for n, star in star_of.items() if star == "**"), None)
+    positional = sum(not star_of.get(name) for name in names)
     leaves, out_spec = pytree.tree_flatten(_plain(output.args[0]))
-    return Signature(tuple(p.name for p in placeholders), names, len(names), defaults, None,
-                     (None,) * len(placeholders), out_spec, _out_leaves(leaves))
+    return Signature(tuple(p.name for p in placeholders), tuple(names), positional, defaults, None,
+                     (None,) * len(placeholders), out_spec, _out_leaves(leaves),
+                     var_positional, var_keyword, specialised)
+
+
+_SPECIALISED = re.compile(r"(\w+) has been specialized to have value")
+
+
+def _specialisation(placeholder: fx.Node) -> tuple[str, Any] | None:
+    """(input name, traced value) when fx specialised `placeholder` through `concrete_args`.
+
+    Read off the check fx adds, which names the input, because fx renames its placeholder
+    (`mask` becomes `mask_1`): `_assert_is_none(mask_1, "mask has been specialized ...")`, or
+    `torch._assert(scale_1 == 1.0, "scale has been specialized ...")`.
+    """
+    for user in placeholder.users:
+        if user.target is _assert_is_none:
+            check, value = user, None
+        elif (user.target is operator.eq and user.args[0] is placeholder and len(user.users) == 1
+              and next(iter(user.users)).target is torch._assert):
+            check, value = next(iter(user.users)), user.args[1]
+        else:
+            continue
+        match = _SPECIALISED.match(str(check.args[1]))
+        if match:
+            return match[1], value
+    return None
+
+
+def _same(given: Any, traced: Any) -> bool:
+    """Whether `given` is the value an input was traced at: identical for None and bools (1 is not
+    True), equal for numbers, strings, dtypes; never a tensor, which the graph did not take."""
+    if any(v is None or isinstance(v, bool) for v in (given, traced)):
+        return given is traced
+    return not isinstance(given, torch.Tensor) and (given == traced) is True
 
 
 def _exported(placeholders: list[fx.Node], output: fx.Node, info: Any) -> Signature:

@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import TraceError
+from .signature import plain_varargs
 
 CaptureMode = Literal["auto", "fx", "export"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "fx", "export")
@@ -152,7 +153,7 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as e:  # fx raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
     if args or kwargs:
         mismatch = _mismatch(model, gm, args, kwargs)
         if mismatch:
