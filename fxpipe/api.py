@@ -70,8 +70,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             expected = model(*example_inputs, **example_kwargs)
     gm = trace(model, example_inputs, example_kwargs, capture=capture,
                leaf_modules=leaf_modules, concrete_args=concrete_args)
-    functionalize(gm)
     first_args, first_kwargs = microbatch.split((example_inputs, example_kwargs), chunks)[0]
+    functionalize(gm, first_args, first_kwargs)
     annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=repeats,
                    backward=training)
     graph = cost_graph(gm, training=training)

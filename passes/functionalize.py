@@ -1,25 +1,39 @@
 """Replace in-place tensor ops by out-of-place ones, so every value is written once.
 
 Stages hand tensors to each other by reference. An in-place op (`out += identity`,
-`nn.ReLU(inplace=True)`, `x[:, 0] = y`) would then change a value another stage is still reading,
-and it hides a dependency the partitioner must see (later readers of `x` need the mutation). This
-pass rewrites each in-place op `y = f_(x)` as `y = f(x)` and points every later reader of `x` at `y`,
-turning the hidden dependency into an edge. Mutations of views are left alone (their base would
-also change); see DESIGN.md.
+`nn.ReLU(inplace=True)`, `F.relu(h, inplace=True)`, `x[:, 0] = y`, `h.zero_()`) would then change
+a value another stage is still reading, and it hides a dependency the partitioner must see (later
+readers of `x` need the mutation). This pass rewrites each in-place op `y = f_(x)` as `y = f(x)`
+and points every later reader of `x` at `y`, turning the hidden dependency into an edge.
+
+That rewrite is only right when nothing else still reads `x`'s memory: if `x` is a view, or a view
+of `x` was taken earlier, the write also changed those values, and a copy would not. Such an op
+raises a `TraceError` naming the line and the fix. Aliases are found from real storage when
+example inputs are given (the graph runs once on copies of them), else, conservatively, by name
+(view ops, `getitem`, `nn.Identity`...).
 
 Export graphs spell in-place ops in ATen (`aten.relu_.default`, `aten.add_.Tensor`): those whose
 schema writes their first argument become their out-of-place overload. Writes to parameters and
-buffers (`get_attr` nodes, e.g. BatchNorm's `num_batches_tracked.add_(1)` in train mode) are state
-updates the model keeps, and stay.
+buffers (`get_attr` nodes and their views, e.g. BatchNorm's `num_batches_tracked.add_(1)` in train
+mode) are state updates the model keeps, and stay.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import operator
+import os
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import TraceError
+from .signature import signature_of
 
 _INPLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -28,9 +42,24 @@ _INPLACE_OPERATORS = {
     operator.ior: operator.or_, operator.ixor: operator.xor, operator.imatmul: operator.matmul,
     operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
 }
-_VIEW_METHODS = {"view", "view_as", "reshape", "transpose", "permute", "t", "narrow", "select",
-                 "expand", "expand_as", "squeeze", "unsqueeze", "unflatten", "flatten", "split",
-                 "chunk", "unbind", "as_strided", "diagonal", "movedim", "unfold", "detach"}
+# In-place random draws: no out-of-place method does the same (`x.bernoulli()` draws from x).
+_RANDOM_WRITES = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
+                  "cauchy_", "log_normal_"}
+_WRITES_WITHOUT_OUT_OF_PLACE = {"zero_", "fill_", "copy_"} | _RANDOM_WRITES
+
+# Ops whose result may share memory with their first input, for the check by name.
+_VIEW_NAMES = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
+               "permute", "t", "narrow", "select", "expand", "expand_as", "squeeze", "unsqueeze",
+               "unflatten", "flatten", "split", "split_with_sizes", "tensor_split", "chunk",
+               "unbind", "as_strided", "diagonal", "movedim", "moveaxis", "unfold", "detach",
+               "contiguous", "to", "type_as", "view_as_real", "view_as_complex", "real", "imag",
+               "dropout", "alpha_dropout", "feature_alpha_dropout"}
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
+_VIEW_FUNCTIONS = ({getattr(torch, n) for n in _VIEW_NAMES if hasattr(torch, n)} |
+                   {operator.getitem, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                    F.alpha_dropout, F.feature_alpha_dropout})
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
 
 
 def setitem(x: torch.Tensor, index, value) -> torch.Tensor:
@@ -40,31 +69,46 @@ def setitem(x: torch.Tensor, index, value) -> torch.Tensor:
     return out
 
 
-def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_into(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`x.copy_(src)` without writing on `x`: `src` broadcast to `x`'s shape, dtype and device."""
+    return src.to(x.device, x.dtype).expand_as(x).clone()
+
+
+def on_copy(x: torch.Tensor, method: str, *args, **kwargs) -> torch.Tensor:
+    """`x.<method>(*args)` applied to a copy of `x` (e.g. `uniform_`): the same random draws."""
+    return getattr(x.clone(), method)(*args, **kwargs)
+
+
+def functionalize(gm: fx.GraphModule, args: tuple | None = None,
+                  kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
     """Rewrite `gm`'s in-place ops out of place, in place on `gm`; returns `gm`.
 
+    `args`/`kwargs`, the model's example inputs, let the pass see which values share memory: the
+    graph runs once on copies of them (buffers restored). Without them, aliases are judged by op
+    name. An in-place op on memory that another, still read, value shares raises `TraceError`.
     In-place submodules without parameters (`nn.ReLU(inplace=True)`) are replaced in `gm` by copies
     with `inplace=False`; the user's model is not touched.
     """
+    if args is None and kwargs is None:
+        aliases_of = _aliases_by_name(gm)
+        holds_tensor = _holds_tensor_by_meta
+    else:
+        values = _run_example(gm, tuple(args or ()), kwargs)
+        aliases_of = _aliases_by_storage(values)
+        holds_tensor = lambda node: isinstance(values.get(node), torch.Tensor)  # noqa: E731
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         mutated = _mutated_input(gm, node)
-        if mutated is None or _is_view(mutated) or mutated.op == "get_attr":
+        if mutated is None or not holds_tensor(mutated):
             continue
-        if isinstance(node.target, torch._ops.OpOverload):
-            node.target = _out_of_place_aten(node.target)
-        elif node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-            node.target = _INPLACE_OPERATORS[node.target]
-        elif node.op == "call_function" and node.target is operator.setitem:
-            node.target = setitem
-        elif node.op == "call_function":
-            node.target = getattr(torch, node.target.__name__[:-1])
-        elif node.op == "call_method":
-            node.target = node.target[:-1]
-        elif node.op == "call_module":
-            module = copy.deepcopy(gm.get_submodule(node.target))
-            module.inplace = False
-            _set_submodule(gm, node.target, module)
+        aliases = aliases_of(mutated)
+        if any(a.op == "get_attr" for a in [mutated, *aliases]):
+            continue          # a parameter or buffer update: the model's state, kept as written
+        for alias in aliases:
+            if (alias is not mutated and position[alias] < position[node] and
+                    any(position[user] > position[node] for user in alias.users)):
+                raise _aliased_write_error(node, mutated, alias)
+        _write_out_of_place(gm, node)
         _read_after(node, mutated, position)
     gm.graph.lint()
     gm.recompile()
@@ -77,44 +121,203 @@ def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         return None
     target = node.target
     if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        inplace = _out_of_place_aten(target) is not None
+        first = target._schema.arguments[0].alias_info if target._schema.arguments else None
+        name = _aten_base_name(target)
+        inplace = (first is not None and first.is_write and name is not None and
+                   (_out_of_place_aten(target) is not None or hasattr(torch.Tensor, name)))
+    elif node.op in ("call_function", "call_method") and _inplace_flag(node) is not None:
+        inplace = True
     elif node.op == "call_function":
         inplace = (target in _INPLACE_OPERATORS or target is operator.setitem or
                    (getattr(target, "__module__", None) in ("torch", "torch._C._VariableFunctions")
-                    and callable(getattr(torch, getattr(target, "__name__", "")[:-1] or "_", None))
-                    and target.__name__.endswith("_") and not target.__name__.startswith("_")))
+                    and _writes_data(getattr(target, "__name__", ""), torch)))
     elif node.op == "call_method":
-        inplace = (target.endswith("_") and not target.startswith("_")
-                   and hasattr(torch.Tensor, target[:-1]))
+        inplace = _writes_data(target, torch.Tensor)
     elif node.op == "call_module":
         module = gm.get_submodule(target)
         inplace = getattr(module, "inplace", False) is True and not any(
             True for _ in module.parameters())
     else:
         inplace = False
-    if not inplace:
+    return node.args[0] if inplace else None
+
+
+def _writes_data(name: str, namespace: Any) -> bool:
+    """Whether `name` is an in-place op on tensor data: `add_` next to a callable `add`, or one of
+    the writes with no same-name out-of-place op (`zero_`, `copy_`, `uniform_`...). Not
+    `requires_grad_` (`requires_grad` is a property) nor other bookkeeping."""
+    return (name.endswith("_") and not name.startswith("_") and
+            (name in _WRITES_WITHOUT_OUT_OF_PLACE or callable(getattr(namespace, name[:-1], None))))
+
+
+def _inplace_flag(node: fx.Node) -> str | int | None:
+    """Where `node` passes `inplace=True` (`F.relu(h, inplace=True)`): the keyword or the
+    position; None if it does not."""
+    if node.kwargs.get("inplace") is True:
+        return "inplace"
+    if node.op != "call_function":
         return None
-    # `x += y` on a non-tensor (an int from x.size(0)) is not a mutation.
-    value = node.args[0].meta.get("example_value", node.args[0].meta.get("val"))
-    return node.args[0] if value is None or isinstance(value, torch.Tensor) else None
+    try:
+        names = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):       # a builtin without a Python signature
+        return None
+    i = names.index("inplace") if "inplace" in names else len(node.args)
+    return i if i < len(node.args) and node.args[i] is True else None
 
 
-def _is_view(node: fx.Node) -> bool:
-    if isinstance(node.target, torch._ops.OpOverload):   # ATen: its result aliases an input
-        return any(r.alias_info is not None for r in node.target._schema.returns)
-    return ((node.op == "call_method" and node.target in _VIEW_METHODS) or
-            (node.op == "call_function" and node.target in (operator.getitem, torch.flatten,
-                                                            torch.transpose, torch.narrow)))
+def _write_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Turn the in-place op `node` into the out-of-place op that returns the written value."""
+    target, (x, *rest) = node.target, node.args
+    flag = None if node.op == "call_module" or isinstance(target, torch._ops.OpOverload) else (
+        _inplace_flag(node))
+    if isinstance(target, torch._ops.OpOverload):
+        functional = _out_of_place_aten(target)
+        if functional is not None:
+            node.target = functional
+        else:                                      # e.g. aten.normal_: no functional overload
+            _become(node, on_copy, (x, _aten_base_name(target), *rest))
+    elif flag == "inplace":
+        node.kwargs = {**node.kwargs, "inplace": False}
+    elif flag is not None:
+        node.args = (*node.args[:flag], False, *node.args[flag + 1:])
+    elif node.op == "call_module":
+        module = copy.deepcopy(gm.get_submodule(target))
+        module.inplace = False
+        _set_submodule(gm, target, module)
+    elif target in _INPLACE_OPERATORS:
+        node.target = _INPLACE_OPERATORS[target]
+    elif target is operator.setitem:
+        node.target = setitem
+    else:                                          # `x.add_(y)` or `torch.relu_(x)`
+        name = target if node.op == "call_method" else target.__name__
+        if name == "zero_":
+            _become(node, torch.zeros_like, (x,), {})
+        elif name == "fill_":
+            _become(node, torch.fill, (x, *rest))
+        elif name == "copy_":
+            _become(node, copy_into, (x, rest[0] if rest else node.kwargs["src"]), {})
+        elif name in _RANDOM_WRITES:
+            _become(node, on_copy, (x, name, *rest))
+        elif node.op == "call_method":
+            node.target = name[:-1]
+        else:
+            node.target = getattr(torch, name[:-1])
+
+
+def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None) -> None:
+    node.op, node.target, node.args = "call_function", fn, args
+    if kwargs is not None:
+        node.kwargs = kwargs
+
+
+def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
+                 ) -> dict[fx.Node, Any]:
+    """Every node's value on copies of the example inputs, all kept alive (so no two values'
+    storages can be the same memory reused). Buffers the run updates are restored."""
+    inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                             signature_of(gm).flatten_inputs(args, kwargs))
+    interpreter = fx.Interpreter(gm, garbage_collect_values=False)
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    try:
+        with torch.no_grad():
+            interpreter.run(*inputs)
+    except Exception as e:
+        raise TraceError(f"functionalize could not run the graph on the example inputs: "
+                         f"{type(e).__name__}: {e}") from e
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(saved[name])
+    return interpreter.env
+
+
+def _aliases_by_storage(values: Mapping[fx.Node, Any]) -> Callable[[fx.Node], list[fx.Node]]:
+    """`node` -> the nodes whose values share memory with `node`'s (itself included)."""
+    storages = {node: _storages(value) for node, value in values.items()}
+    return lambda node: [n for n, s in storages.items() if s & storages.get(node, set())]
+
+
+def _storages(value: Any) -> set[tuple[str, int]]:
+    found = set()
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            pointer = leaf.untyped_storage().data_ptr()
+            if pointer:                        # empty tensors share the null pointer
+                found.add((str(leaf.device), pointer))
+    return found
+
+
+def _aliases_by_name(gm: fx.GraphModule) -> Callable[[fx.Node], set[fx.Node]]:
+    """`node` -> the nodes linked to it by ops that may return a view (itself included):
+    conservative, for graphs that were not run."""
+    def aliases(node: fx.Node) -> set[fx.Node]:
+        seen, todo = {node}, [node]
+        while todo:
+            n = todo.pop()
+            linked = [u for u in n.users if _is_view(gm, u) and u.args and u.args[0] is n]
+            if _is_view(gm, n) and n.args and isinstance(n.args[0], fx.Node):
+                linked.append(n.args[0])
+            todo += [m for m in linked if m not in seen]
+            seen.update(linked)
+        return seen
+    return aliases
+
+
+def _is_view(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node`'s result may share memory with its first input, judged by the op."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):   # ATen: its result aliases an input
+        return any(r.alias_info is not None for r in target._schema.returns)
+    if node.op == "call_method":    # an in-place op left as it is returns its input
+        return target in _VIEW_NAMES or target.endswith("_")
+    if node.op == "call_function" and target is getattr:
+        return len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
+    if node.op == "call_function":
+        return target in _VIEW_FUNCTIONS
+    return node.op == "call_module" and isinstance(gm.get_submodule(target), _VIEW_MODULES)
+
+
+def _holds_tensor_by_meta(node: fx.Node) -> bool:
+    """False only when the tracer recorded a non-tensor (`n += 1` on an int from `x.size(0)`)."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value is None or isinstance(value, torch.Tensor)
+
+
+def _aliased_write_error(node: fx.Node, mutated: fx.Node, alias: fx.Node) -> TraceError:
+    where = _source_line(node)
+    return TraceError(
+        f"node {node.name!r} ({node.format_node()}) writes in place on {mutated.name!r}, whose "
+        f"memory {alias.name!r} shares (a view, or the base of one), and {alias.name!r} is read "
+        f"afterwards{':' if where else '.'}\n{where}"
+        f"fxpipe rewrites in-place ops out of place so pipeline stages can share tensors, which "
+        f"would lose this write. Write it out of place and use the result where the updated "
+        f"value is wanted: e.g. `h = h + 1` instead of `h.add_(1)` on a view, or "
+        f"`x = torch.relu(x)` instead of `inplace=True`")
+
+
+def _source_line(node: fx.Node) -> str:
+    """`File "model.py", line 12, in forward` and its code: the last frame outside torch in
+    `node`'s recorded stack trace, or '' when none was recorded."""
+    lines = [line.strip() for line in node.meta.get("stack_trace", "").splitlines()]
+    frames = [i for i, line in enumerate(lines)
+              if line.startswith("File ") and _TORCH_DIR not in line]
+    if not frames:
+        return ""
+    i = frames[-1]
+    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+    return f"  {lines[i]}\n    {code}\n"
+
+
+def _aten_base_name(op: torch._ops.OpOverload) -> str | None:
+    """`relu_` for `aten.relu_.default`: the op's name, if it looks like an in-place op."""
+    name = op._schema.name.split("::")[-1]
+    return name if name.endswith("_") and not name.startswith("_") else None
 
 
 def _out_of_place_aten(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """`aten.relu.default` for `aten.relu_.default`: the same overload without the write, if any."""
-    schema = op._schema
-    name = schema.name.split("::")[-1]
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    if not name.endswith("_") or name.startswith("_") or first is None or not first.is_write:
-        return None
-    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
+    name = _aten_base_name(op)
+    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None) if name else None
     return getattr(packet, op._overloadname, None) if packet is not None else None
 
 
