@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from passes.codegen import Stage
 from passes.errors import StageError
+from passes.graph_values import tensors
 
 from .schedules import Action, Phase, Slot, Timetable
 
@@ -248,7 +249,7 @@ class _Execution:
                 return None
             _wait(message, stage.device)
             for name, grads in message.values.items():
-                for leaf, g in zip(_leaves(saved.outputs[name]), grads):
+                for leaf, g in zip(tensors(saved.outputs[name]), grads):
                     if g is not None and leaf.requires_grad:
                         roots.append(leaf)
                         root_grads.append(_to(g, stage.device))
@@ -259,7 +260,7 @@ class _Execution:
         if roots:   # autograd sums the gradients of an output read by several stages
             torch.autograd.backward(roots, root_grads)
         self.send(Phase.BACKWARD, stage, {
-            src: {n: [leaf.grad for leaf in _leaves(saved.inputs[n])] for n in names}
+            src: {n: [leaf.grad for leaf in tensors(saved.inputs[n])] for n in names}
             for src, names in self.reads.get(stage.index, {}).items() if src != DRIVER})
         return began
 
@@ -291,13 +292,6 @@ def _wait(message: _Message, device: torch.device | None) -> None:
         torch.cuda.current_stream(device).wait_event(message.ready)
     else:
         message.ready.synchronize()
-
-
-def _leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) value, in a fixed order."""
-    found: list[torch.Tensor] = []
-    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
 
 
 def _detach_leaf(value: Any) -> Any:

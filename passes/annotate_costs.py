@@ -20,6 +20,7 @@ import torch.fx as fx
 from .codegen import place
 from .cost_model import NodeCost
 from .errors import CostError
+from .graph_values import attr_value, tensors
 from .signature import signature_of
 
 
@@ -63,8 +64,8 @@ class CostInterpreter(fx.Interpreter):
             (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
-        outputs = [t for t in _tensors(out) if t.requires_grad]
-        wanted = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        outputs = [t for t in tensors(out) if t.requires_grad]
+        wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
         if n.op == "call_module":
             wanted += [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
         if not outputs or not wanted:
@@ -139,7 +140,7 @@ def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
             module = gm.get_submodule(n.target)
             tensors = list(module.parameters()) + list(module.buffers())
         elif n.op == "get_attr":
-            value = _get_attr(gm, n.target)
+            value = attr_value(gm, n.target)
             tensors = [value] if isinstance(value, torch.Tensor) else []
             readers = [u for u in n.users if u.op != "output"]
             holder = min(readers, key=position.__getitem__) if readers else n
@@ -151,11 +152,6 @@ def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return owned
 
 
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
 def bind_inputs(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> list[Any]:
     """The value of every placeholder, in order, from inputs given as the model takes them."""
     return signature_of(gm).flatten_inputs(args, kwargs)
@@ -165,12 +161,6 @@ def _device_of(gm: fx.GraphModule) -> torch.device:
     for t in list(gm.parameters()) + list(gm.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
 
 
 def _leaf_if_float(value: Any) -> Any:

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from .errors import DeviceError, PartitionError
+from .graph_values import attr_value
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
     where = {}                                                           # the stages that hold it
     for n in nodes:
         where[n] = _stages_holding(n, stage_of, owner[n])
-        if n.op == "get_attr" and id(_attr(gm, n.target)) in home:
-            h = owner[n] = home[id(_attr(gm, n.target))]
+        if n.op == "get_attr" and id(attr_value(gm, n.target)) in home:
+            h = owner[n] = home[id(attr_value(gm, n.target))]
             local = {s for s in where[n] if devices[s] == devices[h] and not send_parameters}
             where[n] = local | ({h} if n in graph_outputs or local != where[n] else set())
 
@@ -129,15 +130,10 @@ def _homes(gm: fx.GraphModule, nodes: Sequence[fx.Node], stage_of: Mapping[str, 
             module = gm.get_submodule(n.target)
             for t in list(module.parameters()) + list(module.buffers()):
                 home[id(t)] = min(home.get(id(t), stage_of[n.name]), stage_of[n.name])
-        elif n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor):
+        elif n.op == "get_attr" and isinstance(attr_value(gm, n.target), torch.Tensor):
             for s in _stages_holding(n, stage_of, owner[n]):
-                home[id(_attr(gm, n.target))] = min(home.get(id(_attr(gm, n.target)), s), s)
+                home[id(attr_value(gm, n.target))] = min(home.get(id(attr_value(gm, n.target)), s), s)
     return home
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _has_state(module: torch.nn.Module) -> bool:
