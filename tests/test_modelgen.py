@@ -324,3 +324,52 @@ def test_docstring_example_runs():
     ns: dict = {}
     exec(compile(example, "<docstring>", "exec"), ns)
     ns["test_traced_model_matches_eager"]()
+
+
+# --------------------------------------------------------------------------- #
+# the idioms a pipeline must keep: dropout, training branches, grad regions,
+# buffer updates
+# --------------------------------------------------------------------------- #
+IDIOMS = dict(dropout=True, training_branches=True, grad_regions=True, buffer_updates=True)
+
+
+def test_idioms_are_off_by_default_and_each_is_generated_when_asked():
+    def kinds(case):
+        return {op.kind for op in case.spec.ops}
+
+    idiom_kinds = {"dropout", "train_branch", "frozen_linear", "running_mean"}
+    with pytest.raises(Exception):   # never drawn by default
+        find(models(max_nodes=8), lambda c: kinds(c) & idiom_kinds,
+             settings=settings(database=None, max_examples=300))
+    for kind in idiom_kinds:
+        find(models(max_nodes=8, **IDIOMS), lambda c, kind=kind: kind in kinds(c),
+             settings=settings(database=None, max_examples=500))
+
+
+@FAST
+@given(models(max_nodes=10, **IDIOMS), st.booleans())
+def test_idiom_models_paste_as_the_same_model_in_both_modes(case, training):
+    pasted = exec_source(repr(case))["model"]
+    model = case.model
+    model.train(training)
+    pasted.train(training)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        expected = flat(model(*case.example_inputs))
+        torch.manual_seed(0)
+        actual = flat(pasted(*case.example_inputs))
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+    for (name, a), (_, e) in zip(pasted.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(a, e, msg=name)
+
+
+@FAST
+@given(models(max_nodes=10, grad_regions=True))
+def test_frozen_branches_get_no_gradient(case):
+    model, inputs = case
+    frozen = [getattr(model, op.attr) for op in case.spec.ops if op.kind == "frozen_linear"]
+    out = sum(t.sum() for t in flat(model(*inputs)))
+    if out.requires_grad:
+        out.backward()
+    assert all(p.grad is None for layer in frozen for p in layer.parameters())

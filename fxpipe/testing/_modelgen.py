@@ -58,14 +58,20 @@ _OUTPUT_KINDS = ("tensor", "tuple", "dict")
 # Op kinds, simplest first: ``sampled_from`` shrinks towards the front.
 _UNARY = ("relu", "linear", "tanh", "sigmoid", "gelu", "softmax", "layer_norm",
           "matmul", "add_const", "mul_const", "add_buffer", "mul_buffer", "mean",
-          "reshape_mean", "split", "chunk", "conv")
+          "reshape_mean", "split", "chunk", "conv", "dropout", "train_branch",
+          "frozen_linear", "running_mean")
 _BINARY = ("add", "mul", "sub", "cat")
 _KIND_ORDER = ("relu", "linear", "add", "mul", "cat") + tuple(
     k for k in _UNARY + _BINARY if k not in ("relu", "linear", "add", "mul", "cat"))
 _NEEDS_CONSTANTS = frozenset({"add_const", "mul_const", "reshape_mean", "conv"})
 _NEEDS_BUFFERS = frozenset({"add_buffer", "mul_buffer"})
 _ATTR_PREFIX = {"linear": "linear", "layer_norm": "norm", "conv": "conv",
-                "matmul": "w", "add_buffer": "buf", "mul_buffer": "buf"}
+                "matmul": "w", "add_buffer": "buf", "mul_buffer": "buf",
+                "frozen_linear": "frozen", "running_mean": "stat"}
+# The idioms behind the options of `models`, each the kinds it allows.
+_IDIOMS = {"dropout": {"dropout"}, "training_branches": {"train_branch"},
+           "grad_regions": {"frozen_linear"}, "buffer_updates": {"running_mean"}}
+_MOMENTUM = 0.1
 
 
 # --------------------------------------------------------------------------- #
@@ -120,8 +126,10 @@ class GraphSpec:
 def _build_attr(module: nn.Module, op: OpSpec) -> None:
     """Create the layer / parameter / buffer owned by ``op`` (global RNG)."""
     k, p = op.kind, op.params
-    if k == "linear":
+    if k in ("linear", "frozen_linear"):
         module.add_module(op.attr, nn.Linear(p[0], p[1]))
+    elif k == "running_mean":
+        module.register_buffer(op.attr, torch.zeros(p[0]))
     elif k == "layer_norm":
         module.add_module(op.attr, nn.LayerNorm(p[0]))
     elif k == "conv":
@@ -140,6 +148,16 @@ def _apply(module: nn.Module, op: OpSpec, args: list[Any]) -> Any:
     a = args[0]
     if k in ("linear", "layer_norm"):
         return getattr(module, op.attr)(a)
+    if k == "frozen_linear":
+        with torch.no_grad():
+            return getattr(module, op.attr)(a)
+    if k == "dropout":
+        return F.dropout(a, p[0], module.training)
+    if k == "train_branch":
+        return a * p[0] if module.training else a + p[0]
+    if k == "running_mean":
+        stat = getattr(module, op.attr)
+        return a - stat.mul_(1 - _MOMENTUM).add_(_MOMENTUM * a.detach().mean(0))
     if k == "conv":
         c, h, w = p[0], p[1], p[2]
         return getattr(module, op.attr)(a.reshape(-1, c, h, w)).flatten(1)
@@ -186,8 +204,10 @@ def _apply(module: nn.Module, op: OpSpec, args: list[Any]) -> Any:
 
 def _render_init(op: OpSpec) -> str | None:
     k, p = op.kind, op.params
-    if k == "linear":
+    if k in ("linear", "frozen_linear"):
         return f"self.{op.attr} = nn.Linear({p[0]}, {p[1]})"
+    if k == "running_mean":
+        return f'self.register_buffer("{op.attr}", torch.zeros({p[0]}))'
     if k == "layer_norm":
         return f"self.{op.attr} = nn.LayerNorm({p[0]})"
     if k == "conv":
@@ -204,8 +224,15 @@ def _render_expr(op: OpSpec, names: list[str]) -> str:
     """Python expression for ``op``; must stay in sync with :func:`_apply`."""
     k, p = op.kind, op.params
     a = names[0]
-    if k in ("linear", "layer_norm"):
+    if k in ("linear", "layer_norm", "frozen_linear"):
         return f"self.{op.attr}({a})"
+    if k == "dropout":
+        return f"F.dropout({a}, {p[0]!r}, self.training)"
+    if k == "train_branch":
+        return f"{a} * {p[0]!r} if self.training else {a} + {p[0]!r}"
+    if k == "running_mean":
+        return (f"{a} - self.{op.attr}.mul_({1 - _MOMENTUM!r})"
+                f".add_({_MOMENTUM!r} * {a}.detach().mean(0))")
     if k == "conv":
         return f"self.{op.attr}({a}.reshape(-1, {p[0]}, {p[1]}, {p[2]})).flatten(1)"
     simple = {
@@ -298,7 +325,8 @@ class GeneratedModel(nn.Module):
             expr = _render_expr(op, [spec.value_name(i) for i in op.args])
             target = ", ".join(spec.value_name(i) for i in op.outs)
             shapes = ", ".join(f"(B, {feats[i]})" for i in op.outs)
-            fwd_lines.append(f"{target} = {expr}  # {shapes}")
+            region = "with torch.no_grad(): " if op.kind == "frozen_linear" else ""
+            fwd_lines.append(f"{region}{target} = {expr}  # {shapes}")
         outs = [spec.value_name(i) for i in spec.outputs]
         if spec.output_kind == "tensor":
             ret = outs[0]
@@ -470,6 +498,8 @@ def _unary_ok(kind: str, f: int, s: float, flags: dict[str, bool]) -> bool:
         return False
     if kind in _NEEDS_BUFFERS and not flags["buffers"]:
         return False
+    if any(kind in kinds and not flags[idiom] for idiom, kinds in _IDIOMS.items()):
+        return False
     if kind in ("split", "chunk") and flags["single_output"]:
         return False
     if kind in ("softmax", "layer_norm"):
@@ -478,6 +508,12 @@ def _unary_ok(kind: str, f: int, s: float, flags: dict[str, bool]) -> bool:
         return s + min(_CONSTANTS) <= _SCALE_LIMIT
     if kind == "add_buffer":
         return s + 1.0 <= _SCALE_LIMIT
+    if kind == "dropout":
+        return 2 * s <= _SCALE_LIMIT
+    if kind == "train_branch":
+        return s + max(_CONSTANTS) <= _SCALE_LIMIT and s * max(_CONSTANTS) <= _SCALE_LIMIT
+    if kind == "running_mean":
+        return 2 * s <= _SCALE_LIMIT
     if kind == "split":
         return f >= 2
     if kind == "chunk":
@@ -525,9 +561,17 @@ def _draw_op(draw: Any, b: _Builder, a: int, second: list[int], forced: bool,
         c = _pick(draw, partners(kind))
         out_f = f + b.feats[c] if kind == "cat" else f
         b.add(kind, (a, c), [out_f], _binary_scale(kind, s, b.scales[c]))
-    elif kind == "linear":
+    elif kind in ("linear", "frozen_linear"):
         g = draw(st.integers(1, _MAX_DRAWN_FEATURES))
         b.add(kind, (a,), [g], math.sqrt(s * s / 3 + 1 / (3 * f)), (f, g))
+    elif kind == "dropout":
+        p = draw(st.sampled_from((0.1, 0.5)))
+        b.add(kind, (a,), [f], s / (1 - p), (p,))
+    elif kind == "train_branch":
+        c = draw(st.sampled_from(_CONSTANTS))
+        b.add(kind, (a,), [f], max(s * c, s + c), (c,))
+    elif kind == "running_mean":
+        b.add(kind, (a,), [f], 2 * s, (f,))
     elif kind == "matmul":
         g = draw(st.integers(1, _MAX_DRAWN_FEATURES))
         use_operator = draw(st.booleans())
@@ -564,7 +608,7 @@ def _draw_op(draw: Any, b: _Builder, a: int, second: list[int], forced: bool,
 @st.composite
 def _model_cases(draw: Any, max_nodes: int, branching: bool, inputs: tuple[int, int],
                  outputs: str, buffers: bool, constants: bool,
-                 batch: tuple[int, int]) -> ModelCase:
+                 batch: tuple[int, int], idioms: dict[str, bool]) -> ModelCase:
     n_in = draw(st.integers(inputs[0], min(inputs[1], max_nodes)))
     n_ops = n_in + draw(st.integers(0, max_nodes - n_in))
     out_kind = outputs if outputs != "any" else draw(st.sampled_from(_OUTPUT_KINDS))
@@ -574,7 +618,8 @@ def _model_cases(draw: Any, max_nodes: int, branching: bool, inputs: tuple[int, 
     for i in range(n_ops):
         last = i == n_ops - 1
         single_output = last and out_kind == "tensor"
-        flags = {"buffers": buffers, "constants": constants, "single_output": single_output}
+        flags = {"buffers": buffers, "constants": constants, "single_output": single_output,
+                 **idioms}
         sinks = b.sinks()
         if single_output and len(sinks) >= 2:
             # Merge everything still unused into the single output tensor.
@@ -626,7 +671,9 @@ def _model_cases(draw: Any, max_nodes: int, branching: bool, inputs: tuple[int, 
 
 def models(*, max_nodes: int = 20, branching: bool = True, inputs: tuple[int, int] = (1, 3),
            outputs: Literal["tensor", "tuple", "dict", "any"] = "any", buffers: bool = True,
-           constants: bool = True, batch: tuple[int, int] = (1, 8)) -> SearchStrategy[ModelCase]:
+           constants: bool = True, batch: tuple[int, int] = (1, 8), dropout: bool = False,
+           training_branches: bool = False, grad_regions: bool = False,
+           buffer_updates: bool = False) -> SearchStrategy[ModelCase]:
     """Strategy for random, valid, fx-traceable models with example inputs.
 
     Each example is a :class:`ModelCase` ``(model, example_inputs)``: ``model``
@@ -638,7 +685,16 @@ def models(*, max_nodes: int = 20, branching: bool = True, inputs: tuple[int, in
     softmax, ``+ - *`` between values, ``torch.matmul(x, W)`` / ``x @ W`` with
     a parameter, ``x + c`` / ``x * c`` with Python scalars, ``+`` / ``*`` with a
     registered buffer, ``torch.cat``, ``torch.split`` / ``chunk``, per-sample
-    means.  No op mixes samples across the batch dimension.
+    means.  No op mixes samples across the batch dimension, unless ``buffer_updates``.
+
+    Four options add the idioms whose pipelines must equal the model *run once
+    per micro-batch* (see ``assert_pipeline_matches``), off by default:
+    ``dropout`` (``F.dropout(x, p, self.training)``), ``training_branches``
+    (``x * c if self.training else x + c``), ``grad_regions`` (an
+    ``nn.Linear`` called under ``torch.no_grad()``: a frozen branch) and
+    ``buffer_updates`` (a running mean of the batch, updated in place in
+    forward and read after the update: it mixes the samples of a micro-batch).
+    Call ``model.train()`` for dropout and the training branches to act.
 
     Args:
         max_nodes: maximum number of ops (at least ``inputs[0]``).
@@ -653,6 +709,8 @@ def models(*, max_nodes: int = 20, branching: bool = True, inputs: tuple[int, in
         constants: allow Python scalar constants (``x * 0.5``, ``x + 1.0``) and
             reshapes with Python ints (which conv ops need).
         batch: inclusive bounds on the batch size of the example inputs.
+        dropout, training_branches, grad_regions, buffer_updates: allow the
+            idioms above.
 
     Example::
 
@@ -684,5 +742,7 @@ def models(*, max_nodes: int = 20, branching: bool = True, inputs: tuple[int, in
                               "'tensor', 'tuple', 'dict', 'any'")
     if not 1 <= batch[0] <= batch[1]:
         raise InvalidArgument(f"batch={batch!r} must satisfy 1 <= lo <= hi")
+    idioms = {"dropout": bool(dropout), "training_branches": bool(training_branches),
+              "grad_regions": bool(grad_regions), "buffer_updates": bool(buffer_updates)}
     return _model_cases(max_nodes, bool(branching), (lo, hi), outputs, bool(buffers),
-                        bool(constants), (batch[0], batch[1]))
+                        bool(constants), (batch[0], batch[1]), idioms)
