@@ -1,0 +1,26 @@
+"""The README's examples run as written."""
+
+import pathlib
+import re
+
+from hypothesis import settings
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks(marker: str) -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for b in blocks if marker in b]
+
+
+def test_the_fxpipe_testing_example_passes_as_written():
+    """Under hypothesis' own default settings, as a user's test suite would run it."""
+    (example,) = python_blocks("from fxpipe.testing import")
+    namespace: dict = {}
+    ours = settings._current_profile
+    settings.load_profile("default")
+    try:
+        exec(compile(example, "README.md", "exec"), namespace)
+        namespace["test_my_pass"]()
+    finally:
+        settings.load_profile(ours)
