@@ -386,8 +386,8 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
         if len(changed) > 1 or any(w.shape[d] * r != c.shape[d] * total
                                    for c, r in zip(column, rows)):
             raise BatchError(
-                f"{name} of shape {shape} (B: the batch) mixes the batch: each sample's values "
-                f"depend on the others, so micro-batches cannot be merged into it. Compute it "
+                f"{name} of shape {shape} mixes the batch (B: the batch size): each sample's "
+                f"values depend on the others, so micro-batches cannot be merged into it. Compute it "
                 f"after the pipeline from per-sample outputs, or use chunks=1{_NOT_DIM_0}")
         dims.append(d)
     return dims
