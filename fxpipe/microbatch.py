@@ -106,15 +106,32 @@ def merge(outputs: Sequence[Any], dims: Sequence[int | None] | None = None) -> A
 def _leaf_dims(inputs: Any, dims: Dims) -> list[int | None]:
     """`dims` broadcast to one entry per leaf of `inputs`."""
     spec = pytree.tree_structure(inputs)
-    leaf_dims = pytree._broadcast_to_and_flatten(dims, spec)
+    leaf_dims = pytree._broadcast_to_and_flatten(_whole_for_none(dims), spec)
     if leaf_dims is None:
         raise BatchError(f"batch_dims={dims!r} does not match the inputs' structure {spec}: give an "
                          f"int for every input, or one per input")
     return leaf_dims
 
 
-def _batched(leaf: Any, dim: int | None) -> bool:
-    return (isinstance(leaf, torch.Tensor) and dim is not None and
+class _Whole:
+    """A batch dimension of None, as a pytree leaf (pytrees take None for an empty node)."""
+
+
+_WHOLE = _Whole()
+
+
+def _whole_for_none(dims: Dims) -> Any:
+    if dims is None:
+        return _WHOLE
+    if isinstance(dims, (tuple, list)):
+        return type(dims)(_whole_for_none(d) for d in dims)
+    if isinstance(dims, dict):
+        return {k: _whole_for_none(d) for k, d in dims.items()}
+    return dims
+
+
+def _batched(leaf: Any, dim: Any) -> bool:
+    return (isinstance(leaf, torch.Tensor) and isinstance(dim, int) and
             -leaf.dim() <= dim < leaf.dim())
 
 

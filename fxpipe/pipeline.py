@@ -151,7 +151,14 @@ class Pipeline(nn.Module):
         mode only: the first switch to the other captures the model again in that mode and plans
         its own stages, on the same parameters, from the example given to `compile`.
         """
-        if self._recipe is not None and mode not in self._modes:
+        captured = self.plan.capture.training
+        if self._recipe is None and captured is not None and captured != mode:
+            have, want = ("train", "eval") if captured else ("eval", "train")
+            raise FxpipeError(
+                f"this pipeline's graph was captured by torch.export in {have} mode, which fixes "
+                f"how its dropout and BatchNorm behave: compile the model after model.{want}() "
+                f"to run it in {want} mode")
+        if self._recipe is not None and mode != self.training and mode not in self._modes:
             self._check_model()
             self._modes[self.training] = self._mode_state()
             other = self._recipe.build_for_mode(mode)

@@ -393,3 +393,24 @@ def test_timeline_is_an_attribute_of_the_package():
     code = "import fxpipe; print(fxpipe.timeline.write_svg.__name__)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "write_svg", done.stderr
+
+
+class Table(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, table):                # table: (4,), the same for every sample
+        return self.fc(x) * table
+
+
+def test_an_input_without_a_batch_dimension_is_given_whole_with_batch_dims_none():
+    model, x, table = Table().eval(), torch.randn(8, 16), torch.rand(4)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x, table), chunks=4, batch_dims={"table": None})
+    torch.testing.assert_close(pipe(x, table), model(x, table))
+
+
+def test_batch_dims_naming_no_input_is_refused():
+    model, x, table = Table().eval(), torch.randn(8, 16), torch.rand(4)
+    with pytest.raises(fxpipe.BatchError, match="batch_dims names 'tabel', which is not an input"):
+        fxpipe.compile(model, ["cpu"] * 2, (x, table), chunks=4, batch_dims={"tabel": None})
