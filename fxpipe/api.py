@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
@@ -111,7 +110,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs)):
         raise PartitionError(f"num_stages={num_stages!r}: use 'auto' or a number from 1 to "
                              f"the {len(specs)} devices given")
-    recipe = _Recipe(weakref.ref(model), example_inputs, example_kwargs,
+    recipe = _Recipe(model, example_inputs, example_kwargs,
                      _input_dims(model, example_inputs, example_kwargs, batch_dims),
                      batch_dims if isinstance(batch_dims, int) else 0, dict(
                          specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
@@ -129,10 +128,11 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
 class _Recipe:
     """What compiling takes, kept by the pipeline to compile the model again in the other mode.
 
-    The model is held weakly; the example inputs are kept as given.
+    The model and the example inputs are kept as given (the pipeline holds the model's
+    parameters anyway; `fxpipe.compile(Net(), ...)` must still switch modes).
     """
 
-    model: weakref.ref
+    model: nn.Module
     args: tuple
     kwargs: dict[str, Any]
     input_dims: tuple[tuple, dict]      # a batch dimension per input, a prefix of (args, kwargs)
@@ -149,11 +149,7 @@ class _Recipe:
     def build_for_mode(self, mode: bool) -> Pipeline | None:
         """The pipeline of the model in `mode` (`model.train(mode)`), or None when the graph
         captured in that mode is the one already built (a graph that does not read the mode)."""
-        model = self.model()
-        if model is None:
-            raise FxpipeError(f"the model this pipeline was compiled from no longer exists, and "
-                              f"its graph depends on the mode: compile the model after "
-                              f"model.{'train' if mode else 'eval'}() to run it in that mode")
+        model = self.model
         flags = {m: m.training for m in model.modules()}
         try:
             model.train(mode)
@@ -194,6 +190,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
                     chunks, schedule=schedule, threads_per_stage=threads_per_stage,
                     batch_dims=_placeholder_dims(signature_of(gm), recipe.input_dims,
                                                  recipe.default_dim))
+    pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
     pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
     return pipe

@@ -414,3 +414,12 @@ def test_batch_dims_naming_no_input_is_refused():
     model, x, table = Table().eval(), torch.randn(8, 16), torch.rand(4)
     with pytest.raises(fxpipe.BatchError, match="batch_dims names 'tabel', which is not an input"):
         fxpipe.compile(model, ["cpu"] * 2, (x, table), chunks=4, batch_dims={"tabel": None})
+
+
+def test_a_pipeline_of_a_temporary_model_switches_mode():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    pipe = fxpipe.compile(DropPath().eval(), ["cpu"] * 2, (x,), chunks=2)
+    eval_out = pipe(x)
+    pipe.train()
+    assert not torch.allclose(pipe(x), eval_out)          # the training branch runs
