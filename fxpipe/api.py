@@ -50,7 +50,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `example_kwargs` its keyword inputs; costs are measured on one micro-batch of it, on
     `devices[0]`. `chunks` is the number of micro-batches each call is split into, along
     `batch_dims`: dimension 0 of every input unless given, as an int for all inputs or per input
-    (`{"x": 1}` or `{0: 1}` for a sequence-first input). Each output's batch dimension is found
+    (`{"x": 1}` or `{0: 1}` for a sequence-first input; None for an input given whole to every
+    micro-batch). Each output's batch dimension is found
     by running the model on the whole example and on micro-batches; an output that reduces or
     mixes the batch is refused by name.
     `num_stages` uses only the first devices: a number, or "auto" for the fewest whose

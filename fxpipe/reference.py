@@ -46,14 +46,16 @@ def copied(inputs: Any) -> Any:
 
 @contextlib.contextmanager
 def unchanged(model: nn.Module) -> Iterator[None]:
-    """Inside, run `model` freely: its buffers, and the random generators, are restored after."""
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    """Inside, run `model` freely: its buffers (the tensors, and their values) and the random
+    generators are restored after; gradients are off."""
+    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
+             for name, b in module._buffers.items() if b is not None]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             yield
     finally:
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in saved:
-                    b.copy_(saved[name])
+            for module, name, buffer, value in saved:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
