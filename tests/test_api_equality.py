@@ -423,3 +423,20 @@ def test_a_pipeline_of_a_temporary_model_switches_mode():
     eval_out = pipe(x)
     pipe.train()
     assert not torch.allclose(pipe(x), eval_out)          # the training branch runs
+
+
+def test_hugging_face_clip_names_its_output_that_mixes_the_batch():
+    from transformers import CLIPConfig, CLIPModel
+
+    tiny = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
+    config = CLIPConfig(text_config=dict(vocab_size=64, max_position_embeddings=16, bos_token_id=0,
+                                         eos_token_id=1, pad_token_id=2, **tiny),
+                        vision_config=dict(image_size=16, patch_size=8, **tiny), projection_dim=16)
+    torch.manual_seed(0)
+    model = CLIPModel(config).eval()
+    inputs = dict(input_ids=torch.randint(0, 64, (4, 7)), pixel_values=torch.randn(4, 3, 16, 16))
+    with pytest.raises(fxpipe.BatchError, match=r"output 'logits_per_image' of shape \(B, B\) "
+                                                r"mixes the batch"):
+        fxpipe.compile(model, ["cpu"] * 2, example_kwargs=inputs, chunks=2)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=inputs, chunks=1)   # the fix works
+    torch.testing.assert_close(pipe(**inputs).logits_per_image, model(**inputs).logits_per_image)
