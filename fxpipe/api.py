@@ -327,7 +327,7 @@ def _check(model: nn.Module, pipe: Pipeline, recipe: _Recipe, verify: bool,
         torch.manual_seed(0)
         actual = pipe(*copied(args), **copied(kwargs))
     if chunks > 1:
-        _check_batch_independent(model, recipe, output_dims, tolerance)
+        _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts)
     problem = _difference(actual, expected, tolerance)
     if problem and _draws_random_numbers(model, args, kwargs):
         raise FxpipeError(
@@ -395,32 +395,32 @@ _NOT_DIM_0 = (" (if the batch is not dimension 0 of every input, as in a sequenc
               "which dimension it is with batch_dims=)")
 
 
-def _check_batch_independent(model: nn.Module, recipe: _Recipe, output_dims, tolerance) -> None:
+def _check_batch_independent(model: nn.Module, recipe: _Recipe, output_dims, tolerance,
+                             whole: Any, parts: Sequence[Any]) -> None:
     """Refuse a model whose output on micro-batches differs from its output on the whole batch.
 
     Checked in eval mode (BatchNorm in training mode normalises each micro-batch by design, as
-    in GPipe), and only where the model is deterministic there.
+    in GPipe), and only where the model is deterministic there. `whole` and `parts` are the
+    runs already made in the model's mode, reused when that is eval.
     """
-    args, kwargs, dims, chunks = recipe.args, recipe.kwargs, recipe.input_dims, recipe.options[
-        "chunks"]
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     flags = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        if _draws_random_numbers(model, args, kwargs):
+        if any(flags.values()):
+            with unchanged(model):
+                whole = model(*copied(args), **copied(kwargs))
+                parts = run_per_microbatch(model, args, kwargs, len(parts), batch_dims=dims)
+        try:
+            merged = microbatch.merge(parts, output_dims)
+        except BatchError:      # eval mode returns other outputs than the mode checked
             return
-        with unchanged(model):
-            whole = model(*copied(args), **copied(kwargs))
-            parts = run_per_microbatch(model, args, kwargs, chunks, batch_dims=dims)
+        problem = _difference(merged, whole, tolerance)
+        if not problem or _draws_random_numbers(model, args, kwargs):
+            return
     finally:
         for m, flag in flags.items():
             m.training = flag
-    try:
-        merged = microbatch.merge(parts, output_dims)
-    except BatchError:
-        return
-    problem = _difference(merged, whole, tolerance)
-    if not problem:
-        return
     raise BatchError(
         f"the model mixes samples across the batch: on micro-batches it computes something else "
         f"than on the whole batch ({problem}). If the batch is not dimension 0 of every input "
