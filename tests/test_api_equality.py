@@ -440,3 +440,10 @@ def test_hugging_face_clip_names_its_output_that_mixes_the_batch():
         fxpipe.compile(model, ["cpu"] * 2, example_kwargs=inputs, chunks=2)
     pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=inputs, chunks=1)   # the fix works
     torch.testing.assert_close(pipe(**inputs).logits_per_image, model(**inputs).logits_per_image)
+
+
+def test_a_negative_verify_tolerance_is_refused_with_the_alternatives():
+    model, x = small()
+    with pytest.raises(fxpipe.FxpipeError, match=r"verify_tolerance=-1: use a relative tolerance "
+                                                 r">= 0, e.g. 1e-4, or verify=False"):
+        fxpipe.compile(model, ["cpu"], (x,), verify_tolerance=-1)
