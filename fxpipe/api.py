@@ -84,6 +84,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                if example_inputs is not None else ", and keyword inputs in example_kwargs"))
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}: pass the model's "
+                         f"keyword example inputs as a dict (name -> value), positional ones in "
+                         f"example_inputs")
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1")

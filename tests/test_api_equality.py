@@ -447,3 +447,10 @@ def test_a_negative_verify_tolerance_is_refused_with_the_alternatives():
     with pytest.raises(fxpipe.FxpipeError, match=r"verify_tolerance=-1: use a relative tolerance "
                                                  r">= 0, e.g. 1e-4, or verify=False"):
         fxpipe.compile(model, ["cpu"], (x,), verify_tolerance=-1)
+
+
+def test_example_kwargs_that_are_not_a_dict_are_an_input_error():
+    model, x = small()
+    with pytest.raises(fxpipe.InputError, match="example_kwargs is a tuple: pass the model's "
+                                                "keyword example inputs as a dict"):
+        fxpipe.compile(model, ["cpu"], (), (x,))
