@@ -11,6 +11,7 @@ from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, Inpu
                            PartitionError, StageError, TraceError)
 from passes.partition import Partition
 
+from . import timeline
 from .api import compile
 from .devices import tune_cpu_allocator
 from .pipeline import Pipeline

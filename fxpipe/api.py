@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from passes.annotate_costs import annotate_costs
 from passes.codegen import split_stages
-from passes.cost_model import LinkFn, cost_graph, default_link
-from passes.errors import BatchError, FxpipeError, PartitionError
+from passes.cost_model import DRIVER, DeviceSpec, Link, LinkFn, cost_graph, default_link
+from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
+                           PartitionError, TraceError)
 from passes.functionalize import functionalize
 from passes.partition import num_stages_for, partition
+from passes.randomness import microbatch_seeds
+from passes.signature import Signature, signature_of
 from passes.trace import CaptureMode, trace
 
 from . import microbatch
 from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
+from .reference import copied, run_per_microbatch, unchanged
 from .report import make_plan
 from .schedules import SCHEDULES, ScheduleName
+
+BatchDims = int | Mapping[str | int, int | None]
 
 
 def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
@@ -31,12 +42,18 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             schedule: ScheduleName = "gpipe", training: bool | None = None,
             threads_per_stage: int | None = None,
             link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
-            verify: bool = True) -> Pipeline:
+            batch_dims: BatchDims = 0, verify: bool = True,
+            verify_tolerance: float | None = None) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
     `example_kwargs` its keyword inputs; costs are measured on one micro-batch of it, on
-    `devices[0]`. `chunks` is the number of micro-batches each call is split into.
+    `devices[0]`. `chunks` is the number of micro-batches each call is split into, along
+    `batch_dims`: dimension 0 of every input unless given, as an int for all inputs or per input
+    (`{"x": 1}` or `{0: 1}` for a sequence-first input; None for an input given whole to every
+    micro-batch). Each output's batch dimension is found
+    by running the model on the whole example and on micro-batches; an output that reduces or
+    mixes the batch is refused by name.
     `num_stages` uses only the first devices: a number, or "auto" for the fewest whose
     bottleneck is within 2% of using them all (you have 8 GPUs; how many pay off?).
     `schedule` ("gpipe" or "1f1b") orders forwards and backwards in `Pipeline.train_step`.
@@ -45,57 +62,142 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     (default: the cores shared evenly among the CPU stages). `link` prices transfers between
     devices: "default" (typical figures by device kind), "measure" (timed here, see
     `fxpipe.devices.measure_links`) or your own `(src, dst) -> Link` function.
-    With `verify`, the pipeline's output on the example is checked against the model's (skipped
-    when the model is in training mode, where dropout or BatchNorm make outputs differ).
+
+    With `verify`, the pipeline's output on the example is checked against the model run once
+    per micro-batch (see `fxpipe.reference`), in either mode, and the model's outputs on
+    micro-batches against its output on the whole batch (in eval mode), which fails for a model
+    that mixes samples across the batch. Outputs are compared within `verify_tolerance` of each
+    output's largest magnitude (default: 16 float epsilons), as rounding differs with the
+    number of threads. Checking leaves the model, its buffers and the random generators as they
+    were. The pipeline follows `.train()` and `.eval()`, capturing the model again in the other
+    mode when its graph depends on the mode.
     """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module: wrap it in a "
+                         f"module whose forward calls it, then compile that module")
     specs = parse_devices(devices)
+    if example_inputs is None or isinstance(example_inputs, list):
+        raise InputError(
+            f"example_inputs={'None' if example_inputs is None else 'a list'}: pass the model's "
+            f"positional example inputs as a tuple (one tensor may be passed alone)"
+            + (", e.g. tuple(inputs), or (inputs,) if the model takes the list as its one input"
+               if example_inputs is not None else ", and keyword inputs in example_kwargs"))
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}: pass the model's "
+                         f"keyword example inputs as a dict (name -> value), positional ones in "
+                         f"example_inputs")
     example_kwargs = dict(example_kwargs or {})
-    if not isinstance(chunks, int) or chunks < 1:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1")
     if schedule not in SCHEDULES:
         raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
-    training = model.training if training is None else training
+    if threads_per_stage is not None and (not isinstance(threads_per_stage, int)
+                                          or isinstance(threads_per_stage, bool)
+                                          or threads_per_stage < 1):
+        raise DeviceError(f"threads_per_stage={threads_per_stage!r}: use a number of intra-op "
+                          f"threads >= 1 for each CPU stage, or None to share the cores evenly")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise CostError(f"repeats={repeats!r}: use a number of timed runs >= 1 per node")
+    if verify_tolerance is not None and not (isinstance(verify_tolerance, (int, float))
+                                             and 0 <= verify_tolerance < math.inf):
+        raise FxpipeError(f"verify_tolerance={verify_tolerance!r}: use a relative tolerance >= 0, "
+                          f"e.g. 1e-4, or verify=False to skip the check")
     if link == "measure":
         link = measure_links(specs)
     elif link == "default":
         link = default_link
     elif not callable(link):
-        raise FxpipeError(f"link={link!r}: use 'default', 'measure' or a (src, dst) -> Link function")
+        raise CostError(f"link={link!r}: use 'default', 'measure' or a (src, dst) -> Link function")
+    link = _checked_link(link, specs)
+    if num_stages is not None and num_stages != "auto" and (
+            not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs)):
+        raise PartitionError(f"num_stages={num_stages!r}: use 'auto' or a number from 1 to "
+                             f"the {len(specs)} devices given")
+    recipe = _Recipe(model, example_inputs, example_kwargs,
+                     _input_dims(model, example_inputs, example_kwargs, batch_dims),
+                     batch_dims if isinstance(batch_dims, int) else 0, dict(
+                         specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
+                         training=training, threads_per_stage=threads_per_stage, link=link,
+                         repeats=repeats, verify=verify, verify_tolerance=verify_tolerance),
+                     dict(capture=capture, leaf_modules=tuple(leaf_modules),
+                          concrete_args=concrete_args))
+    gm = recipe.trace(model)
+    pipe = _build(model, gm, recipe)
+    pipe._recipe = recipe
+    return pipe
 
-    verify = verify and not model.training
-    if verify:   # before stages take the parameters to their devices
-        with torch.no_grad():
-            expected = model(*example_inputs, **example_kwargs)
-    gm = trace(model, example_inputs, example_kwargs, capture=capture,
-               leaf_modules=leaf_modules, concrete_args=concrete_args)
-    first_args, first_kwargs = microbatch.split((example_inputs, example_kwargs), chunks)[0]
-    functionalize(gm, first_args, first_kwargs)
-    annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=repeats,
+
+@dataclass
+class _Recipe:
+    """What compiling takes, kept by the pipeline to compile the model again in the other mode.
+
+    The model and the example inputs are kept as given (the pipeline holds the model's
+    parameters anyway; `fxpipe.compile(Net(), ...)` must still switch modes).
+    """
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    input_dims: tuple[tuple, dict]      # a batch dimension per input, a prefix of (args, kwargs)
+    default_dim: int                    # that of inputs the example does not give
+    options: dict[str, Any]
+    trace_options: dict[str, Any]
+    traced_code: dict[bool, str] = field(default_factory=dict)
+
+    def trace(self, model: nn.Module) -> fx.GraphModule:
+        gm = trace(model, copied(self.args), copied(self.kwargs), **self.trace_options)
+        self.traced_code[model.training] = gm.code
+        return gm
+
+    def build_for_mode(self, mode: bool) -> Pipeline | None:
+        """The pipeline of the model in `mode` (`model.train(mode)`), or None when the graph
+        captured in that mode is the one already built (a graph that does not read the mode)."""
+        model = self.model
+        flags = {m: m.training for m in model.modules()}
+        try:
+            model.train(mode)
+            gm = self.trace(model)
+            if self.traced_code.get(not mode) == gm.code:
+                return None
+            return _build(model, gm, self)
+        finally:
+            for m, flag in flags.items():
+                m.training = flag
+
+
+def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
+    """The passes after capture, on `model` in its current mode, then the checks."""
+    o = recipe.options
+    specs, chunks, schedule = o["specs"], o["chunks"], o["schedule"]
+    training = model.training if o["training"] is None else o["training"]
+    args, kwargs = recipe.args, recipe.kwargs
+    first_args, first_kwargs = microbatch.split((args, kwargs), chunks, recipe.input_dims)[0]
+    functionalize(gm, copied(first_args), copied(first_kwargs))
+    annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=o["repeats"],
                    backward=training)
     graph = cost_graph(gm, training=training)
+    num_stages = o["num_stages"]
     if num_stages == "auto":
-        num_stages = num_stages_for(graph, specs, link,
+        num_stages = num_stages_for(graph, specs, o["link"],
                                     activation_factor=_in_flight(training, schedule, chunks, 1))
-    if num_stages is not None:
-        if not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs):
-            raise PartitionError(f"num_stages={num_stages!r}: use 'auto' or a number from 1 to "
-                                 f"the {len(specs)} devices given")
-        specs = specs[:num_stages]
-    plan = partition(graph, specs, link,
+    specs = specs[:num_stages] if num_stages is not None else specs
+    plan = partition(graph, specs, o["link"],
                      activation_factor=_in_flight(training, schedule, chunks, len(specs)))
+    threads_per_stage = o["threads_per_stage"]
     if threads_per_stage is None:
         cpu_stages = sum(d.name.startswith("cpu") for d in specs)
         threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
     stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
-    verified = "yes" if verify else (
-        "skipped (model in training mode)" if model.training else "skipped (verify=False)")
+    verified = "yes" if o["verify"] else "skipped (verify=False)"
     pipe = Pipeline(gm, stages, make_plan(gm.meta["capture"], plan, stages, chunks, verified),
-                    chunks, schedule=schedule, threads_per_stage=threads_per_stage)
-    if verify:
-        with torch.no_grad():
-            _check_reproduces(expected, pipe(*example_inputs, **example_kwargs), chunks)
+                    chunks, schedule=schedule, threads_per_stage=threads_per_stage,
+                    batch_dims=_placeholder_dims(signature_of(gm), recipe.input_dims,
+                                                 recipe.default_dim))
+    pipe.training = model.training     # an export graph module is built in train mode
+    pipe._remember(model)
+    pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
     return pipe
 
 
@@ -107,25 +209,312 @@ def _in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> i
     return chunks if schedule == "gpipe" else min(chunks, num_stages)
 
 
-def _check_reproduces(expected: Any, actual: Any, chunks: int) -> None:
-    """Raise unless the pipeline's output equals the model's on the example inputs."""
-    flat_expected, spec = torch.utils._pytree.tree_flatten(expected)
-    flat_actual, actual_spec = torch.utils._pytree.tree_flatten(actual)
-    problem = "" if spec == actual_spec else f"outputs differ in structure ({actual_spec} vs {spec})"
-    for i, (e, a) in enumerate(zip(flat_expected, flat_actual)):
-        if problem:
-            break
-        try:
-            torch.testing.assert_close(a, e, equal_nan=True, check_device=False)
-        except AssertionError as error:
-            problem = f"output {i} differs: {str(error).splitlines()[0]}"
-    if problem and chunks > 1:
+def _checked_link(link: LinkFn, specs: Sequence[DeviceSpec]) -> LinkFn:
+    """`link`, its answer for every pair of devices (and the driver) checked once, up front."""
+    checked: dict[tuple[str, str], Link] = {}
+
+    def checked_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
+        if (src.name, dst.name) not in checked:
+            checked[src.name, dst.name] = _valid_link(link(src, dst), src, dst)
+        return checked[src.name, dst.name]
+    for src in [DRIVER, *specs]:
+        for dst in [DRIVER, *specs]:
+            checked_link(src, dst)
+    return checked_link
+
+
+def _valid_link(found: Any, src: DeviceSpec, dst: DeviceSpec) -> Link:
+    where = f"link({src.name!r}, {dst.name!r}) returned {found!r}"
+    if not isinstance(found, Link):
+        raise CostError(f"{where}: a link function must return a fxpipe.Link, e.g. "
+                        f"Link(latency_s=10e-6, bytes_per_s=20e9)")
+    if not (isinstance(found.latency_s, (int, float)) and 0 <= found.latency_s < math.inf):
+        raise CostError(f"{where}: latency_s must be a finite number of seconds >= 0")
+    if not (isinstance(found.bytes_per_s, (int, float)) and found.bytes_per_s > 0):
+        raise CostError(f"{where}: bytes_per_s must be a bandwidth > 0 (math.inf for a free copy)")
+    return found
+
+
+# ---- batch dimensions -----------------------------------------------------------------------
+
+def _input_dims(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                batch_dims: BatchDims) -> tuple[tuple, dict]:
+    """`batch_dims` as one dimension per input: a pytree prefix of `(args, kwargs)`."""
+    names = _positional_names(model, len(args))
+    if isinstance(batch_dims, int) and not isinstance(batch_dims, bool):
+        by_name: dict[str, int | None] = {}
+        default = batch_dims
+    elif isinstance(batch_dims, Mapping):
+        default, by_name = 0, {}
+        for key, dim in batch_dims.items():
+            if isinstance(key, int) and 0 <= key < len(args):
+                key = names[key] if names[key] is not None else key
+            elif key not in kwargs and key not in names:
+                raise BatchError(f"batch_dims names {key!r}, which is not an input of the example "
+                                 f"(positional 0..{len(args) - 1}: {names}; keyword: "
+                                 f"{sorted(kwargs)}): name an input or give its position")
+            if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
+                raise BatchError(f"batch_dims[{key!r}]={dim!r}: use a dimension (an int) or None")
+            by_name[key] = dim
+    else:
+        raise BatchError(f"batch_dims={batch_dims!r}: use an int (the batch dimension of every "
+                         f"input) or a dict from input name or position to its batch dimension")
+    positional = tuple(by_name.get(n if n is not None else i, default)
+                       for i, n in enumerate(names))
+    return positional, {k: by_name.get(k, default) for k in kwargs}
+
+
+def _positional_names(model: nn.Module, count: int) -> list[str | None]:
+    """The forward parameter each of `count` positional inputs binds to (None: past `*args`)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [None] * count
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [named[i] if i < len(named) else None for i in range(count)]
+
+
+def _placeholder_dims(signature: Signature, input_dims: tuple[tuple, dict],
+                      default: int) -> dict[str, Any]:
+    """The batch dimension of each graph placeholder, from the model inputs' ones."""
+    positional, keyword = input_dims
+    if signature.in_spec is None:          # fx: one placeholder per forward parameter
+        names = list(signature.names)
+        by_name = dict(keyword)
+        for name, dim in zip(names, positional):
+            if name == signature.var_positional:
+                break
+            by_name[name] = dim
+        return {p: by_name.get(n, default) for p, n in zip(signature.placeholders, names)}
+    # export: one placeholder per leaf of (args, kwargs), in in_spec's order
+    tree = pytree.tree_unflatten(list(range(signature.in_spec.num_leaves)), signature.in_spec)
+    dims: dict[int, Any] = {}
+    for i, value in enumerate(tree[0]):
+        for leaf in pytree.tree_leaves(value):
+            dims[leaf] = positional[i] if i < len(positional) else default
+    for name, value in tree[1].items():
+        for leaf in pytree.tree_leaves(value):
+            dims[leaf] = keyword.get(name, default)
+    return {p: dims.get(i, default) for i, p in enumerate(signature.placeholders)}
+
+
+# ---- checks on the example ------------------------------------------------------------------
+
+def _check(model: nn.Module, pipe: Pipeline, recipe: _Recipe, verify: bool,
+           tolerance: float | None) -> list[int | None] | None:
+    """Each output's batch dimension; with `verify`, the pipeline checked against the model.
+
+    Everything runs on copies of the example, from a fixed seed, and leaves the model's buffers
+    and the caller's random state as they were.
+    """
+    chunks = pipe.chunks
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
+    if chunks == 1 and not verify:
+        return None
+    with unchanged(model):
+        torch.manual_seed(0)
+        seeds = microbatch_seeds(chunks)        # those the pipeline draws after manual_seed(0)
+        parts = run_per_microbatch(model, args, kwargs, chunks, seeds=seeds, batch_dims=dims)
+    output_dims = None
+    if chunks > 1:
+        with unchanged(model):
+            torch.manual_seed(seeds[0])
+            whole = model(*copied(args), **copied(kwargs))
+        rows = [microbatch.batch_size(p, dims)
+                for p in microbatch.split((args, kwargs), chunks, dims)]
+        output_dims = _output_dims(whole, parts, rows, tolerance)
+    if not verify:
+        return output_dims
+    pipe._output_dims = output_dims
+    expected = microbatch.merge(parts, output_dims)
+    with unchanged(model):
+        torch.manual_seed(0)
+        actual = pipe(*copied(args), **copied(kwargs))
+    if chunks > 1:
+        _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts)
+    problem = _difference(actual, expected, tolerance)
+    if problem and _draws_random_numbers(model, args, kwargs):
         raise FxpipeError(
-            f"the pipeline does not reproduce the model on the example inputs: {problem}. "
-            f"If the model mixes samples across the batch (a reduction or a normalisation over "
-            f"dimension 0), micro-batches change its result: use chunks=1, or verify=False to "
-            f"accept micro-batch semantics as GPipe does. Otherwise this is a bug in fxpipe: "
-            f"please report it with the model")
+            f"the pipeline differs from the model run once per micro-batch under the same seeds: "
+            f"{problem}. The model draws random numbers (two runs from different seeds differ), "
+            f"and the pipeline drew other ones: compile with verify=False to accept it, and "
+            f"please report it as a bug in fxpipe with the model")
     if problem:
-        raise FxpipeError(f"the pipeline does not reproduce the model on the example inputs: "
-                          f"{problem}. This is a bug in fxpipe: please report it with the model")
+        raise FxpipeError(
+            f"the pipeline does not reproduce the model on the example inputs: {problem}. If this "
+            f"is rounding (the number of threads changes the order of sums), relax the check with "
+            f"verify_tolerance= (a tolerance relative to each output's largest value) or skip it "
+            f"with verify=False; otherwise this is a bug in fxpipe: please report it with the "
+            f"model")
+    return output_dims
+
+
+def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
+                 tolerance: float | None) -> list[int | None]:
+    """Each output leaf's batch dimension, the one whose size follows the batch size.
+
+    None for a leaf that is the same on every micro-batch and on the whole batch (a constant);
+    an output whose shape does not follow the batch, or follows it in several dimensions, is
+    refused by name: it reduces or mixes the batch, and micro-batches cannot be merged into it.
+    """
+    flat_whole, spec = pytree.tree_flatten_with_path(whole)
+    flat_parts = [pytree.tree_flatten(p) for p in parts]
+    if any(other != pytree.tree_structure(whole) for _, other in flat_parts):
+        raise BatchError(f"the model's output differs in structure between the whole batch and a "
+                         f"micro-batch: return the same structure for every batch, or use chunks=1")
+    total = sum(rows)
+    dims: list[int | None] = []
+    for i, (path, w) in enumerate(flat_whole):
+        column = [leaves[i] for leaves, _ in flat_parts]
+        if not isinstance(w, torch.Tensor):
+            dims.append(None)
+            continue
+        name = _output_name(path)
+        if any(not isinstance(c, torch.Tensor) or c.dim() != w.dim() for c in column):
+            raise BatchError(f"{name} changes its number of dimensions with the batch size: "
+                             f"return tensors whose batch dimension stays, or use chunks=1")
+        changed = [d for d in range(w.dim()) if any(c.shape[d] != w.shape[d] for c in column)]
+        shape = "(" + ", ".join("B" if d in changed else str(s) for d, s in enumerate(w.shape)) + \
+                ("," if w.dim() == 1 else "") + ")"
+        if not changed:
+            if all(not _difference(c, w, tolerance) for c in column):
+                dims.append(None)     # does not depend on the batch: given once
+                continue
+            raise BatchError(
+                f"{name} of shape {tuple(w.shape)} reduces over the batch: its shape does not "
+                f"follow the batch size, so it cannot be rebuilt from micro-batches. Return "
+                f"per-sample values and reduce after the pipeline, or use chunks=1{_NOT_DIM_0}")
+        d = changed[0]
+        if len(changed) > 1 or any(w.shape[d] * r != c.shape[d] * total
+                                   for c, r in zip(column, rows)):
+            raise BatchError(
+                f"{name} of shape {shape} mixes the batch (B: the batch size): each sample's "
+                f"values depend on the others, so micro-batches cannot be merged into it. Compute it "
+                f"after the pipeline from per-sample outputs, or use chunks=1{_NOT_DIM_0}")
+        dims.append(d)
+    return dims
+
+
+_NOT_DIM_0 = (" (if the batch is not dimension 0 of every input, as in a sequence-first RNN, say "
+              "which dimension it is with batch_dims=)")
+
+
+def _check_batch_independent(model: nn.Module, recipe: _Recipe, output_dims, tolerance,
+                             whole: Any, parts: Sequence[Any]) -> None:
+    """Refuse a model whose output on micro-batches differs from its output on the whole batch.
+
+    Checked in eval mode (BatchNorm in training mode normalises each micro-batch by design, as
+    in GPipe), and only where the model is deterministic there. `whole` and `parts` are the
+    runs already made in the model's mode, reused when that is eval.
+    """
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        if any(flags.values()):
+            with unchanged(model):
+                whole = model(*copied(args), **copied(kwargs))
+                parts = run_per_microbatch(model, args, kwargs, len(parts), batch_dims=dims)
+        try:
+            merged = microbatch.merge(parts, output_dims)
+        except BatchError:      # eval mode returns other outputs than the mode checked
+            return
+        problem = _difference(merged, whole, tolerance)
+        if not problem or _draws_random_numbers(model, args, kwargs):
+            return
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    raise BatchError(
+        f"the model mixes samples across the batch: on micro-batches it computes something else "
+        f"than on the whole batch ({problem}). If the batch is not dimension 0 of every input "
+        f"(e.g. a sequence-first RNN), say which it is with batch_dims=; if the model normalises "
+        f"or reduces over the batch, use chunks=1, or verify=False to accept micro-batch "
+        f"semantics as GPipe does")
+
+
+def _draws_random_numbers(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether two runs of the model from different seeds differ."""
+    with unchanged(model):
+        torch.manual_seed(1)
+        first = model(*copied(args), **copied(kwargs))
+    with unchanged(model):
+        torch.manual_seed(2)
+        second = model(*copied(args), **copied(kwargs))
+    return bool(_difference(first, second, 0.0))
+
+
+def _difference(actual: Any, expected: Any, tolerance: float | None) -> str:
+    """Why `actual` differs from `expected`, or "" when every leaf is close.
+
+    A float leaf is close when no element differs by more than `tolerance` times the leaf's
+    largest magnitude (default 16 epsilons of its dtype; the order of sums changes with the
+    number of threads, by about an epsilon per term of magnitude), plus assert_close's atol.
+    Containers compare as the user would: same keys, same values.
+    """
+    flat_expected, spec = pytree.tree_flatten_with_path(expected)
+    flat_actual, actual_spec = pytree.tree_flatten(actual)
+    if len(flat_actual) != len(flat_expected) or not _same_structure(actual, expected):
+        return f"outputs differ in structure ({actual_spec} vs {pytree.tree_structure(expected)})"
+    for (path, e), a in zip(flat_expected, flat_actual):
+        name = _output_name(path)
+        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
+            return f"{name} is a {type(a).__name__} instead of a {type(e).__name__}"
+        if not isinstance(e, torch.Tensor):
+            if not _equal(a, e):
+                return f"{name} is {a!r:.60} instead of {e!r:.60}"
+            continue
+        if a.shape != e.shape:
+            return f"{name} has shape {tuple(a.shape)} instead of {tuple(e.shape)}"
+        a = a.detach().to(e.device)
+        e = e.detach()
+        if not e.is_floating_point() and not e.is_complex():
+            if not torch.equal(a, e):
+                return f"{name} differs in {int((a != e).sum())} of {e.numel()} elements"
+            continue
+        if not torch.equal(torch.isnan(a), torch.isnan(e)):
+            return f"{name} has NaN in other places"
+        finite = torch.isfinite(e) & torch.isfinite(a)
+        if not torch.equal(a[~finite].nan_to_num(), e[~finite].nan_to_num()):
+            return f"{name} has infinities in other places"
+        if not finite.any():
+            continue
+        diff = (a[finite].double() - e[finite].double()).abs().max().item()
+        scale = e[finite].double().abs().max().item()
+        rtol = 16 * torch.finfo(e.dtype).eps if tolerance is None else tolerance
+        atol = 1e-7 if e.dtype == torch.float64 else 1e-5
+        if diff > rtol * scale + atol:
+            return (f"{name} differs by up to {diff:.3g} ({diff / scale if scale else math.inf:.3g} "
+                    f"of its largest magnitude {scale:.3g}; allowed: {rtol:.3g} of it + {atol:g})")
+    return ""
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:       # a value whose == does not give a bool
+        return False
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Same pytree structure, a dict and an OrderedDict with the same keys counting as equal."""
+    paths_a = [p for p, _ in pytree.tree_flatten_with_path(a)[0]]
+    paths_b = [p for p, _ in pytree.tree_flatten_with_path(b)[0]]
+    return paths_a == paths_b
+
+
+def _output_name(path) -> str:
+    """`output 'logits'`, `output 1.0`, or `the output` for a model returning one tensor."""
+    if not path:
+        return "the output"
+    parts = []
+    for key in path:
+        if isinstance(key, pytree.MappingKey):
+            parts.append(repr(key.key))
+        elif isinstance(key, pytree.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, pytree.GetAttrKey):
+            parts.append(repr(key.name))
+        else:
+            parts.append(str(key))
+    return "output " + ".".join(parts)

@@ -22,7 +22,11 @@ def parse_devices(devices: Sequence[DeviceLike] | DeviceLike) -> list[DeviceSpec
     """One DeviceSpec per stage. `"cpu"` may repeat (each entry is its own stage and worker)."""
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
-    devices = list(devices)
+    try:
+        devices = list(devices)
+    except TypeError:
+        raise DeviceError(f"devices={devices!r}: pass one device per stage, e.g. "
+                          f"devices=['cpu', 'cpu'] or ['cuda:0', 'cuda:1']") from None
     if not devices:
         raise DeviceError("no devices given: pass one device per stage, e.g. devices=['cpu', 'cpu']")
     return [_parse(d) for d in devices]
@@ -31,6 +35,7 @@ def parse_devices(devices: Sequence[DeviceLike] | DeviceLike) -> list[DeviceSpec
 def _parse(device: DeviceLike) -> DeviceSpec:
     if isinstance(device, DeviceSpec):
         _check(device.name)
+        _check_spec(device)
         return device
     try:
         parsed = torch.device(device)
@@ -60,6 +65,14 @@ def _check(name: str) -> None:
         have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
         raise DeviceError(f"device {name!r} does not exist on this machine ({have}): "
                           f"use one of those or 'cpu'")
+
+
+def _check_spec(spec: DeviceSpec) -> None:
+    for option, value, example in (("speed", spec.speed, "2.0"),
+                                   ("memory_bytes", spec.memory_bytes, "8e9 or 8 << 30")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise DeviceError(f"{spec}: {option}={value!r} must be a number > 0 (e.g. {example}; "
+                              f"memory_bytes=math.inf for no limit)")
 
 
 def tune_cpu_allocator(*, keep_bytes: int = 1 << 30) -> bool:

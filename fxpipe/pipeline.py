@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Sequence
+import weakref
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,7 @@ class Pipeline(nn.Module):
 
     def __init__(self, graph_module: fx.GraphModule, stages: Sequence[Stage], plan: Plan,
                  chunks: int, *, schedule: ScheduleName = "gpipe",
-                 threads_per_stage: int | None = None):
+                 threads_per_stage: int | None = None, batch_dims: Mapping[str, Any] | None = None):
         super().__init__()
         self.training = graph_module.training
         self.schedule = schedule
@@ -47,6 +48,13 @@ class Pipeline(nn.Module):
         self._runtime = Runtime(stages, [n.name for n in output.all_input_nodes
                                          if n.op != "placeholder"],
                                 threads_per_stage=threads_per_stage)
+        # Batch dimensions: of each placeholder's value, and of each output leaf (None: none).
+        self._batch_dims = {p: (batch_dims or {}).get(p, 0) for p in self._placeholders}
+        self._output_dims: list[int | None] | None = None
+        self._model: weakref.ref | None = None     # the model compiled, to notice it changed
+        self._model_parts: dict[str, weakref.ref] = {}
+        self._recipe = None                        # how to compile it again in the other mode
+        self._modes: dict[bool, dict[str, Any]] = {}
 
     @property
     def stages(self) -> list[fx.GraphModule]:
@@ -58,11 +66,12 @@ class Pipeline(nn.Module):
         return list(self._stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_model()
         values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
-        chunks = microbatch.split(values, self.chunks)
+        chunks = microbatch.split(values, self.chunks, self._batch_dims)
         outputs, self.last_run = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks)
         return microbatch.merge([self._signature.rebuild_outputs({**chunk, **out})
-                                 for chunk, out in zip(chunks, outputs)])
+                                 for chunk, out in zip(chunks, outputs)], self._output_dims)
 
     def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
@@ -77,15 +86,17 @@ class Pipeline(nn.Module):
         """
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        self._check_model()
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
             (inputs if isinstance(inputs, tuple) else (inputs,)), {})
         values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
-        chunks = microbatch.split(values, self.chunks)
+        chunks = microbatch.split(values, self.chunks, self._batch_dims)
         targets = microbatch.split(target, self.chunks)
         rows = [microbatch.batch_size(c) for c in targets]
-        if sum(rows) != microbatch.batch_size(values):
+        if sum(rows) != microbatch.batch_size(values, self._batch_dims):
             raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
-                              f"{microbatch.batch_size(values)}: pass one target row per sample")
+                              f"{microbatch.batch_size(values, self._batch_dims)}: pass one "
+                              f"target row per sample")
         weights = [r / sum(rows) if reduction == "mean" else 1.0 for r in rows]
 
         def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
@@ -133,17 +144,65 @@ class Pipeline(nn.Module):
         return self.module.load_state_dict(state_dict, strict, assign)
 
     def train(self, mode: bool = True) -> "Pipeline":
+        """Run as the model in `mode` runs (`model.train(mode)`).
+
+        A graph that reads the mode (`F.dropout(h, training=self.training)`, `if
+        self.training:`, any torch.export graph with dropout or BatchNorm) was captured in one
+        mode only: the first switch to the other captures the model again in that mode and plans
+        its own stages, on the same parameters, from the example given to `compile`.
+        """
         captured = self.plan.capture.training
-        if captured is not None and captured != mode:
+        if self._recipe is None and captured is not None and captured != mode:
             have, want = ("train", "eval") if captured else ("eval", "train")
             raise FxpipeError(
                 f"this pipeline's graph was captured by torch.export in {have} mode, which fixes "
                 f"how its dropout and BatchNorm behave: compile the model after model.{want}() "
                 f"to run it in {want} mode")
+        if self._recipe is not None and mode != self.training and mode not in self._modes:
+            self._check_model()
+            self._modes[self.training] = self._mode_state()
+            other = self._recipe.build_for_mode(mode)
+            self._modes[mode] = self._modes[self.training] if other is None else other._mode_state()
+        if mode in self._modes:
+            for name, value in self._modes[mode].items():
+                setattr(self, name, value)
         super().train(mode)
         for stage in self._stages:
             stage.module.train(mode)
         return self
+
+    _MODE_FIELDS = ("module", "_stages", "plan", "_signature", "_placeholders", "_runtime",
+                    "_batch_dims", "_output_dims")
+
+    def _mode_state(self) -> dict[str, Any]:
+        """What differs between the pipelines of one model in train and in eval mode."""
+        return {name: getattr(self, name) for name in self._MODE_FIELDS}
+
+    def _remember(self, model: nn.Module) -> None:
+        """Keep (weakly) the model and what its names refer to, for `_check_model`."""
+        self._model = weakref.ref(model)
+        self._model_parts = {name: weakref.ref(value) for name, value in _parts(model)}
+
+    def _check_model(self) -> None:
+        """Refuse to run when a module, parameter or buffer of the model was replaced since
+        compile and a stage still holds the old one: it would run the old model. (A stage that
+        calls the model's own module, as fx graphs do, follows a parameter replaced in it.)"""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        for name, value in _parts(model):
+            old = self._model_parts.get(name)
+            if old is not None and old() is value:
+                continue
+            for stage in self._stages:
+                held = _lookup(stage.module, name)
+                if held is not None and held is not value:
+                    self._changed(name)
+
+    def _changed(self, name: str) -> None:
+        raise FxpipeError(f"the model's {name!r} was replaced after compile, and the pipeline "
+                          f"still runs the old one: compile the model again (to change "
+                          f"weights in place instead, assign to .data or use load_state_dict)")
 
     def _apply(self, fn, recurse=True):
         raise FxpipeError("a Pipeline places each stage on its own device: pass the devices to "
@@ -152,3 +211,16 @@ class Pipeline(nn.Module):
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
 
+
+def _parts(model: nn.Module) -> list[tuple[str, Any]]:
+    return [*model.named_modules(), *model.named_parameters(), *model.named_buffers()]
+
+
+def _lookup(model: nn.Module, name: str) -> Any:
+    """The model's attribute at a dotted path (a module, parameter or buffer), or None."""
+    value: Any = model
+    for part in name.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if isinstance(value, (nn.Module, torch.Tensor)) else None

@@ -325,13 +325,16 @@ def test_a_batch_size_fixed_by_the_models_code_is_named_when_micro_batches_need_
         fxpipe.compile(FixedBatch(), ["cpu"], (x,), chunks=2, capture="export")
 
 
-def test_an_export_pipeline_refuses_a_mode_it_was_not_captured_in():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
-    x = torch.randn(4, 4)
+def test_an_export_pipeline_captures_the_model_again_for_the_other_mode():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    reference = copy.deepcopy(model).train()
+    x = torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, capture="export")
-    pipe.eval()                                    # the captured mode: fine
-    with pytest.raises(fxpipe.FxpipeError, match="captured by torch.export in eval mode"):
-        pipe.train()
+    pipe.train()                                   # BatchNorm on each micro-batch's statistics
+    assert model.training is False                 # capturing again leaves the model's mode
+    torch.testing.assert_close(pipe(x), torch.cat([reference(xc) for xc in x.tensor_split(2)]))
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    pipe.eval()
     torch.testing.assert_close(pipe(x), model(x))
 
 

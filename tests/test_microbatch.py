@@ -38,3 +38,17 @@ def test_inputs_that_disagree_on_the_batch_size_are_named():
 def test_a_reduced_output_cannot_be_merged():
     with pytest.raises(BatchError, match="0-d tensor"):
         microbatch.merge([torch.tensor(1.0), torch.tensor(2.0)])
+
+
+def test_split_and_merge_along_the_dimension_given_per_input():
+    x, mask = torch.randn(5, 6, 3), torch.randn(6)
+    parts = microbatch.split({"x": x, "mask": mask, "table": torch.ones(2)}, 3,
+                             {"x": 1, "mask": 0, "table": None})
+    assert [p["x"].shape[1] for p in parts] == [2, 2, 2] and all(p["table"].shape == (2,) for p in parts)
+    torch.testing.assert_close(microbatch.merge([p["x"] for p in parts], [1]), x)
+    torch.testing.assert_close(microbatch.merge([(p["x"], p["mask"]) for p in parts], [1, 0]), (x, mask))
+
+
+def test_one_chunk_needs_no_batch_dimension():
+    inputs = (torch.tensor(1.0), None)
+    assert microbatch.split(inputs, 1) == [inputs]

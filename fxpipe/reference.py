@@ -1,0 +1,61 @@
+"""What a pipeline equals: the model run once per micro-batch, in micro-batch order.
+
+A pipeline with `chunks=c` computes, for micro-batch `m`, what the model computes when called on
+micro-batch `m` alone right after `torch.manual_seed(seeds[m])` (the seeds of
+`passes.randomness.microbatch_seeds`), the calls made in micro-batch order; outputs are merged
+along their batch dimension. So BatchNorm normalises each micro-batch (as in GPipe), buffers are
+updated once per micro-batch, and dropout draws the numbers the model draws under those seeds.
+`run_per_microbatch` is that reference; `unchanged` lets a check run it without side effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from . import microbatch
+
+
+def run_per_microbatch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None,
+                       chunks: int = 1, *, seeds: Sequence[int] | None = None,
+                       batch_dims: microbatch.Dims = 0) -> list[Any]:
+    """`model`'s output on each micro-batch of `(args, kwargs)`, in order.
+
+    Micro-batch `m` runs after `torch.manual_seed(seeds[m])` when `seeds` is given, on its own
+    copy of the inputs (the caller's tensors are never written). `batch_dims` is a pytree prefix
+    of `(args, kwargs)`, as `microbatch.split` takes it. Buffers change as the model changes them:
+    wrap the call in `unchanged(model)` to leave the model as it was.
+    """
+    parts = microbatch.split((tuple(args), dict(kwargs or {})), chunks, batch_dims)
+    outputs = []
+    for m, (part_args, part_kwargs) in enumerate(parts):
+        if seeds is not None:
+            torch.manual_seed(seeds[m])
+        outputs.append(model(*copied(part_args), **copied(part_kwargs)))
+    return outputs
+
+
+def copied(inputs: Any) -> Any:
+    """`inputs` with every tensor replaced by a copy, so a run that writes them changes nothing."""
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs)
+
+
+@contextlib.contextmanager
+def unchanged(model: nn.Module) -> Iterator[None]:
+    """Inside, run `model` freely: its buffers (the tensors, and their values) and the random
+    generators are restored after; gradients are off."""
+    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
+             for name, b in module._buffers.items() if b is not None]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, value in saved:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
