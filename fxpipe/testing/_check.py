@@ -9,9 +9,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from passes.randomness import microbatch_seeds
 from passes.trace import trace
 
+from .. import microbatch
 from ..api import compile
+from ..reference import run_per_microbatch
 from ..pipeline import Pipeline
 
 
@@ -19,16 +22,22 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
                             example_kwargs: Mapping[str, Any] | None = None, *,
                             devices: Sequence[str] = ("cpu", "cpu"), chunks: int | None = None,
                             backward: bool = False, rtol: float | None = None,
-                            atol: float | None = None, **compile_options: Any) -> Pipeline:
-    """Compile `model` and assert the pipeline's outputs (and gradients) equal the model's.
+                            atol: float | None = None, seed: int = 0,
+                            **compile_options: Any) -> Pipeline:
+    """Compile `model` and assert the pipeline equals the model run once per micro-batch.
 
-    `chunks` defaults to as many micro-batches as the batch allows, up to 4. With `backward`,
-    `pipe(...)` and `model(...)` are both back-propagated from the sum of their outputs and every
-    parameter's gradient is compared. On a mismatch the message names the first stage whose
-    outputs differ from the model's values for the same nodes. Returns the pipeline.
+    The reference is what a pipeline promises (`fxpipe.reference`): the model called on each
+    micro-batch in turn, micro-batch `m` after `torch.manual_seed(seeds[m])` with the seeds the
+    pipeline's call draws after `torch.manual_seed(seed)`; so dropout, BatchNorm and buffers
+    updated in forward are compared too. The pipeline's outputs and the model's buffers after
+    the call must equal the reference's; with `backward`, both are back-propagated from the sum
+    of their outputs and every parameter's gradient is compared. On a mismatch the message
+    names the first stage whose outputs differ from the model's values for the same nodes.
+    Returns the pipeline; the model's buffers are left as the pipeline's call left them.
 
-    A model with fewer operations than `devices` runs on as many stages as it has operations
-    (compile itself refuses more stages than nodes), so one strategy can feed models of any size.
+    `chunks` defaults to as many micro-batches as the batch allows, up to 4. A model with fewer
+    operations than `devices` runs on as many stages as it has operations (compile itself
+    refuses more stages than nodes), so one strategy can feed models of any size.
     """
     example_kwargs = dict(example_kwargs or {})
     if chunks is None:
@@ -40,21 +49,43 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
     pipe = compile(model, devices, example_inputs, example_kwargs, chunks=chunks,
                    verify=False, **compile_options)
     tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
-    expected = model(*example_inputs, **example_kwargs)
-    actual = pipe(*example_inputs, **example_kwargs)
+    params = {name: p for name, p in pipe.named_parameters() if p.requires_grad}
+    before = _buffers(model)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        parts = run_per_microbatch(model, example_inputs, example_kwargs, pipe.chunks,
+                                   seeds=microbatch_seeds(pipe.chunks),
+                                   batch_dims=pipe._recipe.input_dims)
+    expected = microbatch.merge(parts, pipe._output_dims)
+    expected_buffers = _buffers(model)
+    grads_model = _grads(expected, params) if backward else {}
+    _restore(model, before)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        actual = pipe(*example_inputs, **example_kwargs)
     try:
         _assert_trees_close(actual, expected, tolerance, "output")
     except AssertionError as error:
         raise AssertionError(f"{error}\n{_first_differing_stage(pipe, example_inputs, example_kwargs, tolerance)}") from None
+    _assert_trees_close(_buffers(model), expected_buffers, tolerance, "buffers after the call")
     if backward:
-        params = dict(pipe.named_parameters())
-        model.zero_grad()
-        grads_model = _grads(expected, params)
         grads_pipe = _grads(actual, params)
         for name in params:
             _assert_trees_close(grads_pipe[name], grads_model[name], tolerance,
                                 f"gradient of {name!r}")
     return pipe
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def _restore(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(saved[name])
 
 
 def _computing_nodes(model: nn.Module, args: tuple, kwargs: dict, options: dict) -> int:
@@ -67,9 +98,9 @@ def _computing_nodes(model: nn.Module, args: tuple, kwargs: dict, options: dict)
 def _grads(outputs: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     loss = sum(t.float().sum() for t in pytree.tree_leaves(outputs)
                if isinstance(t, torch.Tensor) and t.requires_grad)
-    wanted = [p for p in params.values() if p.requires_grad]
-    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else []
-    return dict(zip([n for n, p in params.items() if p.requires_grad], grads))
+    if not isinstance(loss, torch.Tensor) or not params:
+        return dict.fromkeys(params)
+    return dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
 
 
 def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) -> None:
