@@ -14,6 +14,7 @@ from passes.cost_model import LinkFn, cost_graph, default_link
 from passes.errors import BatchError, FxpipeError, PartitionError
 from passes.functionalize import functionalize
 from passes.partition import num_stages_for, partition
+from passes.randomness import seed_random_ops
 from passes.trace import CaptureMode, trace
 
 from . import microbatch
@@ -72,6 +73,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                leaf_modules=leaf_modules, concrete_args=concrete_args)
     first_args, first_kwargs = microbatch.split((example_inputs, example_kwargs), chunks)[0]
     functionalize(gm, first_args, first_kwargs)
+    seed_random_ops(gm)   # runtime: dropout & co draw from each micro-batch's seed
     annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=repeats,
                    backward=training)
     graph = cost_graph(gm, training=training)
