@@ -205,8 +205,8 @@ class _Execution:
                 while t.is_alive():
                     t.join(_POLL_S)
         except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
-            self.record.error = f"{type(e).__name__} in the caller's thread"
             self.abort()
+            self.record.error = f"{type(e).__name__} in the caller's thread"
             raise
         finally:
             _join(threads)
