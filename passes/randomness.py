@@ -108,8 +108,9 @@ def _seeded_op(op: Callable) -> Callable:
 
 def _draw(state: RngState, op: Callable, args: tuple, kwargs: dict) -> tuple[Any, RngState]:
     """Run one random op with `state` installed in torch's default generators."""
-    devices = {t.device for t in tensors((args, kwargs))} | (
-        {torch.device(kwargs["device"])} if kwargs.get("device") is not None else set())
+    devices = {t.device for t in tensors((args, kwargs))} or {torch.get_default_device()}
+    if kwargs.get("device") is not None:                    # a factory: `randn(3, device=...)`
+        devices.add(torch.device(kwargs["device"]))
     devices = sorted({torch.cuda.current_device() if d.index is None else d.index
                       for d in devices if d.type == "cuda"})
     with _LOCK:
@@ -147,7 +148,7 @@ class _RoutedDraws(TorchFunctionMode):
 # --- which ops draw ------------------------------------------------------------------------------
 
 # Python-level functions that draw without an ATen op of the same name.
-_PYTHON_DRAWS = {"dropout1d", "dropout2d", "dropout3d", "gumbel_softmax", "rrelu_"}
+_PYTHON_DRAWS = {"dropout1d", "dropout2d", "dropout3d", "gumbel_softmax"}
 
 
 @functools.cache
