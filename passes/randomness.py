@@ -223,7 +223,7 @@ def seed_random_ops(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.op == "call_module":
             with graph.inserting_before(node):
-                op = graph.get_attr(node.target)
+                op = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
             module_type = type(gm.get_submodule(node.target))   # it still names its module
             node.meta.setdefault("nn_module_stack", {node.target: (node.target, module_type)})
         else:

@@ -78,6 +78,43 @@ def test_noise_in_eval_mode_follows_the_seed_and_leaves_the_caller_where_the_see
     assert not torch.equal(after_seeds, after_pipe)
 
 
+class Jitter(nn.Module):
+    """A module of the user's that fxpipe keeps whole: its code is not in the graph."""
+
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+class Draws(nn.Module):
+    """Random numbers drawn every other way: in-place, factories, inside modules."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.jitter = Jitter()
+        self.lstm = nn.LSTM(width, width, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * torch.empty_like(h).uniform_(0.5, 1.5) + torch.bernoulli(torch.full_like(h, 0.7))
+        h = self.jitter(h) + torch.randn(h.shape[1])
+        out, _ = self.lstm(h.unsqueeze(1))
+        out = out.squeeze(1)
+        return self.b(torch.sigmoid(out).bernoulli() * out)
+
+
+def test_every_kind_of_draw_follows_the_seed():
+    model = Draws().train()
+    x = torch.randn(9, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=3, capture="fx",
+                          leaf_modules=[Jitter])
+    torch.manual_seed(0)
+    first = pipe(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(pipe(x), first)
+    torch.testing.assert_close(first, per_microbatch(model, x, 3, seed=0))
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_train_step_with_dropout_has_the_gradients_of_the_seeded_per_microbatch_run(schedule):
     model = Noisy().train()
