@@ -92,6 +92,9 @@ def seeded(state: RngState | None, op: Callable, *args: Any, **kwargs: Any) -> t
         state = RngState.from_seed(seed)
     if _draws(op, args, kwargs):
         return _draw(state, op, args, kwargs)
+    if _op_name(op) in _random_names() or (isinstance(op, nn.Module) and
+                                           not _module_may_draw(op, in_any_mode=False)):
+        return op(*args, **kwargs), state      # e.g. dropout in eval mode: nothing to route
     with _RoutedDraws(state) as routed:      # a module or function that may draw inside
         out = op(*args, **kwargs)
     return out, routed.state
@@ -164,30 +167,46 @@ def _random_names() -> frozenset[str]:
     return frozenset(names)
 
 
-def _draws(op: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether calling `op` this way may draw random numbers."""
+def _op_name(op: Any) -> str:
+    """`dropout` for `F.dropout`, `torch.ops.aten.dropout.default` and `Tensor.dropout` alike."""
     if isinstance(op, torch._ops.OpOverload):
-        name = op.__name__.split(".")[0]
-    elif isinstance(op, torch._ops.OpOverloadPacket):
-        name = op.__name__
-    else:
-        name = getattr(op, "__name__", "")
+        return op.__name__.split(".")[0]
+    return getattr(op, "__name__", "")
+
+
+def _draws(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether calling `op` this way draws random numbers (dropout in eval mode does not)."""
+    name = _op_name(op)
     if name not in _random_names():
         return False
-    if name == "scaled_dot_product_attention":          # draws only with dropout
+    if name in _DROPOUTS:            # (input, p, training), training True by default in F.*
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        return bool(training) and p > 0
+    if name in ("rrelu", "rrelu_"):  # (input, lower, upper, training=False)
+        return bool(kwargs.get("training", args[3] if len(args) > 3 else False))
+    if name == "scaled_dot_product_attention":
         return bool(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
-    if name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):   # dropout is their only float argument
-        return any(isinstance(a, float) and a > 0 for a in args)
+    if name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):   # (..., dropout: float, train: bool, ...)
+        at = next((i for i, a in enumerate(args) if isinstance(a, float)), None)
+        return at is not None and args[at] > 0 and at + 1 < len(args) and bool(args[at + 1])
     return True
 
 
-def _module_may_draw(module: nn.Module) -> bool:
-    """Whether a submodule called whole may draw: it holds dropout-like layers, or runs code
-    outside torch.nn that fxpipe cannot see (a leaf module of the user's)."""
+_DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+             "feature_dropout", "feature_alpha_dropout", "native_dropout"}
+
+
+def _module_may_draw(module: nn.Module, *, in_any_mode: bool = True) -> bool:
+    """Whether a submodule called whole may draw: it holds dropout-like layers (in training mode,
+    unless `in_any_mode`), or runs code outside torch.nn that fxpipe cannot see (a leaf module of
+    the user's)."""
     for m in module.modules():
         if not type(m).__module__.startswith("torch.nn."):
             return True
-        if isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)):
+        if not (m.training or in_any_mode):
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 or isinstance(m, nn.RReLU):
             return True
         if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) and m.dropout > 0:
             return True

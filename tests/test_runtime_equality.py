@@ -78,6 +78,18 @@ def test_noise_in_eval_mode_follows_the_seed_and_leaves_the_caller_where_the_see
     assert not torch.equal(after_seeds, after_pipe)
 
 
+def test_dropout_modules_of_a_pipeline_compiled_in_eval_mode_follow_the_seed_after_train():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.2),
+                          nn.Linear(8, 8), nn.Dropout(0.4), nn.Linear(8, 4)).eval()
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=4)
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.train()
+    model.train()
+    torch.manual_seed(3)
+    torch.testing.assert_close(pipe(x), per_microbatch(model, x, 4, seed=3))
+
+
 class Jitter(nn.Module):
     """A module of the user's that fxpipe keeps whole: its code is not in the graph."""
 
