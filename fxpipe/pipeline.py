@@ -206,7 +206,6 @@ class Pipeline(nn.Module):
         return f"Pipeline(\n{self.plan}\n)"
 
 
-
 class _DeferredScale:
     """Gradients accumulated from `start()` on, scaled by a factor known only at `finish`.
 

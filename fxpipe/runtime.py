@@ -258,9 +258,10 @@ class _Execution:
         if self.training:
             values = {k: _detach_leaf(v) if self.rt.producer.get(k, DRIVER) != DRIVER else v
                       for k, v in values.items()}
-        with microbatch_seed(self.seeds[m]):   # `forward`, not `__call__`: fx's wrapper prints
-            out = dict(zip(stage.outputs,   # the error to stderr and drops the traceback
-                           stage.module.forward(*(values[name] for name in stage.inputs))))
+        # `forward`, not `__call__`: fx's wrapper around generated code prints errors to stderr
+        # and drops the traceback that names the failing statement.
+        with microbatch_seed(self.seeds[m]):
+            out = dict(zip(stage.outputs, stage.module.forward(*(values[n] for n in stage.inputs))))
         if self.training:
             saved = self.saved[stage.index, m] = _Saved(values, out)
             if stage.index == len(self.rt.stages) - 1:
@@ -315,7 +316,6 @@ class _Execution:
             values.update(message.values if device is None else
                           {k: _to(v, device) for k, v in message.values.items()})
         return values
-
 
     def get(self, channel: queue.SimpleQueue) -> Any:
         """The next message, or `_ABORT` once the run is aborted; waits with timeouts, so the

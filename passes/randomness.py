@@ -102,7 +102,7 @@ def seeded(state: RngState | None, op: Callable, *args: Any, **kwargs: Any) -> t
 
 @functools.cache
 def _seeded_op(op: Callable) -> Callable:
-    """`seeded` with `op` fixed, named after it, so stage code reads `seeded_dropout(rng, x, ...)`."""
+    """`seeded` with `op` fixed and named after it: stage code reads `seeded_dropout(rng, x)`."""
     def draw(state: RngState | None, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         return seeded(state, op, *args, **kwargs)
     draw.__name__ = draw.__qualname__ = "seeded_" + getattr(op, "__name__", "op").replace(".", "_")
@@ -228,6 +228,10 @@ def _node_draws(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 # --- the pass ------------------------------------------------------------------------------------
 
+_KEPT_META = ("nn_module_stack", "stack_trace")   # what the nodes a draw adds copy from it
+_VALUE_META = ("val", "tensor_meta", "example_value")
+
+
 def seed_random_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """Route every node of `gm` that may draw random numbers through `seeded`, chained in graph
     order by the generator state they pass on; modifies and returns `gm`. See the module docstring.
@@ -253,8 +257,11 @@ def seed_random_ops(gm: fx.GraphModule) -> fx.GraphModule:
         with graph.inserting_after(value):
             next_state = graph.create_node("call_function", operator.getitem, (node, 1), name="rng")
         for new in (value, next_state):
-            new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-        node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, next_state))
+            new.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}
+        for key in _VALUE_META:                          # the value is `<name>_out`'s now
+            if key in node.meta:
+                value.meta[key] = node.meta.pop(key)
+        node.replace_all_uses_with(value, delete_user_cb=lambda u: u not in (value, next_state))
         if isinstance(op, fx.Node):
             node.op, node.target, node.args = "call_function", seeded, (state, op, *node.args)
         else:

@@ -22,7 +22,8 @@ class Noisy(nn.Module):
 
     def __init__(self, width=8):
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 4)
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.c = nn.Linear(width, 4)
         self.drop = nn.Dropout(0.5)
 
     def forward(self, x):
@@ -46,7 +47,7 @@ def fxpipe_threads():
     return [t for t in threading.enumerate() if t.name.startswith("fxpipe-stage") and t.is_alive()]
 
 
-# --- item 9: one seed, one result ------------------------------------------------------------------
+# --- item 9: one seed, one result -----------------------------------------------------------------
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -156,7 +157,7 @@ def test_a_model_without_randomness_runs_unchanged():
     torch.testing.assert_close(pipe(x), model(x))
 
 
-# --- item 7: a loss that cannot reach .grad ---------------------------------------------------------
+# --- item 7: a loss that cannot reach .grad -------------------------------------------------------
 
 def test_a_loss_fn_that_detaches_is_refused_and_leaves_grad_alone():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
@@ -176,7 +177,7 @@ def test_a_model_without_parameters_still_trains_without_gradients():
     torch.testing.assert_close(loss, F.mse_loss(model(x), target))
 
 
-# --- item 8: token losses ---------------------------------------------------------------------------
+# --- item 8: token losses -------------------------------------------------------------------------
 
 class TinyLM(nn.Module):
     def __init__(self, vocab=13, width=8):
@@ -222,7 +223,7 @@ def test_a_loss_fn_returning_sum_and_count_gives_the_whole_batchs_mean_and_gradi
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
 
 
-# --- item 12: Ctrl-C ----------------------------------------------------------------------------------
+# --- item 12: Ctrl-C ------------------------------------------------------------------------------
 
 class InterruptsCaller(nn.Module):
     """Presses Ctrl-C (in the caller's thread) on its first armed call, then waits until the run
@@ -279,7 +280,7 @@ def test_ctrl_c_during_train_step_leaves_no_stage_writing_grad(schedule):
     assert loss.isfinite()
 
 
-# --- item 13: whatever a stage raises -----------------------------------------------------------------
+# --- item 13: whatever a stage raises -------------------------------------------------------------
 
 class Unprintable(Exception):
     def __str__(self):
@@ -316,7 +317,7 @@ def test_whatever_a_stage_raises_the_caller_gets_a_stage_error(error):
     torch.testing.assert_close(pipe(x), model(x))
 
 
-# --- item 14: pickling --------------------------------------------------------------------------------
+# --- item 14: pickling ----------------------------------------------------------------------------
 
 def test_saving_a_pipeline_whole_is_refused_pointing_to_state_dict():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -334,7 +335,7 @@ def test_saving_a_pipeline_whole_is_refused_pointing_to_state_dict():
     torch.testing.assert_close(fresh(x), pipe(x))
 
 
-# --- item 15: a failed run is recorded ---------------------------------------------------------------
+# --- item 15: a failed run is recorded ------------------------------------------------------------
 
 def test_last_run_records_a_failed_call():
     raises = Raises()
@@ -353,7 +354,7 @@ def test_last_run_records_a_failed_call():
     assert len(failed.slots) < 3 * 4
 
 
-# --- errors that name the right thing --------------------------------------------------------------------
+# --- errors that name the right thing -------------------------------------------------------------
 
 class Reshapes(nn.Module):
     def __init__(self):
