@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .graph_values import tensors
+from .graph_values import attr_value, tensors
 
 _SEED_RANGE = 2 ** 62
 _LOCK = threading.Lock()
@@ -214,16 +214,24 @@ def _module_may_draw(module: nn.Module, *, in_any_mode: bool = True) -> bool:
 
 
 def _node_draws(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` may draw random numbers, in either mode."""
     if node.op == "call_module":
         return _module_may_draw(gm.get_submodule(node.target))
-    if node.op == "call_method":
-        return _draws(getattr(torch.Tensor, node.target, None), node.args, node.kwargs)
-    if node.op == "call_function":
-        target = node.target
-        if getattr(target, "__name__", "") == "on_copy":    # functionalize's `x.uniform_()`
-            return len(node.args) > 1 and node.args[1] in _random_names()
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):     # export's `wrap_with_...(body)`
+        bodies = [attr_value(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+        return any(_node_draws(body, n) for body in bodies if isinstance(body, fx.GraphModule)
+                   for n in body.graph.nodes)
+    if getattr(target, "__name__", "") == "on_copy":            # functionalize's `x.uniform_()`
+        return len(node.args) > 1 and node.args[1] in _random_names()
+    if _op_name(target) not in _random_names():
+        return False
+    try:
         return _draws(target, node.args, node.kwargs)
-    return False
+    except TypeError:             # a graph value decides (`p`, `training`): it may draw
+        return True
 
 
 # --- the pass ------------------------------------------------------------------------------------

@@ -128,6 +128,37 @@ def test_every_kind_of_draw_follows_the_seed():
     torch.testing.assert_close(first, per_microbatch(model, x, 3, seed=0))
 
 
+class FrozenNoise(nn.Module):
+    """Dropout inside a no_grad region: torch.export puts it in a higher-order op's body."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = F.dropout(self.a(x), 0.5, training=True)
+        return self.c(F.dropout(self.b(h + x), 0.5, training=True)) + x
+
+
+def test_draws_inside_an_exported_no_grad_region_follow_the_seed():
+    model = FrozenNoise()
+    x = torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, capture="export", verify=False)
+    torch.manual_seed(1)
+    torch.testing.assert_close(pipe(x), per_microbatch(model, x, 4, seed=1))
+
+
+def test_the_graph_run_outside_a_pipeline_draws_as_the_model_does():
+    model = Noisy().train()
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
+    torch.manual_seed(11)
+    expected = model(x)
+    torch.manual_seed(11)
+    torch.testing.assert_close(pipe.module(x), expected)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_train_step_with_dropout_has_the_gradients_of_the_seeded_per_microbatch_run(schedule):
     model = Noisy().train()
