@@ -20,7 +20,7 @@ from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, Inpu
                            PartitionError, TraceError)
 from passes.functionalize import functionalize
 from passes.partition import num_stages_for, partition
-from passes.randomness import microbatch_seeds
+from passes.randomness import microbatch_seeds, seed_random_ops
 from passes.signature import Signature, signature_of
 from passes.trace import CaptureMode, trace
 
@@ -175,6 +175,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     args, kwargs = recipe.args, recipe.kwargs
     first_args, first_kwargs = microbatch.split((args, kwargs), chunks, recipe.input_dims)[0]
     functionalize(gm, copied(first_args), copied(first_kwargs))
+    seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
     annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=o["repeats"],
                    backward=training)
     graph = cost_graph(gm, training=training)

@@ -10,7 +10,9 @@ import torch.fx as fx
 from torch import nn
 
 from passes.codegen import Stage
-from passes.errors import FxpipeError
+from passes.errors import FxpipeError, InputError
+from passes.graph_values import tensors
+from passes.randomness import microbatch_seeds
 from passes.signature import signature_of
 
 from . import microbatch
@@ -41,7 +43,6 @@ class Pipeline(nn.Module):
         self._stages = list(stages)
         self.plan = plan
         self.chunks = chunks
-        self.last_run: Run | None = None
         (output,) = [n for n in graph_module.graph.nodes if n.op == "output"]
         self._signature = signature_of(graph_module)   # model inputs -> graph -> model output
         self._placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
@@ -69,28 +70,52 @@ class Pipeline(nn.Module):
         self._check_model()
         values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
-        outputs, self.last_run = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks)
+        outputs, _ = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks,
+                                       seeds=microbatch_seeds(self.chunks))
         return microbatch.merge([self._signature.rebuild_outputs({**chunk, **out})
                                  for chunk, out in zip(chunks, outputs)], self._output_dims)
 
-    def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+    @property
+    def last_run(self) -> Run | None:
+        """What the latest call or `train_step` ran when; `last_run.error` if it stopped early."""
+        return self._runtime.last_run
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Any], *,
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
         """Forward and backward over all micro-batches, following `self.schedule`; returns the loss.
 
         `inputs` is the model's input: a tensor, a tuple of positional inputs or a dict of keyword
-        inputs. `target` is split into micro-batches like the inputs, and `loss_fn(output, target)`
-        runs on each micro-batch in the last stage. With `reduction="mean"` (a `loss_fn` that
-        averages over the batch) each micro-batch's loss is weighted by its share of the rows, so
-        the returned loss and the gradients left in `.grad` equal those of the whole batch; with
-        `"sum"` micro-batch losses are added. The optimizer step is the caller's.
+        inputs (a model taking one dict: pass `(batch,)`). `target` is split into micro-batches
+        like the inputs, and `loss_fn(output, target)` runs on each micro-batch in the last stage.
+        With `reduction="mean"` (a `loss_fn` that averages over the batch) each micro-batch's loss
+        is weighted by its share of the rows, so the returned loss and the gradients left in
+        `.grad` equal those of the whole batch; with `"sum"` micro-batch losses are added.
+
+        A loss averaged over something other than rows (tokens that are not padding, say) cannot
+        be rebuilt from micro-batch means: let `loss_fn` return `(loss_sum, count)` instead, e.g.
+        `(F.cross_entropy(out, t, ignore_index=-100, reduction="sum"), (t != -100).sum())`. The
+        step's loss is then `sum(loss_sums) / sum(counts)`, and the gradients of the parameters
+        and of the inputs are those of the whole batch's mean (`reduction` is not used).
+        The optimizer step is the caller's.
         """
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
         self._check_model()
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
             (inputs if isinstance(inputs, tuple) else (inputs,)), {})
-        values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
+        try:
+            values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
+        except InputError as e:
+            if not isinstance(inputs, dict):
+                raise
+            raise InputError(f"{e}\ntrain_step takes a dict as the model's keyword inputs; to "
+                             f"pass one dict as the model's positional input, wrap it in a tuple: "
+                             f"pipe.train_step((batch,), target, loss_fn)") from None
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
+        if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
+            raise InputError(f"train_step needs a target with one row per sample (dimension 0 "
+                             f"the batch), split into micro-batches with the inputs and given "
+                             f"to loss_fn(output, target); got {target!r:.80}")
         targets = microbatch.split(target, self.chunks)
         rows = [microbatch.batch_size(c) for c in targets]
         if sum(rows) != microbatch.batch_size(values, self._batch_dims):
@@ -98,16 +123,37 @@ class Pipeline(nn.Module):
                               f"{microbatch.batch_size(values, self._batch_dims)}: pass one "
                               f"target row per sample")
         weights = [r / sum(rows) if reduction == "mean" else 1.0 for r in rows]
+        counts: dict[int, float] = {}
+        grads = _DeferredScale([*self.parameters(), *tensors(values)])
 
         def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
-            loss = loss_fn(self._signature.rebuild_outputs(graph_values), targets[m])
+            output = self._signature.rebuild_outputs(graph_values)
+            loss = loss_fn(output, targets[m])
+            if isinstance(loss, tuple) and len(loss) == 2:
+                loss, counts[m] = loss[0], float(loss[1])
+                if m == 0:
+                    grads.start()   # no backward ran yet: the last stage's comes first
+            elif counts:
+                raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
+                                  "for another: return the same for every micro-batch")
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise FxpipeError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
-            return loss * weights[m]
+                raise FxpipeError(f"loss_fn must return a 0-d tensor (or a (loss_sum, count) "
+                                  f"pair), got {loss!r:.80}")
+            if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
+                raise FxpipeError(
+                    "loss_fn returned a loss that does not require grad, though the model's "
+                    "output does: nothing would reach .grad. Compute the loss from the output "
+                    "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
+            return loss if counts else loss * weights[m]
 
         timetable = timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
-        losses, self.last_run = self._runtime.run(timetable, chunks, loss_of=loss_of)
-        return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+        try:
+            losses, _ = self._runtime.run(timetable, chunks, loss_of=loss_of,
+                                          seeds=microbatch_seeds(self.chunks))
+        finally:
+            grads.finish(1 / sum(counts.values()) if sum(counts.values()) else 0.0)
+        loss = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+        return loss / sum(counts.values()) if counts else loss
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`).
@@ -208,6 +254,13 @@ class Pipeline(nn.Module):
         raise FxpipeError("a Pipeline places each stage on its own device: pass the devices to "
                           "fxpipe.compile(model, devices=...) instead of moving the pipeline")
 
+    def __reduce_ex__(self, protocol):
+        raise FxpipeError("a Pipeline cannot be pickled (torch.save(pipe)): it holds generated "
+                          "stage code, devices and threads. Save its weights with "
+                          "torch.save(pipe.state_dict(), path); to resume, compile the model "
+                          "again and call pipe.load_state_dict(torch.load(path)) (the names are "
+                          "the model's, so model.load_state_dict works too)")
+
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
 
@@ -224,3 +277,34 @@ def _lookup(model: nn.Module, name: str) -> Any:
         if value is None:
             return None
     return value if isinstance(value, (nn.Module, torch.Tensor)) else None
+
+
+class _DeferredScale:
+    """Gradients accumulated from `start()` on, scaled by a factor known only at `finish`.
+
+    A (loss_sum, count) loss's gradient is 1 / (the count of the whole batch), known once every
+    micro-batch ran forward, after 1F1B's first backwards. So the backwards accumulate into fresh
+    `.grad`s, and `finish` adds them, scaled, to the gradients that were there before.
+    """
+
+    def __init__(self, leaves: Sequence[torch.Tensor]):
+        self.leaves = list({id(t): t for t in leaves if t.requires_grad and t.is_leaf}.values())
+        self.before: list[torch.Tensor | None] | None = None
+
+    def start(self) -> None:
+        self.before = [t.grad for t in self.leaves]
+        for t in self.leaves:
+            t.grad = None
+
+    def finish(self, scale: float) -> None:
+        if self.before is None:
+            return
+        for t, before in zip(self.leaves, self.before):
+            new = t.grad
+            if new is not None:
+                new.mul_(scale)
+            if before is not None and new is not None:
+                t.grad = before.add_(new)
+            elif before is not None:
+                t.grad = before
+        self.before = None

@@ -19,8 +19,14 @@ inputs, the last optimizer step), and which the caller's stream waits for at the
 message carries an event recorded after its work, and the receiver's stream waits on it before
 using the tensors (see `_to` for how copies between devices are kept safe).
 
-If a stage fails, every queue gets an abort token, all workers stop, the threads are joined, and
-the caller gets a `StageError` naming the stage, the micro-batch and the statement that failed.
+Random draws follow the seeds the caller's `Pipeline` drew, one per micro-batch (see
+`passes.randomness`): a worker runs micro-batch m's forward under `microbatch_seed(seeds[m])`.
+
+If a stage fails (whatever it raises), or the caller's thread is interrupted (Ctrl-C), the run is
+aborted: a flag every worker checks between actions, and an abort token in every queue. All
+workers stop within one action, the threads are joined, and the caller gets a `StageError` naming
+the stage, the micro-batch and the statement that failed (or its own `KeyboardInterrupt`).
+The driver waits with timeouts, so a signal reaches it while it waits.
 """
 
 from __future__ import annotations
@@ -39,22 +45,32 @@ import torch.fx as fx
 from passes.codegen import Stage
 from passes.errors import StageError
 from passes.graph_values import tensors
+from passes.randomness import microbatch_seed
 
 from .schedules import Action, Phase, Slot, Timetable
 
 DRIVER = -1
 _ABORT = object()
+_POLL_S = 0.05     # how often a waiting thread looks for an abort or a signal
 
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
 
 
 @dataclass
 class Run:
-    """What the latest run did, action by action (seconds from its start), for reports and traces."""
+    """What the latest run did, action by action (seconds from its start), for reports and traces.
+
+    A run that stopped early keeps the actions that finished, and `error` says what stopped it.
+    """
 
     slots: list[Slot] = field(default_factory=list)
     wall_s: float = 0.0
     num_stages: int = 0
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 @dataclass
@@ -96,6 +112,7 @@ class Runtime:
         self.train_reads = _wiring(stages, producer, output_names, last)
         self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
                         for s in stages]
+        self.last_run: Run | None = None    # the latest run's record, failed or not
 
     def reads_from(self, training: bool) -> dict[int, list[int]]:
         """Which stages each stage reads from (the driver left out): the timetable's dependencies."""
@@ -104,13 +121,14 @@ class Runtime:
                 if dst != DRIVER}
 
     def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]], *,
-            loss_of: LossFn | None = None) -> tuple[list[Any], Run]:
-        """Run `timetable` on per-micro-batch graph inputs.
+            loss_of: LossFn | None = None,
+            seeds: Sequence[int] | None = None) -> tuple[list[Any], Run]:
+        """Run `timetable` on per-micro-batch graph inputs, micro-batch m drawing from `seeds[m]`.
 
         Returns per-micro-batch graph outputs (inference) or per-micro-batch losses, detached
-        (training), and the record of the run.
+        (training), and the record of the run (also `self.last_run`, kept when the run fails).
         """
-        return _Execution(self, inputs, loss_of).run(timetable)
+        return _Execution(self, inputs, loss_of, seeds).run(timetable)
 
 
 def _wiring(stages, producer, output_names, outputs_to) -> dict[int, dict[int, list[str]]]:
@@ -128,10 +146,13 @@ def _wiring(stages, producer, output_names, outputs_to) -> dict[int, dict[int, l
 class _Execution:
     """One run: its queues, what training forwards saved, and its record."""
 
-    def __init__(self, runtime: Runtime, inputs: Sequence[dict[str, Any]], loss_of: LossFn | None):
+    def __init__(self, runtime: Runtime, inputs: Sequence[dict[str, Any]], loss_of: LossFn | None,
+                 seeds: Sequence[int] | None):
         self.rt = runtime
         self.inputs = list(inputs)
         self.loss_of = loss_of
+        self.seeds = list(seeds) if seeds is not None else [None] * len(self.inputs)
+        self.stopping = threading.Event()
         self.training = loss_of is not None
         self.reads = runtime.train_reads if self.training else runtime.reads
         self.channels: dict[tuple[Phase, int, int], queue.SimpleQueue] = {}
@@ -153,6 +174,7 @@ class _Execution:
         return {dst: srcs[src] for dst, srcs in self.reads.items() if src in srcs}
 
     def abort(self) -> None:
+        self.stopping.set()
         for channel in self.channels.values():
             channel.put(_ABORT)
 
@@ -161,7 +183,7 @@ class _Execution:
                                     name=f"fxpipe-stage-{stage.index}", daemon=True)
                    for stage in self.rt.stages]
         outputs: list[dict] = []
-        finished = False
+        self.rt.last_run = self.record
         self.start = time.perf_counter()
         streams = [stream for stream in self.rt.streams if stream is not None]
         for stream in streams:   # stages start after the caller's queued work (inputs, opt.step)
@@ -179,18 +201,22 @@ class _Execution:
                     if received is None:
                         break
                     outputs.append(received)
-            finished = True
+            for t in threads:      # a signal must reach this thread while it waits
+                while t.is_alive():
+                    t.join(_POLL_S)
+        except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
+            self.abort()
+            self.record.error = f"{type(e).__name__} in the caller's thread"
+            raise
         finally:
-            if not finished or len(outputs) < len(self.inputs) and not self.training:
-                self.abort()
-            for t in threads:
-                t.join()
+            _join(threads)
             for stream in streams:   # and the caller's later work after theirs (losses, .grad)
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self.record.wall_s = time.perf_counter() - self.start
+            self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         if self.errors:
+            self.record.error = str(self.errors[0])
             raise self.errors[0] from self.errors[0].__cause__
-        self.record.wall_s = time.perf_counter() - self.start
-        self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         if self.training:
             return [self.losses[m] for m in range(len(self.inputs))], self.record
         return outputs, self.record
@@ -210,14 +236,18 @@ class _Execution:
                 if stream is not None:
                     context.enter_context(torch.cuda.stream(stream))
                 for action in actions:
+                    if self.stopping.is_set():
+                        return
                     step = self.forward if action.phase is Phase.FORWARD else self.backward
                     began = step(stage, action.microbatch)
                     if began is None:
                         return
                     self.record.slots.append(Slot(action, began, time.perf_counter() - self.start))
-        except BaseException as e:
-            self.errors.append(_stage_error(stage, action, e))
-            self.abort()
+        except BaseException as e:   # whatever it is, the run must end
+            try:
+                self.errors.append(_stage_error(stage, action, e))
+            finally:
+                self.abort()
 
     def forward(self, stage: Stage, m: int) -> float | None:
         """Run micro-batch m's forward on `stage`; when its inputs arrived, or None on abort."""
@@ -228,7 +258,10 @@ class _Execution:
         if self.training:
             values = {k: _detach_leaf(v) if self.rt.producer.get(k, DRIVER) != DRIVER else v
                       for k, v in values.items()}
-        out = dict(zip(stage.outputs, stage.module(*(values[name] for name in stage.inputs))))
+        # `forward`, not `__call__`: fx's wrapper around generated code prints errors to stderr
+        # and drops the traceback that names the failing statement.
+        with microbatch_seed(self.seeds[m]):
+            out = dict(zip(stage.outputs, stage.module.forward(*(values[n] for n in stage.inputs))))
         if self.training:
             saved = self.saved[stage.index, m] = _Saved(values, out)
             if stage.index == len(self.rt.stages) - 1:
@@ -244,7 +277,7 @@ class _Execution:
         root_grads: list[torch.Tensor | None] = []
         saved = self.saved.pop((stage.index, m))
         for dst in self.sends(stage.index):
-            message = self.channels[Phase.BACKWARD, dst, stage.index].get()
+            message = self.get(self.channels[Phase.BACKWARD, dst, stage.index])
             if message is _ABORT:
                 return None
             _wait(message, stage.device)
@@ -276,13 +309,36 @@ class _Execution:
         """One forward message from every sender of `dst`, moved to `device`; None on abort."""
         values: dict[str, Any] = {}
         for src in self.reads.get(dst, {}):
-            message = self.channels[phase, src, dst].get()
+            message = self.get(self.channels[phase, src, dst])
             if message is _ABORT:
                 return None
             _wait(message, device)
             values.update(message.values if device is None else
                           {k: _to(v, device) for k, v in message.values.items()})
         return values
+
+    def get(self, channel: queue.SimpleQueue) -> Any:
+        """The next message, or `_ABORT` once the run is aborted; waits with timeouts, so the
+        driver sees signals and a worker sees the abort flag."""
+        while not self.stopping.is_set():
+            try:
+                return channel.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+        return _ABORT
+
+
+def _join(threads: Sequence[threading.Thread]) -> None:
+    """Wait for every thread, through a second Ctrl-C too: no stage may outlive its run."""
+    interrupted: BaseException | None = None
+    for t in threads:
+        while t.is_alive():
+            try:
+                t.join(_POLL_S)
+            except KeyboardInterrupt as e:
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _wait(message: _Message, device: torch.device | None) -> None:
@@ -331,8 +387,19 @@ def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageErr
         if frame.filename.startswith("<eval_with_key>") and frame.line:
             statement = f"\n  at: {frame.line.strip()}"
     message = (f"stage {stage.index} (on {stage.device}) failed on micro-batch {action.microbatch} "
-               f"({action.phase.name.lower()}): {type(error).__name__}: {error}{statement}\n"
+               f"({action.phase.name.lower()}): {_describe(error)}{statement}\n"
                f"  print(pipe.stages[{stage.index}].code) shows the stage's code")
     result = StageError(message, stage=stage.index, microbatch=action.microbatch)
     result.__cause__ = error
     return result
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: message`, even for an exception whose `str` (or `repr`) raises."""
+    name = type(error).__name__
+    for text in (str, repr):
+        try:
+            return f"{name}: {text(error)}"
+        except BaseException:
+            pass
+    return f"{name} (its message could not be printed)"

@@ -6,16 +6,276 @@ order instead: each call draws one base seed from the caller's default CPU gener
 `torch.manual_seed(s)` before the call fixes its result, and consecutive calls differ), and
 micro-batch `m` runs as if `torch.manual_seed(seeds[m])` had been called just before the model ran
 on that micro-batch alone. That is the contract the runtime keeps and the reference runs check.
+
+How: `seed_random_ops` rewrites every node that draws random numbers into a call of `seeded`,
+which takes the generator state left by the previous draw and returns the op's result and the
+state after it:
+
+    dropout_draw = seeded(rng, torch.nn.functional.dropout, relu, p = 0.1, training = True)
+    dropout = dropout_draw[0]
+    rng_1 = dropout_draw[1]
+
+The state is an ordinary graph value, so the draws keep the model's order across stages (the
+partitioner sees the edges, the runtime's queues carry the state), and a micro-batch's first draw
+starts from its seed, which the runtime sets per (stage, micro-batch) with `microbatch_seed`.
+`seeded` installs the state in torch's default generators under one process-wide lock, runs the
+draw and puts the caller's state back. A submodule that may draw (dropout inside, or code fxpipe
+cannot see) runs whole through `seeded`, its draws routed one by one, so the lock is only held
+while numbers are drawn. Outside a pipeline run `seeded` simply calls the op.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import operator
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
 import torch
+import torch.fx as fx
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .graph_values import attr_value, tensors
 
 _SEED_RANGE = 2 ** 62
+_LOCK = threading.Lock()
+_local = threading.local()
 
 
 def microbatch_seeds(chunks: int) -> list[int]:
     """The seeds of one call's `chunks` micro-batches; advances the caller's CPU generator once."""
     base = int(torch.randint(0, _SEED_RANGE, (), dtype=torch.int64))
     return [(base + m) % _SEED_RANGE for m in range(chunks)]
+
+
+@contextlib.contextmanager
+def microbatch_seed(seed: int | None) -> Iterator[None]:
+    """On this thread, a micro-batch's first draw starts from `torch.manual_seed(seed)`'s state."""
+    previous, _local.seed = getattr(_local, "seed", None), seed
+    try:
+        yield
+    finally:
+        _local.seed = previous
+
+
+@dataclass(frozen=True)
+class RngState:
+    """A micro-batch's generator states after its latest draw: CPU, and each CUDA device used."""
+
+    seed: int
+    cpu: torch.Tensor
+    cuda: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def from_seed(seed: int) -> "RngState":
+        return RngState(seed, torch.Generator().manual_seed(seed).get_state())
+
+    def cuda_state(self, index: int) -> torch.Tensor:
+        if index in self.cuda:
+            return self.cuda[index]
+        return torch.Generator(f"cuda:{index}").manual_seed(self.seed).get_state()
+
+    def __repr__(self) -> str:
+        return f"RngState(seed={self.seed})"
+
+
+def seeded(state: RngState | None, op: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """`op(*args, **kwargs)` drawing from `state` (None: the micro-batch's seed); returns the
+    result and the state after it. Outside a pipeline run, `op` draws as usual."""
+    if state is None:
+        seed = getattr(_local, "seed", None)
+        if seed is None:
+            return op(*args, **kwargs), None
+        state = RngState.from_seed(seed)
+    if _draws(op, args, kwargs):
+        return _draw(state, op, args, kwargs)
+    if _op_name(op) in _random_names() or (isinstance(op, nn.Module) and
+                                           not _module_may_draw(op, in_any_mode=False)):
+        return op(*args, **kwargs), state      # e.g. dropout in eval mode: nothing to route
+    with _RoutedDraws(state) as routed:      # a module or function that may draw inside
+        out = op(*args, **kwargs)
+    return out, routed.state
+
+
+@functools.cache
+def _seeded_op(op: Callable) -> Callable:
+    """`seeded` with `op` fixed and named after it: stage code reads `seeded_dropout(rng, x)`."""
+    def draw(state: RngState | None, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return seeded(state, op, *args, **kwargs)
+    draw.__name__ = draw.__qualname__ = "seeded_" + getattr(op, "__name__", "op").replace(".", "_")
+    return draw
+
+
+def _draw(state: RngState, op: Callable, args: tuple, kwargs: dict) -> tuple[Any, RngState]:
+    """Run one random op with `state` installed in torch's default generators."""
+    devices = {t.device for t in tensors((args, kwargs))} or {torch.get_default_device()}
+    if kwargs.get("device") is not None:                    # a factory: `randn(3, device=...)`
+        devices.add(torch.device(kwargs["device"]))
+    devices = sorted({torch.cuda.current_device() if d.index is None else d.index
+                      for d in devices if d.type == "cuda"})
+    with _LOCK:
+        caller_cpu = torch.get_rng_state()
+        caller_cuda = {d: torch.cuda.get_rng_state(d) for d in devices}
+        try:
+            torch.set_rng_state(state.cpu)
+            for d in devices:
+                torch.cuda.set_rng_state(state.cuda_state(d), d)
+            out = op(*args, **kwargs)
+            after = RngState(state.seed, torch.get_rng_state(),
+                             {**state.cuda, **{d: torch.cuda.get_rng_state(d) for d in devices}})
+        finally:
+            torch.set_rng_state(caller_cpu)
+            for d, s in caller_cuda.items():
+                torch.cuda.set_rng_state(s, d)
+    return out, after
+
+
+class _RoutedDraws(TorchFunctionMode):
+    """While active on this thread, every random torch call draws from (and advances) `state`."""
+
+    def __init__(self, state: RngState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _draws(func, args, kwargs):
+            return func(*args, **kwargs)
+        out, self.state = _draw(self.state, func, args, kwargs)
+        return out
+
+
+# --- which ops draw ------------------------------------------------------------------------------
+
+# Python-level functions that draw without an ATen op of the same name.
+_PYTHON_DRAWS = {"dropout1d", "dropout2d", "dropout3d", "gumbel_softmax"}
+
+
+@functools.cache
+def _random_names() -> frozenset[str]:
+    """Names of the ATen ops torch tags as drawing random numbers (`dropout`, `randn_like`, ...)."""
+    names = set(_PYTHON_DRAWS)
+    for full in torch._C._dispatch_get_all_op_names():
+        if full.startswith("aten::"):
+            name, _, overload = full[len("aten::"):].partition(".")
+            op = getattr(getattr(torch.ops.aten, name), overload or "default", None)
+            if op is not None and torch.Tag.nondeterministic_seeded in op.tags:
+                names.add(name)
+    return frozenset(names)
+
+
+def _op_name(op: Any) -> str:
+    """`dropout` for `F.dropout`, `torch.ops.aten.dropout.default` and `Tensor.dropout` alike."""
+    if isinstance(op, torch._ops.OpOverload):
+        return op.__name__.split(".")[0]
+    return getattr(op, "__name__", "")
+
+
+def _draws(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether calling `op` this way draws random numbers (dropout in eval mode does not)."""
+    name = _op_name(op)
+    if name not in _random_names():
+        return False
+    if name in _DROPOUTS:            # (input, p, training), training True by default in F.*
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        return bool(training) and p > 0
+    if name in ("rrelu", "rrelu_"):  # (input, lower, upper, training=False)
+        return bool(kwargs.get("training", args[3] if len(args) > 3 else False))
+    if name == "scaled_dot_product_attention":
+        return bool(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+    if name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):   # (..., dropout: float, train: bool, ...)
+        at = next((i for i, a in enumerate(args) if isinstance(a, float)), None)
+        return at is not None and args[at] > 0 and at + 1 < len(args) and bool(args[at + 1])
+    return True
+
+
+_DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+             "feature_dropout", "feature_alpha_dropout", "native_dropout"}
+
+
+def _module_may_draw(module: nn.Module, *, in_any_mode: bool = True) -> bool:
+    """Whether a submodule called whole may draw: it holds dropout-like layers (in training mode,
+    unless `in_any_mode`), or runs code outside torch.nn that fxpipe cannot see (a leaf module of
+    the user's)."""
+    for m in module.modules():
+        if not type(m).__module__.startswith("torch.nn."):
+            return True
+        if not (m.training or in_any_mode):
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 or isinstance(m, nn.RReLU):
+            return True
+        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) and m.dropout > 0:
+            return True
+    return False
+
+
+def _node_draws(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` may draw random numbers, in either mode."""
+    if node.op == "call_module":
+        return _module_may_draw(gm.get_submodule(node.target))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):     # export's `wrap_with_...(body)`
+        bodies = [attr_value(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+        return any(_node_draws(body, n) for body in bodies if isinstance(body, fx.GraphModule)
+                   for n in body.graph.nodes)
+    if getattr(target, "__name__", "") == "on_copy":            # functionalize's `x.uniform_()`
+        return len(node.args) > 1 and node.args[1] in _random_names()
+    if _op_name(target) not in _random_names():
+        return False
+    try:
+        return _draws(target, node.args, node.kwargs)
+    except TypeError:             # a graph value decides (`p`, `training`): it may draw
+        return True
+
+
+# --- the pass ------------------------------------------------------------------------------------
+
+_KEPT_META = ("nn_module_stack", "stack_trace")   # what the nodes a draw adds copy from it
+_VALUE_META = ("val", "tensor_meta", "example_value")
+
+
+def seed_random_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """Route every node of `gm` that may draw random numbers through `seeded`, chained in graph
+    order by the generator state they pass on; modifies and returns `gm`. See the module docstring.
+
+    A routed node keeps its name (and stack trace) and now returns `(value, state)`; its readers
+    read `value` from the `<name>_out` node after it, the next draw reads `state`.
+    """
+    graph = gm.graph
+    state: fx.Node | None = None
+    for node in list(graph.nodes):
+        if not _node_draws(gm, node):
+            continue
+        if node.op == "call_module":
+            with graph.inserting_before(node):
+                op = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
+            module_type = type(gm.get_submodule(node.target))   # it still names its module
+            node.meta.setdefault("nn_module_stack", {node.target: (node.target, module_type)})
+        else:
+            op = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        with graph.inserting_after(node):
+            value = graph.create_node("call_function", operator.getitem, (node, 0),
+                                      name=f"{node.name}_out")
+        with graph.inserting_after(value):
+            next_state = graph.create_node("call_function", operator.getitem, (node, 1), name="rng")
+        for new in (value, next_state):
+            new.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}
+        for key in _VALUE_META:                          # the value is `<name>_out`'s now
+            if key in node.meta:
+                value.meta[key] = node.meta.pop(key)
+        node.replace_all_uses_with(value, delete_user_cb=lambda u: u not in (value, next_state))
+        if isinstance(op, fx.Node):
+            node.op, node.target, node.args = "call_function", seeded, (state, op, *node.args)
+        else:
+            node.op, node.target, node.args = "call_function", _seeded_op(op), (state, *node.args)
+        state = next_state
+    if state is not None:
+        graph.lint()
+        gm.recompile()
+    return gm
