@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, Sequence
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -173,11 +176,17 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     specs, chunks, schedule = o["specs"], o["chunks"], o["schedule"]
     training = model.training if o["training"] is None else o["training"]
     args, kwargs = recipe.args, recipe.kwargs
+    threads_per_stage = o["threads_per_stage"]
+    if threads_per_stage is None:
+        cpu_stages = sum(d.name.startswith("cpu") for d in specs)
+        threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
+    unpipelined_s = _time_unpipelined(model, recipe, training)
     first_args, first_kwargs = microbatch.split((args, kwargs), chunks, recipe.input_dims)[0]
     functionalize(gm, copied(first_args), copied(first_kwargs))
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    annotate_costs(gm, first_args, first_kwargs, device=specs[0].name, repeats=o["repeats"],
-                   backward=training)
+    with _intra_op_threads(threads_per_stage if specs[0].name.startswith("cpu") else None):
+        annotate_costs(gm, first_args, first_kwargs, device=specs[0].name,  # as a stage runs it
+                       repeats=o["repeats"], backward=training)
     graph = cost_graph(gm, training=training)
     num_stages = o["num_stages"]
     if num_stages == "auto":
@@ -186,10 +195,6 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     specs = specs[:num_stages] if num_stages is not None else specs
     plan = partition(graph, specs, o["link"],
                      activation_factor=_in_flight(training, schedule, chunks, len(specs)))
-    threads_per_stage = o["threads_per_stage"]
-    if threads_per_stage is None:
-        cpu_stages = sum(d.name.startswith("cpu") for d in specs)
-        threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
     stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
     pipe = Pipeline(gm, stages, make_plan(gm.meta["capture"], plan, stages, chunks, verified),
@@ -199,7 +204,52 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
     pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
+    pipe.plan = replace(pipe.plan, predicted_step_s=max(
+        (slot.end_s for slot in pipe.predict(training=training)), default=0.0),
+        unpipelined_s=unpipelined_s, unpipelined_threads=torch.get_num_threads())
     return pipe
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` intra-op threads on this thread (None: as it is)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_unpipelined(model: nn.Module, recipe: _Recipe, training: bool,
+                      repeats: int = 3) -> float:
+    """The model's own time for one batch, as given: whole, on its device, with the caller's
+    threads (in training, forward and backward to every parameter): what a pipeline must beat.
+
+    Measured before any pass moves parameters, without side effects; the median of `repeats`
+    after one warm-up run.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    times = []
+    for _ in range(repeats + 1):
+        with unchanged(model), torch.set_grad_enabled(training and bool(params)):
+            args, kwargs = copied(recipe.args), copied(recipe.kwargs)
+            _sync_all()
+            start = time.perf_counter()
+            out = model(*args, **kwargs)
+            loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.requires_grad)
+            if isinstance(loss, torch.Tensor):
+                torch.autograd.grad(loss, params, allow_unused=True)   # .grad left alone
+            _sync_all()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _sync_all() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> int:

@@ -30,6 +30,16 @@ class Plan:
     stage_param_bytes: tuple[int, ...]
     verified: str
     stage_modules: tuple[tuple[str, ...], ...] = ()
+    predicted_step_s: float | None = None     # one call (or train_step) through the pipeline
+    unpipelined_s: float | None = None        # the model run whole, measured at compile
+    unpipelined_threads: int = 0
+
+    @property
+    def speedup(self) -> float | None:
+        """The model's measured time over the pipeline's predicted time, per batch."""
+        if not self.predicted_step_s or self.unpipelined_s is None:
+            return None
+        return self.unpipelined_s / self.predicted_step_s
 
     def table(self) -> str:
         rows = []
@@ -52,8 +62,23 @@ class Plan:
             self.table(),
             f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
             f"{p.lower_bound_s * 1e3:.3f} ms ({proof})",
+            *self._comparison(),
             f"outputs checked against the model: {self.verified}",
         ])
+
+    def _comparison(self) -> list[str]:
+        """The pipeline's predicted time per batch against the model's own, and a warning
+        when the pipeline is predicted to lose."""
+        if self.speedup is None:
+            return []
+        lines = [f"per batch: pipeline {self.predicted_step_s * 1e3:.3f} ms predicted, model "
+                 f"unpipelined {self.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
+                 f"{self.unpipelined_threads} threads): {self.speedup:.2f}x"]
+        if self.speedup < 1:
+            lines.append("warning: the pipeline is predicted slower than the model run whole: "
+                         "use fewer stages (num_stages='auto'), fewer micro-batches, or the "
+                         "model without fxpipe")
+        return lines
 
 
 def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,
