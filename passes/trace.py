@@ -23,27 +23,33 @@ does (see `passes.signature`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import linecache
+import logging
 import os
 import re
+import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .compare import difference
 from .errors import TraceError
 from .signature import plain_varargs
 
 CaptureMode = Literal["auto", "fx", "export"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "fx", "export")
 _MAX_AUTO_LEAVES = 64
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -189,8 +195,9 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
     try:
-        program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                      dynamic_shapes=_free_batch(model, args, kwargs))
+        with _quiet():
+            program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
+                                          dynamic_shapes=_free_batch(model, args, kwargs))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     gm = _readable(program.module(), type(model).__name__)
@@ -198,6 +205,35 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
     return gm
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep torch's own output off the terminal while it runs: when torch.export fails, it prints
+    its partial graph (hundreds of lines) and logs warnings before fxpipe's one message. What it
+    prints to stderr, and the records torch's loggers emit on this thread, go to this module's
+    logger at DEBUG level instead (`logging.getLogger("passes.trace")`)."""
+    captured = io.StringIO()
+    thread = threading.get_ident()
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.thread != thread:
+            return True
+        captured.write(f"{record.levelname} {record.name}: {record.getMessage()}\n")
+        return False
+    handlers = {h for name, logger in logging.Logger.manager.loggerDict.items()
+                if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger)
+                for h in logger.handlers}
+    for handler in handlers:
+        handler.addFilter(keep)
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(keep)
+        if captured.getvalue():
+            _log.debug("torch's output while exporting:\n%s", captured.getvalue())
 
 
 def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict | None:
@@ -367,31 +403,34 @@ def _culprit(error: BaseException, model: nn.Module) -> str | None:
 def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> str:
     """Why `gm` does not reproduce `model` on the example, or "" when it does.
 
-    Both run from the same random state, and buffers (e.g. BatchNorm statistics) are restored
-    afterwards, so checking leaves the model as it was.
+    Each runs on its own copy of the example (a forward may write its inputs in place), from the
+    same random state, and buffers (e.g. BatchNorm statistics) are restored afterwards, so
+    checking leaves the model and the caller's tensors as they were. Outputs compare as in
+    `passes.compare`. When they agree, `gm.meta["out_spec"]` records the model's output
+    structure, so the pipeline returns the model's own containers (an `OrderedDict`, where fx's
+    graph returns a `dict`).
     """
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            expected = model(*args, **kwargs)
+            expected = model(*_copied(args), **_copied(kwargs))
             _restore(model, saved)
             torch.manual_seed(0)
-            actual = gm(*args, **kwargs)
+            actual = gm(*_copied(args), **_copied(kwargs))
     except Exception as e:
         return f"running the graph raised {type(e).__name__}: {e}"
     finally:
         _restore(model, saved)
-    flat_expected, spec_expected = torch.utils._pytree.tree_flatten(expected)
-    flat_actual, spec_actual = torch.utils._pytree.tree_flatten(actual)
-    if spec_expected != spec_actual:
-        return f"outputs differ in structure: {spec_actual} instead of {spec_expected}"
-    for i, (e, a) in enumerate(zip(flat_expected, flat_actual)):
-        try:
-            torch.testing.assert_close(a, e, equal_nan=True)
-        except AssertionError as error:
-            return f"output {i} differs: {str(error).splitlines()[0]}"
-    return ""
+    problem = difference(actual, expected, tolerance=None)
+    if not problem:
+        gm.meta["out_spec"] = pytree.tree_structure(expected)
+    return problem
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor in it cloned."""
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _restore(model: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
