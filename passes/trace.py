@@ -31,6 +31,7 @@ import linecache
 import logging
 import os
 import re
+import sys
 import threading
 import traceback
 from collections import Counter
@@ -41,6 +42,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .compare import difference
 from .errors import TraceError
@@ -130,14 +132,66 @@ _FIX = {
 
 
 class _Tracer(fx.Tracer):
+    """fx's tracer, keeping `leaves` whole and recording each node's explicit grad mode.
+
+    `node.meta["grad_enabled"]` is False for a node traced under `torch.no_grad()`,
+    `torch.inference_mode()` or `torch.set_grad_enabled(False)` in forward, True under
+    `torch.enable_grad()` or `torch.set_grad_enabled(True)`, and absent where the caller's mode
+    applies; `passes.codegen` runs those nodes in that mode. Tracing runs with grad enabled, so a
+    disabled mode is the model's own, and counts the grad-mode context managers forward is in,
+    so an enabled mode inside one is too.
+    """
+
     def __init__(self, leaves: Iterable[str | type]):
         super().__init__()
         self.leaf_names = {l for l in leaves if isinstance(l, str)}
         self.leaf_types = tuple(l for l in leaves if isinstance(l, type))
+        self.grad_contexts = _GradContexts()
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         return (qualified_name in self.leaf_names or isinstance(m, self.leaf_types)
                 or super().is_leaf_module(m, qualified_name))
+
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        with torch.enable_grad(), self.grad_contexts:
+            return super().trace(root, concrete_args)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind not in ("placeholder", "output", "get_attr"):
+            if not torch.is_grad_enabled():
+                node.meta["grad_enabled"] = False
+            elif self.grad_contexts.depth:
+                node.meta["grad_enabled"] = True
+        return node
+
+
+_GRAD_MODES = (torch.no_grad, torch.enable_grad, torch.set_grad_enabled, torch.inference_mode)
+_GRAD_ENTERS = frozenset(vars(cls)["__enter__"].__code__ for cls in _GRAD_MODES)
+_GRAD_EXITS = frozenset(vars(cls)["__exit__"].__code__ for cls in _GRAD_MODES)
+
+
+class _GradContexts:
+    """While active, `depth` counts the grad-mode context managers (`with torch.no_grad():`, and
+    the decorator forms) this thread is inside: it watches their `__enter__` and `__exit__` with a
+    profile hook, which sees only this thread's calls."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def __enter__(self) -> "_GradContexts":
+        self.depth, self.previous = 0, sys.getprofile()
+        sys.setprofile(self._watch)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self.previous)
+
+    def _watch(self, frame, event: str, arg) -> None:
+        if event == "call" and frame.f_code in _GRAD_ENTERS:
+            self.depth += 1
+        elif event == "return" and frame.f_code in _GRAD_EXITS:
+            self.depth = max(0, self.depth - 1)
 
 
 class _TraceFailure(Exception):
@@ -194,17 +248,39 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -
     if not args and not kwargs:
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
+    inference = _InferenceModeWatch()
     try:
-        with _quiet():
+        with _quiet(), inference:
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
                                           dynamic_shapes=_free_batch(model, args, kwargs))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
+    if inference.site is not None:
+        raise _TraceFailure(
+            f"forward runs ops in torch.inference_mode() ({inference.site}), which torch.export "
+            f"leaves out of the graph: those ops would get gradients. Use torch.no_grad() there, "
+            f"which the graph keeps", None)
     gm = _readable(program.module(), type(model).__name__)
     mismatch = _mismatch(model, gm, args, kwargs)
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
     return gm
+
+
+class _InferenceModeWatch(TorchFunctionMode):
+    """Notes where forward first runs a torch op in inference mode (`site`, "file:line: code"):
+    torch.export records `no_grad` regions in its graph but drops `inference_mode` ones."""
+
+    site: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.site is None and torch.is_inference_mode_enabled():
+            torch_dir, here = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+            frames = [f for f in traceback.extract_stack()
+                      if not f.filename.startswith((torch_dir, here))]
+            self.site = (f"at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
+                         if frames else "in a torch module")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
