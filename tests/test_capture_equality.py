@@ -180,3 +180,43 @@ def test_enable_grad_in_forward_computes_with_grad_under_the_callers_no_grad():
         out, expected = pipe(x), model(x)
     assert expected.requires_grad and out.requires_grad
     torch.testing.assert_close(out, expected)
+
+
+class FrozenEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.lin(x).tanh()
+
+
+class Probe(nn.Module):
+    """A trainable probe on a frozen encoder whose forward is decorated with @torch.no_grad()."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = FrozenEncoder()
+        self.probe = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.probe(self.encoder(x))
+
+
+def test_a_forward_decorated_with_no_grad_stays_frozen():
+    torch.manual_seed(0)
+    model = Probe()
+    x, target = torch.randn(6, 8), torch.randn(6, 2)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, capture="fx")
+    pipe.train_step(x, target, F.mse_loss)
+    assert model.encoder.lin.weight.grad is None and model.probe.weight.grad is not None
+
+
+def test_outputs_compare_within_a_tolerance_scaled_to_their_magnitude():
+    from passes.compare import difference
+    big = torch.tensor([1e12, 3.0, -2e11])
+    assert difference(big * (1 + 3e-7), big, None) == ""
+    assert "differs by up to" in difference(big * (1 + 1e-4), big, None)
+    assert difference(OrderedDict(out=big), {"out": big}, None) == ""
+    assert "structure" in difference({"aux": big}, {"out": big}, None)
