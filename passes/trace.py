@@ -14,6 +14,10 @@ A graph counts only if it reproduces the model's output on the example inputs. W
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
 The graph records how it was captured in `gm.meta["capture"]` (a `Capture`).
 
+Grad-mode regions in forward (`with torch.no_grad():`, a frozen teacher) stay regions: an fx node
+records the mode it was traced in (`node.meta["grad_enabled"]`, see `_Tracer`) and
+`passes.codegen` runs it so; an export graph keeps them as `wrap_with_set_grad_enabled` calls.
+
 An export graph is made readable before anyone sees it (`_readable`): nodes are named after the
 module they ran in (`model_layers_0_self_attn_q_proj`, `model_layers_0_mlp_mul`), each parameter
 is read (`get_attr`) just before its first use, and export's own checks, which pin the example's
