@@ -18,6 +18,7 @@ from torch import nn
 
 from passes.annotate_costs import annotate_costs
 from passes.codegen import split_stages
+from passes.compare import difference, output_name
 from passes.cost_model import DRIVER, DeviceSpec, Link, LinkFn, cost_graph, default_link
 from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
@@ -383,7 +384,7 @@ def _check(model: nn.Module, pipe: Pipeline, recipe: _Recipe, verify: bool,
         actual = pipe(*copied(args), **copied(kwargs))
     if chunks > 1:
         _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts)
-    problem = _difference(actual, expected, tolerance)
+    problem = difference(actual, expected, tolerance)
     if problem and _draws_random_numbers(model, args, kwargs):
         raise FxpipeError(
             f"the pipeline differs from the model run once per micro-batch under the same seeds: "
@@ -420,7 +421,7 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
         if not isinstance(w, torch.Tensor):
             dims.append(None)
             continue
-        name = _output_name(path)
+        name = output_name(path)
         if any(not isinstance(c, torch.Tensor) or c.dim() != w.dim() for c in column):
             raise BatchError(f"{name} changes its number of dimensions with the batch size: "
                              f"return tensors whose batch dimension stays, or use chunks=1")
@@ -428,7 +429,7 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
         shape = "(" + ", ".join("B" if d in changed else str(s) for d, s in enumerate(w.shape)) + \
                 ("," if w.dim() == 1 else "") + ")"
         if not changed:
-            if all(not _difference(c, w, tolerance) for c in column):
+            if all(not difference(c, w, tolerance) for c in column):
                 dims.append(None)     # does not depend on the batch: given once
                 continue
             raise BatchError(
@@ -470,7 +471,7 @@ def _check_batch_independent(model: nn.Module, recipe: _Recipe, output_dims, tol
             merged = microbatch.merge(parts, output_dims)
         except BatchError:      # eval mode returns other outputs than the mode checked
             return
-        problem = _difference(merged, whole, tolerance)
+        problem = difference(merged, whole, tolerance)
         if not problem or _draws_random_numbers(model, args, kwargs):
             return
     finally:
@@ -492,80 +493,4 @@ def _draws_random_numbers(model: nn.Module, args: tuple, kwargs: Mapping[str, An
     with unchanged(model):
         torch.manual_seed(2)
         second = model(*copied(args), **copied(kwargs))
-    return bool(_difference(first, second, 0.0))
-
-
-def _difference(actual: Any, expected: Any, tolerance: float | None) -> str:
-    """Why `actual` differs from `expected`, or "" when every leaf is close.
-
-    A float leaf is close when no element differs by more than `tolerance` times the leaf's
-    largest magnitude (default 16 epsilons of its dtype; the order of sums changes with the
-    number of threads, by about an epsilon per term of magnitude), plus assert_close's atol.
-    Containers compare as the user would: same keys, same values.
-    """
-    flat_expected, spec = pytree.tree_flatten_with_path(expected)
-    flat_actual, actual_spec = pytree.tree_flatten(actual)
-    if len(flat_actual) != len(flat_expected) or not _same_structure(actual, expected):
-        return f"outputs differ in structure ({actual_spec} vs {pytree.tree_structure(expected)})"
-    for (path, e), a in zip(flat_expected, flat_actual):
-        name = _output_name(path)
-        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
-            return f"{name} is a {type(a).__name__} instead of a {type(e).__name__}"
-        if not isinstance(e, torch.Tensor):
-            if not _equal(a, e):
-                return f"{name} is {a!r:.60} instead of {e!r:.60}"
-            continue
-        if a.shape != e.shape:
-            return f"{name} has shape {tuple(a.shape)} instead of {tuple(e.shape)}"
-        a = a.detach().to(e.device)
-        e = e.detach()
-        if not e.is_floating_point() and not e.is_complex():
-            if not torch.equal(a, e):
-                return f"{name} differs in {int((a != e).sum())} of {e.numel()} elements"
-            continue
-        if not torch.equal(torch.isnan(a), torch.isnan(e)):
-            return f"{name} has NaN in other places"
-        finite = torch.isfinite(e) & torch.isfinite(a)
-        if not torch.equal(a[~finite].nan_to_num(), e[~finite].nan_to_num()):
-            return f"{name} has infinities in other places"
-        if not finite.any():
-            continue
-        diff = (a[finite].double() - e[finite].double()).abs().max().item()
-        scale = e[finite].double().abs().max().item()
-        rtol = 16 * torch.finfo(e.dtype).eps if tolerance is None else tolerance
-        atol = 1e-7 if e.dtype == torch.float64 else 1e-5
-        if diff > rtol * scale + atol:
-            return (f"{name} differs by up to {diff:.3g} ({diff / scale if scale else math.inf:.3g} "
-                    f"of its largest magnitude {scale:.3g}; allowed: {rtol:.3g} of it + {atol:g})")
-    return ""
-
-
-def _equal(a: Any, b: Any) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:       # a value whose == does not give a bool
-        return False
-
-
-def _same_structure(a: Any, b: Any) -> bool:
-    """Same pytree structure, a dict and an OrderedDict with the same keys counting as equal."""
-    paths_a = [p for p, _ in pytree.tree_flatten_with_path(a)[0]]
-    paths_b = [p for p, _ in pytree.tree_flatten_with_path(b)[0]]
-    return paths_a == paths_b
-
-
-def _output_name(path) -> str:
-    """`output 'logits'`, `output 1.0`, or `the output` for a model returning one tensor."""
-    if not path:
-        return "the output"
-    parts = []
-    for key in path:
-        if isinstance(key, pytree.MappingKey):
-            parts.append(repr(key.key))
-        elif isinstance(key, pytree.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, pytree.GetAttrKey):
-            parts.append(repr(key.name))
-        else:
-            parts.append(str(key))
-    return "output " + ".".join(parts)
+    return bool(difference(first, second, 0.0))

@@ -79,6 +79,7 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
             env[p].meta = dict(p.meta)
         for n in members:
             env[n] = graph.node_copy(n, lambda p: env[p])
+        _grad_regions(graph)
         graph.output(tuple(env[n] for n in outputs))
         module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         for name, child in module.named_children():   # its own copy of each op body, to place
@@ -111,6 +112,40 @@ def place(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
         if changed:
             module.recompile()
     return gm
+
+
+def _grad_regions(graph: fx.Graph) -> None:
+    """Run nodes traced under an explicit grad mode (`node.meta["grad_enabled"]`, see
+    `passes.trace`: `with torch.no_grad():` in forward) in that mode, and the rest in the caller's.
+
+    Each maximal run of nodes with the same explicit mode (reads of parameters join any run)
+    becomes, in the stage's code:
+
+        grad_enabled = torch.is_grad_enabled()
+        no_grad = torch._C._set_grad_enabled(False)
+        ...
+        end_no_grad = torch._C._set_grad_enabled(grad_enabled)
+
+    A region that a stage boundary cuts ends with the stage and opens again in the next one.
+    """
+    runs: list[list] = []                          # [mode, first node, last node]
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        mode = n.meta.get("grad_enabled")
+        if runs and runs[-1][0] == mode:
+            runs[-1][2] = n
+        else:
+            runs.append([mode, n, n])
+    for mode, first, last in runs:
+        if mode is None:
+            continue
+        region = "enable_grad" if mode else "no_grad"
+        with graph.inserting_before(first):
+            caller_mode = graph.call_function(torch.is_grad_enabled, name="grad_enabled")
+            graph.call_function(torch._C._set_grad_enabled, (mode,), name=region)
+        with graph.inserting_after(last):
+            graph.call_function(torch._C._set_grad_enabled, (caller_mode,), name=f"end_{region}")
 
 
 def _stages_holding(n: fx.Node, stage_of: Mapping[str, int], owner: int) -> set[int]:

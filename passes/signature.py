@@ -157,7 +157,8 @@ def signature_of(gm: fx.GraphModule) -> Signature:
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is not None and info.in_spec is not None:
         return _exported(placeholders, output, info)
-    return _traced(placeholders, output, getattr(gm.graph._codegen, "stars", {}))
+    return _traced(placeholders, output, getattr(gm.graph._codegen, "stars", {}),
+                   gm.meta.get("out_spec"))
 
 
 class VarArgsCodeGen(fx.graph.CodeGen):
@@ -195,7 +196,8 @@ def plain_varargs(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _traced(placeholders: list[fx.Node], output: fx.Node, stars: Mapping[str, str]) -> Signature:
+def _traced(placeholders: list[fx.Node], output: fx.Node, stars: Mapping[str, str],
+            model_out_spec: pytree.TreeSpec | None) -> Signature:
     names, defaults, specialised, star_of = [], {}, {}, {}
     for p in placeholders:
         fixed = _specialisation(p)
@@ -212,9 +214,24 @@ def _traced(placeholders: list[fx.Node], output: fx.Node, stars: Mapping[str, st
     var_keyword = next((n for n, star in star_of.items() if star == "**"), None)
     positional = sum(not star_of.get(name) for name in names)
     leaves, out_spec = pytree.tree_flatten(_plain(output.args[0]))
+    out_spec = _model_containers(leaves, out_spec, model_out_spec)
     return Signature(tuple(p.name for p in placeholders), tuple(names), positional, defaults, None,
                      (None,) * len(placeholders), out_spec, _out_leaves(leaves),
                      var_positional, var_keyword, specialised)
+
+
+def _model_containers(leaves: list[Any], graph_spec: pytree.TreeSpec,
+                      model_spec: pytree.TreeSpec | None) -> pytree.TreeSpec:
+    """The model's own output structure (`passes.trace` records it, e.g. an `OrderedDict` where
+    fx's graph has a `dict`) when it holds the graph's outputs at the same places, else the graph's.
+    """
+    if model_spec is None or model_spec.num_leaves != len(leaves) or model_spec == graph_spec:
+        return graph_spec
+    paths = [path for path, _ in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(leaves, model_spec))[0]]
+    graph_paths = [path for path, _ in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(leaves, graph_spec))[0]]
+    return model_spec if paths == graph_paths else graph_spec
 
 
 _SPECIALISED = re.compile(r"(\w+) has been specialized to have value")

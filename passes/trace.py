@@ -14,6 +14,10 @@ A graph counts only if it reproduces the model's output on the example inputs. W
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
 The graph records how it was captured in `gm.meta["capture"]` (a `Capture`).
 
+Grad-mode regions in forward (`with torch.no_grad():`, a frozen teacher) stay regions: an fx node
+records the mode it was traced in (`node.meta["grad_enabled"]`, see `_Tracer`) and
+`passes.codegen` runs it so; an export graph keeps them as `wrap_with_set_grad_enabled` calls.
+
 An export graph is made readable before anyone sees it (`_readable`): nodes are named after the
 module they ran in (`model_layers_0_self_attn_q_proj`, `model_layers_0_mlp_mul`), each parameter
 is read (`get_attr`) just before its first use, and export's own checks, which pin the example's
@@ -23,27 +27,35 @@ does (see `passes.signature`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import linecache
+import logging
 import os
 import re
+import sys
+import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from .compare import difference
 from .errors import TraceError
 from .signature import plain_varargs
 
 CaptureMode = Literal["auto", "fx", "export"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "fx", "export")
 _MAX_AUTO_LEAVES = 64
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,14 +136,66 @@ _FIX = {
 
 
 class _Tracer(fx.Tracer):
+    """fx's tracer, keeping `leaves` whole and recording each node's explicit grad mode.
+
+    `node.meta["grad_enabled"]` is False for a node traced under `torch.no_grad()`,
+    `torch.inference_mode()` or `torch.set_grad_enabled(False)` in forward, True under
+    `torch.enable_grad()` or `torch.set_grad_enabled(True)`, and absent where the caller's mode
+    applies; `passes.codegen` runs those nodes in that mode. Tracing runs with grad enabled, so a
+    disabled mode is the model's own, and counts the grad-mode context managers forward is in,
+    so an enabled mode inside one is too.
+    """
+
     def __init__(self, leaves: Iterable[str | type]):
         super().__init__()
         self.leaf_names = {l for l in leaves if isinstance(l, str)}
         self.leaf_types = tuple(l for l in leaves if isinstance(l, type))
+        self.grad_contexts = _GradContexts()
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         return (qualified_name in self.leaf_names or isinstance(m, self.leaf_types)
                 or super().is_leaf_module(m, qualified_name))
+
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        with torch.enable_grad(), self.grad_contexts:
+            return super().trace(root, concrete_args)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind not in ("placeholder", "output", "get_attr"):
+            if not torch.is_grad_enabled():
+                node.meta["grad_enabled"] = False
+            elif self.grad_contexts.depth:
+                node.meta["grad_enabled"] = True
+        return node
+
+
+_GRAD_MODES = (torch.no_grad, torch.enable_grad, torch.set_grad_enabled, torch.inference_mode)
+_GRAD_ENTERS = frozenset(vars(cls)["__enter__"].__code__ for cls in _GRAD_MODES)
+_GRAD_EXITS = frozenset(vars(cls)["__exit__"].__code__ for cls in _GRAD_MODES)
+
+
+class _GradContexts:
+    """While active, `depth` counts the grad-mode context managers (`with torch.no_grad():`, and
+    the decorator forms) this thread is inside: it watches their `__enter__` and `__exit__` with a
+    profile hook, which sees only this thread's calls."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def __enter__(self) -> "_GradContexts":
+        self.depth, self.previous = 0, sys.getprofile()
+        sys.setprofile(self._watch)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self.previous)
+
+    def _watch(self, frame, event: str, arg) -> None:
+        if event == "call" and frame.f_code in _GRAD_ENTERS:
+            self.depth += 1
+        elif event == "return" and frame.f_code in _GRAD_EXITS:
+            self.depth = max(0, self.depth - 1)
 
 
 class _TraceFailure(Exception):
@@ -188,16 +252,68 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -
     if not args and not kwargs:
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
+    inference = _InferenceModeWatch()
     try:
-        program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                      dynamic_shapes=_free_batch(model, args, kwargs))
+        with _quiet(), inference:
+            program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
+                                          dynamic_shapes=_free_batch(model, args, kwargs))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
+    if inference.site is not None:
+        raise _TraceFailure(
+            f"forward runs ops in torch.inference_mode() ({inference.site}), which torch.export "
+            f"leaves out of the graph: those ops would get gradients. Use torch.no_grad() there, "
+            f"which the graph keeps", None)
     gm = _readable(program.module(), type(model).__name__)
     mismatch = _mismatch(model, gm, args, kwargs)
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
     return gm
+
+
+class _InferenceModeWatch(TorchFunctionMode):
+    """Notes where forward first runs a torch op in inference mode (`site`, "file:line: code"):
+    torch.export records `no_grad` regions in its graph but drops `inference_mode` ones."""
+
+    site: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.site is None and torch.is_inference_mode_enabled():
+            torch_dir, here = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+            frames = [f for f in traceback.extract_stack()
+                      if not f.filename.startswith((torch_dir, here))]
+            self.site = (f"at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
+                         if frames else "in a torch module")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep torch's own output off the terminal while it runs: when torch.export fails, it prints
+    its partial graph (hundreds of lines) and logs warnings before fxpipe's one message. What it
+    prints to stderr, and the records torch's loggers emit on this thread, go to this module's
+    logger at DEBUG level instead (`logging.getLogger("passes.trace")`)."""
+    captured = io.StringIO()
+    thread = threading.get_ident()
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.thread != thread:
+            return True
+        captured.write(f"{record.levelname} {record.name}: {record.getMessage()}\n")
+        return False
+    handlers = {h for name, logger in logging.Logger.manager.loggerDict.items()
+                if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger)
+                for h in logger.handlers}
+    for handler in handlers:
+        handler.addFilter(keep)
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(keep)
+        if captured.getvalue():
+            _log.debug("torch's output while exporting:\n%s", captured.getvalue())
 
 
 def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict | None:
@@ -367,31 +483,34 @@ def _culprit(error: BaseException, model: nn.Module) -> str | None:
 def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> str:
     """Why `gm` does not reproduce `model` on the example, or "" when it does.
 
-    Both run from the same random state, and buffers (e.g. BatchNorm statistics) are restored
-    afterwards, so checking leaves the model as it was.
+    Each runs on its own copy of the example (a forward may write its inputs in place), from the
+    same random state, and buffers (e.g. BatchNorm statistics) are restored afterwards, so
+    checking leaves the model and the caller's tensors as they were. Outputs compare as in
+    `passes.compare`. When they agree, `gm.meta["out_spec"]` records the model's output
+    structure, so the pipeline returns the model's own containers (an `OrderedDict`, where fx's
+    graph returns a `dict`).
     """
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            expected = model(*args, **kwargs)
+            expected = model(*_copied(args), **_copied(kwargs))
             _restore(model, saved)
             torch.manual_seed(0)
-            actual = gm(*args, **kwargs)
+            actual = gm(*_copied(args), **_copied(kwargs))
     except Exception as e:
         return f"running the graph raised {type(e).__name__}: {e}"
     finally:
         _restore(model, saved)
-    flat_expected, spec_expected = torch.utils._pytree.tree_flatten(expected)
-    flat_actual, spec_actual = torch.utils._pytree.tree_flatten(actual)
-    if spec_expected != spec_actual:
-        return f"outputs differ in structure: {spec_actual} instead of {spec_expected}"
-    for i, (e, a) in enumerate(zip(flat_expected, flat_actual)):
-        try:
-            torch.testing.assert_close(a, e, equal_nan=True)
-        except AssertionError as error:
-            return f"output {i} differs: {str(error).splitlines()[0]}"
-    return ""
+    problem = difference(actual, expected, tolerance=None)
+    if not problem:
+        gm.meta["out_spec"] = pytree.tree_structure(expected)
+    return problem
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor in it cloned."""
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _restore(model: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
