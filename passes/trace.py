@@ -6,8 +6,8 @@ Front-ends, in order (`capture="auto"`):
    whole, as one node), found one at a time from where tracing failed.
 3. `export`: `torch.export.export(..., strict=False)`, which runs the Python and records ATen ops,
    so it follows what fx cannot (size-dependent loops, `**kwargs` forwards, Hugging Face models).
-   Dimension 0 of every tensor input is left free, so every micro-batch size runs; other sizes are
-   fixed to the example's. The graph is captured in the model's current mode (`.train()` or
+   The batch dimension of every tensor input (0 unless `batch_dims` says otherwise) is left free,
+   so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured in the model's current mode (`.train()` or
    `.eval()`): export bakes dropout and BatchNorm behaviour into the ops.
 
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
@@ -73,14 +73,15 @@ class Capture:
 
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[str, Any] | None = None,
           *, capture: CaptureMode = "auto", leaf_modules: Iterable[str | type] = (),
-          concrete_args: Mapping[str, Any] | None = None) -> fx.GraphModule:
+          concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0) -> fx.GraphModule:
     """Capture `model` as a GraphModule whose forward takes the same inputs as `model`'s.
 
     `capture` picks the front-ends: "auto" tries fx, fx+leaves, then export; "fx" only fx; "export"
     only torch.export (which needs example inputs). `leaf_modules` (qualified names or module
     classes) stay whole, as one node each, and `concrete_args` fixes inputs to constants; both
     apply to fx (export fixes every non-tensor input to its example value). Inputs not given in
-    the example default to theirs.
+    the example default to theirs. `batch_dims`, an int or a pytree prefix of `(example_inputs,
+    example_kwargs)` (None: no batch dimension), names the dimension export leaves free.
     """
     if capture not in CAPTURE_MODES:
         raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
@@ -104,7 +105,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
                 return gm
             failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
     if capture in ("auto", "export"):
-        gm, failure = _export(model, example_inputs, example_kwargs)
+        gm, failure = _export(model, example_inputs, example_kwargs, batch_dims)
         if gm is not None:
             gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training)
             return gm
@@ -177,20 +178,21 @@ def _fx_trace_with_auto_leaves(model, leaves, concrete, args, kwargs):
     return None, auto, error
 
 
-def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]):
+def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], batch_dims: Any = 0):
     try:
-        return _export_or_raise(model, args, kwargs), None
+        return _export_or_raise(model, args, kwargs, batch_dims), None
     except _TraceFailure as failure:
         return None, failure
 
 
-def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
+def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                     batch_dims: Any = 0) -> fx.GraphModule:
     if not args and not kwargs:
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
     try:
         program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                      dynamic_shapes=_free_batch(model, args, kwargs))
+                                      dynamic_shapes=_free_batch(model, args, kwargs, batch_dims))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     gm = _readable(program.module(), type(model).__name__)
@@ -200,21 +202,30 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -
     return gm
 
 
-def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict | None:
-    """`dynamic_shapes` leaving dimension 0 of every tensor input free, so micro-batches run.
+def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                batch_dims: Any = 0) -> dict | None:
+    """`dynamic_shapes` leaving the batch dimension of every tensor input free, so micro-batches
+    run. `batch_dims` is an int for every input or a pytree prefix of `(args, kwargs)` (None: the
+    input has none).
 
     `Dim.AUTO` lets export keep a size fixed where the model's code needs it fixed (then inputs
     of another batch size are refused by name, see `passes.signature`), instead of failing.
     """
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
+    values, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    dims = pytree._broadcast_to_and_flatten(batch_dims, spec)
+    if dims is None:
         return None
 
-    def free(value):
-        return ({0: torch.export.Dim.AUTO}
-                if isinstance(value, torch.Tensor) and value.dim() > 0 else None)
-    return {name: pytree.tree_map(free, value) for name, value in bound.items()}
+    def free(value, dim):
+        if (not isinstance(value, torch.Tensor) or dim is None
+                or not -value.dim() <= dim < value.dim()):
+            return None
+        return {dim % value.dim(): torch.export.Dim.AUTO}
+    free_args, free_kwargs = pytree.tree_unflatten(list(map(free, values, dims)), spec)
+    try:
+        return inspect.signature(model.forward).bind(*free_args, **free_kwargs).arguments
+    except (TypeError, ValueError):
+        return None
 
 
 def _readable(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:

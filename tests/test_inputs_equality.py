@@ -63,3 +63,28 @@ def test_export_refuses_another_non_tensor_input(options_pipe, args, kwargs, nam
                        match=rf"input '{name}' is {re.escape(shown)}, but the graph was exported with "
                              rf"{name}={captured!r}.*one pipeline per value"):
         pipe(torch.randn(8, 8), *args, **kwargs)
+
+
+# ---- batch_dims with torch.export --------------------------------------------------------
+
+class TimeFirst(nn.Module):
+    """Inputs shaped (time, batch, features): a running sum over time, batch along dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.inp(x).tanh().cumsum(0))
+
+
+def test_export_frees_the_batch_dimension_given():
+    torch.manual_seed(0)
+    model = TimeFirst().eval()
+    x = torch.randn(5, 8, 6)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), capture="export",
+                          batch_dims=1, chunks=4)
+    torch.testing.assert_close(pipe(x), model(x))
+    y = torch.randn(5, 12, 6)           # another batch size, split along dimension 1 too
+    torch.testing.assert_close(pipe(y), model(y))
