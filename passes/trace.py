@@ -10,6 +10,12 @@ Front-ends, in order (`capture="auto"`):
    so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured in the model's current mode (`.train()` or
    `.eval()`): export bakes dropout and BatchNorm behaviour into the ops.
 
+A submodule with a hook (forward, forward pre-, backward, backward pre-) stays whole under fx, so
+its hook runs each time a stage calls it; export runs hooks once, at capture, so it refuses them.
+Python side effects in forward (`self.seen.append(x)`, `self.calls += 1`) would not happen in a
+pipeline, which runs tensor operations only: each front-end runs on a snapshot of every module's
+plain attributes, restored afterwards, and a forward that changed one is refused by name.
+
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
 The graph records how it was captured in `gm.meta["capture"]` (a `Capture`).
@@ -88,24 +94,36 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     example_kwargs = dict(example_kwargs or {})
     concrete = _default_concrete_args(model, example_inputs, example_kwargs)
     concrete.update(concrete_args or {})
-    leaves = list(leaf_modules)
+    hooked = _hooked_modules(model)
+    leaves = list(leaf_modules) + [name for name in hooked if name not in leaf_modules]
+    named_leaves = tuple(l for l in leaves if isinstance(l, str))
     failures: list[str] = []
 
     if capture in ("auto", "fx"):
-        gm, failure = _fx_trace(model, leaves, concrete, example_inputs, example_kwargs)
+        gm, failure = _without_side_effects(
+            model, _fx_trace, model, leaves, concrete, example_inputs, example_kwargs)
         if gm is not None:
-            gm.meta["capture"] = Capture("fx", tuple(l for l in leaves if isinstance(l, str)))
+            gm.meta["capture"] = Capture("fx", named_leaves)
             return gm
         failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
         if capture == "auto" and failure.culprit:   # a submodule to keep whole: try again
-            gm, auto_leaves, error = _fx_trace_with_auto_leaves(
-                model, leaves, concrete, example_inputs, example_kwargs)
+            gm, auto_leaves, error = _without_side_effects(
+                model, _fx_trace_with_auto_leaves, model, leaves, concrete, example_inputs,
+                example_kwargs)
             if gm is not None:
-                gm.meta["capture"] = Capture("fx+leaves", tuple(auto_leaves), tuple(failures))
+                gm.meta["capture"] = Capture("fx+leaves", (*named_leaves, *auto_leaves),
+                                             tuple(failures))
                 return gm
             failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
-    if capture in ("auto", "export"):
-        gm, failure = _export(model, example_inputs, example_kwargs, batch_dims)
+    if capture in ("auto", "export") and hooked:
+        failures.append(
+            "torch.export: it runs hooks once, at capture, and keeps only their tensor operations: "
+            + "; ".join(f"module {name!r} has a {kind}" for name, kind in hooked.items()) +
+            f"\n    Fix: capture with fx (capture='fx' or 'auto'), which keeps hooked modules whole "
+            f"so their hooks run on every micro-batch; or remove the hooks before compiling")
+    elif capture in ("auto", "export"):
+        gm, failure = _without_side_effects(
+            model, _export, model, example_inputs, example_kwargs, batch_dims)
         if gm is not None:
             gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training)
             return gm
@@ -328,6 +346,104 @@ def _copy_state(source: nn.Module, target: fx.GraphModule) -> None:
                 owner.register_buffer(name, v, persistent=False)
     for name, body in bodies.items():
         setattr(target, name, body)
+
+
+_HOOKS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+          "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+
+
+def _hooked_modules(model: nn.Module) -> dict[str, str]:
+    """The submodules with hooks, by qualified name, each with the kind of its first hook.
+
+    A hook on the model itself would never run (the pipeline runs the graph in stages, never
+    the model), so it is refused: the pipeline, an nn.Module, takes forward hooks itself.
+    """
+    hooked = {}
+    for name, module in model.named_modules():
+        kind = next((kind for attr, kind in _HOOKS.items() if getattr(module, attr, None)), None)
+        if kind and not name:
+            raise TraceError(
+                f"the model ({type(model).__name__}) has a {kind}, which a pipeline never runs: "
+                f"it runs the model's graph in stages and never calls the model. Fix: register "
+                f"the hook on the pipeline (pipe.register_forward_hook(...), as on the model), "
+                f"or on a submodule, which fxpipe keeps whole so that its hooks run")
+        if kind:
+            hooked[name] = kind
+    return hooked
+
+
+_STATE = ("_parameters", "_buffers", "_modules")
+
+
+def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
+    """Every module's plain attributes (not parameters, buffers, submodules), and the contents
+    of the lists, dicts and sets among them, as objects: what a forward's Python could change."""
+    return [(m, {k: v for k, v in vars(m).items() if k not in _STATE},
+             {k: copy.copy(v) for k, v in vars(m).items()
+              if k not in _STATE and type(v) in (list, dict, set)})
+            for m in model.modules()]
+
+
+def _restore_attributes(snapshot) -> list[tuple[nn.Module, str]]:
+    """Put every attribute of `snapshot` back as it was; the (module, name) of each that changed."""
+    changed = []
+    for module, values, contents in snapshot:
+        attrs = vars(module)
+        for name in [k for k in attrs if k not in _STATE and k not in values]:
+            changed.append((module, name))
+            del attrs[name]
+        for name, value in values.items():
+            if attrs.get(name) is not value:
+                changed.append((module, name))
+                attrs[name] = value
+            if name in contents and not _same_contents(value, contents[name]):
+                changed.append((module, name))
+                if isinstance(value, list):
+                    value[:] = contents[name]
+                else:
+                    value.clear()
+                    value.update(contents[name])
+    return changed
+
+
+def _same_contents(now: Any, before: Any) -> bool:
+    if isinstance(now, dict):
+        return now.keys() == before.keys() and all(now[k] is before[k] for k in now)
+    if isinstance(now, set):
+        return now == before
+    return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+
+
+def _without_side_effects(model: nn.Module, front_end, *args):
+    """`front_end(*args)`, leaving `model`'s attributes as they were; a TraceError naming the
+    first public attribute its forward changed (private ones, caches, are only restored)."""
+    snapshot = _snapshot(model)
+    try:
+        return front_end(*args)
+    finally:
+        changed = [(m, name) for m, name in _restore_attributes(snapshot)
+                   if not name.startswith("_")]
+        if changed:
+            raise _side_effect_error(model, *changed[0])
+
+
+def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceError:
+    path = next((p for p, m in model.named_modules() if m is module), "")
+    where = f"module {path!r} ({type(module).__name__})" if path else type(module).__name__
+    message = (f"forward changes {where}'s attribute {name!r}: a Python side effect, which a "
+               f"pipeline would not reproduce, since it runs the model's tensor operations only")
+    try:
+        lines, start = inspect.getsourcelines(type(module).forward)
+        file = inspect.getsourcefile(type(module).forward)
+        found = next((i for i, line in enumerate(lines) if re.search(rf"\bself\.{name}\b", line)),
+                     None)
+        if found is not None:
+            message += f"\n      at {file}:{start + found}: {lines[found].strip()}"
+    except (OSError, TypeError):
+        pass
+    return TraceError(message + "\n    Fix: move it out of forward (do it with the pipeline's "
+                      "inputs or outputs), or into a forward hook on a submodule, which fxpipe keeps "
+                      "whole so that its hook runs on every micro-batch")
 
 
 def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:

@@ -88,3 +88,137 @@ def test_export_frees_the_batch_dimension_given():
     torch.testing.assert_close(pipe(x), model(x))
     y = torch.randn(5, 12, 6)           # another batch size, split along dimension 1 too
     torch.testing.assert_close(pipe(y), model(y))
+
+
+# ---- item 11: hooks and Python side effects ----------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).relu())
+
+
+class Tower(nn.Module):
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_forward_hook_on_a_composite_module_fires_per_microbatch():
+    torch.manual_seed(0)
+    model = Tower().eval()
+    calls = []
+
+    def scale(module, inputs, output):
+        calls.append(inputs[0].shape[0])
+        return output * 0.5
+
+    model.blocks[1].register_forward_hook(scale)
+    x = torch.randn(16, 8)
+    expected = model(x)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+    assert "blocks.1" in pipe.plan.capture.leaves
+    calls.clear()
+    torch.testing.assert_close(pipe(x), expected)
+    assert calls == [4, 4, 4, 4]
+
+
+def test_backward_hook_on_a_composite_module_fires_per_microbatch():
+    torch.manual_seed(0)
+    model = Tower()
+    seen = []
+    model.blocks[2].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(1))
+    x = torch.randn(16, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+    reference = Tower()
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().sum().backward()
+    seen.clear()
+    pipe(x).square().sum().backward()
+    assert len(seen) == 4
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_export_refuses_hooked_modules():
+    model = Tower().eval()
+    model.blocks[1].register_forward_pre_hook(lambda m, inputs: None)
+    with pytest.raises(fxpipe.TraceError,
+                       match=r"module 'blocks.1' has a forward pre-hook\n.*Fix: capture with fx"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),),
+                       capture="export")
+
+
+def test_hook_on_the_model_itself_is_refused():
+    model = Tower().eval()
+    model.register_forward_hook(lambda m, inputs, output: output * 2)
+    with pytest.raises(fxpipe.TraceError, match=r"Tower\) has a forward hook.*"
+                                                r"pipe.register_forward_hook"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),))
+
+
+def test_global_module_hooks_do_not_break_compile():
+    torch.manual_seed(0)
+    model = Tower().eval()
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, inputs, output: calls.append(type(m).__name__))
+    try:
+        x = torch.randn(16, 8)
+        pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+        torch.testing.assert_close(pipe(x), model(x))
+    finally:
+        handle.remove()
+    assert "Linear" in calls
+
+
+class Recorder(nn.Module):
+    """Keeps every input it sees: a Python side effect in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x)
+        return self.lin(x)
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_a_list_appended_in_forward_is_refused_and_left_as_it_was(capture):
+    model = nn.Sequential(nn.Linear(8, 8), Recorder())
+    with pytest.raises(fxpipe.TraceError,
+                       match=r"module '1' \(Recorder\)'s attribute 'seen'.*\n.*"
+                             r"self\.seen\.append\(x\)\n.*Fix: move it out of forward"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
+    assert model[1].seen == []
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_counter_incremented_in_forward_is_refused_and_left_as_it_was(capture):
+    model = Counter()
+    with pytest.raises(fxpipe.TraceError, match=r"Counter's attribute 'calls'.*\n.*"
+                                                r"self\.calls \+= 1"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
+    assert model.calls == 0
+    assert "calls" in vars(model) and set(vars(model)) == set(vars(Counter()))
