@@ -56,6 +56,9 @@ _MAX_AUTO_LEAVES = 64
 class Capture:
     """How a graph was captured: the front-end that succeeded, leaf modules, and earlier failures.
 
+    `leaves` names the submodules kept whole: those given, those with hooks, and (fx+leaves)
+    those whose forward broke tracing.
+
     `training` is the mode an export graph was captured in (its dropout and BatchNorm stay so);
     None for fx graphs, whose modules follow `.train()` and `.eval()`.
     """
@@ -119,8 +122,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
         failures.append(
             "torch.export: it runs hooks once, at capture, and keeps only their tensor operations: "
             + "; ".join(f"module {name!r} has a {kind}" for name, kind in hooked.items()) +
-            f"\n    Fix: capture with fx (capture='fx' or 'auto'), which keeps hooked modules whole "
-            f"so their hooks run on every micro-batch; or remove the hooks before compiling")
+            "\n    Fix: capture with fx (capture='fx' or 'auto'), which keeps hooked modules "
+            "whole so their hooks run on every micro-batch; or remove the hooks before compiling")
     elif capture in ("auto", "export"):
         gm, failure = _without_side_effects(
             model, _export, model, example_inputs, example_kwargs, batch_dims)
@@ -384,20 +387,20 @@ def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[st
             for m in model.modules()]
 
 
-def _restore_attributes(snapshot) -> list[tuple[nn.Module, str]]:
-    """Put every attribute of `snapshot` back as it was; the (module, name) of each that changed."""
+def _restore_attributes(snapshot) -> list[tuple[nn.Module, str, Any]]:
+    """Put every attribute of `snapshot` back as it was; the (module, name, value it had, or
+    the changed container) of each that changed."""
     changed = []
     for module, values, contents in snapshot:
         attrs = vars(module)
         for name in [k for k in attrs if k not in _STATE and k not in values]:
-            changed.append((module, name))
-            del attrs[name]
+            changed.append((module, name, attrs.pop(name)))
         for name, value in values.items():
             if attrs.get(name) is not value:
-                changed.append((module, name))
+                changed.append((module, name, attrs.get(name)))
                 attrs[name] = value
             if name in contents and not _same_contents(value, contents[name]):
-                changed.append((module, name))
+                changed.append((module, name, list(value)))
                 if isinstance(value, list):
                     value[:] = contents[name]
                 else:
@@ -415,16 +418,29 @@ def _same_contents(now: Any, before: Any) -> bool:
 
 
 def _without_side_effects(model: nn.Module, front_end, *args):
-    """`front_end(*args)`, leaving `model`'s attributes as they were; a TraceError naming the
-    first public attribute its forward changed (private ones, caches, are only restored)."""
+    """`front_end(*args)`, leaving `model`'s attributes as they were.
+
+    A TraceError names the first public attribute that forward filled (a list, dict or set), or
+    set to a tensor (or a tracer's stand-in for one) or a number: what a pipeline would not do
+    per call. Other changes (private attributes, settings a library caches on first use) are
+    only undone.
+    """
     snapshot = _snapshot(model)
     try:
         return front_end(*args)
     finally:
-        changed = [(m, name) for m, name in _restore_attributes(snapshot)
-                   if not name.startswith("_")]
+        changed = [(m, name) for m, name, value in _restore_attributes(snapshot)
+                   if not name.startswith("_") and _per_call(value)]
         if changed:
             raise _side_effect_error(model, *changed[0])
+
+
+def _per_call(value: Any) -> bool:
+    """Whether a changed attribute's value looks computed per call: a container forward filled
+    (given as a list), a number, or anything holding a tensor or an fx Proxy."""
+    if isinstance(value, list) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return True
+    return any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in pytree.tree_leaves(value))
 
 
 def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceError:
@@ -442,8 +458,8 @@ def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceE
     except (OSError, TypeError):
         pass
     return TraceError(message + "\n    Fix: move it out of forward (do it with the pipeline's "
-                      "inputs or outputs), or into a forward hook on a submodule, which fxpipe keeps "
-                      "whole so that its hook runs on every micro-batch")
+                      "inputs or outputs), or into a forward hook on a submodule, which fxpipe "
+                      "keeps whole so that its hook runs on every micro-batch")
 
 
 def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:
