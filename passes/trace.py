@@ -29,6 +29,7 @@ does (see `passes.signature`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import linecache
@@ -415,6 +416,17 @@ def _same_contents(now: Any, before: Any) -> bool:
     if isinstance(now, set):
         return now == before
     return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+
+
+@contextlib.contextmanager
+def attributes_restored(model: nn.Module):
+    """Undo, on exit, every change to the plain attributes of `model`'s modules (see `_snapshot`):
+    for any run of the model on an example, so that compiling leaves the model as it was."""
+    snapshot = _snapshot(model)
+    try:
+        yield
+    finally:
+        _restore_attributes(snapshot)
 
 
 def _without_side_effects(model: nn.Module, front_end, *args):

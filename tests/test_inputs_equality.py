@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from passes.trace import trace
 
 
 # ---- item 3: non-tensor inputs of an exported graph --------------------------------------
@@ -222,3 +223,26 @@ def test_a_counter_incremented_in_forward_is_refused_and_left_as_it_was(capture)
         fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
     assert model.calls == 0
     assert "calls" in vars(model) and set(vars(model)) == set(vars(Counter()))
+
+
+class LazySetting(nn.Module):
+    """Caches a setting on its first call, whatever the input: not refused, and undone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not hasattr(self, "kernel"):
+            self.kernel = "default"
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_setting_cached_in_forward_is_undone_after_capture(capture):
+    torch.manual_seed(0)
+    model = LazySetting().eval()
+    x = torch.randn(8, 8)
+    gm = trace(model, (x,), capture=capture)
+    assert "kernel" not in vars(model)
+    torch.testing.assert_close(gm(x), model(x))
