@@ -7,14 +7,16 @@ Front-ends, in order (`capture="auto"`):
 3. `export`: `torch.export.export(..., strict=False)`, which runs the Python and records ATen ops,
    so it follows what fx cannot (size-dependent loops, `**kwargs` forwards, Hugging Face models).
    The batch dimension of every tensor input (0 unless `batch_dims` says otherwise) is left free,
-   so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured in the model's current mode (`.train()` or
-   `.eval()`): export bakes dropout and BatchNorm behaviour into the ops.
+   so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured
+   in the model's current mode (`.train()` or `.eval()`): export bakes dropout and BatchNorm
+   behaviour into the ops.
 
 A submodule with a hook (forward, forward pre-, backward, backward pre-) stays whole under fx, so
 its hook runs each time a stage calls it; export runs hooks once, at capture, so it refuses them.
 Python side effects in forward (`self.seen.append(x)`, `self.calls += 1`) would not happen in a
 pipeline, which runs tensor operations only: each front-end runs on a snapshot of every module's
-plain attributes, restored afterwards, and a forward that changed one is refused by name.
+plain attributes, restored afterwards, and a forward that filled a list, dict or set, or stored a
+number or a tensor, is refused by name.
 
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
