@@ -205,6 +205,7 @@ class Counter(nn.Module):
         return self.lin(x)
 
 
+@pytest.mark.filterwarnings("ignore:The tensor attribute")   # export's, about the append
 @pytest.mark.parametrize("capture", ["auto", "fx", "export"])
 def test_a_list_appended_in_forward_is_refused_and_left_as_it_was(capture):
     model = nn.Sequential(nn.Linear(8, 8), Recorder())
