@@ -151,7 +151,8 @@ class _Recipe:
     traced_code: dict[bool, str] = field(default_factory=dict)
 
     def trace(self, model: nn.Module) -> fx.GraphModule:
-        gm = trace(model, copied(self.args), copied(self.kwargs), **self.trace_options)
+        gm = trace(model, copied(self.args), copied(self.kwargs), batch_dims=self.input_dims,
+                   **self.trace_options)
         self.traced_code[model.training] = gm.code
         return gm
 

@@ -17,7 +17,9 @@ values. `Signature` maps between the two, for both front-ends:
   order of the graph's `in_spec`, and return flat values that `out_spec` puts back together. They
   take positionally what the example gave positionally, the rest by keyword. Export fixed every
   size but the batch dimension to the example's, so `flatten_inputs` checks sizes up front: a
-  wrong shape fails here, naming the input, not deep inside a stage.
+  wrong shape fails here, naming the input, not deep inside a stage. Export also fixed every
+  input that is not a tensor (a flag, a step count, a temperature) to its example value, so any
+  other value, or a tensor in its place, is refused by name too.
 
 `signature_of(gm)` reads all of it from the graph, so any GraphModule works, however captured.
 """
@@ -55,7 +57,8 @@ class Signature:
     per name). `sizes[i]` are placeholder `i`'s fixed sizes (None: any size). `out_leaves` are the
     output's leaves, node names or `Constant`s, in `out_spec`'s order. `var_positional` and
     `var_keyword` name the fx placeholders of `*args` and `**kwargs` (also in `names`), and
-    `specialised` maps the inputs fx traced at a fixed value to that value.
+    `specialised` maps the inputs fx traced at a fixed value to that value; `constants` maps the
+    index of each export placeholder holding a non-tensor input to the value it was exported with.
     """
 
     placeholders: tuple[str, ...]
@@ -69,6 +72,7 @@ class Signature:
     var_positional: str | None = None
     var_keyword: str | None = None
     specialised: Mapping[str, Any] = field(default_factory=dict)
+    constants: Mapping[int, Any] = field(default_factory=dict)
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """The value of every placeholder, in order, from inputs given as the model takes them."""
@@ -83,6 +87,7 @@ class Signature:
                 f"the inputs' structure differs from the example the graph was exported from:\n"
                 f"  given:    {spec}\n  exported: {self.in_spec}\n"
                 f"pass inputs shaped like the example, or compile with an example like these")
+        self._check_constants(tree)
         self._check_sizes(leaves)
         return leaves
 
@@ -134,6 +139,26 @@ class Signature:
                     f"values, compile again with {name} in example_inputs or example_kwargs, so "
                     f"that it becomes an input of the graph")
         return given
+
+    def _check_constants(self, tree: tuple[tuple, dict]) -> None:
+        """Refuse a non-tensor input whose value is not the one the graph was exported with."""
+        if not self.constants:
+            return
+        leaves = pytree.tree_flatten_with_path(tree)[0]
+        for i, exported in self.constants.items():
+            path, value = leaves[i]
+            if _same(value, exported):
+                continue
+            (kind, key), rest = path[:2], path[2:]
+            name = (self.names[key.idx] if kind.idx == 0 else key.key) + pytree.keystr(rest)
+            shown = (f"a tensor of shape {tuple(value.shape)}"
+                     if isinstance(value, torch.Tensor) else repr(value))
+            raise InputError(
+                f"input {name!r} is {shown}, but the graph was exported with {name}="
+                f"{exported!r}: torch.export fixes every input that is not a tensor to its example "
+                f"value, and the graph computes with that one. Pass {exported!r}; for another "
+                f"value, compile a pipeline with that value in the example (one pipeline per "
+                f"value), or pass the input as a tensor if the model computes with it")
 
     def _check_sizes(self, leaves: list[Any]) -> None:
         for name, sizes, leaf in zip(self.placeholders, self.sizes, leaves):
@@ -277,8 +302,11 @@ def _exported(placeholders: list[fx.Node], output: fx.Node, info: Any) -> Signat
     flat = output.args[0]
     flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
     out_spec = info.out_spec if info.out_spec is not None else pytree.tree_structure(flat)
+    constants = {i: p.meta["val"] for i, p in enumerate(placeholders)
+                 if "val" in p.meta and not isinstance(p.meta["val"], torch.Tensor)}
     return Signature(tuple(p.name for p in placeholders), names, positional, {}, in_spec,
-                     tuple(_fixed_sizes(p) for p in placeholders), out_spec, _out_leaves(flat))
+                     tuple(_fixed_sizes(p) for p in placeholders), out_spec, _out_leaves(flat),
+                     constants=constants)
 
 
 def _fixed_sizes(placeholder: fx.Node) -> tuple[int | None, ...] | None:

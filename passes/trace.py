@@ -6,9 +6,17 @@ Front-ends, in order (`capture="auto"`):
    whole, as one node), found one at a time from where tracing failed.
 3. `export`: `torch.export.export(..., strict=False)`, which runs the Python and records ATen ops,
    so it follows what fx cannot (size-dependent loops, `**kwargs` forwards, Hugging Face models).
-   Dimension 0 of every tensor input is left free, so every micro-batch size runs; other sizes are
-   fixed to the example's. The graph is captured in the model's current mode (`.train()` or
-   `.eval()`): export bakes dropout and BatchNorm behaviour into the ops.
+   The batch dimension of every tensor input (0 unless `batch_dims` says otherwise) is left free,
+   so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured
+   in the model's current mode (`.train()` or `.eval()`): export bakes dropout and BatchNorm
+   behaviour into the ops.
+
+A submodule with a hook (forward, forward pre-, backward, backward pre-) stays whole under fx, so
+its hook runs each time a stage calls it; export runs hooks once, at capture, so it refuses them.
+Python side effects in forward (`self.seen.append(x)`, `self.calls += 1`) would not happen in a
+pipeline, which runs tensor operations only: each front-end runs on a snapshot of every module's
+plain attributes, restored afterwards, and a forward that filled a list, dict or set, or stored a
+number or a tensor, is refused by name.
 
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
@@ -62,6 +70,9 @@ _log = logging.getLogger(__name__)
 class Capture:
     """How a graph was captured: the front-end that succeeded, leaf modules, and earlier failures.
 
+    `leaves` names the submodules kept whole: those given, those with hooks, and (fx+leaves)
+    those whose forward broke tracing.
+
     `training` is the mode an export graph was captured in (its dropout and BatchNorm stay so);
     None for fx graphs, whose modules follow `.train()` and `.eval()`.
     """
@@ -85,38 +96,51 @@ class Capture:
 
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[str, Any] | None = None,
           *, capture: CaptureMode = "auto", leaf_modules: Iterable[str | type] = (),
-          concrete_args: Mapping[str, Any] | None = None) -> fx.GraphModule:
+          concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0) -> fx.GraphModule:
     """Capture `model` as a GraphModule whose forward takes the same inputs as `model`'s.
 
     `capture` picks the front-ends: "auto" tries fx, fx+leaves, then export; "fx" only fx; "export"
     only torch.export (which needs example inputs). `leaf_modules` (qualified names or module
     classes) stay whole, as one node each, and `concrete_args` fixes inputs to constants; both
     apply to fx (export fixes every non-tensor input to its example value). Inputs not given in
-    the example default to theirs.
+    the example default to theirs. `batch_dims`, an int or a pytree prefix of `(example_inputs,
+    example_kwargs)` (None: no batch dimension), names the dimension export leaves free.
     """
     if capture not in CAPTURE_MODES:
         raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
     example_kwargs = dict(example_kwargs or {})
     concrete = _default_concrete_args(model, example_inputs, example_kwargs)
     concrete.update(concrete_args or {})
-    leaves = list(leaf_modules)
+    hooked = _hooked_modules(model)
+    leaves = list(leaf_modules) + [name for name in hooked if name not in leaf_modules]
+    named_leaves = tuple(l for l in leaves if isinstance(l, str))
     failures: list[str] = []
 
     if capture in ("auto", "fx"):
-        gm, failure = _fx_trace(model, leaves, concrete, example_inputs, example_kwargs)
+        gm, failure = _without_side_effects(
+            model, _fx_trace, model, leaves, concrete, example_inputs, example_kwargs)
         if gm is not None:
-            gm.meta["capture"] = Capture("fx", tuple(l for l in leaves if isinstance(l, str)))
+            gm.meta["capture"] = Capture("fx", named_leaves)
             return gm
         failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
         if capture == "auto" and failure.culprit:   # a submodule to keep whole: try again
-            gm, auto_leaves, error = _fx_trace_with_auto_leaves(
-                model, leaves, concrete, example_inputs, example_kwargs)
+            gm, auto_leaves, error = _without_side_effects(
+                model, _fx_trace_with_auto_leaves, model, leaves, concrete, example_inputs,
+                example_kwargs)
             if gm is not None:
-                gm.meta["capture"] = Capture("fx+leaves", tuple(auto_leaves), tuple(failures))
+                gm.meta["capture"] = Capture("fx+leaves", (*named_leaves, *auto_leaves),
+                                             tuple(failures))
                 return gm
             failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
-    if capture in ("auto", "export"):
-        gm, failure = _export(model, example_inputs, example_kwargs)
+    if capture in ("auto", "export") and hooked:
+        failures.append(
+            "torch.export: it runs hooks once, at capture, and keeps only their tensor operations: "
+            + "; ".join(f"module {name!r} has a {kind}" for name, kind in hooked.items()) +
+            "\n    Fix: capture with fx (capture='fx' or 'auto'), which keeps hooked modules "
+            "whole so their hooks run on every micro-batch; or remove the hooks before compiling")
+    elif capture in ("auto", "export"):
+        gm, failure = _without_side_effects(
+            model, _export, model, example_inputs, example_kwargs, batch_dims)
         if gm is not None:
             gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training)
             return gm
@@ -241,14 +265,15 @@ def _fx_trace_with_auto_leaves(model, leaves, concrete, args, kwargs):
     return None, auto, error
 
 
-def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]):
+def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], batch_dims: Any = 0):
     try:
-        return _export_or_raise(model, args, kwargs), None
+        return _export_or_raise(model, args, kwargs, batch_dims), None
     except _TraceFailure as failure:
         return None, failure
 
 
-def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
+def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                     batch_dims: Any = 0) -> fx.GraphModule:
     if not args and not kwargs:
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
@@ -256,7 +281,7 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -
     try:
         with _quiet(), inference:
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                          dynamic_shapes=_free_batch(model, args, kwargs))
+                                          dynamic_shapes=_free_batch(model, args, kwargs, batch_dims))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     if inference.site is not None:
@@ -316,21 +341,30 @@ def _quiet() -> Iterator[None]:
             _log.debug("torch's output while exporting:\n%s", captured.getvalue())
 
 
-def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict | None:
-    """`dynamic_shapes` leaving dimension 0 of every tensor input free, so micro-batches run.
+def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                batch_dims: Any = 0) -> dict | None:
+    """`dynamic_shapes` leaving the batch dimension of every tensor input free, so micro-batches
+    run. `batch_dims` is an int for every input or a pytree prefix of `(args, kwargs)` (None: the
+    input has none).
 
     `Dim.AUTO` lets export keep a size fixed where the model's code needs it fixed (then inputs
     of another batch size are refused by name, see `passes.signature`), instead of failing.
     """
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
+    values, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    dims = pytree._broadcast_to_and_flatten(batch_dims, spec)
+    if dims is None:
         return None
 
-    def free(value):
-        return ({0: torch.export.Dim.AUTO}
-                if isinstance(value, torch.Tensor) and value.dim() > 0 else None)
-    return {name: pytree.tree_map(free, value) for name, value in bound.items()}
+    def free(value, dim):
+        if (not isinstance(value, torch.Tensor) or dim is None
+                or not -value.dim() <= dim < value.dim()):
+            return None
+        return {dim % value.dim(): torch.export.Dim.AUTO}
+    free_args, free_kwargs = pytree.tree_unflatten(list(map(free, values, dims)), spec)
+    try:
+        return inspect.signature(model.forward).bind(*free_args, **free_kwargs).arguments
+    except (TypeError, ValueError):
+        return None
 
 
 def _readable(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
@@ -433,6 +467,128 @@ def _copy_state(source: nn.Module, target: fx.GraphModule) -> None:
                 owner.register_buffer(name, v, persistent=False)
     for name, body in bodies.items():
         setattr(target, name, body)
+
+
+_HOOKS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+          "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+
+
+def _hooked_modules(model: nn.Module) -> dict[str, str]:
+    """The submodules with hooks, by qualified name, each with the kind of its first hook.
+
+    A hook on the model itself would never run (the pipeline runs the graph in stages, never
+    the model), so it is refused: the pipeline, an nn.Module, takes forward hooks itself.
+    """
+    hooked = {}
+    for name, module in model.named_modules():
+        kind = next((kind for attr, kind in _HOOKS.items() if getattr(module, attr, None)), None)
+        if kind and not name:
+            raise TraceError(
+                f"the model ({type(model).__name__}) has a {kind}, which a pipeline never runs: "
+                f"it runs the model's graph in stages and never calls the model. Fix: register "
+                f"the hook on the pipeline (pipe.register_forward_hook(...), as on the model), "
+                f"or on a submodule, which fxpipe keeps whole so that its hooks run")
+        if kind:
+            hooked[name] = kind
+    return hooked
+
+
+_STATE = ("_parameters", "_buffers", "_modules")
+
+
+def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
+    """Every module's plain attributes (not parameters, buffers, submodules), and the contents
+    of the lists, dicts and sets among them, as objects: what a forward's Python could change."""
+    return [(m, {k: v for k, v in vars(m).items() if k not in _STATE},
+             {k: copy.copy(v) for k, v in vars(m).items()
+              if k not in _STATE and type(v) in (list, dict, set)})
+            for m in model.modules()]
+
+
+def _restore_attributes(snapshot) -> list[tuple[nn.Module, str, Any]]:
+    """Put every attribute of `snapshot` back as it was; the (module, name, value it had, or
+    the changed container) of each that changed."""
+    changed = []
+    for module, values, contents in snapshot:
+        attrs = vars(module)
+        for name in [k for k in attrs if k not in _STATE and k not in values]:
+            changed.append((module, name, attrs.pop(name)))
+        for name, value in values.items():
+            if attrs.get(name) is not value:
+                changed.append((module, name, attrs.get(name)))
+                attrs[name] = value
+            if name in contents and not _same_contents(value, contents[name]):
+                changed.append((module, name, list(value)))
+                if isinstance(value, list):
+                    value[:] = contents[name]
+                else:
+                    value.clear()
+                    value.update(contents[name])
+    return changed
+
+
+def _same_contents(now: Any, before: Any) -> bool:
+    if isinstance(now, dict):
+        return now.keys() == before.keys() and all(now[k] is before[k] for k in now)
+    if isinstance(now, set):
+        return now == before
+    return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+
+
+@contextlib.contextmanager
+def attributes_restored(model: nn.Module):
+    """Undo, on exit, every change to the plain attributes of `model`'s modules (see `_snapshot`):
+    for any run of the model on an example, so that compiling leaves the model as it was."""
+    snapshot = _snapshot(model)
+    try:
+        yield
+    finally:
+        _restore_attributes(snapshot)
+
+
+def _without_side_effects(model: nn.Module, front_end, *args):
+    """`front_end(*args)`, leaving `model`'s attributes as they were.
+
+    A TraceError names the first public attribute that forward filled (a list, dict or set), or
+    set to a tensor (or a tracer's stand-in for one) or a number: what a pipeline would not do
+    per call. Other changes (private attributes, settings a library caches on first use) are
+    only undone.
+    """
+    snapshot = _snapshot(model)
+    try:
+        return front_end(*args)
+    finally:
+        changed = [(m, name) for m, name, value in _restore_attributes(snapshot)
+                   if not name.startswith("_") and _per_call(value)]
+        if changed:
+            raise _side_effect_error(model, *changed[0])
+
+
+def _per_call(value: Any) -> bool:
+    """Whether a changed attribute's value looks computed per call: a container forward filled
+    (given as a list), a number, or anything holding a tensor or an fx Proxy."""
+    if isinstance(value, list) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return True
+    return any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in pytree.tree_leaves(value))
+
+
+def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceError:
+    path = next((p for p, m in model.named_modules() if m is module), "")
+    where = f"module {path!r} ({type(module).__name__})" if path else type(module).__name__
+    message = (f"forward changes {where}'s attribute {name!r}: a Python side effect, which a "
+               f"pipeline would not reproduce, since it runs the model's tensor operations only")
+    try:
+        lines, start = inspect.getsourcelines(type(module).forward)
+        file = inspect.getsourcefile(type(module).forward)
+        found = next((i for i, line in enumerate(lines) if re.search(rf"\bself\.{name}\b", line)),
+                     None)
+        if found is not None:
+            message += f"\n      at {file}:{start + found}: {lines[found].strip()}"
+    except (OSError, TypeError):
+        pass
+    return TraceError(message + "\n    Fix: move it out of forward (do it with the pipeline's "
+                      "inputs or outputs), or into a forward hook on a submodule, which fxpipe "
+                      "keeps whole so that its hook runs on every micro-batch")
 
 
 def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:

@@ -1,0 +1,249 @@
+"""Inputs, hooks and side effects: the pipeline equals the model, or compile or the call says why.
+
+Issue 14's items 3 (export-captured non-tensor inputs) and 11 (hooks and Python side effects in
+forward), and `batch_dims` with torch.export.
+"""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from passes.trace import trace
+
+
+# ---- item 3: non-tensor inputs of an exported graph --------------------------------------
+
+class Options(nn.Module):
+    """A forward whose Python-level options change what it computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, x, flag: bool, steps: int = 2, temperature: float = 1.0):
+        h = self.inp(x)
+        if flag:
+            h = h.relu()
+        for _ in range(steps):
+            h = self.body(h).tanh()
+        return h / temperature
+
+
+@pytest.fixture(scope="module")
+def options_pipe():
+    torch.manual_seed(0)
+    model = Options().eval()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8), True),
+                          example_kwargs={"steps": 3, "temperature": 0.5}, capture="export",
+                          chunks=2)
+    return model, pipe
+
+
+def test_export_runs_the_captured_values(options_pipe):
+    model, pipe = options_pipe
+    x = torch.randn(8, 8)
+    torch.testing.assert_close(pipe(x, True, steps=3, temperature=0.5),
+                               model(x, True, steps=3, temperature=0.5))
+
+
+@pytest.mark.parametrize("args, kwargs, name, shown", [
+    ((False,), {"steps": 3, "temperature": 0.5}, "flag", "False"),
+    ((1,), {"steps": 3, "temperature": 0.5}, "flag", "1"),
+    ((True,), {"steps": 1, "temperature": 0.5}, "steps", "1"),
+    ((True,), {"steps": 3, "temperature": 2.0}, "temperature", "2.0"),
+    ((torch.tensor(True),), {"steps": 3, "temperature": 0.5}, "flag", "a tensor of shape ()"),
+])
+def test_export_refuses_another_non_tensor_input(options_pipe, args, kwargs, name, shown):
+    _, pipe = options_pipe
+    captured = {"flag": True, "steps": 3, "temperature": 0.5}[name]
+    with pytest.raises(fxpipe.InputError,
+                       match=rf"input '{name}' is {re.escape(shown)}, but the graph was exported with "
+                             rf"{name}={captured!r}.*one pipeline per value"):
+        pipe(torch.randn(8, 8), *args, **kwargs)
+
+
+# ---- batch_dims with torch.export --------------------------------------------------------
+
+class TimeFirst(nn.Module):
+    """Inputs shaped (time, batch, features): a running sum over time, batch along dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.inp(x).tanh().cumsum(0))
+
+
+def test_export_frees_the_batch_dimension_given():
+    torch.manual_seed(0)
+    model = TimeFirst().eval()
+    x = torch.randn(5, 8, 6)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), capture="export",
+                          batch_dims=1, chunks=4)
+    torch.testing.assert_close(pipe(x), model(x))
+    y = torch.randn(5, 12, 6)           # another batch size, split along dimension 1 too
+    torch.testing.assert_close(pipe(y), model(y))
+
+
+# ---- item 11: hooks and Python side effects ----------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).relu())
+
+
+class Tower(nn.Module):
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_forward_hook_on_a_composite_module_fires_per_microbatch():
+    torch.manual_seed(0)
+    model = Tower().eval()
+    calls = []
+
+    def scale(module, inputs, output):
+        calls.append(inputs[0].shape[0])
+        return output * 0.5
+
+    model.blocks[1].register_forward_hook(scale)
+    x = torch.randn(16, 8)
+    expected = model(x)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+    assert "blocks.1" in pipe.plan.capture.leaves
+    calls.clear()
+    torch.testing.assert_close(pipe(x), expected)
+    assert calls == [4, 4, 4, 4]
+
+
+def test_backward_hook_on_a_composite_module_fires_per_microbatch():
+    torch.manual_seed(0)
+    model = Tower()
+    seen = []
+    model.blocks[2].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(1))
+    x = torch.randn(16, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+    reference = Tower()
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().sum().backward()
+    seen.clear()
+    pipe(x).square().sum().backward()
+    assert len(seen) == 4
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_export_refuses_hooked_modules():
+    model = Tower().eval()
+    model.blocks[1].register_forward_pre_hook(lambda m, inputs: None)
+    with pytest.raises(fxpipe.TraceError,
+                       match=r"module 'blocks.1' has a forward pre-hook\n.*Fix: capture with fx"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),),
+                       capture="export")
+
+
+def test_hook_on_the_model_itself_is_refused():
+    model = Tower().eval()
+    model.register_forward_hook(lambda m, inputs, output: output * 2)
+    with pytest.raises(fxpipe.TraceError, match=r"Tower\) has a forward hook.*"
+                                                r"pipe.register_forward_hook"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),))
+
+
+def test_global_module_hooks_do_not_break_compile():
+    torch.manual_seed(0)
+    model = Tower().eval()
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, inputs, output: calls.append(type(m).__name__))
+    try:
+        x = torch.randn(16, 8)
+        pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+        torch.testing.assert_close(pipe(x), model(x))
+    finally:
+        handle.remove()
+    assert "Linear" in calls
+
+
+class Recorder(nn.Module):
+    """Keeps every input it sees: a Python side effect in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x)
+        return self.lin(x)
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.filterwarnings("ignore:The tensor attribute")   # export's, about the append
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_a_list_appended_in_forward_is_refused_and_left_as_it_was(capture):
+    model = nn.Sequential(nn.Linear(8, 8), Recorder())
+    with pytest.raises(fxpipe.TraceError,
+                       match=r"module '1' \(Recorder\)'s attribute 'seen'.*\n.*"
+                             r"self\.seen\.append\(x\)\n.*Fix: move it out of forward"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
+    assert model[1].seen == []
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_counter_incremented_in_forward_is_refused_and_left_as_it_was(capture):
+    model = Counter()
+    with pytest.raises(fxpipe.TraceError, match=r"Counter's attribute 'calls'.*\n.*"
+                                                r"self\.calls \+= 1"):
+        fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
+    assert model.calls == 0
+    assert "calls" in vars(model) and set(vars(model)) == set(vars(Counter()))
+
+
+class LazySetting(nn.Module):
+    """Caches a setting on its first call, whatever the input: not refused, and undone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not hasattr(self, "kernel"):
+            self.kernel = "default"
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_setting_cached_in_forward_is_undone_after_capture(capture):
+    torch.manual_seed(0)
+    model = LazySetting().eval()
+    x = torch.randn(8, 8)
+    gm = trace(model, (x,), capture=capture)
+    assert "kernel" not in vars(model)
+    torch.testing.assert_close(gm(x), model(x))
