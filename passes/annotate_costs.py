@@ -20,11 +20,11 @@ import torch.fx as fx
 from .codegen import place
 from .cost_model import NodeCost
 from .errors import CostError
-from .graph_values import attr_value, tensors
+from .graph_values import PlainInterpreter, attr_value, plain, tensors
 from .signature import signature_of
 
 
-class CostInterpreter(fx.Interpreter):
+class CostInterpreter(PlainInterpreter):
     """An Interpreter that records the wall time and output size of every node it runs."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False):
@@ -60,8 +60,9 @@ class CostInterpreter(fx.Interpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        args, kwargs = fx.node.map_aggregate(     # activations become leaves; parameters stay
-            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v))
+        # Activations become leaves; parameters stay.
+        args, kwargs = plain(fx.node.map_aggregate(
+            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v)))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
         outputs = [t for t in tensors(out) if t.requires_grad]

@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import TraceError
+from .graph_values import PlainInterpreter
 from .signature import signature_of
 
 _INPLACE_OPERATORS = {
@@ -216,7 +217,7 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     storages can be the same memory reused). Buffers the run updates are restored."""
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
-    interpreter = fx.Interpreter(gm, garbage_collect_values=False)
+    interpreter = PlainInterpreter(gm, garbage_collect_values=False)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
     try:
         with torch.no_grad():
