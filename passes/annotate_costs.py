@@ -5,7 +5,8 @@ does, timing each node's call. The graph runs `warmup + repeats` times, from fre
 inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
 a stage boundary. On CUDA the device is synchronised around every node.
 
-Buffers the model updates while running (BatchNorm statistics) are restored afterwards.
+Buffers the model updates while running (BatchNorm statistics), and the random generators that
+dropout and the like draw from, are restored afterwards; every run gets its own copy of the inputs.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    generators = [device] if device.type == "cuda" else []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=generators):
             for _ in range(warmup + repeats):
                 fresh = [_to_device(_clone(v), device) for v in inputs]
                 interpreter.run(*fresh)

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import TraceError
-from .graph_values import PlainInterpreter
+from .graph_values import PlainInterpreter, tensors
 from .signature import signature_of
 
 _INPLACE_OPERATORS = {
@@ -105,6 +105,9 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
         aliases = aliases_of(mutated)
         if any(a.op == "get_attr" for a in [mutated, *aliases]):
             continue          # a parameter or buffer update: the model's state, kept as written
+        written_inputs = [a for a in [mutated, *aliases] if a.op == "placeholder"]
+        if written_inputs:
+            raise _input_write_error(node, mutated, written_inputs[0])
         for alias in aliases:
             if (alias is not mutated and position[alias] < position[node] and
                     any(position[user] > position[node] for user in alias.users)):
@@ -214,13 +217,16 @@ def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None
 def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
                  ) -> dict[fx.Node, Any]:
     """Every node's value on copies of the example inputs, all kept alive (so no two values'
-    storages can be the same memory reused). Buffers the run updates are restored."""
+    storages can be the same memory reused). Buffers the run updates, and the random generators
+    it draws from, are restored."""
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
     interpreter = PlainInterpreter(gm, garbage_collect_values=False)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
+                   if t.is_cuda}, key=str)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             interpreter.run(*inputs)
     except Exception as e:
         raise TraceError(f"functionalize could not run the graph on the example inputs: "
@@ -294,6 +300,37 @@ def _aliased_write_error(node: fx.Node, mutated: fx.Node, alias: fx.Node) -> Tra
         f"would lose this write. Write it out of place and use the result where the updated "
         f"value is wanted: e.g. `h = h + 1` instead of `h.add_(1)` on a view, or "
         f"`x = torch.relu(x)` instead of `inplace=True`")
+
+
+def _input_write_error(node: fx.Node, mutated: fx.Node, placeholder: fx.Node) -> TraceError:
+    name = str(placeholder.target).lstrip("*")
+    where = _source_line(node)
+    hint = _out_of_place_hint(node, name) if mutated is placeholder else ""
+    return TraceError(
+        f"forward writes in place on its input {name!r} (node {node.name!r}: "
+        f"{node.format_node()}){':' if where else '.'}\n{where}"
+        f"A pipeline runs the model on micro-batches cut from the inputs, so it would not write "
+        f"the caller's tensor as the model does. Write it out of place and use the result"
+        f"{hint}, or copy the input first: `{name} = {name}.clone()`")
+
+
+def _out_of_place_hint(node: fx.Node, name: str) -> str:
+    """`, e.g. `x = x.mul(...)` instead of `x.mul_(...)``: the rewrite of `node`'s op, where
+    it has a plain spelling."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        op = _aten_base_name(target)
+    elif node.op == "call_method":
+        op = target
+    else:
+        op = getattr(target, "__name__", None) if node.op == "call_function" else None
+    if node.op == "call_module" or _inplace_flag(node) is not None:
+        return " (pass inplace=False)"
+    if target in _INPLACE_OPERATORS:
+        return f", e.g. `{name} = {name} + 1` instead of `{name} += 1`"
+    if op and op.endswith("_") and op not in _WRITES_WITHOUT_OUT_OF_PLACE:
+        return f", e.g. `{name} = {name}.{op[:-1]}(...)` instead of `{name}.{op}(...)`"
+    return ""
 
 
 def _source_line(node: fx.Node) -> str:

@@ -68,3 +68,80 @@ def test_functionalize_leaves_the_graphs_argument_lists_as_they_were():
     functionalize(gm, (torch.randn(6, 3, 4),))
     (call,) = [n for n in gm.graph.nodes if n.target is fit_window]
     assert call.args[1] == [8, 8]
+
+
+# --- item 5: in-place writes to an input are refused by name --------------------------------------
+
+class DoublesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+def fx_graph(model):
+    tracer = fx.Tracer()
+    tracer.record_stack_traces = True
+    return fx.GraphModule(model, tracer.trace(model))
+
+
+def export_graph(model, x):
+    return torch.export.export(model, (x.clone(),), strict=False).module()
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_functionalize_refuses_a_write_on_an_input_naming_it_its_line_and_the_fix(front_end):
+    x = torch.randn(8, 4)
+    given = x.clone()
+    model = DoublesItsInput()
+    gm = fx_graph(model) if front_end == "fx" else export_graph(model, x)
+    with pytest.raises(fxpipe.TraceError,
+                       match=r"forward writes in place on its input 'x'(.|\n)*"
+                             r"test_functional_equality\.py\", line \d+, in forward\n\s+x\.mul_\(2\)"
+                             r"(.|\n)*`x = x\.mul\(\.\.\.\)` instead of `x\.mul_\(\.\.\.\)`"):
+        functionalize(gm, (x,))
+    torch.testing.assert_close(x, given, rtol=0, atol=0)
+
+
+class ClampsItsInput(nn.Module):
+    """Writes its input in place, and gives the same output when run twice on the same tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.clamp_(-1, 1)
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_compile_refuses_a_write_on_an_input_and_leaves_the_callers_tensor(capture):
+    x = 3 * torch.randn(8, 4)
+    given = x.clone()
+    with pytest.raises(fxpipe.TraceError, match=r"forward writes in place on its input 'x'(.|\n)*"
+                                                r"`x = x\.clamp\(\.\.\.\)` instead of"):
+        fxpipe.compile(ClampsItsInput(), ["cpu"] * 2, (x,), chunks=2, capture=capture)
+    torch.testing.assert_close(x, given, rtol=0, atol=0)
+
+
+def test_an_in_place_relu_on_the_input_is_refused_with_the_fix():
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    given = x.clone()
+    with pytest.raises(fxpipe.TraceError, match=r"its input 'input'(.|\n)*pass inplace=False"):
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, capture="fx")
+    torch.testing.assert_close(x, given, rtol=0, atol=0)
+
+
+def test_compile_leaves_the_callers_random_state_as_it_found_it():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)).train()
+    x = torch.randn(8, 4)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
+    torch.testing.assert_close(torch.rand(3), expected)

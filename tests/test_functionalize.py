@@ -54,14 +54,16 @@ def test_readers_after_a_mutation_read_the_new_value():
     assert mul_3.args[0].name == "add_"     # reads the mutation's result, not the stale value
 
 
-def test_inputs_are_not_written():
+@pytest.mark.parametrize("examples", [True, False], ids=["storage", "name"])
+def test_a_write_on_an_input_or_a_view_of_one_is_refused_by_the_inputs_name(examples):
     def f(x):
-        x.add_(1)
+        x[0].add_(1)
         return x * 2
-    gm = functionalize(fx.symbolic_trace(f))
-    x = torch.zeros(3)
-    torch.testing.assert_close(gm(x), torch.full((3,), 2.0))
-    torch.testing.assert_close(x, torch.zeros(3))
+    x = torch.zeros(3, 2)
+    with pytest.raises(TraceError, match=r"writes in place on its input 'x'(.|\n)*"
+                                         r"copy the input first: `x = x\.clone\(\)`"):
+        functionalize(fx.symbolic_trace(f), (x,) if examples else None)
+    torch.testing.assert_close(x, torch.zeros(3, 2))
 
 
 def test_setitem_writes_a_copy():
@@ -84,14 +86,16 @@ def with_stack_traces(model):
 
 
 class WritesAView(nn.Module):
-    def forward(self, h):
+    def forward(self, x):
+        h = x * 1
         y = torch.unsqueeze(h, 0)
         y.add_(1)                  # also changes h
         return h * 2
 
 
 class ViewBeforeWrite(nn.Module):
-    def forward(self, h):
+    def forward(self, x):
+        h = x * 1
         v = h[:, 0]
         h.add_(1)                  # also changes v
         return v * 2
