@@ -5,7 +5,8 @@ does, timing each node's call. The graph runs `warmup + repeats` times, from fre
 inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
 a stage boundary. On CUDA the device is synchronised around every node.
 
-Buffers the model updates while running (BatchNorm statistics) are restored afterwards.
+Buffers the model updates while running (BatchNorm statistics), and the random generators that
+dropout and the like draw from, are restored afterwards; every run gets its own copy of the inputs.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import torch.fx as fx
 from .codegen import place
 from .cost_model import NodeCost
 from .errors import CostError
-from .graph_values import attr_value, tensors
+from .graph_values import PlainInterpreter, attr_value, plain, tensors
 from .signature import signature_of
 
 
-class CostInterpreter(fx.Interpreter):
+class CostInterpreter(PlainInterpreter):
     """An Interpreter that records the wall time and output size of every node it runs."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False):
@@ -60,8 +61,9 @@ class CostInterpreter(fx.Interpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        args, kwargs = fx.node.map_aggregate(     # activations become leaves; parameters stay
-            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v))
+        # Activations become leaves; parameters stay.
+        args, kwargs = plain(fx.node.map_aggregate(
+            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v)))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
         outputs = [t for t in tensors(out) if t.requires_grad]
@@ -92,8 +94,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    generators = [device] if device.type == "cuda" else []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=generators):
             for _ in range(warmup + repeats):
                 fresh = [_to_device(_clone(v), device) for v in inputs]
                 interpreter.run(*fresh)

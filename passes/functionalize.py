@@ -6,11 +6,15 @@ a value another stage is still reading, and it hides a dependency the partitione
 readers of `x` need the mutation). This pass rewrites each in-place op `y = f_(x)` as `y = f(x)`
 and points every later reader of `x` at `y`, turning the hidden dependency into an edge.
 
-That rewrite is only right when nothing else still reads `x`'s memory: if `x` is a view, or a view
-of `x` was taken earlier, the write also changed those values, and a copy would not. Such an op
-raises a `TraceError` naming the line and the fix. Aliases are found from real storage when
-example inputs are given (the graph runs once on copies of them), else, conservatively, by name
-(view ops, `getitem`, `nn.Identity`...).
+When `x` is a view (`m[..., a:b] = c` after `m = h.new_zeros(...)`, export's `aten.slice` then
+`fill_`), the write also changes what `x` views: as torch's own functionalization does, the
+updated view is written back into each value it views (`slice_scatter`, `select_scatter`,
+`setitem`, a reshape...) and later readers of those read the result. A write that other values
+still see (a view taken before the write and read after it) raises a `TraceError` naming the line
+and the fix, and so does a write on a model input: the pipeline runs on micro-batches cut from
+the inputs and would not write the caller's tensor. Aliases are found from real storage when
+example inputs are given (the graph runs once on copies of them, random generators restored),
+else, conservatively, by name (view ops, `getitem`, `nn.Identity`...).
 
 Export graphs spell in-place ops in ATen (`aten.relu_.default`, `aten.add_.Tensor`): those whose
 schema writes their first argument become their out-of-place overload. Writes to parameters and
@@ -33,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import TraceError
+from .graph_values import PlainInterpreter, tensors
 from .signature import signature_of
 
 _INPLACE_OPERATORS = {
@@ -89,13 +94,18 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
     In-place submodules without parameters (`nn.ReLU(inplace=True)`) are replaced in `gm` by copies
     with `inplace=False`; the user's model is not touched.
     """
+    storages: dict[fx.Node, set] | None = None
     if args is None and kwargs is None:
         aliases_of = _aliases_by_name(gm)
         holds_tensor = _holds_tensor_by_meta
+        is_tensor = lambda node: isinstance(_meta_value(node), torch.Tensor)  # noqa: E731
     else:
         values = _run_example(gm, tuple(args or ()), kwargs)
-        aliases_of = _aliases_by_storage(values)
-        holds_tensor = lambda node: isinstance(values.get(node), torch.Tensor)  # noqa: E731
+        storages = {node: _storages(value) for node, value in values.items()}
+        aliases_of = lambda node: [n for n, s in storages.items()  # noqa: E731
+                                   if s & storages.get(node, set())]
+        is_tensor = holds_tensor = lambda node: isinstance(  # noqa: E731
+            values.get(node), torch.Tensor)
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         mutated = _mutated_input(gm, node)
@@ -104,12 +114,20 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
         aliases = aliases_of(mutated)
         if any(a.op == "get_attr" for a in [mutated, *aliases]):
             continue          # a parameter or buffer update: the model's state, kept as written
+        written_inputs = [a for a in [mutated, *aliases] if a.op == "placeholder"]
+        if written_inputs:
+            raise _input_write_error(node, mutated, written_inputs[0])
+        chain = _view_chain(mutated, is_tensor, storages)
         for alias in aliases:
-            if (alias is not mutated and position[alias] < position[node] and
+            if (alias not in chain and position[alias] < position[node] and
                     any(position[user] > position[node] for user in alias.users)):
                 raise _aliased_write_error(node, mutated, alias)
         _write_out_of_place(gm, node)
-        _read_after(node, mutated, position)
+        for old, new in _write_back(gm, node, chain, position):
+            if storages is not None:            # the updated base is the base's memory, in eager
+                storages[new] = storages[old]
+                values[new] = values[old]
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -172,7 +190,9 @@ def _write_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
         _inplace_flag(node))
     if isinstance(target, torch._ops.OpOverload):
         functional = _out_of_place_aten(target)
-        if functional is not None:
+        if _aten_base_name(target) == "copy_":      # aten.copy has no derivative
+            _become(node, copy_into, (x, rest[0] if rest else node.kwargs["src"]), {})
+        elif functional is not None:
             node.target = functional
         else:                                      # e.g. aten.normal_: no functional overload
             _become(node, on_copy, (x, _aten_base_name(target), *rest))
@@ -213,13 +233,16 @@ def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None
 def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
                  ) -> dict[fx.Node, Any]:
     """Every node's value on copies of the example inputs, all kept alive (so no two values'
-    storages can be the same memory reused). Buffers the run updates are restored."""
+    storages can be the same memory reused). Buffers the run updates, and the random generators
+    it draws from, are restored."""
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
-    interpreter = fx.Interpreter(gm, garbage_collect_values=False)
+    interpreter = PlainInterpreter(gm, garbage_collect_values=False)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
+                   if t.is_cuda}, key=str)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             interpreter.run(*inputs)
     except Exception as e:
         raise TraceError(f"functionalize could not run the graph on the example inputs: "
@@ -229,12 +252,6 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
             for name, b in gm.named_buffers():
                 b.copy_(saved[name])
     return interpreter.env
-
-
-def _aliases_by_storage(values: Mapping[fx.Node, Any]) -> Callable[[fx.Node], list[fx.Node]]:
-    """`node` -> the nodes whose values share memory with `node`'s (itself included)."""
-    storages = {node: _storages(value) for node, value in values.items()}
-    return lambda node: [n for n, s in storages.items() if s & storages.get(node, set())]
 
 
 def _storages(value: Any) -> set[tuple[str, int]]:
@@ -279,8 +296,12 @@ def _is_view(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def _holds_tensor_by_meta(node: fx.Node) -> bool:
     """False only when the tracer recorded a non-tensor (`n += 1` on an int from `x.size(0)`)."""
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = _meta_value(node)
     return value is None or isinstance(value, torch.Tensor)
+
+
+def _meta_value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def _aliased_write_error(node: fx.Node, mutated: fx.Node, alias: fx.Node) -> TraceError:
@@ -293,6 +314,37 @@ def _aliased_write_error(node: fx.Node, mutated: fx.Node, alias: fx.Node) -> Tra
         f"would lose this write. Write it out of place and use the result where the updated "
         f"value is wanted: e.g. `h = h + 1` instead of `h.add_(1)` on a view, or "
         f"`x = torch.relu(x)` instead of `inplace=True`")
+
+
+def _input_write_error(node: fx.Node, mutated: fx.Node, placeholder: fx.Node) -> TraceError:
+    name = str(placeholder.target).lstrip("*")
+    where = _source_line(node)
+    hint = _out_of_place_hint(node, name) if mutated is placeholder else ""
+    return TraceError(
+        f"forward writes in place on its input {name!r} (node {node.name!r}: "
+        f"{node.format_node()}){':' if where else '.'}\n{where}"
+        f"A pipeline runs the model on micro-batches cut from the inputs, so it would not write "
+        f"the caller's tensor as the model does. Write it out of place and use the result"
+        f"{hint}, or copy the input first: `{name} = {name}.clone()`")
+
+
+def _out_of_place_hint(node: fx.Node, name: str) -> str:
+    """`, e.g. `x = x.mul(...)` instead of `x.mul_(...)``: the rewrite of `node`'s op, where
+    it has a plain spelling."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        op = _aten_base_name(target)
+    elif node.op == "call_method":
+        op = target
+    else:
+        op = getattr(target, "__name__", None) if node.op == "call_function" else None
+    if node.op == "call_module" or _inplace_flag(node) is not None:
+        return " (pass inplace=False)"
+    if target in _INPLACE_OPERATORS:
+        return f", e.g. `{name} = {name} + 1` instead of `{name} += 1`"
+    if op and op.endswith("_") and op not in _WRITES_WITHOUT_OUT_OF_PLACE:
+        return f", e.g. `{name} = {name}.{op[:-1]}(...)` instead of `{name}.{op}(...)`"
+    return ""
 
 
 def _source_line(node: fx.Node) -> str:
@@ -321,11 +373,114 @@ def _out_of_place_aten(op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
     return getattr(packet, op._overloadname, None) if packet is not None else None
 
 
-def _read_after(node: fx.Node, mutated: fx.Node, position: dict[fx.Node, int]) -> None:
-    """Point every reader of `mutated` that comes after `node` at `node`'s (updated) value."""
-    for user in list(mutated.users):
-        if position[user] > position[node]:
-            user.replace_input_with(mutated, node)
+def _write_back(gm: fx.GraphModule, node: fx.Node, chain: list[fx.Node],
+                position: dict[fx.Node, int]) -> list[tuple[fx.Node, fx.Node]]:
+    """Point the readers after `node` of each value in `chain` (the written value, the value it
+    is a view of, ... its base) at that value updated by `node`'s write: the written view itself
+    is `node`'s result; each value it views becomes a `*_scatter` (or reshape, permute...) of
+    the updated view into the value as it was, as torch's own functionalization writes a view's
+    update back to its base. Only as far up the chain as something is read afterwards. Returns
+    the (value, updated value) pairs added."""
+    readers = [[u for u in v.users if position[u] > position[node]] for v in chain]
+    read = [i for i, r in enumerate(readers) if r]
+    updated, added = [node], []
+    for child, parent in zip(chain, chain[1:read[-1] + 1] if read else []):
+        fn, args, kwargs = _scatter(child, parent, updated[-1])
+        with gm.graph.inserting_after(updated[-1]):
+            new = gm.graph.call_function(fn, args, kwargs)
+        new.meta = {**{k: child.meta[k] for k in ("stack_trace", "nn_module_stack")
+                       if k in child.meta},
+                    **{k: parent.meta[k] for k in ("val", "example_value") if k in parent.meta}}
+        updated.append(new)
+        added.append((parent, new))
+    for value, users, new in zip(chain, readers, updated):
+        for user in users:
+            user.replace_input_with(value, new)
+    return added
+
+
+def _view_chain(node: fx.Node, is_tensor: Callable[[fx.Node], bool],
+                storages: Mapping[fx.Node, set] | None) -> list[fx.Node]:
+    """`[node, the tensor node is a view of, ...]`, up to the first value that is not a view
+    whose write `_scatter` can carry back. A link counts when the two share memory (on the
+    example), or, without one, when the op always returns a view."""
+    chain = [node]
+    while True:
+        child = chain[-1]
+        parent = child.args[0] if child.args else None
+        if not (isinstance(parent, fx.Node) and is_tensor(parent) and
+                _scatter_kind(child) is not None):
+            return chain
+        if storages is not None:
+            if not storages.get(child, set()) & storages.get(parent, set()):
+                return chain
+        elif _scatter_kind(child) == "reshape" and child.target not in _ALWAYS_VIEWS:
+            return chain                    # reshape, flatten: a copy when not contiguous
+        elif _scatter_kind(child) == "setitem" and not _basic_index(child.args[1]):
+            return chain                    # x[tensor]: a copy
+        chain.append(parent)
+
+
+_aten = torch.ops.aten
+_SCATTERS = {_aten.slice.Tensor: _aten.slice_scatter.default,
+             _aten.select.int: _aten.select_scatter.default,
+             _aten.diagonal.default: _aten.diagonal_scatter.default,
+             _aten.as_strided.default: _aten.as_strided_scatter.default}
+_ALWAYS_VIEWS = {_aten.view.default, _aten.unsqueeze.default, _aten.squeeze.default,
+                 _aten.squeeze.dim, _aten.squeeze.dims, _aten.alias.default,
+                 _aten.unflatten.int, "view", "view_as", "unsqueeze", "squeeze", "unflatten",
+                 torch.unsqueeze, torch.squeeze}
+_RESHAPES = _ALWAYS_VIEWS | {_aten.reshape.default, _aten.flatten.using_ints, "reshape",
+                            "reshape_as", "flatten", "contiguous", torch.reshape, torch.flatten}
+_TRANSPOSES = {_aten.transpose.int, _aten.t.default, "transpose", "swapaxes", "swapdims", "t",
+               torch.transpose, torch.t}
+_PERMUTES = {_aten.permute.default, "permute", torch.permute}
+
+
+def _scatter_kind(view: fx.Node) -> str | None:
+    """How a write on `view`'s value is carried back to its first argument, if fxpipe knows."""
+    target = view.target if view.op in ("call_function", "call_method") else None
+    if target in _SCATTERS:
+        return "scatter"
+    if target is operator.getitem:
+        return "setitem"
+    for kind, targets in (("reshape", _RESHAPES), ("transpose", _TRANSPOSES),
+                          ("permute", _PERMUTES)):
+        if target in targets and (kind == "reshape" or not view.kwargs):
+            return kind
+    return None
+
+
+def _scatter(view: fx.Node, base: fx.Node, updated: fx.Node,
+             ) -> tuple[Callable, tuple, dict[str, Any]]:
+    """The call that returns `base` with its part `view` replaced by `updated`."""
+    kind, rest = _scatter_kind(view), tuple(view.args[1:])
+    if kind == "scatter":
+        return _SCATTERS[view.target], (base, updated, *rest), dict(view.kwargs)
+    if kind == "setitem":
+        return setitem, (base, rest[0], updated), {}
+    if kind == "transpose":
+        return (torch.transpose, (updated, *rest), {}) if rest else (torch.t, (updated,), {})
+    if kind == "permute":
+        return unpermute, (updated, rest[0] if len(rest) == 1 else rest), {}
+    return reshape_as, (updated, base), {}
+
+
+def _basic_index(index: Any) -> bool:
+    """Whether `x[index]` is a view: ints, slices, `None` and `...` only."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(p, (int, slice, type(None), type(Ellipsis))) for p in parts)
+
+
+def reshape_as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`x` in `like`'s shape: a view's update written back through `view`, `unsqueeze`..."""
+    return x.reshape(like.shape)
+
+
+def unpermute(x: torch.Tensor, dims) -> torch.Tensor:
+    """The inverse of `x.permute(dims)`: a permuted view's update written back."""
+    order = [d % x.dim() for d in dims]
+    return x.permute([order.index(i) for i in range(x.dim())])
 
 
 def _set_submodule(gm: fx.GraphModule, target: str, module: torch.nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""Two small lookups every pass needs: the tensors inside a value, and a `get_attr` target's value."""
+"""Small helpers every pass needs: the tensors inside a value, a `get_attr` target's value, and
+an Interpreter that runs a graph on examples as its generated code would."""
 
 from __future__ import annotations
 
@@ -19,3 +20,23 @@ def attr_value(gm: fx.GraphModule, target: str) -> Any:
     """What a `get_attr` node with this target reads from `gm`."""
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+class PlainInterpreter(fx.Interpreter):
+    """An `fx.Interpreter` that calls each node with fresh plain lists and dicts, as the graph's
+    generated code does: fx keeps a node's arguments in immutable lists, and a function that
+    edits a list it is given (torchvision's `shifted_window_attention_3d` adapts `window_size`)
+    must not fail, or change the graph, when an example runs."""
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return plain(args), plain(kwargs)
+
+
+def plain(value: Any) -> Any:
+    """`value` with fx's immutable lists and dicts (at any depth) as fresh plain ones."""
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return (list if isinstance(value, list) else tuple)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
