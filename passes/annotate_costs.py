@@ -5,7 +5,8 @@ does, timing each node's call. The graph runs `warmup + repeats` times, from fre
 inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
 a stage boundary. On CUDA the device is synchronised around every node.
 
-Buffers the model updates while running (BatchNorm statistics) are restored afterwards.
+The graph's parameters and buffers are left as they were (`passes.state.unchanged_state`):
+buffers the model updates while running (BatchNorm statistics, counters) are restored afterwards.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from .codegen import place
 from .cost_model import NodeCost
 from .errors import CostError
 from .graph_values import attr_value, tensors
 from .signature import signature_of
+from .state import unchanged_state
 
 
 class CostInterpreter(fx.Interpreter):
@@ -60,14 +63,19 @@ class CostInterpreter(fx.Interpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        args, kwargs = fx.node.map_aggregate(     # activations become leaves; parameters stay
-            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v))
+        buffers = {_storage(b) for b in self.module.buffers()} - {None}
+        args, kwargs = fx.node.map_aggregate(     # activations become leaves; parameters stay;
+            (args, kwargs), lambda v: (            # buffers are copied, so a write stays off them
+                v.detach().clone() if _storage(v) in buffers else
+                v if id(v) in state else _leaf_if_float(v)))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
         outputs = [t for t in tensors(out) if t.requires_grad]
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
+        modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
         if n.op == "call_module":
-            wanted += [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
+            modules.append(self.module.get_submodule(n.target))
+        wanted += [p for m in modules for p in m.parameters() if p.requires_grad]
         if not outputs or not wanted:
             return 0.0
         grads = [torch.ones_like(t) for t in outputs]
@@ -91,15 +99,10 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     place(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
-    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    try:
-        with torch.no_grad():
-            for _ in range(warmup + repeats):
-                fresh = [_to_device(_clone(v), device) for v in inputs]
-                interpreter.run(*fresh)
-    finally:
-        for name, b in gm.named_buffers():
-            b.copy_(saved[name])
+    with unchanged_state(gm), torch.no_grad():
+        for _ in range(warmup + repeats):
+            fresh = [_to_device(_clone(v), device) for v in inputs]
+            interpreter.run(*fresh)
     owned = _param_bytes_by_node(gm)
     for n in gm.graph.nodes:
         if n.op == "output":
@@ -129,7 +132,9 @@ def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Parameter and buffer bytes, each tensor counted at the first node that references it.
 
     A `get_attr` is never sent between stages: `passes.codegen` copies it into each stage that
-    reads it. So its tensor is counted at its first reader, and its `out_bytes` is 0.
+    reads it. So its tensor, or a module's parameters and buffers when it reads a submodule
+    (`passes.randomness` calls a routed module that way), is counted at its first reader, and
+    its `out_bytes` is 0.
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[int] = set()
@@ -141,7 +146,9 @@ def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
             tensors = list(module.parameters()) + list(module.buffers())
         elif n.op == "get_attr":
             value = attr_value(gm, n.target)
-            tensors = [value] if isinstance(value, torch.Tensor) else []
+            tensors = ([value] if isinstance(value, torch.Tensor) else
+                       list(value.parameters()) + list(value.buffers())
+                       if isinstance(value, nn.Module) else [])
             readers = [u for u in n.users if u.op != "output"]
             holder = min(readers, key=position.__getitem__) if readers else n
         else:
@@ -161,6 +168,13 @@ def _device_of(gm: fx.GraphModule) -> torch.device:
     for t in list(gm.parameters()) + list(gm.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+def _storage(value: Any) -> int | None:
+    """Where a dense tensor's memory starts (None for anything else)."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        return value.untyped_storage().data_ptr() or None
+    return None
 
 
 def _leaf_if_float(value: Any) -> Any:

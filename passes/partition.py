@@ -95,7 +95,7 @@ class Partition:
     """Which stage each node runs in, what each stage costs, and how close to optimal that is.
 
     `stage_of` maps every computing node's name to its stage (graph inputs belong to no stage),
-    in the graph's order. `lower_bound_s` is a bound no partition can beat; `optimal` says the
+    in the graph's order (the nodes a CostGraph node stands for, `CostGraph.members`, together). `lower_bound_s` is a bound no partition can beat; `optimal` says the
     bottleneck is proven minimal; `method` says how it was found and proven.
     """
 
@@ -154,7 +154,7 @@ def evaluate(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Device
     bottleneck = max(c.time_s for c in costs)
     bound = lower_bound_s(graph, devices) if lower_bound is None else lower_bound
     return Partition(
-        stage_of={graph.names[i]: stage_of[i] for i in graph.compute_nodes},
+        stage_of={name: stage_of[i] for i in graph.compute_nodes for name in graph.node_names(i)},
         devices=tuple(devices), stages=tuple(costs), bottleneck_s=bottleneck,
         lower_bound_s=min(bound, bottleneck), optimal=optimal, method=method)
 
