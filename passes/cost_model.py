@@ -242,7 +242,7 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
             compute[src] += graph.time_s[i] / devices[src].speed
             params[src] += graph.param_bytes[i]
             activations[src] += nbytes
-            count[src] += 1
+            count[src] += len(graph.node_names(i))
         receivers = dict.fromkeys(stage_of[j] for j in graph.succs[i])
         receivers.pop(src, None)
         for dst in receivers:
