@@ -24,7 +24,7 @@ from .cost_model import NodeCost
 from .errors import CostError
 from .graph_values import attr_value, tensors
 from .signature import signature_of
-from .state import unchanged_state
+from .state import StateWatch, storage_of, unchanged_state
 
 
 class CostInterpreter(fx.Interpreter):
@@ -37,6 +37,7 @@ class CostInterpreter(fx.Interpreter):
         self.times_s: dict[fx.Node, list[float]] = {}
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
+        self.watch: StateWatch | None = None     # set for a run that finds the state written
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -46,7 +47,11 @@ class CostInterpreter(fx.Interpreter):
         self.sync()
         start = time.perf_counter()
         try:
-            result = super().run_node(n)
+            if self.watch is not None:
+                with self.watch.watching(n, tensors([self.env[p] for p in n.all_input_nodes])):
+                    result = super().run_node(n)
+            else:
+                result = super().run_node(n)
             self.sync()
             self.times_s.setdefault(n, []).append(time.perf_counter() - start)
             if self.backward and n.op.startswith("call"):
@@ -63,10 +68,10 @@ class CostInterpreter(fx.Interpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        buffers = {_storage(b) for b in self.module.buffers()} - {None}
+        buffers = {storage_of(b) for b in self.module.buffers()} - {None}
         args, kwargs = fx.node.map_aggregate(     # activations become leaves; parameters stay;
             (args, kwargs), lambda v: (            # buffers are copied, so a write stays off them
-                v.detach().clone() if _storage(v) in buffers else
+                v.detach().clone() if storage_of(v) in buffers else
                 v if id(v) in state else _leaf_if_float(v)))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
@@ -91,6 +96,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
                    warmup: int = 1, backward: bool = False) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
+    The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
+    see `passes.state`), so that the partitioner keeps them in one stage.
+
     `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
     moved there. Inputs are given as the model takes them, positionally and by keyword. With
     `backward`, each node's backward is timed too (`bwd_s`), from its own inputs.
@@ -100,9 +108,12 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
     with unchanged_state(gm), torch.no_grad():
-        for _ in range(warmup + repeats):
+        for run in range(warmup + repeats):
+            interpreter.watch = StateWatch(gm) if run == 0 else None
             fresh = [_to_device(_clone(v), device) for v in inputs]
             interpreter.run(*fresh)
+            if run == 0:
+                interpreter.watch.mark()
     owned = _param_bytes_by_node(gm)
     for n in gm.graph.nodes:
         if n.op == "output":
@@ -168,13 +179,6 @@ def _device_of(gm: fx.GraphModule) -> torch.device:
     for t in list(gm.parameters()) + list(gm.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def _storage(value: Any) -> int | None:
-    """Where a dense tensor's memory starts (None for anything else)."""
-    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-        return value.untyped_storage().data_ptr() or None
-    return None
 
 
 def _leaf_if_float(value: Any) -> Any:

@@ -131,3 +131,47 @@ def _reach(start: set[int], edges: Sequence[Iterable[int]]) -> set[int]:
                 seen.add(j)
                 todo.append(j)
     return seen
+
+
+class StateWatch:
+    """Which buffers each node of a running graph touches, and which of them it writes.
+
+    Watches what no graph edge shows: a module writing its own buffers (BatchNorm's statistics
+    in train mode), the same module called from several nodes. After a run, `mark` writes the
+    buffers written in forward into `node.meta["state"]` of every node that touched them.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.by_storage: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, b in gm.named_buffers():
+            if storage_of(b) is not None:
+                self.by_storage.setdefault(storage_of(b), (name, b))
+        self.touched: dict[fx.Node, set[str]] = {}
+        self.written: set[str] = set()
+
+    @contextlib.contextmanager
+    def watching(self, node: fx.Node, inputs: Iterable[object]) -> Iterator[None]:
+        """Around running `node` on `inputs` (the values it reads)."""
+        held = [*(self.gm.get_submodule(node.target).buffers() if node.op == "call_module"
+                  else ()), *(t for t in inputs if isinstance(t, torch.Tensor))]
+        found = dict(self.by_storage[s] for s in map(storage_of, held) if s in self.by_storage)
+        before = {name: (b._version, b.detach().clone()) for name, b in found.items()}
+        yield
+        self.touched[node] = set(found)
+        self.written.update(name for name, (version, value) in before.items()
+                            if found[name]._version != version
+                            or not torch.equal(found[name], value))
+
+    def mark(self) -> None:
+        for node, names in self.touched.items():
+            if names & self.written:
+                node.meta["state"] = tuple(sorted({*node.meta.get("state", ()),
+                                                   *(names & self.written)}))
+
+
+def storage_of(value: object) -> int | None:
+    """Where a dense tensor's memory starts (None for anything else)."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        return value.untyped_storage().data_ptr() or None
+    return None

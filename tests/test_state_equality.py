@@ -152,3 +152,24 @@ def test_a_routed_modules_parameters_are_counted_at_its_reader():
     assert reader.meta["cost"].param_bytes == (8 * 8 + 8) * 4
     assert sum(n.meta["cost"].param_bytes for n in gm.graph.nodes if n.op != "output") == \
         sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class SharedNorm(nn.Module):
+    """One BatchNorm called twice: both calls update its statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.norm(self.b(torch.relu(self.norm(self.a(x)))))))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_module_updating_its_buffers_from_two_calls_keeps_them_in_one_stage(stages, capture):
+    torch.manual_seed(0)
+    model = SharedNorm().train()
+    assert_pipeline_matches(model, (torch.randn(8, 4),), devices=["cpu"] * stages, chunks=4,
+                            backward=True, capture=capture)
