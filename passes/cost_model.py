@@ -162,6 +162,8 @@ def _units(preds: Sequence[Sequence[int]], groups: Sequence[Sequence[int]]) -> l
     """The nodes `0..n-1` with each group contracted into one unit, the units in a topological
     order of the contracted graph (acyclic: see `state_units`), each unit where its first node
     was as far as its inputs allow."""
+    if not groups:
+        return [[i] for i in range(len(preds))]
     unit_of = list(range(len(preds)))
     units: dict[int, list[int]] = {i: [i] for i in range(len(preds))}
     for members in groups:

@@ -280,9 +280,11 @@ def _check_request(graph: CostGraph, devices: Sequence[DeviceSpec]) -> None:
     if k < 1:
         raise PartitionError("no devices: pass at least one device")
     if computing < k:
+        shared = (" (the nodes that read or write a buffer written in forward count as one: "
+                  "they share a stage)" if graph.members is not None else "")
         raise PartitionError(
-            f"the graph has {computing} computing nodes, too few for {k} stages: use at most "
-            f"{computing} devices (num_stages_for() picks a useful number)")
+            f"the graph has {computing} computing nodes{shared}, too few for {k} stages: use at "
+            f"most {computing} devices (num_stages_for() picks a useful number)")
     for d in devices:
         if not d.speed > 0:
             raise PartitionError(f"device {d.name!r} has speed {d.speed}: speeds must be > 0")

@@ -173,3 +173,32 @@ def test_a_module_updating_its_buffers_from_two_calls_keeps_them_in_one_stage(st
     model = SharedNorm().train()
     assert_pipeline_matches(model, (torch.randn(8, 4),), devices=["cpu"] * stages, chunks=4,
                             backward=True, capture=capture)
+
+
+class CrossedStatistics(nn.Module):
+    """Each buffer is read early and updated late from the other's reader: contracting each
+    buffer's nodes alone would make a cycle, so they share one stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("first", torch.ones(4))
+        self.register_buffer("second", torch.ones(4))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        p = self.a(x * self.first)
+        q = self.b(x * self.second)
+        self.first.add_(q.detach().mean(0))
+        self.second.add_(p.detach().mean(0))
+        return torch.relu(p) + torch.relu(q)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_buffers_whose_updates_cross_share_one_stage(stages):
+    torch.manual_seed(0)
+    model = CrossedStatistics()
+    pipe = assert_pipeline_matches(model, (torch.randn(8, 4),), devices=["cpu"] * stages,
+                                   chunks=4, backward=True)
+    stage_of = pipe.plan.partition.stage_of
+    touching = [n.name for n in pipe.module.graph.nodes if n.meta.get("state")]
+    assert len(touching) >= 4 and len({stage_of[name] for name in touching}) == 1
