@@ -95,8 +95,9 @@ class Partition:
     """Which stage each node runs in, what each stage costs, and how close to optimal that is.
 
     `stage_of` maps every computing node's name to its stage (graph inputs belong to no stage),
-    in the graph's order (the nodes a CostGraph node stands for, `CostGraph.members`, together). `lower_bound_s` is a bound no partition can beat; `optimal` says the
-    bottleneck is proven minimal; `method` says how it was found and proven.
+    in the graph's order (the nodes a CostGraph node stands for, `CostGraph.members`,
+    together). `lower_bound_s` is a bound no partition can beat; `optimal` says the bottleneck
+    is proven minimal; `method` says how it was found and proven.
     """
 
     stage_of: Mapping[str, int]

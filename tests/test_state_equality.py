@@ -3,7 +3,6 @@ micro-batch order, as the model called once per micro-batch does; compiling chan
 
 import pytest
 import torch
-import torch.fx as fx
 from torch import nn
 
 import fxpipe
