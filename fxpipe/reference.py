@@ -17,6 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from passes.state import unchanged_state
+
 from . import microbatch
 
 
@@ -46,16 +48,9 @@ def copied(inputs: Any) -> Any:
 
 @contextlib.contextmanager
 def unchanged(model: nn.Module) -> Iterator[None]:
-    """Inside, run `model` freely: its buffers (the tensors, and their values) and the random
-    generators are restored after; gradients are off."""
-    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
-             for name, b in module._buffers.items() if b is not None]
+    """Inside, run `model` freely: its parameters and buffers (the tensors, and the buffers'
+    values, `passes.state.unchanged_state`) and the random generators are restored after;
+    gradients are off."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            yield
-    finally:
-        with torch.no_grad():
-            for module, name, buffer, value in saved:
-                module._buffers[name] = buffer
-                buffer.copy_(value)
+    with unchanged_state(model), torch.random.fork_rng(devices=cuda), torch.no_grad():
+        yield

@@ -5,8 +5,10 @@ does, timing each node's call. The graph runs `warmup + repeats` times, from fre
 inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
 a stage boundary. On CUDA the device is synchronised around every node.
 
-Buffers the model updates while running (BatchNorm statistics), and the random generators that
-dropout and the like draw from, are restored afterwards; every run gets its own copy of the inputs.
+The graph's parameters and buffers are left as they were (`passes.state.unchanged_state`):
+buffers the model updates while running (BatchNorm statistics, counters) are restored afterwards,
+and so are the random generators dropout and the like draw from; every run gets its own copy of
+the inputs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from .codegen import place
 from .cost_model import NodeCost
 from .errors import CostError
 from .graph_values import PlainInterpreter, attr_value, plain, tensors
 from .signature import signature_of
+from .state import StateWatch, storage_of, unchanged_state
 
 
 class CostInterpreter(PlainInterpreter):
@@ -35,6 +39,7 @@ class CostInterpreter(PlainInterpreter):
         self.times_s: dict[fx.Node, list[float]] = {}
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
+        self.watch: StateWatch | None = None     # set for a run that finds the state written
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -44,7 +49,11 @@ class CostInterpreter(PlainInterpreter):
         self.sync()
         start = time.perf_counter()
         try:
-            result = super().run_node(n)
+            if self.watch is not None:
+                with self.watch.watching(n, tensors([self.env[p] for p in n.all_input_nodes])):
+                    result = super().run_node(n)
+            else:
+                result = super().run_node(n)
             self.sync()
             self.times_s.setdefault(n, []).append(time.perf_counter() - start)
             if self.backward and n.op.startswith("call"):
@@ -61,15 +70,19 @@ class CostInterpreter(PlainInterpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        # Activations become leaves; parameters stay.
-        args, kwargs = plain(fx.node.map_aggregate(
-            (args, kwargs), lambda v: v if id(v) in state else _leaf_if_float(v)))
+        buffers = {storage_of(b) for b in self.module.buffers()} - {None}
+        args, kwargs = plain(fx.node.map_aggregate(  # activations become leaves; parameters stay;
+            (args, kwargs), lambda v: (               # buffers are copied, so a write stays off them
+                v.detach().clone() if storage_of(v) in buffers else
+                v if id(v) in state else _leaf_if_float(v))))
         with torch.enable_grad():
             out = getattr(self, n.op)(n.target, args, kwargs)
         outputs = [t for t in tensors(out) if t.requires_grad]
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
+        modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
         if n.op == "call_module":
-            wanted += [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
+            modules.append(self.module.get_submodule(n.target))
+        wanted += [p for m in modules for p in m.parameters() if p.requires_grad]
         if not outputs or not wanted:
             return 0.0
         grads = [torch.ones_like(t) for t in outputs]
@@ -85,6 +98,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
                    warmup: int = 1, backward: bool = False) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
+    The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
+    see `passes.state`), so that the partitioner keeps them in one stage.
+
     `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
     moved there. Inputs are given as the model takes them, positionally and by keyword. With
     `backward`, each node's backward is timed too (`bwd_s`), from its own inputs.
@@ -93,16 +109,14 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     place(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
-    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
     generators = [device] if device.type == "cuda" else []
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=generators):
-            for _ in range(warmup + repeats):
-                fresh = [_to_device(_clone(v), device) for v in inputs]
-                interpreter.run(*fresh)
-    finally:
-        for name, b in gm.named_buffers():
-            b.copy_(saved[name])
+    with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=generators):
+        for run in range(warmup + repeats):
+            interpreter.watch = StateWatch(gm) if run == 0 else None
+            fresh = [_to_device(_clone(v), device) for v in inputs]
+            interpreter.run(*fresh)
+            if run == 0:
+                interpreter.watch.mark()
     owned = _param_bytes_by_node(gm)
     for n in gm.graph.nodes:
         if n.op == "output":
@@ -132,7 +146,9 @@ def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Parameter and buffer bytes, each tensor counted at the first node that references it.
 
     A `get_attr` is never sent between stages: `passes.codegen` copies it into each stage that
-    reads it. So its tensor is counted at its first reader, and its `out_bytes` is 0.
+    reads it. So its tensor, or a module's parameters and buffers when it reads a submodule
+    (`passes.randomness` calls a routed module that way), is counted at its first reader, and
+    its `out_bytes` is 0.
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     seen: set[int] = set()
@@ -144,7 +160,9 @@ def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
             tensors = list(module.parameters()) + list(module.buffers())
         elif n.op == "get_attr":
             value = attr_value(gm, n.target)
-            tensors = [value] if isinstance(value, torch.Tensor) else []
+            tensors = ([value] if isinstance(value, torch.Tensor) else
+                       list(value.parameters()) + list(value.buffers())
+                       if isinstance(value, nn.Module) else [])
             readers = [u for u in n.users if u.op != "output"]
             holder = min(readers, key=position.__getitem__) if readers else n
         else:

@@ -9,6 +9,7 @@ Units are in the names: seconds (`_s`), bytes (`_bytes`), bytes per second (`byt
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 import torch.fx as fx
 
 from .errors import CostError
+from .state import state_units
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,9 @@ class CostGraph:
 
     Node `i` is either a graph input (`is_input[i]`: fed by the driver, placed in no stage) or a
     computing node. `preds[i]` are the nodes whose values node `i` reads; `to_output[i]` says its
-    value is part of the graph's output (sent to the driver).
+    value is part of the graph's output (sent to the driver). `members[i]`, when given, names the
+    graph nodes that node `i` stands for (`cost_graph` contracts nodes that must share a stage
+    into one); by default node `i` is the graph node `names[i]`.
     """
 
     names: tuple[str, ...]
@@ -91,12 +95,13 @@ class CostGraph:
     preds: tuple[tuple[int, ...], ...]
     is_input: tuple[bool, ...]
     to_output: tuple[bool, ...]
+    members: tuple[tuple[str, ...], ...] | None = None
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.names)
         for column in (self.time_s, self.out_bytes, self.param_bytes, self.preds, self.is_input,
-                       self.to_output):
+                       self.to_output, self.members or self.names):
             assert len(column) == n, "every CostGraph column needs one entry per node"
         succs: list[list[int]] = [[] for _ in range(n)]
         for i, ps in enumerate(self.preds):
@@ -108,6 +113,10 @@ class CostGraph:
     def __len__(self) -> int:
         return len(self.names)
 
+    def node_names(self, i: int) -> tuple[str, ...]:
+        """The graph nodes that node `i` stands for."""
+        return self.members[i] if self.members is not None else (self.names[i],)
+
     @property
     def compute_nodes(self) -> list[int]:
         return [i for i in range(len(self)) if not self.is_input[i]]
@@ -117,30 +126,80 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
     """Read `node.meta["cost"]` of every node into a CostGraph (`training` adds backward time).
 
     Parameter reads (`get_attr`) are left out: codegen copies one into every stage that reads it,
-    and `annotate_costs` counts its bytes at its first reader.
+    and `annotate_costs` counts its bytes at its first reader. The nodes that read or write a
+    parameter or buffer written in forward, with every node on a path between them
+    (`passes.state.state_units`), become one node of the CostGraph, so they share a stage and
+    the stage applies the writes in micro-batch order; its `members` name them.
     """
     nodes = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
     index = {n: i for i, n in enumerate(nodes)}
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = set(output.all_input_nodes)
-    costs = []
     for n in nodes:
-        cost = n.meta.get("cost")
-        if cost is None:
+        if n.meta.get("cost") is None:
             raise CostError(
                 f"node {n.name!r} ({n.format_node()}) has no cost: run passes.annotate_costs on the "
                 f"graph first, or set node.meta['cost'] = NodeCost(...) by hand")
-        costs.append(cost)
+    preds = [list(dict.fromkeys(index[p] for p in n.all_input_nodes if p in index)) for n in nodes]
+    units = _units(preds, state_units(nodes, preds))
+    unit_of = {i: u for u, members in enumerate(units) for i in members}
+    costs = [[nodes[i].meta["cost"] for i in members] for members in units]
     return CostGraph(
-        names=tuple(n.name for n in nodes),
-        time_s=tuple(c.fwd_s + (c.bwd_s if training else 0.0) for c in costs),
-        out_bytes=tuple(c.out_bytes for c in costs),
-        param_bytes=tuple(c.param_bytes for c in costs),
-        preds=tuple(tuple(dict.fromkeys(index[p] for p in n.all_input_nodes if p in index))
-                    for n in nodes),
-        is_input=tuple(n.op == "placeholder" for n in nodes),
-        to_output=tuple(n in outputs for n in nodes),
+        names=tuple(nodes[members[0]].name for members in units),
+        time_s=tuple(sum(c.fwd_s + (c.bwd_s if training else 0.0) for c in cs) for cs in costs),
+        out_bytes=tuple(_sent_bytes(nodes, members, outputs) for members in units),
+        param_bytes=tuple(sum(c.param_bytes for c in cs) for cs in costs),
+        preds=tuple(tuple(dict.fromkeys(unit_of[p] for i in members for p in preds[i]
+                                        if unit_of[p] != u)) for u, members in enumerate(units)),
+        is_input=tuple(nodes[members[0]].op == "placeholder" for members in units),
+        to_output=tuple(any(nodes[i] in outputs for i in members) for members in units),
+        members=(tuple(tuple(nodes[i].name for i in members) for members in units)
+                 if any(len(members) > 1 for members in units) else None),
     )
+
+
+def _units(preds: Sequence[Sequence[int]], groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The nodes `0..n-1` with each group contracted into one unit, the units in a topological
+    order of the contracted graph (acyclic: see `state_units`), each unit where its first node
+    was as far as its inputs allow."""
+    if not groups:
+        return [[i] for i in range(len(preds))]
+    unit_of = list(range(len(preds)))
+    units: dict[int, list[int]] = {i: [i] for i in range(len(preds))}
+    for members in groups:
+        for i in members:
+            del units[i]
+            unit_of[i] = members[0]
+        units[members[0]] = list(members)
+    waiting = {u: len({unit_of[p] for i in members for p in preds[i]} - {u})
+               for u, members in units.items()}
+    readers: dict[int, set[int]] = {u: set() for u in units}
+    for u, members in units.items():
+        for p in {unit_of[p] for i in members for p in preds[i]} - {u}:
+            readers[p].add(u)
+    ready = [u for u, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        u = heapq.heappop(ready)
+        order.append(units[u])
+        for r in readers[u]:
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    assert len(order) == len(units), "contracting the state's nodes made a cycle"
+    return order
+
+
+def _sent_bytes(nodes: Sequence[fx.Node], members: Sequence[int], outputs: set[fx.Node]) -> int:
+    """The bytes a unit sends: the outputs of its nodes that nodes outside it or the graph's
+    output read."""
+    inside = {nodes[i] for i in members}
+    if len(members) == 1:
+        return nodes[members[0]].meta["cost"].out_bytes
+    return sum(nodes[i].meta["cost"].out_bytes for i in members
+               if nodes[i] in outputs or any(u not in inside and u.op != "output"
+                                             for u in nodes[i].users))
 
 
 @dataclass(frozen=True)
@@ -185,7 +244,7 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
             compute[src] += graph.time_s[i] / devices[src].speed
             params[src] += graph.param_bytes[i]
             activations[src] += nbytes
-            count[src] += 1
+            count[src] += len(graph.node_names(i))
         receivers = dict.fromkeys(stage_of[j] for j in graph.succs[i])
         receivers.pop(src, None)
         for dst in receivers:

@@ -19,7 +19,8 @@ else, conservatively, by name (view ops, `getitem`, `nn.Identity`...).
 Export graphs spell in-place ops in ATen (`aten.relu_.default`, `aten.add_.Tensor`): those whose
 schema writes their first argument become their out-of-place overload. Writes to parameters and
 buffers (`get_attr` nodes and their views, e.g. BatchNorm's `num_batches_tracked.add_(1)` in train
-mode) are state updates the model keeps, and stay.
+mode) are state updates the model keeps, and stay; later reads of that state read it through
+the write (`passes.state.order_state_reads`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch import nn
 from .errors import TraceError
 from .graph_values import PlainInterpreter, tensors
 from .signature import signature_of
+from .state import order_state_reads, unchanged_state
 
 _INPLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -99,6 +101,7 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
         aliases_of = _aliases_by_name(gm)
         holds_tensor = _holds_tensor_by_meta
         is_tensor = lambda node: isinstance(_meta_value(node), torch.Tensor)  # noqa: E731
+        same_value = lambda a, b: a is b  # noqa: E731
     else:
         values = _run_example(gm, tuple(args or ()), kwargs)
         storages = {node: _storages(value) for node, value in values.items()}
@@ -106,14 +109,18 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
                                    if s & storages.get(node, set())]
         is_tensor = holds_tensor = lambda node: isinstance(  # noqa: E731
             values.get(node), torch.Tensor)
+        same_value = lambda a, b: values.get(a) is values.get(b)  # noqa: E731
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    state_writes = []
     for node in list(gm.graph.nodes):
         mutated = _mutated_input(gm, node)
         if mutated is None or not holds_tensor(mutated):
             continue
         aliases = aliases_of(mutated)
         if any(a.op == "get_attr" for a in [mutated, *aliases]):
-            continue          # a parameter or buffer update: the model's state, kept as written
+            # a parameter or buffer update: the model's state, kept as written (passes/state.py)
+            state_writes.append((node, mutated, list(dict.fromkeys([mutated, *aliases]))))
+            continue
         written_inputs = [a for a in [mutated, *aliases] if a.op == "placeholder"]
         if written_inputs:
             raise _input_write_error(node, mutated, written_inputs[0])
@@ -128,6 +135,7 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
                 storages[new] = storages[old]
                 values[new] = values[old]
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order_state_reads(gm, state_writes, same_value)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -238,19 +246,14 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
     interpreter = PlainInterpreter(gm, garbage_collect_values=False)
-    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
     cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
                    if t.is_cuda}, key=str)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             interpreter.run(*inputs)
     except Exception as e:
         raise TraceError(f"functionalize could not run the graph on the example inputs: "
                          f"{type(e).__name__}: {e}") from e
-    finally:
-        with torch.no_grad():
-            for name, b in gm.named_buffers():
-                b.copy_(saved[name])
     return interpreter.env
 
 

@@ -95,8 +95,9 @@ class Partition:
     """Which stage each node runs in, what each stage costs, and how close to optimal that is.
 
     `stage_of` maps every computing node's name to its stage (graph inputs belong to no stage),
-    in the graph's order. `lower_bound_s` is a bound no partition can beat; `optimal` says the
-    bottleneck is proven minimal; `method` says how it was found and proven.
+    in the graph's order (the nodes a CostGraph node stands for, `CostGraph.members`,
+    together). `lower_bound_s` is a bound no partition can beat; `optimal` says the bottleneck
+    is proven minimal; `method` says how it was found and proven.
     """
 
     stage_of: Mapping[str, int]
@@ -154,7 +155,7 @@ def evaluate(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Device
     bottleneck = max(c.time_s for c in costs)
     bound = lower_bound_s(graph, devices) if lower_bound is None else lower_bound
     return Partition(
-        stage_of={graph.names[i]: stage_of[i] for i in graph.compute_nodes},
+        stage_of={name: stage_of[i] for i in graph.compute_nodes for name in graph.node_names(i)},
         devices=tuple(devices), stages=tuple(costs), bottleneck_s=bottleneck,
         lower_bound_s=min(bound, bottleneck), optimal=optimal, method=method)
 
@@ -280,9 +281,11 @@ def _check_request(graph: CostGraph, devices: Sequence[DeviceSpec]) -> None:
     if k < 1:
         raise PartitionError("no devices: pass at least one device")
     if computing < k:
+        shared = (" (the nodes that read or write a buffer written in forward count as one: "
+                  "they share a stage)" if graph.members is not None else "")
         raise PartitionError(
-            f"the graph has {computing} computing nodes, too few for {k} stages: use at most "
-            f"{computing} devices (num_stages_for() picks a useful number)")
+            f"the graph has {computing} computing nodes{shared}, too few for {k} stages: use at "
+            f"most {computing} devices (num_stages_for() picks a useful number)")
     for d in devices:
         if not d.speed > 0:
             raise PartitionError(f"device {d.name!r} has speed {d.speed}: speeds must be > 0")

@@ -170,6 +170,11 @@ class _Tracer(fx.Tracer):
     so an enabled mode inside one is too.
     """
 
+    # Buffers read in forward become `get_attr` nodes, as parameters do: otherwise fx runs a
+    # buffer write (`self.calls.add_(1)`) once on the real tensor while tracing and leaves it out
+    # of the graph (state writes: see passes/state.py).
+    proxy_buffer_attributes = True
+
     def __init__(self, leaves: Iterable[str | type]):
         super().__init__()
         self.leaf_names = {l for l in leaves if isinstance(l, str)}
