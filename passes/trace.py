@@ -177,6 +177,7 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaves: Iterable[str | type]):
         super().__init__()
+        self.record_stack_traces = True    # errors about a node name the user's line
         self.leaf_names = {l for l in leaves if isinstance(l, str)}
         self.leaf_types = tuple(l for l in leaves if isinstance(l, type))
         self.grad_contexts = _GradContexts()
