@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from passes.state import unchanged_state
+from passes.trace import attributes_restored
 
 from . import microbatch
 
@@ -49,8 +50,10 @@ def copied(inputs: Any) -> Any:
 @contextlib.contextmanager
 def unchanged(model: nn.Module) -> Iterator[None]:
     """Inside, run `model` freely: its parameters and buffers (the tensors, and the buffers'
-    values, `passes.state.unchanged_state`) and the random generators are restored after;
+    values, `passes.state.unchanged_state`), its modules' plain attributes
+    (`passes.trace.attributes_restored`) and the random generators are restored after;
     gradients are off."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with unchanged_state(model), torch.random.fork_rng(devices=cuda), torch.no_grad():
+    with unchanged_state(model), attributes_restored(model), torch.random.fork_rng(devices=cuda), \
+            torch.no_grad():
         yield

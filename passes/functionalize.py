@@ -136,6 +136,13 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
                 values[new] = values[old]
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
     order_state_reads(gm, state_writes, same_value)
+    if gm.meta.get("input_writes"):      # found by trace's run of the model, shown by no node
+        name = gm.meta["input_writes"][0]
+        raise TraceError(
+            f"forward writes in place on its input {name!r} (e.g. `{name} += 1`): a pipeline runs "
+            f"the model on micro-batches cut from the inputs, so it would not write the caller's "
+            f"tensor as the model does. Write it out of place (`{name} = {name} + 1`), or copy "
+            f"the input first: `{name} = {name}.clone()`")
     gm.graph.lint()
     gm.recompile()
     return gm

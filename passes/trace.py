@@ -59,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 from .compare import difference
 from .errors import TraceError
 from .signature import plain_varargs
+from .state import unchanged_state
 
 CaptureMode = Literal["auto", "fx", "export"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "fx", "export")
@@ -652,18 +653,18 @@ def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping
     structure, so the pipeline returns the model's own containers (an `OrderedDict`, where fx's
     graph returns a `dict`).
     """
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    given = _copied((args, kwargs))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            expected = model(*_copied(args), **_copied(kwargs))
-            _restore(model, saved)
-            torch.manual_seed(0)
-            actual = gm(*_copied(args), **_copied(kwargs))
+            with unchanged_state(model):
+                torch.manual_seed(0)
+                expected = model(*given[0], **given[1])
+            with unchanged_state(model):
+                torch.manual_seed(0)
+                actual = gm(*_copied(args), **_copied(kwargs))
     except Exception as e:
         return f"running the graph raised {type(e).__name__}: {e}"
-    finally:
-        _restore(model, saved)
+    gm.meta["input_writes"] = _written_inputs(model, (args, kwargs), given)
     problem = difference(actual, expected, tolerance=None)
     if not problem:
         gm.meta["out_spec"] = pytree.tree_structure(expected)
@@ -675,7 +676,21 @@ def _copied(value: Any) -> Any:
     return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
-def _restore(model: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
-    for name, b in model.named_buffers():
-        if name in saved:
-            b.copy_(saved[name])
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _written_inputs(model: nn.Module, inputs: tuple, ran_on: tuple) -> tuple[str, ...]:
+    """The inputs whose copies the model's forward changed (`x += 1`, `x.mul_(2)`), by name:
+    `passes.functionalize` refuses them (a graph may not show the write: fx records `x += 1`
+    on a tensor as an add)."""
+    try:
+        names = inspect.signature(model.forward).bind(*inputs[0], **inputs[1]).arguments
+        ran = inspect.signature(model.forward).bind(*ran_on[0], **ran_on[1]).arguments
+    except (TypeError, ValueError):
+        names, ran = dict(enumerate([*inputs[0], *inputs[1].values()])), dict(
+            enumerate([*ran_on[0], *ran_on[1].values()]))
+    return tuple(str(name) for name, value in names.items()
+                 if any(isinstance(before, torch.Tensor) and not _same(before, after)
+                        for before, after in zip(pytree.tree_leaves(value),
+                                                 pytree.tree_leaves(ran[name]))))

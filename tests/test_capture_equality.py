@@ -220,3 +220,37 @@ def test_outputs_compare_within_a_tolerance_scaled_to_their_magnitude():
     assert "differs by up to" in difference(big * (1 + 1e-4), big, None)
     assert difference(OrderedDict(out=big), {"out": big}, None) == ""
     assert "structure" in difference({"aux": big}, {"out": big}, None)
+
+
+class AddsToItsInput(nn.Module):
+    """`x += 1` on an input: fx records an add, so only running the model shows the write."""
+
+    def forward(self, x):
+        x += 1
+        return x * 2
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx"])
+def test_a_forward_adding_into_its_input_is_refused_by_name(capture):
+    x = torch.randn(6, 4)
+    before = x.clone()
+    with pytest.raises(fxpipe.TraceError, match=r"writes in place on its input 'x'"):
+        fxpipe.compile(AddsToItsInput(), ["cpu"] * 2, (x,), chunks=2, capture=capture)
+    torch.testing.assert_close(x, before, rtol=0, atol=0)
+
+
+class CachesASetting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._mode = None
+
+    def forward(self, x):
+        self._mode = "seen"          # a setting cached on first use: undone, not refused
+        return self.lin(x).relu()
+
+
+def test_compile_leaves_the_models_plain_attributes_as_it_found_them():
+    model = CachesASetting()
+    fxpipe.compile(model, ["cpu"] * 2, (torch.randn(6, 4),), chunks=2)
+    assert model._mode is None
