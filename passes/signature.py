@@ -129,11 +129,8 @@ class Signature:
                 given[name] = self.defaults[name]
         for name, traced in self.specialised.items():
             if not _same(given[name], traced):
-                value = given[name]
-                shown = (f"a tensor of shape {tuple(value.shape)}"
-                         if isinstance(value, torch.Tensor) else repr(value))
                 raise InputError(
-                    f"input {name!r} is {shown}, but the graph was traced with {name}={traced!r}: "
+                    f"input {name!r} is {_shown(given[name])}, but the graph was traced with {name}={traced!r}: "
                     f"torch.fx fixed it to that value (an input the example does not give is "
                     f"traced at its default). Pass {traced!r} or leave it out; to pass other "
                     f"values, compile again with {name} in example_inputs or example_kwargs, so "
@@ -151,10 +148,8 @@ class Signature:
                 continue
             (kind, key), rest = path[:2], path[2:]
             name = (self.names[key.idx] if kind.idx == 0 else key.key) + pytree.keystr(rest)
-            shown = (f"a tensor of shape {tuple(value.shape)}"
-                     if isinstance(value, torch.Tensor) else repr(value))
             raise InputError(
-                f"input {name!r} is {shown}, but the graph was exported with {name}="
+                f"input {name!r} is {_shown(value)}, but the graph was exported with {name}="
                 f"{exported!r}: torch.export fixes every input that is not a tensor to its example "
                 f"value, and the graph computes with that one. Pass {exported!r}; for another "
                 f"value, compile a pipeline with that value in the example (one pipeline per "
@@ -281,6 +276,12 @@ def _specialisation(placeholder: fx.Node) -> tuple[str, Any] | None:
         if match:
             return match[1], value
     return None
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message shows it: a tensor by its shape."""
+    return (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+            else repr(value))
 
 
 def _same(given: Any, traced: Any) -> bool:
