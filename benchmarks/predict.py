@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 from tabulate import tabulate
@@ -26,6 +24,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxpipe  # noqa: E402
+from benchmarks.pipeline_throughput import side_by_side  # noqa: E402
 from examples.quickstart import BranchyCNN  # noqa: E402
 
 
@@ -44,19 +43,6 @@ def models():
     torch.manual_seed(0)
     yield "residual MLP", nn.Sequential(*[Block() for _ in range(8)]).eval(), torch.randn(256, 1024)
     yield "branching CNN", BranchyCNN().eval(), torch.randn(64, 3, 32, 32)
-
-
-def timed(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, in interleaved rounds so drift hits all alike."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def with_threads(n: int, fn):
@@ -81,7 +67,7 @@ def main() -> None:
         for stages, chunks in [(1, 1), (2, 1), (2, 4), (2, 8)]:
             pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=chunks)
             with torch.no_grad():
-                t = timed({"pipe": lambda: pipe(x), "one": with_threads(1, lambda: model(x)),
+                t = side_by_side({"pipe": lambda: pipe(x), "one": with_threads(1, lambda: model(x)),
                            "all": with_threads(cores, lambda: model(x))}, options.repeats)
             predicted = pipe.plan.predicted_step_s
             rows.append((name, stages, chunks, predicted * 1e3, t["pipe"] * 1e3,
