@@ -73,6 +73,13 @@ def _check_spec(spec: DeviceSpec) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise DeviceError(f"{spec}: {option}={value!r} must be a number > 0 (e.g. {example}; "
                               f"memory_bytes=math.inf for no limit)")
+    if spec.threads is not None and (not isinstance(spec.threads, int)
+                                     or isinstance(spec.threads, bool) or spec.threads < 1):
+        raise DeviceError(f"{spec}: threads={spec.threads!r} must be a number of intra-op threads "
+                          f">= 1, or None to share the cores evenly among the CPU stages")
+    if spec.threads is not None and not spec.name.startswith("cpu"):
+        raise DeviceError(f"{spec}: threads= applies to CPU stages only; a GPU stage's threads are "
+                          f"the GPU's own: leave threads=None")
 
 
 def tune_cpu_allocator(*, keep_bytes: int = 1 << 30) -> bool:

@@ -33,15 +33,29 @@ class NodeCost:
     bwd_s: float = 0.0
     out_bytes: int = 0
     param_bytes: int = 0
+    spread: float = 0.0     # how unsteady the measurement was: (p90 - p10) / median of the repeats
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """A device a stage runs on: its torch name, relative speed and memory (`inf`: unbounded)."""
+    """A device a stage runs on: its torch name, relative speed and memory (`inf`: unbounded).
+
+    `threads` is a CPU stage's intra-op thread count (None: the cores shared evenly among the CPU
+    stages). Devices of one `kind` run a node in the same time, so costs are measured once per
+    kind; `speed` scales the measured time by hand (2.0: twice as fast as measured).
+    """
 
     name: str
     speed: float = 1.0
     memory_bytes: float = math.inf
+    threads: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """What a node's cost depends on: the device, and a CPU stage's thread count."""
+        if self.name.startswith("cpu"):
+            return "cpu" if self.threads is None else f"cpu/{self.threads}"
+        return self.name
 
 
 @dataclass(frozen=True)
