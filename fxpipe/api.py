@@ -23,12 +23,11 @@ from passes.cost_model import DRIVER, DeviceSpec, Link, LinkFn, cost_graph, defa
 from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from passes.functionalize import functionalize
-from passes.partition import num_stages_for, partition
 from passes.randomness import microbatch_seeds, seed_random_ops
 from passes.signature import Signature, signature_of
 from passes.trace import CaptureMode, trace
 
-from . import microbatch
+from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
 from .reference import copied, run_per_microbatch, unchanged
@@ -40,10 +39,10 @@ BatchDims = int | Mapping[str | int, int | None]
 
 def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             example_inputs: tuple | Any = (), example_kwargs: Mapping[str, Any] | None = None, *,
-            chunks: int = 1, capture: CaptureMode = "auto",
+            chunks: int | Literal["auto"] = 1, capture: CaptureMode = "auto",
             leaf_modules: Iterable[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
             num_stages: int | Literal["auto"] | None = None,
-            schedule: ScheduleName = "gpipe", training: bool | None = None,
+            schedule: ScheduleName | Literal["auto"] = "gpipe", training: bool | None = None,
             threads_per_stage: int | None = None,
             link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
             batch_dims: BatchDims = 0, verify: bool = True,
@@ -93,10 +92,12 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          f"keyword example inputs as a dict (name -> value), positional ones in "
                          f"example_inputs")
     example_kwargs = dict(example_kwargs or {})
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1")
-    if schedule not in SCHEDULES:
-        raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1, "
+                         f"or 'auto' to let the plan choose")
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}, "
+                          f"or 'auto' to let the plan choose")
     if threads_per_stage is not None and (not isinstance(threads_per_stage, int)
                                           or isinstance(threads_per_stage, bool)
                                           or threads_per_stage < 1):
@@ -127,8 +128,15 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          repeats=repeats, verify=verify, verify_tolerance=verify_tolerance),
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
                           concrete_args=concrete_args))
-    gm = recipe.trace(model)
-    pipe = _build(model, gm, recipe)
+    try:
+        pipe = _build(model, recipe.trace(model), recipe)
+    except BatchError:
+        if chunks != "auto":
+            raise
+        # The model mixes or reduces the batch: micro-batches cannot compute what it computes,
+        # and "auto" never changes the result, so the plan keeps the batch whole.
+        recipe.options["chunks"] = 1
+        pipe = _build(model, recipe.trace(model), recipe)
     pipe._recipe = recipe
     return pipe
 
@@ -175,41 +183,80 @@ class _Recipe:
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     """The passes after capture, on `model` in its current mode, then the checks."""
     o = recipe.options
-    specs, chunks, schedule = o["specs"], o["chunks"], o["schedule"]
+    specs, link = o["specs"], o["link"]
     training = model.training if o["training"] is None else o["training"]
-    args, kwargs = recipe.args, recipe.kwargs
-    threads_per_stage = o["threads_per_stage"]
-    if threads_per_stage is None:
-        cpu_stages = sum(d.name.startswith("cpu") for d in specs)
-        threads_per_stage = max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     unpipelined_s = _time_unpipelined(model, recipe, training)
-    first_args, first_kwargs = microbatch.split((args, kwargs), chunks, recipe.input_dims)[0]
+    caller_threads = torch.get_num_threads()
+    chunk_list = _chunk_options(model, recipe, training, len(specs))
+    first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
     functionalize(gm, copied(first_args), copied(first_kwargs))
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    with _intra_op_threads(threads_per_stage if specs[0].name.startswith("cpu") else None):
-        annotate_costs(gm, first_args, first_kwargs, device=specs[0].name,  # as a stage runs it
-                       repeats=o["repeats"], backward=training)
-    graph = cost_graph(gm, training=training)
+    measured: dict[tuple[int, int], tuple[search.Costed, dict[fx.Node, Any]]] = {}
+
+    def measure(chunks: int, threads: int) -> search.Costed:
+        """The graph costed as a stage with `threads` runs one of `chunks` micro-batches."""
+        if (chunks, threads) not in measured:
+            part_args, part_kwargs = microbatch.split((args, kwargs), chunks, dims)[0]
+            with _intra_op_threads(threads if specs[0].name.startswith("cpu") else None):
+                annotate_costs(gm, part_args, part_kwargs, device=specs[0].name,
+                               repeats=o["repeats"], backward=training)
+            measured[chunks, threads] = (
+                search.Costed(cost_graph(gm), cost_graph(gm, training=training)),
+                {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
+        return measured[chunks, threads][0]
+
     num_stages = o["num_stages"]
-    if num_stages == "auto":
-        num_stages = num_stages_for(graph, specs, o["link"],
-                                    activation_factor=_in_flight(training, schedule, chunks, 1))
-    specs = specs[:num_stages] if num_stages is not None else specs
-    plan = partition(graph, specs, o["link"],
-                     activation_factor=_in_flight(training, schedule, chunks, len(specs)))
-    stages = split_stages(gm, plan.stage_of, [d.name for d in specs])
+    stage_counts = (range(1, len(specs) + 1) if num_stages == "auto" else
+                    [num_stages or len(specs)])
+    schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
+                     ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
+    candidates = []
+    for k in stage_counts:
+        threads = search.stage_threads(specs, k, os.cpu_count() or 1, o["threads_per_stage"])
+        for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
+            for schedule in schedules:
+                config = search.Config(k, chunks, schedule, threads)
+                candidates.append(search.consider(config, measure(chunks, threads), specs,
+                                                  link, training))
+    as_is = None
+    if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
+        as_is = search.consider(search.Config(1, 1, schedules[0], caller_threads),
+                                measure(1, caller_threads), specs, link, training)
+        as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
+    chosen, reason = search.choose(candidates, as_is)
+    config = chosen.config
+    for n, cost in measured[config.chunks, config.threads][1].items():
+        n.meta["cost"] = cost       # the chosen configuration's costs stay on the graph
+    specs = specs[:config.num_stages]
+    stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
-    pipe = Pipeline(gm, stages, make_plan(gm.meta["capture"], plan, stages, chunks, verified),
-                    chunks, schedule=schedule, threads_per_stage=threads_per_stage,
-                    batch_dims=_placeholder_dims(signature_of(gm), recipe.input_dims,
-                                                 recipe.default_dim))
+    plan = make_plan(gm.meta["capture"], chosen.partition, stages, config.chunks, verified)
+    pipe = Pipeline(gm, stages, plan, config.chunks, schedule=config.schedule,
+                    threads_per_stage=config.threads,
+                    batch_dims=_placeholder_dims(signature_of(gm), dims, recipe.default_dim))
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
     pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
     pipe.plan = replace(pipe.plan, predicted_step_s=max(
         (slot.end_s for slot in pipe.predict(training=training)), default=0.0),
-        unpipelined_s=unpipelined_s, unpipelined_threads=torch.get_num_threads())
+        unpipelined_s=unpipelined_s, unpipelined_threads=caller_threads,
+        considered=tuple(candidates) + ((as_is,) if as_is else ()), chosen=chosen, reason=reason)
     return pipe
+
+
+def _chunk_options(model: nn.Module, recipe: _Recipe, training: bool, devices: int) -> list[int]:
+    """The micro-batch counts to consider: the one asked for, or with "auto" the powers of two
+    worth trying (`search.chunk_options`); only one micro-batch where micro-batches would
+    compute something else than the whole batch (BatchNorm normalising each in training)."""
+    chunks = recipe.options["chunks"]
+    if chunks != "auto":
+        return [chunks]
+    if training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                        for m in model.modules()):
+        return [1]
+    rows = microbatch.batch_size((recipe.args, recipe.kwargs), recipe.input_dims)
+    return search.chunk_options(rows, devices)
 
 
 @contextlib.contextmanager
@@ -252,14 +299,6 @@ def _time_unpipelined(model: nn.Module, recipe: _Recipe, training: bool,
 def _sync_all() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def _in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> int:
-    """Micro-batches of activations a stage holds at once: one in inference; in training, GPipe
-    keeps every micro-batch until the backwards, 1F1B at most as many as there are stages."""
-    if not training:
-        return 1
-    return chunks if schedule == "gpipe" else min(chunks, num_stages)
 
 
 def _checked_link(link: LinkFn, specs: Sequence[DeviceSpec]) -> LinkFn:

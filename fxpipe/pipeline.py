@@ -218,7 +218,7 @@ class Pipeline(nn.Module):
         return self
 
     _MODE_FIELDS = ("module", "_stages", "plan", "_signature", "_placeholders", "_runtime",
-                    "_batch_dims", "_output_dims")
+                    "_batch_dims", "_output_dims", "chunks", "schedule")
 
     def _mode_state(self) -> dict[str, Any]:
         """What differs between the pipelines of one model in train and in eval mode."""

@@ -33,6 +33,9 @@ class Plan:
     predicted_step_s: float | None = None     # one call (or train_step) through the pipeline
     unpipelined_s: float | None = None        # the model run whole, measured at compile
     unpipelined_threads: int = 0
+    considered: tuple = ()                    # search.Candidate: the configurations weighed
+    chosen: object = None                     # the one chosen (a search.Candidate)
+    reason: str = ""                          # why
 
     @property
     def speedup(self) -> float | None:
@@ -57,12 +60,13 @@ class Plan:
         p = self.partition
         proof = "proven optimal" if p.optimal else f"within {p.gap:.2f}x of the lower bound"
         return "\n".join([
-            f"fxpipe plan: {p.num_stages} stages, {self.chunks} micro-batches, captured by "
-            f"{self.capture}",
+            f"fxpipe plan: {_count(p.num_stages, 'stage')}, {_count(self.chunks, 'micro-batch')}, "
+            f"captured by {self.capture}",
             self.table(),
             f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
             f"{p.lower_bound_s * 1e3:.3f} ms ({proof})",
             *self._comparison(),
+            *self._choice(),
             f"outputs checked against the model: {self.verified}",
         ])
 
@@ -71,14 +75,47 @@ class Plan:
         when the pipeline is predicted to lose."""
         if self.speedup is None:
             return []
+        model = (f"{self.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
+                 f"{_count(self.unpipelined_threads, 'thread')})")
+        if self.runs_as_is:
+            return [f"per batch: the model as is, {model}: no pipeline was predicted faster, "
+                    f"so the one stage runs the whole batch on the caller's thread"]
         lines = [f"per batch: pipeline {self.predicted_step_s * 1e3:.3f} ms predicted, model "
-                 f"unpipelined {self.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
-                 f"{self.unpipelined_threads} threads): {self.speedup:.2f}x"]
+                 f"unpipelined {model}: {self.speedup:.2f}x"]
         if self.speedup < 1:
             lines.append("warning: the pipeline is predicted slower than the model run whole: "
-                         "use fewer stages (num_stages='auto'), fewer micro-batches, or the "
+                         "let the plan choose (num_stages='auto', chunks='auto'), or run the "
                          "model without fxpipe")
         return lines
+
+    @property
+    def runs_as_is(self) -> bool:
+        """Whether the plan chose the model as it is (one stage, whole batch, the caller's
+        threads) because no pipeline was predicted faster."""
+        return bool(self.considered) and self.chosen is self.considered[-1] and \
+            self.reason.startswith("no pipeline")
+
+    def _choice(self) -> list[str]:
+        """The configurations weighed (when more than one) and why this one was chosen."""
+        if len(self.considered) < 2:
+            return []
+        rows = []
+        for c in self.considered:
+            as_is = c is self.considered[-1] and self.reason.startswith("no pipeline")
+            rows.append(("*" if c is self.chosen else "", c.config.num_stages, c.config.chunks,
+                         c.config.schedule, c.config.threads,
+                         "-" if c.predicted_s is None else f"{c.predicted_s * 1e3:.3f}",
+                         c.memory_bytes / 1e6,
+                         "the model as is, measured" if as_is else c.problem))
+        return ["configurations considered (predicted time per batch):",
+                tabulate(rows, headers=["", "stages", "chunks", "schedule", "threads",
+                                        "predicted ms", "memory MB", ""], floatfmt=".3f",
+                         maxcolwidths=[None] * 7 + [60]),
+                f"chosen: {self.reason}"]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
 
 
 def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,

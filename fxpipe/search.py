@@ -1,0 +1,163 @@
+"""Choosing a configuration: how many stages, micro-batches and which schedule.
+
+For each configuration asked for (`"auto"` opens a dimension), the graph costed as that
+configuration's stages would run it (their micro-batch size, their threads) is partitioned, and
+the schedule simulator predicts one step (a call in inference, a `train_step` in training) with the
+timetable the runtime would execute. The fastest configuration that fits in memory wins, the
+smaller one (fewer stages, fewer micro-batches) among those within `TIE` of it; and none is chosen
+that is predicted slower than the model run whole without a pipeline, which is itself a candidate:
+one stage, one micro-batch, the caller's threads.
+
+Everything here is plain data and pure functions of it; measuring is the caller's (`measure`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from passes.cost_model import CostGraph, DeviceSpec, LinkFn, stage_costs
+from passes.errors import PartitionError
+from passes.partition import Partition, partition
+
+from .schedules import SCHEDULES, Phase, gpipe, simulate, timetable_for
+
+TIE = 0.02     # configurations within 2% of the fastest count as equally fast
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: stages on the first `num_stages` devices, `chunks` micro-batches,
+    `schedule` in training, `threads` intra-op threads on each CPU stage."""
+
+    num_stages: int
+    chunks: int
+    schedule: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration and what the plan predicts for it (None: it does not fit)."""
+
+    config: Config
+    predicted_s: float | None       # one step, whole batch
+    memory_bytes: int               # the fullest stage's memory
+    partition: Partition | None = None
+    problem: str = ""               # why it cannot run, when it cannot
+
+    def __str__(self) -> str:
+        c = self.config
+        return f"{c.num_stages} stages x {c.chunks} micro-batches ({c.schedule}, {c.threads} threads)"
+
+
+@dataclass(frozen=True)
+class Costed:
+    """The graph costed for one micro-batch size and thread count: forward times alone, and
+    forward plus backward (the same graph in inference)."""
+
+    forward: CostGraph
+    step: CostGraph
+
+
+def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> list[int]:
+    """Micro-batches of activations each stage holds at once, read off the timetable itself."""
+    if not training:
+        return [1] * num_stages
+    timetable = timetable_for(schedule, num_stages, chunks, backward=True)
+    peaks = []
+    for actions in timetable:
+        held = peak = 0
+        for action in actions:
+            held += 1 if action.phase is Phase.FORWARD else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str, training: bool,
+                   link: LinkFn) -> float:
+    """One step's predicted time: the timetable simulated with each stage's forward and
+    backward times (gradients cross the same links as the values they belong to)."""
+    devices = part.devices
+    stage_of = [part.stage_of.get(name, -1) for name in costed.forward.names]
+    forward = stage_costs(costed.forward, stage_of, devices, link)
+    step = stage_costs(costed.step, stage_of, devices, link) if training else forward
+    forward_s = [c.time_s for c in forward]
+    backward_s = [s.compute_s - f.compute_s + f.comm_s for s, f in zip(step, forward)]
+    k = len(devices)
+    timetable = (timetable_for(schedule, k, chunks, backward=True) if training
+                 else gpipe(k, chunks))
+    slots = simulate(timetable,
+                     lambda a: forward_s[a.stage] if a.phase is Phase.FORWARD else backward_s[a.stage],
+                     reads_from(costed.forward, stage_of, k, training))
+    return max((slot.end_s for slot in slots), default=0.0)
+
+
+def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
+               training: bool) -> dict[int, list[int]]:
+    """Which stages each stage reads from; in training the last stage also reads every graph
+    output, since it computes the loss."""
+    reads: dict[int, set[int]] = {s: set() for s in range(num_stages)}
+    for i in graph.compute_nodes:
+        for p in graph.preds[i]:
+            if not graph.is_input[p] and stage_of[p] != stage_of[i]:
+                reads[stage_of[i]].add(stage_of[p])
+        if training and graph.to_output[i] and stage_of[i] != num_stages - 1:
+            reads[num_stages - 1].add(stage_of[i])
+    return {s: sorted(r) for s, r in reads.items()}
+
+
+def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
+             training: bool) -> Candidate:
+    """Partition and predict one configuration; a candidate that does not fit says why."""
+    specs = list(devices[:config.num_stages])
+    factors = in_flight(training, config.schedule, config.chunks, config.num_stages)
+    try:
+        part = partition(costed.step, specs, link, activation_factor=max(factors))
+    except PartitionError as e:
+        return Candidate(config, None, 0, None, str(e).split("\n")[0])
+    predicted = predict_step_s(costed, part, config.chunks, config.schedule, training, link)
+    return Candidate(config, predicted, max(s.memory_bytes for s in part.stages), part)
+
+
+def choose(candidates: Sequence[Candidate], unpipelined: Candidate | None) -> tuple[Candidate, str]:
+    """The candidate to run and why: the fastest that fits, the smallest among those within
+    `TIE` of it; the model as is (`unpipelined`) when nothing is predicted faster than it."""
+    fitting = [c for c in candidates if c.predicted_s is not None]
+    if not fitting:
+        raise PartitionError("no configuration fits: " + "; ".join(
+            f"{c}: {c.problem}" for c in candidates))
+    best_s = min(c.predicted_s for c in fitting)
+    close = [c for c in fitting if c.predicted_s <= best_s * (1 + TIE)]
+    best = min(close, key=lambda c: (c.config.num_stages, c.config.chunks, c.predicted_s))
+    if unpipelined is not None and unpipelined.predicted_s is not None and (
+            best.predicted_s >= unpipelined.predicted_s * (1 - TIE)):
+        return unpipelined, (f"no pipeline is predicted faster than the model run whole "
+                             f"({best} predicted {best.predicted_s * 1e3:.3f} ms, the model "
+                             f"{unpipelined.predicted_s * 1e3:.3f} ms measured)")
+    if len(fitting) == 1:
+        return best, "the only configuration asked for"
+    why = "fastest predicted" if best.predicted_s == best_s else (
+        f"smallest within {TIE:.0%} of the fastest predicted")
+    return best, why
+
+
+def chunk_options(rows: int, max_stages: int) -> list[int]:
+    """Micro-batch counts worth trying: powers of two up to 4 per stage (a pipeline's bubble is
+    then under a fifth), at most 32 and at most the batch's rows."""
+    top = max(1, min(rows, 32, 4 * max_stages))
+    return [2 ** i for i in range(int(math.log2(top)) + 1)]
+
+
+def stage_threads(devices: Sequence[DeviceSpec], num_stages: int, cores: int,
+                  fixed: int | None) -> int:
+    """The intra-op threads of each CPU stage among the first `num_stages` devices."""
+    if fixed is not None:
+        return fixed
+    cpu_stages = sum(d.name.startswith("cpu") for d in devices[:num_stages])
+    return max(1, cores // max(1, cpu_stages))
+
+
+Measure = Callable[[int, int], Costed]    # (chunks, threads) -> the graph costed so
