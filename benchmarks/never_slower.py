@@ -1,0 +1,78 @@
+"""Is a pipeline ever slower than the model? The plan's own choice, measured against the model.
+
+    python benchmarks/never_slower.py [--repeats 7] [--stages 2] [--training]
+
+For each model (the residual MLP of the planner issue, the quickstart's branching CNN, a chain of
+convolutions, the zoo's ResNet-50 and ViT at "small" size), fxpipe compiles with every choice left
+to the plan (`num_stages="auto"`, `chunks="auto"`, `schedule="auto"`) on `--stages` CPU devices,
+and the table prints what it chose, the pipeline's measured time per call (per `train_step` with
+`--training`) beside the model run whole with all cores, measured in the same interleaved rounds,
+and the speed-up the plan predicted. Goal: never below 0.95x; where a pipeline pays, the speed-up
+predicted. Run it alone: two cores are easily shared into noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from tabulate import tabulate
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fxpipe  # noqa: E402
+from benchmarks.pipeline_throughput import build as conv_chain  # noqa: E402
+from benchmarks.pipeline_throughput import side_by_side  # noqa: E402
+from benchmarks.predict import models as predict_models  # noqa: E402
+from examples.zoo import build as zoo  # noqa: E402
+
+
+def models():
+    yield from predict_models()
+    yield "conv chain", conv_chain(48).eval(), torch.randn(64, 3, 32, 32)
+    for name in ("resnet50", "vit"):
+        case = zoo(name, size="small", batch=16)
+        yield name, case.model, case.example_inputs[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--training", action="store_true")
+    options = parser.parse_args()
+    fxpipe.tune_cpu_allocator()
+    cores = torch.get_num_threads()
+    rows = []
+    for name, model, x in models():
+        model.train(options.training)
+        pipe = fxpipe.compile(model, ["cpu"] * options.stages, (x,), num_stages="auto",
+                              chunks="auto", schedule="auto")
+        chosen = pipe.plan.chosen.config
+        if options.training:
+            loss = nn.functional.mse_loss
+            target = model(x).detach()
+            params = [p for p in model.parameters() if p.requires_grad]
+
+            def run_model():
+                torch.autograd.grad(loss(model(x), target), params)
+            fns = {"pipe": lambda: pipe.train_step(x, target, loss), "model": run_model}
+        else:
+            fns = {"pipe": lambda: pipe(x), "model": lambda: model(x)}
+        with torch.set_grad_enabled(options.training):
+            t = side_by_side(fns, options.repeats)
+        choice = ("the model as is" if pipe.plan.runs_as_is else
+                  f"{chosen.num_stages} stages x {chosen.chunks} ({chosen.schedule})")
+        rows.append((name, choice, t["pipe"] * 1e3, t["model"] * 1e3, t["model"] / t["pipe"],
+                     pipe.plan.speedup))
+    mode = "training (train_step)" if options.training else "inference"
+    print(f"{mode}, {options.stages} CPU devices, {cores} cores; ms per call "
+          f"(median of {options.repeats}, interleaved)")
+    print(tabulate(rows, headers=["model", "plan chose", "pipeline", f"model {cores} threads",
+                                  "measured x", "predicted x"], floatfmt=".2f"))
+
+
+if __name__ == "__main__":
+    main()
