@@ -238,10 +238,11 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
     pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
-    pipe.plan = replace(pipe.plan, predicted_step_s=max(
-        (slot.end_s for slot in pipe.predict(training=training)), default=0.0),
-        unpipelined_s=unpipelined_s, unpipelined_threads=caller_threads,
-        considered=tuple(candidates) + ((as_is,) if as_is else ()), chosen=chosen, reason=reason)
+    predicted_s = (unpipelined_s if chosen is as_is else   # it runs the model's own ops so
+                   max((slot.end_s for slot in pipe.predict(training=training)), default=0.0))
+    pipe.plan = replace(pipe.plan, predicted_step_s=predicted_s, unpipelined_s=unpipelined_s,
+                        unpipelined_threads=caller_threads, chosen=chosen, reason=reason,
+                        considered=tuple(candidates) + ((as_is,) if as_is else ()))
     return pipe
 
 
