@@ -7,9 +7,10 @@ import inspect
 import math
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -192,19 +193,24 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
     functionalize(gm, copied(first_args), copied(first_kwargs))
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    measured: dict[tuple[int, int], tuple[search.Costed, dict[fx.Node, Any]]] = {}
+    measured: dict[tuple, tuple[search.Costed, dict[fx.Node, Any]]] = {}
 
-    def measure(chunks: int, threads: int) -> search.Costed:
-        """The graph costed as a stage with `threads` runs one of `chunks` micro-batches."""
-        if (chunks, threads) not in measured:
+    def measure(chunks: int, threads: int, worker: bool) -> search.Costed:
+        """The graph costed as a stage with `threads` runs one of `chunks` micro-batches: on a
+        worker thread of its own when it will run on one (several stages), where intra-op
+        threads scale differently than on the caller's thread."""
+        key = (chunks, threads, worker)
+        if key not in measured:
             part_args, part_kwargs = microbatch.split((args, kwargs), chunks, dims)[0]
-            with _intra_op_threads(threads if specs[0].name.startswith("cpu") else None):
-                annotate_costs(gm, part_args, part_kwargs, device=specs[0].name,
-                               repeats=o["repeats"], backward=training)
-            measured[chunks, threads] = (
-                search.Costed(cost_graph(gm), cost_graph(gm, training=training)),
-                {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
-        return measured[chunks, threads][0]
+
+            def run():
+                with _intra_op_threads(threads if specs[0].name.startswith("cpu") else None):
+                    annotate_costs(gm, part_args, part_kwargs, device=specs[0].name,
+                                   repeats=o["repeats"], backward=training)
+            _on_worker_thread(run) if worker else run()
+            measured[key] = (search.Costed(cost_graph(gm), cost_graph(gm, training=training)),
+                             {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
+        return measured[key][0]
 
     num_stages = o["num_stages"]
     stage_counts = (range(1, len(specs) + 1) if num_stages == "auto" else
@@ -217,16 +223,16 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
         for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
             for schedule in schedules:
                 config = search.Config(k, chunks, schedule, threads)
-                candidates.append(search.consider(config, measure(chunks, threads), specs,
-                                                  link, training))
+                candidates.append(search.consider(config, measure(chunks, threads, k > 1),
+                                                  specs, link, training))
     as_is = None
     if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
         as_is = search.consider(search.Config(1, 1, schedules[0], caller_threads),
-                                measure(1, caller_threads), specs, link, training)
+                                measure(1, caller_threads, False), specs, link, training)
         as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
     chosen, reason = search.choose(candidates, as_is)
     config = chosen.config
-    for n, cost in measured[config.chunks, config.threads][1].items():
+    for n, cost in measured[config.chunks, config.threads, config.num_stages > 1][1].items():
         n.meta["cost"] = cost       # the chosen configuration's costs stay on the graph
     specs = specs[:config.num_stages]
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
@@ -258,6 +264,23 @@ def _chunk_options(model: nn.Module, recipe: _Recipe, training: bool, devices: i
         return [1]
     rows = microbatch.batch_size((recipe.args, recipe.kwargs), recipe.input_dims)
     return search.chunk_options(rows, devices)
+
+
+def _on_worker_thread(fn: Callable[[], None]) -> None:
+    """Call `fn` on a thread of its own, as the runtime runs a stage; its exception re-raised."""
+    errors: list[BaseException] = []
+
+    def call():
+        try:
+            fn()
+        except BaseException as e:      # handed to the caller's thread
+            errors.append(e)
+    thread = threading.Thread(target=call, name="fxpipe-measure", daemon=True)
+    thread.start()
+    while thread.is_alive():            # with a timeout, so Ctrl-C reaches the caller
+        thread.join(0.05)
+    if errors:
+        raise errors[0]
 
 
 @contextlib.contextmanager
