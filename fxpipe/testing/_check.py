@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from passes.compare import equal, output_name, same_structure
 from passes.randomness import microbatch_seeds
 from passes.trace import trace
 
@@ -104,16 +105,18 @@ def _grads(outputs: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) -> None:
-    flat_actual, spec_actual = pytree.tree_flatten(actual)
-    flat_expected, spec_expected = pytree.tree_flatten(expected)
-    assert spec_actual == spec_expected, (
-        f"{what} structure differs: pipeline gives {spec_actual}, model gives {spec_expected}")
-    for i, (a, e) in enumerate(zip(flat_actual, flat_expected)):
+    """Every leaf of `actual` close to `expected`'s (torch.testing.assert_close, or == for a
+    non-tensor); containers as `passes.compare` judges them, by their keys."""
+    assert same_structure(actual, expected), (
+        f"{what} structure differs: pipeline gives {pytree.tree_structure(actual)}, model gives "
+        f"{pytree.tree_structure(expected)}")
+    for (path, e), a in zip(pytree.tree_flatten_with_path(expected)[0], pytree.tree_leaves(actual)):
+        where = f"{what}{'' if not path else ' ' + output_name(path).removeprefix('output ')}"
         if isinstance(e, torch.Tensor) or isinstance(a, torch.Tensor):
             torch.testing.assert_close(a, e, check_device=False, **tolerance,
-                                       msg=lambda m: f"{what} leaf {i} differs: {m}")
+                                       msg=lambda m: f"{where} differs: {m}")
         else:
-            assert a == e, f"{what} leaf {i} differs: {a!r} != {e!r}"
+            assert equal(a, e), f"{where} differs: {a!r} != {e!r}"
 
 
 def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict, tolerance: dict) -> str:
