@@ -17,15 +17,16 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from passes.annotate_costs import annotate_costs
+from passes.annotate_costs import annotate_costs, bind_inputs
 from passes.codegen import split_stages
 from passes.compare import difference, output_name
 from passes.cost_model import DRIVER, DeviceSpec, Link, LinkFn, cost_graph, default_link
 from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from passes.functionalize import functionalize
-from passes.randomness import microbatch_seeds, seed_random_ops
+from passes.randomness import microbatch_seed, microbatch_seeds, seed_random_ops
 from passes.signature import Signature, signature_of
+from passes.state import unchanged_state
 from passes.trace import CaptureMode, trace
 
 from . import microbatch, search
@@ -194,6 +195,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     functionalize(gm, copied(first_args), copied(first_kwargs))
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
     measured: dict[tuple, tuple[search.Costed, dict[fx.Node, Any]]] = {}
+    calibrations: dict[tuple, tuple[float, float]] = {}
 
     def measure(chunks: int, threads: int, worker: bool) -> search.Costed:
         """The graph costed as a stage with `threads` runs one of `chunks` micro-batches: on a
@@ -207,6 +209,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
                 with _intra_op_threads(threads if specs[0].name.startswith("cpu") else None):
                     annotate_costs(gm, part_args, part_kwargs, device=specs[0].name,
                                    repeats=o["repeats"], backward=training)
+                    calibrations[key] = _calibrate(gm, part_args, part_kwargs, training)
             _on_worker_thread(run) if worker else run()
             measured[key] = (search.Costed(cost_graph(gm), cost_graph(gm, training=training)),
                              {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
@@ -218,13 +221,15 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
                      ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
     candidates = []
+    cores = os.cpu_count() or 1
     for k in stage_counts:
-        threads = search.stage_threads(specs, k, os.cpu_count() or 1, o["threads_per_stage"])
+        threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
+        shared = search.sharing_cores(specs[:k], threads, cores)
         for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
             for schedule in schedules:
                 config = search.Config(k, chunks, schedule, threads)
                 candidates.append(search.consider(config, measure(chunks, threads, k > 1),
-                                                  specs, link, training))
+                                                  shared, link, training))
     as_is = None
     if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
         as_is = search.consider(search.Config(1, 1, schedules[0], caller_threads),
@@ -234,7 +239,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     config = chosen.config
     for n, cost in measured[config.chunks, config.threads, config.num_stages > 1][1].items():
         n.meta["cost"] = cost       # the chosen configuration's costs stay on the graph
-    specs = specs[:config.num_stages]
+    specs = chosen.partition.devices
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
     plan = make_plan(gm.meta["capture"], chosen.partition, stages, config.chunks, verified)
@@ -281,6 +286,51 @@ def _on_worker_thread(fn: Callable[[], None]) -> None:
         thread.join(0.05)
     if errors:
         raise errors[0]
+
+
+def _calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
+               repeats: int = 3) -> tuple[float, float]:
+    """Scale the nodes' measured costs so that they add up to the graph's own time, measured
+    here in the same conditions (thread, threads, micro-batch); returns the factors applied to
+    forward and backward times.
+
+    Timing each node alone misses what runs between nodes (the dispatch of the next op, autograd's
+    engine walking the whole graph, gradients accumulated across nodes), and adds what timing a
+    node costs: the graph run whole measures what a stage will see. The median of `repeats` runs
+    after a warm-up; buffers and random generators are left as they were.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    node_fwd_s = sum(n.meta["cost"].fwd_s for n in nodes)
+    node_bwd_s = sum(n.meta["cost"].bwd_s for n in nodes)
+    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
+    inputs = bind_inputs(gm, *pytree.tree_map(
+        lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
+    params = [p for p in gm.parameters() if p.requires_grad]
+    forward_s, step_s = [], []
+    with unchanged_state(gm), torch.random.fork_rng(devices=[]), microbatch_seed(0):
+        for _ in range(repeats + 1):
+            fresh = copied(inputs)
+            _sync_all()
+            start = time.perf_counter()
+            with torch.set_grad_enabled(training and bool(params)):
+                out = gm(*fresh)
+                _sync_all()
+                middle = time.perf_counter()
+                loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.requires_grad)
+                if isinstance(loss, torch.Tensor):
+                    torch.autograd.grad(loss, params, allow_unused=True)
+            _sync_all()
+            forward_s.append(middle - start)
+            step_s.append(time.perf_counter() - start)
+    forward = statistics.median(forward_s[1:])
+    backward = max(0.0, statistics.median(step_s[1:]) - forward)
+    scale = (forward / node_fwd_s if node_fwd_s > 0 else 1.0,
+             backward / node_bwd_s if training and node_bwd_s > 0 else 1.0)
+    for n in nodes:
+        cost = n.meta["cost"]
+        n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
+    return scale
 
 
 @contextlib.contextmanager

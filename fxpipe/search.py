@@ -14,7 +14,7 @@ Everything here is plain data and pure functions of it; measuring is the caller'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from passes.cost_model import CostGraph, DeviceSpec, LinkFn, stage_costs
@@ -149,6 +149,19 @@ def chunk_options(rows: int, max_stages: int) -> list[int]:
     then under a fifth), at most 32 and at most the batch's rows."""
     top = max(1, min(rows, 32, 4 * max_stages))
     return [2 ** i for i in range(int(math.log2(top)) + 1)]
+
+
+def sharing_cores(devices: Sequence[DeviceSpec], threads: int, cores: int) -> list[DeviceSpec]:
+    """`devices` with their CPU stages slowed by the share of the cores each gets, when they
+    ask for more threads than there are cores (4 one-thread stages on 2 cores run at half
+    speed while all are busy): an upper bound on their time, so "auto" does not choose them
+    unawares."""
+    cpu = [d for d in devices if d.name.startswith("cpu")]
+    wanted = sum(d.threads or threads for d in cpu)
+    if wanted <= cores:
+        return list(devices)
+    return [replace(d, speed=d.speed * cores / wanted) if d.name.startswith("cpu") else d
+            for d in devices]
 
 
 def stage_threads(devices: Sequence[DeviceSpec], num_stages: int, cores: int,
