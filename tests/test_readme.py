@@ -20,7 +20,7 @@ def test_the_fxpipe_testing_example_passes_as_written():
     ours = settings._current_profile
     settings.load_profile("default")
     try:
-        exec(compile(example, "README.md", "exec"), namespace)
+        exec(compile(example, "<README.md example>", "exec"), namespace)
         namespace["test_my_pass"]()
     finally:
         settings.load_profile(ours)
