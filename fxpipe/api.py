@@ -306,6 +306,7 @@ def _calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], train
     inputs = bind_inputs(gm, *pytree.tree_map(
         lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
     params = [p for p in gm.parameters() if p.requires_grad]
+    run = _positional(gm)
     forward_s, step_s = [], []
     with unchanged_state(gm), torch.random.fork_rng(devices=[]), microbatch_seed(0):
         for _ in range(repeats + 1):
@@ -313,7 +314,7 @@ def _calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], train
             _sync_all()
             start = time.perf_counter()
             with torch.set_grad_enabled(training and bool(params)):
-                out = gm(*fresh)
+                out = run(*fresh)
                 _sync_all()
                 middle = time.perf_counter()
                 loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
@@ -331,6 +332,17 @@ def _calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], train
         cost = n.meta["cost"]
         n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
     return scale
+
+
+def _positional(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` as generated code taking one positional argument per placeholder (no `*args`, no
+    defaults), as a stage takes its inputs; on `gm`'s own parameters."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            n.target, n.args = n.name, ()
+    return fx.GraphModule(gm, graph)
 
 
 @contextlib.contextmanager
