@@ -185,60 +185,17 @@ class _Recipe:
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     """The passes after capture, on `model` in its current mode, then the checks."""
     o = recipe.options
-    specs, link = o["specs"], o["link"]
     training = model.training if o["training"] is None else o["training"]
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     unpipelined_s = _time_unpipelined(model, recipe, training)
-    caller_threads = torch.get_num_threads()
-    chunk_list = _chunk_options(model, recipe, training, len(specs))
+    chunk_list = _chunk_options(model, recipe, training, len(o["specs"]))
     first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
     functionalize(gm, copied(first_args), copied(first_kwargs))
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    measured: dict[tuple, tuple[search.Costed, dict[fx.Node, Any]]] = {}
-    calibrations: dict[tuple, tuple[float, float]] = {}
-
-    def measure(chunks: int, threads: int, worker: bool) -> search.Costed:
-        """The graph costed as a stage with `threads` runs one of `chunks` micro-batches: on a
-        worker thread of its own when it will run on one (several stages), where intra-op
-        threads scale differently than on the caller's thread."""
-        key = (chunks, threads, worker)
-        if key not in measured:
-            part_args, part_kwargs = microbatch.split((args, kwargs), chunks, dims)[0]
-
-            def run():
-                with _intra_op_threads(threads if specs[0].name.startswith("cpu") else None):
-                    annotate_costs(gm, part_args, part_kwargs, device=specs[0].name,
-                                   repeats=o["repeats"], backward=training)
-                    calibrations[key] = _calibrate(gm, part_args, part_kwargs, training)
-            _on_worker_thread(run) if worker else run()
-            measured[key] = (search.Costed(cost_graph(gm), cost_graph(gm, training=training)),
-                             {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
-        return measured[key][0]
-
-    num_stages = o["num_stages"]
-    stage_counts = (range(1, len(specs) + 1) if num_stages == "auto" else
-                    [num_stages or len(specs)])
-    schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
-                     ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
-    candidates = []
-    cores = os.cpu_count() or 1
-    for k in stage_counts:
-        threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
-        shared = search.sharing_cores(specs[:k], threads, cores)
-        for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
-            for schedule in schedules:
-                config = search.Config(k, chunks, schedule, threads)
-                candidates.append(search.consider(config, measure(chunks, threads, k > 1),
-                                                  shared, link, training))
-    as_is = None
-    if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
-        as_is = search.consider(search.Config(1, 1, schedules[0], caller_threads),
-                                measure(1, caller_threads, False), specs, link, training)
-        as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
-    chosen, reason = search.choose(candidates, as_is)
+    costs = _Costs(gm, recipe, training)
+    chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s)
     config = chosen.config
-    for n, cost in measured[config.chunks, config.threads, config.num_stages > 1][1].items():
-        n.meta["cost"] = cost       # the chosen configuration's costs stay on the graph
+    costs.keep(chosen)
     specs = chosen.partition.devices
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
@@ -249,12 +206,85 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
     pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
+    as_is = considered[-1] if reason.startswith("no pipeline") else None
     predicted_s = (unpipelined_s if chosen is as_is else   # it runs the model's own ops so
                    max((slot.end_s for slot in pipe.predict(training=training)), default=0.0))
     pipe.plan = replace(pipe.plan, predicted_step_s=predicted_s, unpipelined_s=unpipelined_s,
-                        unpipelined_threads=caller_threads, chosen=chosen, reason=reason,
-                        considered=tuple(candidates) + ((as_is,) if as_is else ()))
+                        unpipelined_threads=torch.get_num_threads(), chosen=chosen,
+                        reason=reason, considered=considered,
+                        calibration=costs.calibration[costs.key(chosen.config)])
     return pipe
+
+
+def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequence[int],
+            unpipelined_s: float) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
+    """Every configuration the options leave open, costed, partitioned and predicted; the one
+    to build, why, and all those considered (the model as is last, when it was one)."""
+    o = recipe.options
+    specs, link, num_stages = o["specs"], o["link"], o["num_stages"]
+    stage_counts = (range(1, len(specs) + 1) if num_stages == "auto" else
+                    [num_stages or len(specs)])
+    schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
+                     ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
+    cores = os.cpu_count() or 1
+    candidates = []
+    for k in stage_counts:
+        threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
+        shared = search.sharing_cores(specs[:k], threads, cores)
+        for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
+            for schedule in schedules:
+                config = search.Config(k, chunks, schedule, threads)
+                candidates.append(search.consider(config, costs.measure(config),
+                                                  shared, link, training))
+    as_is = None
+    if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
+        config = search.Config(1, 1, schedules[0], torch.get_num_threads())
+        as_is = search.consider(config, costs.measure(config), specs, link, training)
+        as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
+    chosen, reason = search.choose(candidates, as_is)
+    return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
+
+
+class _Costs:
+    """The graph's node costs, measured once per micro-batch size, thread count and thread
+    (the caller's, or a worker's as the stages of a pipeline run on), then calibrated."""
+
+    def __init__(self, gm: fx.GraphModule, recipe: _Recipe, training: bool):
+        self.gm, self.recipe, self.training = gm, recipe, training
+        self.measured: dict[tuple, tuple[search.Costed, dict[fx.Node, Any]]] = {}
+        self.calibration: dict[tuple, tuple[float, float]] = {}
+
+    @staticmethod
+    def key(config: search.Config) -> tuple[int, int, bool]:
+        return config.chunks, config.threads, config.num_stages > 1
+
+    def measure(self, config: search.Config) -> search.Costed:
+        """The graph costed as a stage with `config.threads` runs one of `config.chunks`
+        micro-batches: on a worker thread of its own when it will run on one (several
+        stages), where intra-op threads scale differently than on the caller's thread."""
+        key = self.key(config)
+        worker = config.num_stages > 1
+        if key not in self.measured:
+            gm, o = self.gm, self.recipe.options
+            device = o["specs"][0].name
+            args, kwargs = microbatch.split((self.recipe.args, self.recipe.kwargs),
+                                            config.chunks, self.recipe.input_dims)[0]
+
+            def run():
+                with _intra_op_threads(config.threads if device.startswith("cpu") else None):
+                    annotate_costs(gm, args, kwargs, device=device, repeats=o["repeats"],
+                                   backward=self.training)
+                    self.calibration[key] = _calibrate(gm, args, kwargs, self.training)
+            _on_worker_thread(run) if worker else run()
+            self.measured[key] = (
+                search.Costed(cost_graph(gm), cost_graph(gm, training=self.training)),
+                {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
+        return self.measured[key][0]
+
+    def keep(self, chosen: search.Candidate) -> None:
+        """Leave the chosen configuration's costs on the graph's nodes."""
+        for n, cost in self.measured[self.key(chosen.config)][1].items():
+            n.meta["cost"] = cost
 
 
 def _chunk_options(model: nn.Module, recipe: _Recipe, training: bool, devices: int) -> list[int]:

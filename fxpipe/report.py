@@ -36,6 +36,7 @@ class Plan:
     considered: tuple = ()                    # search.Candidate: the configurations weighed
     chosen: object = None                     # the one chosen (a search.Candidate)
     reason: str = ""                          # why
+    calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
 
     @property
     def speedup(self) -> float | None:
@@ -65,10 +66,21 @@ class Plan:
             self.table(),
             f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
             f"{p.lower_bound_s * 1e3:.3f} ms ({proof})",
+            *self._measurement(),
             *self._comparison(),
             *self._choice(),
             f"outputs checked against the model: {self.verified}",
         ])
+
+    def _measurement(self) -> list[str]:
+        """How the costs were measured: the calibration to the graph's own time."""
+        if self.calibration is None:
+            return []
+        forward, backward = self.calibration
+        scaled = f"x{forward:.2f} forward" + (f", x{backward:.2f} backward"
+                                             if backward != 1.0 else "")
+        return [f"node costs: measured one by one, scaled ({scaled}) to the time of the whole "
+                f"graph measured as a stage runs it"]
 
     def _comparison(self) -> list[str]:
         """The pipeline's predicted time per batch against the model's own, and a warning
