@@ -18,6 +18,8 @@ pipeline, which runs tensor operations only: each front-end runs on a snapshot o
 plain attributes, restored afterwards, and a forward that filled a list, dict or set, or stored a
 number or a tensor, is refused by name.
 
+A graph must also be fine enough for the stages asked: an fx graph that keeps a big module
+whole (torch.nn's own `TransformerEncoder`, whose fast path fx cannot follow) gives way to export.
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
 The graph records how it was captured in `gm.meta["capture"]` (a `Capture`).
@@ -47,7 +49,7 @@ import sys
 import threading
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import torch
@@ -76,12 +78,16 @@ class Capture:
 
     `training` is the mode an export graph was captured in (its dropout and BatchNorm stay so);
     None for fx graphs, whose modules follow `.train()` and `.eval()`.
+
+    `reason` says why this front-end and not an earlier one: their failures, or an fx graph too
+    coarse to balance the stages asked (see `trace`); the plan prints it.
     """
 
     method: str
     leaves: tuple[str, ...] = ()
     failures: tuple[str, ...] = field(default=(), compare=False)
     training: bool | None = None
+    reason: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         text = self.method
@@ -89,15 +95,15 @@ class Capture:
             text += f" in {'train' if self.training else 'eval'} mode"
         if self.leaves:
             text += f" (kept whole: {', '.join(self.leaves)})"
-        if self.failures:
-            text += " because " + "; ".join(
-                f.splitlines()[0].replace(": ", " failed: ", 1) for f in self.failures)
+        if self.reason:
+            text += " because " + self.reason
         return text
 
 
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[str, Any] | None = None,
           *, capture: CaptureMode = "auto", leaf_modules: Iterable[str | type] = (),
-          concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0) -> fx.GraphModule:
+          concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0,
+          stages: int = 1) -> fx.GraphModule:
     """Capture `model` as a GraphModule whose forward takes the same inputs as `model`'s.
 
     `capture` picks the front-ends: "auto" tries fx, fx+leaves, then export; "fx" only fx; "export"
@@ -106,6 +112,12 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     apply to fx (export fixes every non-tensor input to its example value). Inputs not given in
     the example default to theirs. `batch_dims`, an int or a pytree prefix of `(example_inputs,
     example_kwargs)` (None: no batch dimension), names the dimension export leaves free.
+
+    `stages` is the number of stages the graph will be split into. With "auto", an fx graph too
+    coarse to balance them (see `_too_coarse`: fewer nodes than stages, or a module kept whole
+    holding most of the parameters) gives way to export, which records that module op by op;
+    when export fails, the fx graph stays. `Capture.reason` says which and why. The default,
+    1, never finds a graph too coarse.
     """
     if capture not in CAPTURE_MODES:
         raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
@@ -116,23 +128,30 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     leaves = list(leaf_modules) + [name for name in hooked if name not in leaf_modules]
     named_leaves = tuple(l for l in leaves if isinstance(l, str))
     failures: list[str] = []
+    coarse: fx.GraphModule | None = None     # an fx graph too coarse for `stages`: the fallback
+    why_coarse = ""
 
     if capture in ("auto", "fx"):
         gm, failure = _without_side_effects(
             model, _fx_trace, model, leaves, concrete, example_inputs, example_kwargs)
         if gm is not None:
             gm.meta["capture"] = Capture("fx", named_leaves)
-            return gm
-        failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
-        if capture == "auto" and failure.culprit:   # a submodule to keep whole: try again
+        else:
+            failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
+        if gm is None and capture == "auto" and failure.culprit:   # a submodule to keep whole
             gm, auto_leaves, error = _without_side_effects(
                 model, _fx_trace_with_auto_leaves, model, leaves, concrete, example_inputs,
                 example_kwargs)
             if gm is not None:
                 gm.meta["capture"] = Capture("fx+leaves", (*named_leaves, *auto_leaves),
-                                             tuple(failures))
+                                             tuple(failures), reason=_because(failures))
+            else:
+                failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
+        if gm is not None:
+            why_coarse = _too_coarse(model, gm, leaves, stages) if capture == "auto" else ""
+            if not why_coarse:
                 return gm
-            failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
+            coarse = gm
     if capture in ("auto", "export") and hooked:
         failures.append(
             "torch.export: it runs hooks once, at capture, and keeps only their tensor operations: "
@@ -143,11 +162,57 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
         gm, failure = _without_side_effects(
             model, _export, model, example_inputs, example_kwargs, batch_dims)
         if gm is not None:
-            gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training)
+            gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training,
+                                         reason=why_coarse or _because(failures))
             return gm
         failures.append(f"torch.export: {failure}\n    {_FIX['export']}")
+    if coarse is not None:   # still a faithful graph: the partitioner says what it can do with it
+        capture_ = coarse.meta["capture"]
+        coarse.meta["capture"] = replace(capture_, failures=(*capture_.failures, failures[-1]),
+                                         reason=f"{why_coarse}, and {_because(failures[-1:])}")
+        return coarse
     raise TraceError(f"could not capture {type(model).__name__} as a graph:\n  - " +
                      "\n  - ".join(failures))
+
+
+def _because(failures: Iterable[str]) -> str:
+    """`torch.fx failed: TraceError: ...`: the first line of each failure, as a reason."""
+    return "; ".join(f.splitlines()[0].replace(": ", " failed: ", 1) for f in failures)
+
+
+def _too_coarse(model: nn.Module, gm: fx.GraphModule, given_leaves: Iterable[str | type],
+                stages: int) -> str:
+    """Why `gm` is too coarse to balance `stages` stages, or "" when it is not.
+
+    The rule, from what is known without measuring: a module fxpipe kept whole (fx keeps torch.nn's
+    own modules whole, as `nn.TransformerEncoder`; fx+leaves those whose forward broke tracing),
+    which has submodules, is too big when the graph has fewer computing nodes than stages (the
+    partitioner would refuse it), or when it alone holds most of the model's parameters, more
+    than any stage's share: a split around it cannot balance. Parameters stand for work here
+    only where one module dwarfs the rest; a smaller leaf (a loop kept whole, one of many
+    attention blocks) is left to the partitioner. A module without submodules is one op in any
+    front-end, and those the user or a hook asked to keep whole (`given_leaves`) stay whole.
+    """
+    if stages <= 1:
+        return ""
+    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    total = sum(p.numel() for p in model.parameters())
+    given = tuple(l for l in given_leaves if isinstance(l, type))
+    names = {l for l in given_leaves if isinstance(l, str)}
+    found = []
+    for name in dict.fromkeys(n.target for n in computing if n.op == "call_module"):
+        module = model.get_submodule(name)
+        if name in names or isinstance(module, given) or not next(module.children(), None):
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if len(computing) < stages or params * 2 > total > 0:
+            found.append((params, name, module))
+    if not found:
+        return ""
+    params, name, module = max(found, key=lambda item: item[0])
+    share = f", {params / total:.0%} of the parameters" if total else ""
+    return (f"torch.fx kept {name!r} ({type(module).__name__}{share}) whole, too coarse to "
+            f"balance {stages} stages")
 
 
 _FIX = {
