@@ -41,9 +41,7 @@ import contextlib
 import copy
 import inspect
 import io
-import linecache
 import logging
-import os
 import re
 import sys
 import threading
@@ -62,6 +60,7 @@ from .compare import difference
 from .errors import TraceError
 from .signature import plain_varargs
 from .state import unchanged_state
+from .user_code import describe_frame, user_frame
 
 CaptureMode = Literal["auto", "fx", "export"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "fx", "export")
@@ -369,18 +368,15 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
 
 
 class _InferenceModeWatch(TorchFunctionMode):
-    """Notes where forward first runs a torch op in inference mode (`site`, "file:line: code"):
+    """Notes where forward first runs a torch op in inference mode (`site`, the user's line):
     torch.export records `no_grad` regions in its graph but drops `inference_mode` ones."""
 
     site: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.site is None and torch.is_inference_mode_enabled():
-            torch_dir, here = os.path.dirname(torch.__file__), os.path.dirname(__file__)
-            frames = [f for f in traceback.extract_stack()
-                      if not f.filename.startswith((torch_dir, here))]
-            self.site = (f"at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
-                         if frames else "in a torch module")
+            frame = user_frame()
+            self.site = describe_frame(frame, "", one_line=True) if frame else "in a torch module"
         return func(*args, **(kwargs or {}))
 
 
@@ -655,7 +651,8 @@ def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceE
         found = next((i for i, line in enumerate(lines) if re.search(rf"\bself\.{name}\b", line)),
                      None)
         if found is not None:
-            message += f"\n      at {file}:{start + found}: {lines[found].strip()}"
+            frame = traceback.FrameSummary(file, start + found, "forward", line=lines[found])
+            message += "\n" + describe_frame(frame, "      ", one_line=True)
     except (OSError, TypeError):
         pass
     return TraceError(message + "\n    Fix: move it out of forward (do it with the pipeline's "
@@ -675,20 +672,11 @@ def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, A
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    return [f for f in traceback.extract_tb(error.__traceback__)
-            if not f.filename.startswith((torch_dir, here))]
-
-
 def _describe(error: BaseException, model: nn.Module) -> str:
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    frames = _user_frames(error)
-    if frames:
-        f = frames[-1]
-        line = (f.line or linecache.getline(f.filename, f.lineno)).strip()
-        message += f"\n      at {f.filename}:{f.lineno}: {line}"
+    frame = user_frame(error)
+    if frame is not None:
+        message += "\n" + describe_frame(frame, "      ", one_line=True)
     culprit = _culprit(error, model)
     if culprit:
         message += f"\n      in module {culprit!r} ({type(model.get_submodule(culprit)).__name__})"
