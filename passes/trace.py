@@ -22,7 +22,9 @@ A graph must also be fine enough for the stages asked: an fx graph that keeps a 
 whole (torch.nn's own `TransformerEncoder`, whose fast path fx cannot follow) gives way to export.
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
-The graph records how it was captured in `gm.meta["capture"]` (a `Capture`).
+The graph records how it was captured in `gm.meta["capture"]` (a `Capture`), and each front-end
+its calling convention in `gm.meta["signature"]` (a `passes.signature.Signature`: the inputs fx
+fixed, export's specs), so nothing needs to be recovered from the graph afterwards.
 
 Grad-mode regions in forward (`with torch.no_grad():`, a frozen teacher) stay regions: an fx node
 records the mode it was traced in (`node.meta["grad_enabled"]`, see `_Tracer`) and
@@ -58,7 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from .compare import difference
 from .errors import TraceError
-from .signature import plain_varargs
+from .signature import exported_signature, plain_varargs, traced_signature
 from .state import unchanged_state
 from .user_code import describe_frame, user_frame
 
@@ -313,10 +315,12 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
     except Exception as e:  # fx raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
+    out_spec = None
     if args or kwargs:
-        mismatch = _mismatch(model, gm, args, kwargs)
+        mismatch, out_spec = _mismatch(model, gm, args, kwargs)
         if mismatch:
             raise _TraceFailure(f"the traced graph does not reproduce the model: {mismatch}", None)
+    gm.meta["signature"] = traced_signature(gm, model.forward, concrete, out_spec)
     return gm
 
 
@@ -361,9 +365,10 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
             f"leaves out of the graph: those ops would get gradients. Use torch.no_grad() there, "
             f"which the graph keeps", None)
     gm = _readable(program.module(), type(model).__name__)
-    mismatch = _mismatch(model, gm, args, kwargs)
+    mismatch, _ = _mismatch(model, gm, args, kwargs)
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
+    gm.meta["signature"] = exported_signature(gm, program.module_call_graph[0].signature)
     return gm
 
 
@@ -696,15 +701,16 @@ def _culprit(error: BaseException, model: nn.Module) -> str | None:
     return culprit
 
 
-def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> str:
-    """Why `gm` does not reproduce `model` on the example, or "" when it does.
+def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple,
+              kwargs: Mapping[str, Any]) -> tuple[str, pytree.TreeSpec | None]:
+    """Why `gm` does not reproduce `model` on the example ("" when it does), and the structure
+    of the model's output, which the signature keeps so that the pipeline returns the model's
+    own containers (an `OrderedDict`, where fx's graph returns a `dict`).
 
     Each runs on its own copy of the example (a forward may write its inputs in place), from the
     same random state, and buffers (e.g. BatchNorm statistics) are restored afterwards, so
     checking leaves the model and the caller's tensors as they were. Outputs compare as in
-    `passes.compare`. When they agree, `gm.meta["out_spec"]` records the model's output
-    structure, so the pipeline returns the model's own containers (an `OrderedDict`, where fx's
-    graph returns a `dict`).
+    `passes.compare`.
     """
     given = _copied((args, kwargs))
     try:
@@ -716,12 +722,9 @@ def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping
                 torch.manual_seed(0)
                 actual = gm(*_copied(args), **_copied(kwargs))
     except Exception as e:
-        return f"running the graph raised {type(e).__name__}: {e}"
+        return f"running the graph raised {type(e).__name__}: {e}", None
     gm.meta["input_writes"] = _written_inputs(model, (args, kwargs), given)
-    problem = difference(actual, expected, tolerance=None)
-    if not problem:
-        gm.meta["out_spec"] = pytree.tree_structure(expected)
-    return problem
+    return difference(actual, expected, tolerance=None), pytree.tree_structure(expected)
 
 
 def _copied(value: Any) -> Any:
