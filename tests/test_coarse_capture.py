@@ -94,7 +94,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_an_encoder_inside_a_model_compiles_on_more_stages_than_fx_nodes(stages, training):
     torch.manual_seed(0)
     model, x = Tagger().train(training), _x(8, 5, 16)
-    pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=2)
+    pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=2, repeats=1)
     assert len(pipe.stages) == stages
     text = str(pipe.plan)
     assert (f"captured by export in {'train' if training else 'eval'} mode because torch.fx "
@@ -116,6 +116,6 @@ def test_a_transformer_encoder_compiles_on_4_and_8_stages(stages, training):
     torch.manual_seed(0)
     model = encoder().train(training)
     pipe = assert_pipeline_matches(model, (_x(8, 5, 32),), devices=["cpu"] * stages,
-                                   backward=True)
+                                   backward=True, repeats=1)
     assert len(pipe.stages) == stages
     assert "captured by export" in str(pipe.plan)
