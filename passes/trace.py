@@ -212,8 +212,9 @@ def _too_coarse(model: nn.Module, gm: fx.GraphModule, given_leaves: Iterable[str
         return ""
     params, name, module = max(found, key=lambda item: item[0])
     share = f", {params / total:.0%} of the parameters" if total else ""
-    return (f"torch.fx kept {name!r} ({type(module).__name__}{share}) whole, too coarse to "
-            f"balance {stages} stages")
+    why = (f"too coarse to balance {stages} stages" if params * 2 > total > 0 else
+           f"and its graph has {len(computing)} computing nodes, too few for {stages} stages")
+    return f"torch.fx kept {name!r} ({type(module).__name__}{share}) whole, {why}"
 
 
 _FIX = {

@@ -58,6 +58,25 @@ def test_an_encoder_holding_more_than_a_stages_share_gives_way_to_export():
     torch.testing.assert_close(gm(x), model(x))
 
 
+class WideInput(Tagger):
+    """The encoder holds a fifth of the parameters: a wide input projection holds the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4096, 32)
+
+
+def test_a_graph_with_fewer_nodes_than_stages_gives_way_to_export_when_a_leaf_can_open():
+    model, x = WideInput().eval(), _x(2, 3, 4096)
+    assert trace(model, (x,), stages=3).meta["capture"].method == "fx"    # 3 nodes: enough
+    gm = trace(model, (x,), stages=4)
+    assert gm.meta["capture"].method == "export"
+    assert gm.meta["capture"].reason == (
+        "torch.fx kept 'encoder' (TransformerEncoder, 21% of the parameters) whole, and its "
+        "graph has 3 computing nodes, too few for 4 stages")
+    torch.testing.assert_close(gm(x), model(x))
+
+
 def test_leaves_the_user_asked_for_stay_whole_however_big():
     gm = trace(Tagger().eval(), (_x(4, 5, 16),), stages=4, leaf_modules=["encoder"])
     assert gm.meta["capture"].method == "fx" and not gm.meta["capture"].reason
