@@ -168,9 +168,10 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
             return gm
         failures.append(f"torch.export: {failure}\n    {_FIX['export']}")
     if coarse is not None:   # still a faithful graph: the partitioner says what it can do with it
-        capture_ = coarse.meta["capture"]
-        coarse.meta["capture"] = replace(capture_, failures=(*capture_.failures, failures[-1]),
-                                         reason=f"{why_coarse}, and {_because(failures[-1:])}")
+        kept = coarse.meta["capture"]
+        why = f"{why_coarse}, and {_because(failures[-1:])}"
+        coarse.meta["capture"] = replace(kept, failures=(*kept.failures, failures[-1]),
+                                         reason=f"{kept.reason}; {why}" if kept.reason else why)
         return coarse
     raise TraceError(f"could not capture {type(model).__name__} as a graph:\n  - " +
                      "\n  - ".join(failures))

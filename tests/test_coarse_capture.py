@@ -138,3 +138,38 @@ def test_a_transformer_encoder_compiles_on_4_and_8_stages(stages, training):
                                    backward=True, repeats=1)
     assert len(pipe.stages) == stages
     assert "captured by export" in str(pipe.plan)
+
+
+class Gated(nn.Module):
+    """A block whose forward fx cannot follow (a branch on a value): fx+leaves keeps it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.b(self.a(x))
+        return self.a(x)
+
+
+class GatedTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gated()
+        self.head = nn.Linear(32, 2)
+        self.head.register_forward_hook(lambda module, args, out: None)
+
+    def forward(self, x):
+        return self.head(self.gate(x))
+
+
+def test_the_reason_keeps_why_fx_needed_leaves_and_why_export_was_not_taken():
+    model, x = GatedTagger().eval(), _x(4, 32)
+    gm = trace(model, (x,), stages=2)
+    capture = gm.meta["capture"]
+    assert capture.method == "fx+leaves" and capture.leaves == ("head", "gate")
+    assert capture.reason.startswith("torch.fx failed: TraceError: symbolically traced variables")
+    assert ("; torch.fx kept 'gate' (Gated, 97% of the parameters) whole, too coarse to balance 2 "
+            "stages, and torch.export failed: it runs hooks once") in capture.reason
+    torch.testing.assert_close(gm(x), model(x))
