@@ -129,7 +129,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          training=training, threads_per_stage=threads_per_stage, link=link,
                          repeats=repeats, verify=verify, verify_tolerance=verify_tolerance),
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
-                          concrete_args=concrete_args))
+                          concrete_args=concrete_args,   # stages: a graph fine enough for them
+                          stages=num_stages if isinstance(num_stages, int) else len(specs)))
     try:
         pipe = _build(model, recipe.trace(model), recipe)
     except BatchError:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
-import os
 from typing import Any, Callable, Mapping
 
 import torch
@@ -41,6 +40,7 @@ from .errors import TraceError
 from .graph_values import PlainInterpreter, tensors
 from .signature import signature_of
 from .state import order_state_reads, unchanged_state
+from .user_code import describe_frame, user_frame
 
 _INPLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
@@ -65,7 +65,6 @@ _VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
 _VIEW_FUNCTIONS = ({getattr(torch, n) for n in _VIEW_NAMES if hasattr(torch, n)} |
                    {operator.getitem, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
                     F.alpha_dropout, F.feature_alpha_dropout})
-_TORCH_DIR = os.path.dirname(torch.__file__)
 _VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
 
 
@@ -358,16 +357,10 @@ def _out_of_place_hint(node: fx.Node, name: str) -> str:
 
 
 def _source_line(node: fx.Node) -> str:
-    """`File "model.py", line 12, in forward` and its code: the last frame outside torch in
-    `node`'s recorded stack trace, or '' when none was recorded."""
-    lines = [line.strip() for line in node.meta.get("stack_trace", "").splitlines()]
-    frames = [i for i, line in enumerate(lines)
-              if line.startswith("File ") and _TORCH_DIR not in line]
-    if not frames:
-        return ""
-    i = frames[-1]
-    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-    return f"  {lines[i]}\n    {code}\n"
+    """`File "model.py", line 12, in forward` and its code, indented, from the stack trace
+    `node` recorded (see `passes.user_code`), or '' when none was recorded."""
+    frame = user_frame(node)
+    return describe_frame(frame) + "\n" if frame is not None else ""
 
 
 def _aten_base_name(op: torch._ops.OpOverload) -> str | None:

@@ -4,15 +4,14 @@ A model is called as `model(*args, **kwargs)` and returns a pytree: a tensor, a 
 Hugging Face `ModelOutput`... Its GraphModule has flat placeholders, and its output node lists
 values. `Signature` maps between the two, for both front-ends:
 
-- torch.fx graphs have one placeholder per forward parameter, named after it (defaults kept), and
-  the output node holds the output's structure with nodes as leaves. `*args` and `**kwargs` are
-  one placeholder each, bound to a tuple and a dict; `plain_varargs` (run by `passes.trace`)
-  drops fx's `*` from their targets, so that `fx.Interpreter` too reads one value per placeholder,
+- torch.fx graphs have one placeholder per forward parameter (defaults kept), and the output
+  node holds the output's structure with nodes as leaves. `*args` and `**kwargs` are one
+  placeholder each, bound to a tuple and a dict; `plain_varargs` (run by `passes.trace`) drops
+  fx's `*` from their targets, so that `fx.Interpreter` too reads one value per placeholder,
   while the module's `forward` still takes `*args`, `**kwargs` as the model does. An input fx
   specialised through `concrete_args` (traced at its value, e.g. `mask=None`) is a placeholder
-  that fx renames (`mask_1`) and checks (`mask has been specialized to have value None`): it is
-  taken under its own name, and a value other than the traced one is refused by name, up front,
-  since the graph computes with the traced one.
+  that fx renames (`mask_1`): it is taken under its own name, and a value other than the traced
+  one is refused by name, up front, since the graph computes with the traced one.
 - torch.export graphs have one placeholder per leaf of the example's `(args, kwargs)`, in the
   order of the graph's `in_spec`, and return flat values that `out_spec` puts back together. They
   take positionally what the example gave positionally, the rest by keyword. Export fixed every
@@ -21,20 +20,22 @@ values. `Signature` maps between the two, for both front-ends:
   input that is not a tensor (a flag, a step count, a temperature) to its example value, so any
   other value, or a tensor in its place, is refused by name too.
 
-`signature_of(gm)` reads all of it from the graph, so any GraphModule works, however captured.
+Each front-end knows its convention (`passes.trace` builds it with `traced_signature` or
+`exported_signature` and keeps it in `gm.meta["signature"]`); `signature_of(gm)` returns it with
+the graph's current placeholders and output values, which later passes may rewire. A graph
+captured elsewhere is read from the graph itself (fx: inputs fx specialised are then plain
+inputs under fx's names; export: its pytree codegen).
 """
 
 from __future__ import annotations
 
-import operator
-import re
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+import inspect
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx._symbolic_trace import _assert_is_none
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .errors import InputError
@@ -171,14 +172,71 @@ class Signature:
 
 
 def signature_of(gm: fx.GraphModule) -> Signature:
-    """The calling convention of `gm`: export's pytree specs when it has them, else fx's."""
+    """The calling convention of `gm`: the one its front-end recorded, else read off the graph."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    known = gm.meta.get("signature")
+    if isinstance(known, Signature) and len(known.placeholders) == len(placeholders):
+        leaves = (_flat(output) if known.in_spec is not None
+                  else pytree.tree_leaves(_plain(output.args[0])))
+        return replace(known, placeholders=tuple(p.name for p in placeholders),
+                       out_leaves=_out_leaves(leaves))
+    # A graph exported elsewhere: no public attribute of a GraphModule holds export's specs.
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is not None and info.in_spec is not None:
-        return _exported(placeholders, output, info)
-    return _traced(placeholders, output, getattr(gm.graph._codegen, "stars", {}),
-                   gm.meta.get("out_spec"))
+        return _exported(placeholders, output, info.orig_args, info.in_spec, info.out_spec)
+    return _traced(placeholders, output, None)
+
+
+def traced_signature(gm: fx.GraphModule, forward: Any, concrete_args: Mapping[str, Any],
+                     model_out_spec: pytree.TreeSpec | None) -> Signature:
+    """The convention of `gm`, traced by fx from a module whose forward is `forward` with
+    `concrete_args` fixed: inputs named after forward's parameters, those fixed specialised to
+    their value. `model_out_spec` is the model's own output structure (see `_model_containers`).
+
+    fx makes one placeholder per parameter, in the order of forward's code: positional, then
+    keyword-only, then `*args`, then `**kwargs`; a fixed input whose value holds several leaves
+    (or fx's `PH`) gets other placeholders, and then the graph's own names are used.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    try:
+        params = sorted(inspect.signature(forward).parameters.values(),
+                        key=lambda p: _FX_ORDER[p.kind])
+    except (TypeError, ValueError):
+        return _traced(placeholders, output, model_out_spec)
+    stars = {p.name: _STARS[p.kind] for p in params if p.kind in _STARS}
+    fixed = {p.name: concrete_args[p.name] for p in params if p.name in concrete_args}
+    if (len(params) != len(placeholders)
+            or any(isinstance(leaf, type(fx.PH)) for leaf in pytree.tree_leaves(fixed))
+            or any(p.name not in fixed and p.name != ph.target.lstrip("*")
+                   for p, ph in zip(params, placeholders))):
+        return _traced(placeholders, output, model_out_spec, stars)
+    names = tuple(p.name for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    defaults.update(fixed)
+    var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    leaves, out_spec = pytree.tree_flatten(_plain(output.args[0]))
+    return Signature(tuple(p.name for p in placeholders), names,
+                     sum(name not in (var_positional, var_keyword) for name in names), defaults,
+                     None, (None,) * len(placeholders),
+                     _model_containers(leaves, out_spec, model_out_spec), _out_leaves(leaves),
+                     var_positional, var_keyword, fixed)
+
+
+def exported_signature(gm: fx.GraphModule, call: Any) -> Signature:
+    """The convention of `gm`, torch.export's graph, from the `ModuleCallSignature` of its
+    program's top module (`ExportedProgram.module_call_graph[0].signature`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return _exported(placeholders, output, call.forward_arg_names, call.in_spec, call.out_spec)
+
+
+_FX_ORDER = {inspect.Parameter.POSITIONAL_ONLY: 0, inspect.Parameter.POSITIONAL_OR_KEYWORD: 0,
+             inspect.Parameter.KEYWORD_ONLY: 1, inspect.Parameter.VAR_POSITIONAL: 2,
+             inspect.Parameter.VAR_KEYWORD: 3}
+_STARS = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
 
 
 class VarArgsCodeGen(fx.graph.CodeGen):
@@ -201,10 +259,11 @@ def plain_varargs(gm: fx.GraphModule) -> fx.GraphModule:
     `fx.Interpreter` gives a placeholder whose target starts with `*` every remaining input, so
     `Interpreter.run(*signature_of(gm).flatten_inputs(...))`, one value per placeholder, would
     wrap the tuple in a list. A plain target takes the tuple as it is; `VarArgsCodeGen` keeps
-    `gm(x, a, b)` working as `model(x, a, b)`. Graphs with another codegen (export's) are left.
+    `gm(x, a, b)` working as `model(x, a, b)`. For a graph fresh from fx's tracer, whose code
+    fx's own codegen writes (export's graphs have no starred placeholders).
     """
     starred = [p for p in gm.graph.find_nodes(op="placeholder") if p.target.startswith("*")]
-    if not starred or type(gm.graph._codegen) is not fx.graph.CodeGen:
+    if not starred:
         return gm
     stars = {}
     for p in starred:
@@ -216,19 +275,16 @@ def plain_varargs(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _traced(placeholders: list[fx.Node], output: fx.Node, stars: Mapping[str, str],
-            model_out_spec: pytree.TreeSpec | None) -> Signature:
-    names, defaults, specialised, star_of = [], {}, {}, {}
+def _traced(placeholders: list[fx.Node], output: fx.Node,
+            model_out_spec: pytree.TreeSpec | None, stars: Mapping[str, str] = {}) -> Signature:
+    """An fx graph's convention read off the graph: one input per placeholder, named by its
+    target; `*args` and `**kwargs` by the star of their target, or `stars` (name -> "*", "**")."""
+    names, defaults, star_of = [], {}, {}
     for p in placeholders:
-        fixed = _specialisation(p)
-        if fixed is not None:    # the traced value is the one to pass when the caller does not
-            name, value = fixed
-            specialised[name] = defaults[name] = value
-        else:
-            name = p.target.lstrip("*")
-            star_of[name] = stars.get(name) or p.target[:-len(name)]   # "", "*" or "**"
-            if p.args:
-                defaults[name] = p.args[0]
+        name = p.target.lstrip("*")
+        star_of[name] = stars.get(name) or p.target[:-len(name)]   # "", "*" or "**"
+        if p.args:
+            defaults[name] = p.args[0]
         names.append(name)
     var_positional = next((n for n, star in star_of.items() if star == "*"), None)
     var_keyword = next((n for n, star in star_of.items() if star == "**"), None)
@@ -237,7 +293,7 @@ def _traced(placeholders: list[fx.Node], output: fx.Node, stars: Mapping[str, st
     out_spec = _model_containers(leaves, out_spec, model_out_spec)
     return Signature(tuple(p.name for p in placeholders), tuple(names), positional, defaults, None,
                      (None,) * len(placeholders), out_spec, _out_leaves(leaves),
-                     var_positional, var_keyword, specialised)
+                     var_positional, var_keyword)
 
 
 def _model_containers(leaves: list[Any], graph_spec: pytree.TreeSpec,
@@ -254,30 +310,6 @@ def _model_containers(leaves: list[Any], graph_spec: pytree.TreeSpec,
     return model_spec if paths == graph_paths else graph_spec
 
 
-_SPECIALISED = re.compile(r"(\w+) has been specialized to have value")
-
-
-def _specialisation(placeholder: fx.Node) -> tuple[str, Any] | None:
-    """(input name, traced value) when fx specialised `placeholder` through `concrete_args`.
-
-    Read off the check fx adds, which names the input, because fx renames its placeholder
-    (`mask` becomes `mask_1`): `_assert_is_none(mask_1, "mask has been specialized ...")`, or
-    `torch._assert(scale_1 == 1.0, "scale has been specialized ...")`.
-    """
-    for user in placeholder.users:
-        if user.target is _assert_is_none:
-            check, value = user, None
-        elif (user.target is operator.eq and user.args[0] is placeholder and len(user.users) == 1
-              and next(iter(user.users)).target is torch._assert):
-            check, value = next(iter(user.users)), user.args[1]
-        else:
-            continue
-        match = _SPECIALISED.match(str(check.args[1]))
-        if match:
-            return match[1], value
-    return None
-
-
 def _shown(value: Any) -> str:
     """A value as an error message shows it: a tensor by its shape."""
     return (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
@@ -292,22 +324,30 @@ def _same(given: Any, traced: Any) -> bool:
     return not isinstance(given, torch.Tensor) and (given == traced) is True
 
 
-def _exported(placeholders: list[fx.Node], output: fx.Node, info: Any) -> Signature:
-    in_spec = info.in_spec
+def _exported(placeholders: list[fx.Node], output: fx.Node, arg_names: Sequence[str] | None,
+              in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec | None) -> Signature:
+    """An export graph's convention: `in_spec` and `out_spec` of its program, forward's
+    positional parameter names (None: `arg_0`, ...), the sizes and constants export fixed."""
     if not (in_spec.type is tuple and in_spec.num_children == 2 and
             in_spec.child(0).type is tuple and in_spec.child(1).type is dict):
         raise InputError(f"the graph's in_spec {in_spec} is not the (args, kwargs) pair "
                          f"torch.export writes: capture the model with passes.trace.trace")
     positional = in_spec.child(0).num_children
-    names = tuple(info.orig_args[:positional]) + tuple(in_spec.child(1).context)
-    flat = output.args[0]
-    flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
-    out_spec = info.out_spec if info.out_spec is not None else pytree.tree_structure(flat)
+    arg_names = list(arg_names or [f"arg_{i}" for i in range(positional)])
+    names = tuple(arg_names[:positional]) + tuple(in_spec.child(1).context)
+    flat = _flat(output)
+    out_spec = out_spec if out_spec is not None else pytree.tree_structure(flat)
     constants = {i: p.meta["val"] for i, p in enumerate(placeholders)
                  if "val" in p.meta and not isinstance(p.meta["val"], torch.Tensor)}
     return Signature(tuple(p.name for p in placeholders), names, positional, {}, in_spec,
                      tuple(_fixed_sizes(p) for p in placeholders), out_spec, _out_leaves(flat),
                      constants=constants)
+
+
+def _flat(output: fx.Node) -> list[Any]:
+    """The values an export graph's output node returns, flat, as its out_spec reads them."""
+    values = output.args[0]
+    return list(values) if isinstance(values, (tuple, list)) else [values]
 
 
 def _fixed_sizes(placeholder: fx.Node) -> tuple[int | None, ...] | None:

@@ -18,9 +18,13 @@ pipeline, which runs tensor operations only: each front-end runs on a snapshot o
 plain attributes, restored afterwards, and a forward that filled a list, dict or set, or stored a
 number or a tensor, is refused by name.
 
+A graph must also be fine enough for the stages asked: an fx graph that keeps a big module
+whole (torch.nn's own `TransformerEncoder`, whose fast path fx cannot follow) gives way to export.
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
-The graph records how it was captured in `gm.meta["capture"]` (a `Capture`).
+The graph records how it was captured in `gm.meta["capture"]` (a `Capture`), and each front-end
+its calling convention in `gm.meta["signature"]` (a `passes.signature.Signature`: the inputs fx
+fixed, export's specs), so nothing needs to be recovered from the graph afterwards.
 
 Grad-mode regions in forward (`with torch.no_grad():`, a frozen teacher) stay regions: an fx node
 records the mode it was traced in (`node.meta["grad_enabled"]`, see `_Tracer`) and
@@ -39,15 +43,13 @@ import contextlib
 import copy
 import inspect
 import io
-import linecache
 import logging
-import os
 import re
 import sys
 import threading
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import torch
@@ -58,8 +60,9 @@ from torch.overrides import TorchFunctionMode
 
 from .compare import difference
 from .errors import TraceError
-from .signature import plain_varargs
+from .signature import exported_signature, plain_varargs, traced_signature
 from .state import unchanged_state
+from .user_code import describe_frame, user_frame
 
 CaptureMode = Literal["auto", "fx", "export"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "fx", "export")
@@ -76,12 +79,16 @@ class Capture:
 
     `training` is the mode an export graph was captured in (its dropout and BatchNorm stay so);
     None for fx graphs, whose modules follow `.train()` and `.eval()`.
+
+    `reason` says why this front-end and not an earlier one: their failures, or an fx graph too
+    coarse to balance the stages asked (see `trace`); the plan prints it.
     """
 
     method: str
     leaves: tuple[str, ...] = ()
     failures: tuple[str, ...] = field(default=(), compare=False)
     training: bool | None = None
+    reason: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         text = self.method
@@ -89,15 +96,15 @@ class Capture:
             text += f" in {'train' if self.training else 'eval'} mode"
         if self.leaves:
             text += f" (kept whole: {', '.join(self.leaves)})"
-        if self.failures:
-            text += " because " + "; ".join(
-                f.splitlines()[0].replace(": ", " failed: ", 1) for f in self.failures)
+        if self.reason:
+            text += " because " + self.reason
         return text
 
 
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[str, Any] | None = None,
           *, capture: CaptureMode = "auto", leaf_modules: Iterable[str | type] = (),
-          concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0) -> fx.GraphModule:
+          concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0,
+          stages: int = 1) -> fx.GraphModule:
     """Capture `model` as a GraphModule whose forward takes the same inputs as `model`'s.
 
     `capture` picks the front-ends: "auto" tries fx, fx+leaves, then export; "fx" only fx; "export"
@@ -106,6 +113,12 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     apply to fx (export fixes every non-tensor input to its example value). Inputs not given in
     the example default to theirs. `batch_dims`, an int or a pytree prefix of `(example_inputs,
     example_kwargs)` (None: no batch dimension), names the dimension export leaves free.
+
+    `stages` is the number of stages the graph will be split into. With "auto", an fx graph too
+    coarse to balance them (see `_too_coarse`: fewer nodes than stages, or a module kept whole
+    holding most of the parameters) gives way to export, which records that module op by op;
+    when export fails, the fx graph stays. `Capture.reason` says which and why. The default,
+    1, never finds a graph too coarse.
     """
     if capture not in CAPTURE_MODES:
         raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
@@ -116,23 +129,30 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     leaves = list(leaf_modules) + [name for name in hooked if name not in leaf_modules]
     named_leaves = tuple(l for l in leaves if isinstance(l, str))
     failures: list[str] = []
+    coarse: fx.GraphModule | None = None     # an fx graph too coarse for `stages`: the fallback
+    why_coarse = ""
 
     if capture in ("auto", "fx"):
         gm, failure = _without_side_effects(
             model, _fx_trace, model, leaves, concrete, example_inputs, example_kwargs)
         if gm is not None:
             gm.meta["capture"] = Capture("fx", named_leaves)
-            return gm
-        failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
-        if capture == "auto" and failure.culprit:   # a submodule to keep whole: try again
+        else:
+            failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
+        if gm is None and capture == "auto" and failure.culprit:   # a submodule to keep whole
             gm, auto_leaves, error = _without_side_effects(
                 model, _fx_trace_with_auto_leaves, model, leaves, concrete, example_inputs,
                 example_kwargs)
             if gm is not None:
                 gm.meta["capture"] = Capture("fx+leaves", (*named_leaves, *auto_leaves),
-                                             tuple(failures))
+                                             tuple(failures), reason=_because(failures))
+            else:
+                failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
+        if gm is not None:
+            why_coarse = _too_coarse(model, gm, leaves, stages) if capture == "auto" else ""
+            if not why_coarse:
                 return gm
-            failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
+            coarse = gm
     if capture in ("auto", "export") and hooked:
         failures.append(
             "torch.export: it runs hooks once, at capture, and keeps only their tensor operations: "
@@ -143,11 +163,59 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
         gm, failure = _without_side_effects(
             model, _export, model, example_inputs, example_kwargs, batch_dims)
         if gm is not None:
-            gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training)
+            gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training,
+                                         reason=why_coarse or _because(failures))
             return gm
         failures.append(f"torch.export: {failure}\n    {_FIX['export']}")
+    if coarse is not None:   # still a faithful graph: the partitioner says what it can do with it
+        kept = coarse.meta["capture"]
+        why = f"{why_coarse}, and {_because(failures[-1:])}"
+        coarse.meta["capture"] = replace(kept, failures=(*kept.failures, failures[-1]),
+                                         reason=f"{kept.reason}; {why}" if kept.reason else why)
+        return coarse
     raise TraceError(f"could not capture {type(model).__name__} as a graph:\n  - " +
                      "\n  - ".join(failures))
+
+
+def _because(failures: Iterable[str]) -> str:
+    """`torch.fx failed: TraceError: ...`: the first line of each failure, as a reason."""
+    return "; ".join(f.splitlines()[0].replace(": ", " failed: ", 1) for f in failures)
+
+
+def _too_coarse(model: nn.Module, gm: fx.GraphModule, given_leaves: Iterable[str | type],
+                stages: int) -> str:
+    """Why `gm` is too coarse to balance `stages` stages, or "" when it is not.
+
+    The rule, from what is known without measuring: a module fxpipe kept whole (fx keeps torch.nn's
+    own modules whole, as `nn.TransformerEncoder`; fx+leaves those whose forward broke tracing),
+    which has submodules, is too big when the graph has fewer computing nodes than stages (the
+    partitioner would refuse it), or when it alone holds most of the model's parameters, more
+    than any stage's share: a split around it cannot balance. Parameters stand for work here
+    only where one module dwarfs the rest; a smaller leaf (a loop kept whole, one of many
+    attention blocks) is left to the partitioner. A module without submodules is one op in any
+    front-end, and those the user or a hook asked to keep whole (`given_leaves`) stay whole.
+    """
+    if stages <= 1:
+        return ""
+    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    total = sum(p.numel() for p in model.parameters())
+    given = tuple(l for l in given_leaves if isinstance(l, type))
+    names = {l for l in given_leaves if isinstance(l, str)}
+    found = []
+    for name in dict.fromkeys(n.target for n in computing if n.op == "call_module"):
+        module = model.get_submodule(name)
+        if name in names or isinstance(module, given) or not next(module.children(), None):
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if len(computing) < stages or params * 2 > total > 0:
+            found.append((params, name, module))
+    if not found:
+        return ""
+    params, name, module = max(found, key=lambda item: item[0])
+    share = f", {params / total:.0%} of the parameters" if total else ""
+    why = (f"too coarse to balance {stages} stages" if params * 2 > total > 0 else
+           f"and its graph has {len(computing)} computing nodes, too few for {stages} stages")
+    return f"torch.fx kept {name!r} ({type(module).__name__}{share}) whole, {why}"
 
 
 _FIX = {
@@ -249,10 +317,12 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
     except Exception as e:  # fx raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
+    out_spec = None
     if args or kwargs:
-        mismatch = _mismatch(model, gm, args, kwargs)
+        mismatch, out_spec = _mismatch(model, gm, args, kwargs)
         if mismatch:
             raise _TraceFailure(f"the traced graph does not reproduce the model: {mismatch}", None)
+    gm.meta["signature"] = traced_signature(gm, model.forward, concrete, out_spec)
     return gm
 
 
@@ -297,25 +367,23 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
             f"leaves out of the graph: those ops would get gradients. Use torch.no_grad() there, "
             f"which the graph keeps", None)
     gm = _readable(program.module(), type(model).__name__)
-    mismatch = _mismatch(model, gm, args, kwargs)
+    mismatch, _ = _mismatch(model, gm, args, kwargs)
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
+    gm.meta["signature"] = exported_signature(gm, program.module_call_graph[0].signature)
     return gm
 
 
 class _InferenceModeWatch(TorchFunctionMode):
-    """Notes where forward first runs a torch op in inference mode (`site`, "file:line: code"):
+    """Notes where forward first runs a torch op in inference mode (`site`, the user's line):
     torch.export records `no_grad` regions in its graph but drops `inference_mode` ones."""
 
     site: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.site is None and torch.is_inference_mode_enabled():
-            torch_dir, here = os.path.dirname(torch.__file__), os.path.dirname(__file__)
-            frames = [f for f in traceback.extract_stack()
-                      if not f.filename.startswith((torch_dir, here))]
-            self.site = (f"at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
-                         if frames else "in a torch module")
+            frame = user_frame()
+            self.site = describe_frame(frame, "", one_line=True) if frame else "in a torch module"
         return func(*args, **(kwargs or {}))
 
 
@@ -590,7 +658,8 @@ def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceE
         found = next((i for i, line in enumerate(lines) if re.search(rf"\bself\.{name}\b", line)),
                      None)
         if found is not None:
-            message += f"\n      at {file}:{start + found}: {lines[found].strip()}"
+            frame = traceback.FrameSummary(file, start + found, "forward", line=lines[found])
+            message += "\n" + describe_frame(frame, "      ", one_line=True)
     except (OSError, TypeError):
         pass
     return TraceError(message + "\n    Fix: move it out of forward (do it with the pipeline's "
@@ -610,20 +679,11 @@ def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, A
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    return [f for f in traceback.extract_tb(error.__traceback__)
-            if not f.filename.startswith((torch_dir, here))]
-
-
 def _describe(error: BaseException, model: nn.Module) -> str:
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    frames = _user_frames(error)
-    if frames:
-        f = frames[-1]
-        line = (f.line or linecache.getline(f.filename, f.lineno)).strip()
-        message += f"\n      at {f.filename}:{f.lineno}: {line}"
+    frame = user_frame(error)
+    if frame is not None:
+        message += "\n" + describe_frame(frame, "      ", one_line=True)
     culprit = _culprit(error, model)
     if culprit:
         message += f"\n      in module {culprit!r} ({type(model.get_submodule(culprit)).__name__})"
@@ -643,15 +703,16 @@ def _culprit(error: BaseException, model: nn.Module) -> str | None:
     return culprit
 
 
-def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> str:
-    """Why `gm` does not reproduce `model` on the example, or "" when it does.
+def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple,
+              kwargs: Mapping[str, Any]) -> tuple[str, pytree.TreeSpec | None]:
+    """Why `gm` does not reproduce `model` on the example ("" when it does), and the structure
+    of the model's output, which the signature keeps so that the pipeline returns the model's
+    own containers (an `OrderedDict`, where fx's graph returns a `dict`).
 
     Each runs on its own copy of the example (a forward may write its inputs in place), from the
     same random state, and buffers (e.g. BatchNorm statistics) are restored afterwards, so
     checking leaves the model and the caller's tensors as they were. Outputs compare as in
-    `passes.compare`. When they agree, `gm.meta["out_spec"]` records the model's output
-    structure, so the pipeline returns the model's own containers (an `OrderedDict`, where fx's
-    graph returns a `dict`).
+    `passes.compare`.
     """
     given = _copied((args, kwargs))
     try:
@@ -663,12 +724,9 @@ def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: Mapping
                 torch.manual_seed(0)
                 actual = gm(*_copied(args), **_copied(kwargs))
     except Exception as e:
-        return f"running the graph raised {type(e).__name__}: {e}"
+        return f"running the graph raised {type(e).__name__}: {e}", None
     gm.meta["input_writes"] = _written_inputs(model, (args, kwargs), given)
-    problem = difference(actual, expected, tolerance=None)
-    if not problem:
-        gm.meta["out_spec"] = pytree.tree_structure(expected)
-    return problem
+    return difference(actual, expected, tolerance=None), pytree.tree_structure(expected)
 
 
 def _copied(value: Any) -> Any:

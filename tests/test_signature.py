@@ -125,3 +125,47 @@ def test_star_kwargs_forward_takes_its_keyword_inputs_as_a_dict():
                           capture="fx")
     x, bias = _x(seed=2), _x(seed=3)
     torch.testing.assert_close(pipe(x, bias=bias), model(x, bias=bias))
+
+
+# ---- each front-end records its convention ---------------------------------------------------
+
+class Windowed(nn.Module):
+    """An option fx cannot check with an assertion (a slice): it only warns when fixing it."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+
+    def forward(self, x, window=slice(0, 2)):
+        return self.a(x)[:, window]
+
+
+def test_an_input_fixed_to_a_value_fx_cannot_check_is_still_taken_by_its_name():
+    model = Windowed().eval()
+    with pytest.warns(UserWarning, match="Was not able to add assertion"):
+        gm = trace(model, (_x(),), capture="fx")
+    signature = signature_of(gm)
+    assert signature.names == ("x", "window")
+    assert signature.specialised == {"window": slice(0, 2)}
+    x = _x(seed=1)
+    assert signature.flatten_inputs((x,), {"window": slice(0, 2)})[1] == slice(0, 2)
+    torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(InputError, match=r"input 'window' is slice\(1, 3, None\), but the graph "
+                                         r"was traced with window=slice\(0, 2, None\)"):
+        signature.flatten_inputs((x,), {"window": slice(1, 3)})
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_the_front_end_records_the_signature_on_the_graph(capture):
+    model = Options().eval()
+    gm = trace(model, (_x(),), {"scale": 2.0}, capture=capture)
+    recorded = gm.meta["signature"]
+    assert signature_of(gm).names == recorded.names
+    if capture == "fx":      # every parameter, `mask` fixed at its default
+        assert recorded.names == ("x", "mask", "scale") and recorded.in_spec is None
+        assert recorded.specialised == {"mask": None}
+    else:                    # what the example gave, as it gave it
+        assert recorded.names == ("x", "scale") and recorded.positional == 1
+        assert recorded.constants == {1: 2.0}
+    x = _x(seed=1)
+    torch.testing.assert_close(gm(x, scale=2.0), model(x, scale=2.0))

@@ -1,9 +1,11 @@
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
 
 from passes.errors import TraceError
 from passes.trace import trace
+from passes.user_code import describe_frame, user_frame
 
 
 class DataDependent(nn.Module):
@@ -86,3 +88,44 @@ def test_checking_the_graph_leaves_batchnorm_statistics_untouched():
     before = model[1].running_mean.clone()
     trace(model, (torch.randn(8, 4),))
     torch.testing.assert_close(model[1].running_mean, before)
+
+
+# ---- where it failed: passes.user_code ------------------------------------------------------
+
+class SplitsWrongly(nn.Module):
+    """torch's own Python raises, called from forward."""
+
+    def forward(self, x):
+        return torch.split(x, [1, 1])[0]
+
+
+def test_user_frame_of_an_error_is_the_models_line_not_torchs():
+    with pytest.raises(RuntimeError) as info:
+        SplitsWrongly()(torch.randn(3, 4))
+    frame = user_frame(info.value)
+    assert frame.name == "forward" and frame.line == "return torch.split(x, [1, 1])[0]"
+    assert describe_frame(frame) == (f'  File "{__file__}", line {frame.lineno}, in forward\n'
+                                     f'    return torch.split(x, [1, 1])[0]')
+    assert describe_frame(frame, "", one_line=True) == (
+        f"at {__file__}:{frame.lineno}: return torch.split(x, [1, 1])[0]")
+
+
+class Doubles(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_user_frame_of_a_node_is_the_line_that_traced_it():
+    tracer = fx.Tracer()
+    tracer.record_stack_traces = True
+    (mul,) = [n for n in tracer.trace(Doubles()).nodes if n.op == "call_function"]
+    frame = user_frame(mul)
+    assert (frame.filename, frame.name, frame.line) == (__file__, "forward", "return x * 2")
+    unrecorded = fx.symbolic_trace(Doubles()).graph
+    assert user_frame(next(n for n in unrecorded.nodes if n.op == "call_function")) is None
+
+
+def test_user_frame_of_the_current_stack_is_the_caller():
+    frame = user_frame()
+    assert frame.name == "test_user_frame_of_the_current_stack_is_the_caller"
+    assert frame.line == "frame = user_frame()"

@@ -46,7 +46,7 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
                 if isinstance(t, torch.Tensor) and t.dim() > 0]
         chunks = max(1, min(4, min(rows, default=1)))
     devices = list(devices)[:_computing_nodes(model, example_inputs, example_kwargs,
-                                              compile_options)]
+                                              compile_options, len(devices))]
     pipe = compile(model, devices, example_inputs, example_kwargs, chunks=chunks,
                    verify=False, **compile_options)
     tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
@@ -89,10 +89,12 @@ def _restore(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
             b.copy_(saved[name])
 
 
-def _computing_nodes(model: nn.Module, args: tuple, kwargs: dict, options: dict) -> int:
-    """How many stages the model's graph can fill: its nodes other than inputs and reads."""
+def _computing_nodes(model: nn.Module, args: tuple, kwargs: dict, options: dict,
+                     stages: int) -> int:
+    """How many stages the model's graph, captured for `stages`, can fill: its nodes other
+    than inputs and reads."""
     capture = {k: options[k] for k in ("capture", "leaf_modules", "concrete_args") if k in options}
-    gm = trace(model, args, kwargs, **capture)
+    gm = trace(model, args, kwargs, stages=stages, **capture)
     return sum(n.op not in ("placeholder", "output", "get_attr") for n in gm.graph.nodes)
 
 
