@@ -1,6 +1,8 @@
 """The plan is made in the conditions the stages run in, and compares itself with the model."""
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -30,6 +32,53 @@ def test_costs_are_measured_with_the_threads_each_stage_runs_with(monkeypatch, t
                    threads_per_stage=threads)
     assert seen == [threads]
     assert torch.get_num_threads() == caller
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_costs_are_measured_on_the_thread_the_stages_run_on(monkeypatch, devices):
+    seen = []
+
+    def measuring(*args, **kwargs):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return annotate_costs(*args, **kwargs)
+
+    annotate_costs = fxpipe.api.annotate_costs
+    monkeypatch.setattr(fxpipe.api, "annotate_costs", measuring)
+    fxpipe.compile(mlp(), ["cpu"] * devices, (torch.randn(8, 16),))
+    assert seen == [devices == 1]     # one stage runs on the caller's thread, several on workers
+
+
+class Sleeps(nn.Module):
+    """A leaf whose time is known: at least 20 ms per call."""
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return x * 2
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sleeps = nn.Linear(4, 4), Sleeps()
+
+    def forward(self, x):
+        return self.sleeps(self.fc(x)).relu()
+
+
+def test_node_costs_are_scaled_to_the_graphs_own_time_keeping_their_proportions():
+    from passes.cost_model import NodeCost
+    from passes.trace import trace
+
+    x = torch.randn(2, 4)
+    gm = trace(Slow(), (x,), {}, leaf_modules=[Sleeps])
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    for i, n in enumerate(nodes):          # costs as wrong as can be: 1, 2, 3 microseconds
+        n.meta["cost"] = NodeCost(fwd_s=(i + 1) * 1e-6)
+    forward, _ = fxpipe.api._calibrate(gm, (x,), {}, training=False)
+    times = [n.meta["cost"].fwd_s for n in nodes]
+    assert sum(times) >= 0.02             # the whole graph sleeps 20 ms
+    assert forward == pytest.approx(sum(times) / 6e-6)
+    assert times == pytest.approx([t * 1e-6 * forward for t in (1, 2, 3)])
 
 
 def test_the_plan_compares_the_pipeline_with_the_model_run_whole():
