@@ -189,7 +189,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     with _intra_op_threads(threads_per_stage if specs[0].name.startswith("cpu") else None):
         annotate_costs(gm, first_args, first_kwargs, device=specs[0].name,  # as a stage runs it
                        repeats=o["repeats"], backward=training)
-    graph = cost_graph(gm, training=training)
+    graph = cost_graph(gm, training=training, kinds=[d.kind for d in specs])   # hook: partition
     num_stages = o["num_stages"]
     if num_stages == "auto":
         num_stages = num_stages_for(graph, specs, o["link"],
