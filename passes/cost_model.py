@@ -2,17 +2,19 @@
 
 The partitioner minimises these numbers and the schedule simulator predicts with them, so the plan
 and the prediction always agree. Nothing here touches a GraphModule except `cost_graph`, which
-reads `node.meta["cost"]` once and returns a `CostGraph`, plain tuples a test can also build by hand.
+reads `node.meta["cost"]` (and `node.meta["costs"][kind]` per device kind) once and returns a
+`CostGraph`, plain tuples a test can also build by hand.
 
 Units are in the names: seconds (`_s`), bytes (`_bytes`), bytes per second (`bytes_per_s`).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
@@ -92,6 +94,14 @@ DRIVER = DeviceSpec("cpu")
 
 
 @dataclass(frozen=True)
+class KindTimes:
+    """One device kind's time per node at speed 1.0: forward, and backward (zeros in inference)."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class CostGraph:
     """A costed DAG in topological order, the partitioner's whole input.
 
@@ -100,6 +110,11 @@ class CostGraph:
     value is part of the graph's output (sent to the driver). `members[i]`, when given, names the
     graph nodes that node `i` stands for (`cost_graph` contracts nodes that must share a stage
     into one); by default node `i` is the graph node `names[i]`.
+
+    `time_s` is the reference time of every node (forward, plus backward when training); `kinds`
+    maps a device kind (`DeviceSpec.kind`) to its own forward and backward columns, and the key
+    None to the reference's split. A device's time for node `i` (`device_times`) is its kind's
+    forward plus backward time, or the reference time when its kind has no column, over its speed.
     """
 
     names: tuple[str, ...]
@@ -110,12 +125,15 @@ class CostGraph:
     is_input: tuple[bool, ...]
     to_output: tuple[bool, ...]
     members: tuple[tuple[str, ...], ...] | None = None
+    kinds: Mapping[str | None, KindTimes] = field(default_factory=dict, hash=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _device_times: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.names)
         for column in (self.time_s, self.out_bytes, self.param_bytes, self.preds, self.is_input,
-                       self.to_output, self.members or self.names):
+                       self.to_output, self.members or self.names,
+                       *(c for t in self.kinds.values() for c in (t.fwd_s, t.bwd_s))):
             assert len(column) == n, "every CostGraph column needs one entry per node"
         succs: list[list[int]] = [[] for _ in range(n)]
         for i, ps in enumerate(self.preds):
@@ -123,6 +141,7 @@ class CostGraph:
                 assert p < i, f"CostGraph must be in topological order: {p} -> {i}"
                 succs[p].append(i)
         object.__setattr__(self, "succs", tuple(tuple(dict.fromkeys(s)) for s in succs))
+        object.__setattr__(self, "_device_times", {})
 
     def __len__(self) -> int:
         return len(self.names)
@@ -135,9 +154,30 @@ class CostGraph:
     def compute_nodes(self) -> list[int]:
         return [i for i in range(len(self)) if not self.is_input[i]]
 
+    def kind_times(self, kind: str | None) -> KindTimes:
+        """The forward and backward columns of a device kind, the reference's when it has none."""
+        found = self.kinds.get(kind) or self.kinds.get(None)
+        return found or KindTimes(self.time_s, (0.0,) * len(self))
 
-def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
+    def device_times(self, device: DeviceSpec) -> tuple[float, ...]:
+        """Node `i`'s time on `device`: its kind's forward plus backward time over its speed."""
+        key = (device.kind, device.speed)
+        if key not in self._device_times:
+            if device.kind in self.kinds:
+                t = self.kinds[device.kind]
+                total = tuple(f + b for f, b in zip(t.fwd_s, t.bwd_s))
+            else:
+                total = self.time_s
+            self._device_times[key] = tuple(x / device.speed for x in total)
+        return self._device_times[key]
+
+
+def cost_graph(gm: fx.GraphModule, *, training: bool = False,
+               kinds: Sequence[str] = ()) -> CostGraph:
     """Read `node.meta["cost"]` of every node into a CostGraph (`training` adds backward time).
+
+    For every device kind in `kinds` the CostGraph also carries that kind's forward and backward
+    columns, from `node.meta["costs"][kind]` (the reference cost where the kind was not measured).
 
     Parameter reads (`get_attr`) are left out: codegen copies one into every stage that reads it,
     and `annotate_costs` counts its bytes at its first reader. The nodes that read or write a
@@ -158,6 +198,13 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
     units = _units(preds, state_units(nodes, preds))
     unit_of = {i: u for u, members in enumerate(units) for i in members}
     costs = [[nodes[i].meta["cost"] for i in members] for members in units]
+
+    def columns(kind: str | None) -> KindTimes:
+        per_unit = [[nodes[i].meta.get("costs", {}).get(kind) or nodes[i].meta["cost"]
+                     for i in members] for members in units]
+        return KindTimes(tuple(sum(c.fwd_s for c in cs) for cs in per_unit),
+                         tuple(sum(c.bwd_s for c in cs) if training else 0.0 for cs in per_unit))
+
     return CostGraph(
         names=tuple(nodes[members[0]].name for members in units),
         time_s=tuple(sum(c.fwd_s + (c.bwd_s if training else 0.0) for c in cs) for cs in costs),
@@ -169,6 +216,7 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False) -> CostGraph:
         to_output=tuple(any(nodes[i] in outputs for i in members) for members in units),
         members=(tuple(tuple(nodes[i].name for i in members) for members in units)
                  if any(len(members) > 1 for members in units) else None),
+        kinds={kind: columns(kind) for kind in (None, *dict.fromkeys(kinds))},
     )
 
 
@@ -243,6 +291,7 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
     receives. Training with 1F1B keeps up to `num_stages` micro-batches in flight: pass that.
     """
     k = len(devices)
+    times = [graph.device_times(d) for d in devices]
     compute = [0.0] * k
     comm = [0.0] * k
     params = [0] * k
@@ -255,7 +304,7 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
         src_dev = DRIVER if src is None else devices[src]
         nbytes = graph.out_bytes[i]
         if src is not None:
-            compute[src] += graph.time_s[i] / devices[src].speed
+            compute[src] += times[src][i]
             params[src] += graph.param_bytes[i]
             activations[src] += nbytes
             count[src] += len(graph.node_names(i))
@@ -287,11 +336,68 @@ def stage_memory_bytes(param_bytes: int, activation_bytes: int,
 def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:
     """No partition onto `devices` has a bottleneck below this.
 
-    All compute must be done somewhere: at best spread over the devices in proportion to their
-    speeds; and the slowest single node must run whole on the fastest device.
+    The slowest node must run whole on the device it is fastest on. And for any weights
+    w_d >= 0 summing to 1, the weighted average of the stages' compute, which is at most the
+    bottleneck, is at least sum_i min_d w_d t_i(d): node `i` counts at its cheapest weighted
+    device. With w_d proportional to a device's speed (the reciprocal of its total time) this
+    is total compute over total speed; when devices of different kinds are faster at different
+    nodes, `_best_weights` searches for larger weights' bound.
     """
-    times = [graph.time_s[i] for i in graph.compute_nodes]
-    if not times:
+    nodes = graph.compute_nodes
+    if not nodes:
         return 0.0
-    speeds = [d.speed for d in devices]
-    return max(sum(times) / sum(speeds), max(times) / max(speeds))
+    # Devices with the same times are interchangeable: one group, its weight shared evenly.
+    groups: dict[tuple[float, ...], int] = collections.Counter(
+        tuple(graph.device_times(d)[i] for i in nodes) for d in devices)
+    columns, counts = list(groups), list(groups.values())
+    largest = max(min(column[at] for column in columns) for at in range(len(nodes)))
+    return max(largest, _best_weights(columns, counts))
+
+
+def _weighted_bound(columns: Sequence[Sequence[float]], counts: Sequence[int],
+                    share: Sequence[float]) -> float:
+    """sum_i min_g share[g] * columns[g][i]: the bound of weights `share[g]` per device of group
+    `g` (the shares times the counts sum to 1)."""
+    return sum(min(u * t for u, t in zip(share, ts)) for ts in zip(*columns))
+
+
+def _best_weights(columns: Sequence[Sequence[float]], counts: Sequence[int]) -> float:
+    """The bound of good weights: from weights proportional to speed, which are optimal when
+    every group's column is a multiple of the others', a few rounds of moving weight between
+    two groups, each a search on a concave function of one variable."""
+    totals = [sum(column) for column in columns]
+    if min(totals) <= 0:
+        return 0.0
+    norm = sum(c / t for c, t in zip(counts, totals))
+    share = [1 / (t * norm) for t in totals]
+    best = _weighted_bound(columns, counts, share)
+    proportional = all(all(math.isclose(a * totals[0], b * t, rel_tol=1e-9)
+                           for a, b in zip(columns[0], column))
+                       for column, t in zip(columns, totals))
+    if proportional:
+        return best
+    for _ in range(1 if len(columns) == 2 else 3):    # with two groups one search is exhaustive
+        for g in range(len(columns)):
+            for h in range(g + 1, len(columns)):
+                # Move delta of the total weight from group h to group g (delta may be < 0).
+                low, high = -share[g] * counts[g], share[h] * counts[h]
+
+                def moved(delta: float) -> list[float]:
+                    u = list(share)
+                    u[g] += delta / counts[g]
+                    u[h] = max(0.0, u[h] - delta / counts[h])
+                    u[g] = max(0.0, u[g])
+                    return u
+
+                for _ in range(40):     # ternary search: the bound is concave in delta
+                    a, b = low + (high - low) / 3, high - (high - low) / 3
+                    if _weighted_bound(columns, counts, moved(a)) < \
+                            _weighted_bound(columns, counts, moved(b)):
+                        low = a
+                    else:
+                        high = b
+                candidate = moved((low + high) / 2)
+                value = _weighted_bound(columns, counts, candidate)
+                if value > best:
+                    best, share = value, candidate
+    return best

@@ -8,12 +8,15 @@
 - the bottleneck, the largest stage time (compute on its device plus the transfers it sends and
   receives, one per (producer, receiving stage)), is as small as the methods below can make it.
 
+A node's compute time depends on the device: its kind's time (`CostGraph.device_times`: a GPU
+may be 20x faster than a CPU on a matrix product and no faster on a reshape) over its speed.
+
 The result is a `Partition`: plain data that prints as a table, carries a lower bound no
 partition can beat, and says whether its bottleneck is proven optimal. It is a pure function of
 the CostGraph, the devices, the link function and the options.
 
 Devices are used in the order given: stage `s` runs on `devices[s]` (list them in the order of
-the interconnect). The search knows each stage's speed, memory and links, so it puts more work
+the interconnect). The search knows each stage's node times, memory and links, so it puts more work
 on faster devices and less on smaller ones, but it does not permute the devices unless asked
 (`reorder_devices=True` tries every distinct order of a short device list and keeps the best).
 Asking for more stages than computing nodes is an error; `num_stages_for` tells how many
@@ -53,8 +56,8 @@ exact bottleneck wins:
    of up to PREFIX_LIMIT nodes when nothing above proved optimality: the best contiguous split
    of that order, so never worse than a split of it by node counts, parameters or time.
 
-`lower_bound_s` is the best of: total compute over total speed and the largest node on the
-fastest device (`cost_model.lower_bound_s`), the DP's value, the probes' L, and the optimum
+`lower_bound_s` is the best of: a weighted average of the devices' compute and the largest node
+on the device it is fastest on (`cost_model.lower_bound_s`), the DP's value, the probes' L, and the optimum
 itself when methods 2-3 finished. `optimal` is true when the bottleneck meets it.
 
 Time on this machine (benchmarks/partition_speed.py, DNN-shaped graphs): ~0.02-0.07 s for
@@ -188,7 +191,7 @@ def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
     found fits the devices' memory (naming the stages that need more than their device has).
     """
     if isinstance(graph, fx.GraphModule):
-        graph = cost_graph(graph, training=training)
+        graph = cost_graph(graph, training=training, kinds=[d.kind for d in devices])
     devices = tuple(devices)
     _check_request(graph, devices)
     orders = [devices]
@@ -236,7 +239,7 @@ def num_stages_for(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSp
     no speed.
     """
     if isinstance(graph, fx.GraphModule):
-        graph = cost_graph(graph, training=training)
+        graph = cost_graph(graph, training=training, kinds=[d.kind for d in devices])
     if not devices:
         raise PartitionError("no devices: pass at least one")
     limit = min(len(devices), len(graph.compute_nodes))
@@ -303,6 +306,13 @@ class _Model:
         self.k = k
         self.activation_factor = activation_factor
         self.links = [[link(a, b) for b in devices] for a in devices]
+        # Node times per stage (its device's kind over its speed), as distinct columns, and the
+        # least of them per node: the floor no device goes below.
+        self.times = [graph.device_times(d) for d in devices]
+        distinct = list(dict.fromkeys(self.times))
+        self.column_of = [distinct.index(t) for t in self.times]
+        self.columns = distinct + [tuple(map(min, zip(*distinct)))]
+        self.floor_column = len(distinct)
         self.from_driver = [link(DRIVER, d) for d in devices]
         self.to_driver = [link(d, DRIVER) for d in devices]
         # The distinct links a stage may send to (later stages) or receive from (earlier ones).
@@ -370,7 +380,7 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
         return _exact(model, lattice, incumbent, incumbent_s, floor, budget)
 
     budget = _Budget(WORK_LIMIT)
-    lattice = _Lattice.ideals(graph)
+    lattice = _Lattice.ideals(graph, model.columns)
     found = None if lattice is None else exact(lattice, bound)
     if found is not None and found.stage_of is None:
         if found.proven:
@@ -390,7 +400,7 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
     if not proven:
         for name, order in orders:
             if len(order) <= PREFIX_LIMIT:
-                sliced = exact(_Lattice.prefixes(graph, order), 0.0)
+                sliced = exact(_Lattice.prefixes(graph, order, model.columns), 0.0)
                 if sliced is not None and sliced.stage_of is not None:
                     candidates.append((model.bottleneck(sliced.stage_of), sliced.stage_of,
                                        f"exact slicing of the {name} order"))
@@ -534,7 +544,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
     stage grows, so a stage stops growing as soon as they pass the limit.
     """
     graph, devices, k = model.graph, model.devices, model.k
-    times, out_bytes, params = graph.time_s, graph.out_bytes, graph.param_bytes
+    out_bytes, params = graph.out_bytes, graph.param_bytes
     preds, is_input, to_output = graph.preds, graph.is_input, graph.to_output
     n = len(order)
     stage_of = [-1] * len(graph)
@@ -542,7 +552,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
     received_once = bytearray(len(graph))   # some later stage already receives the value
     start = 0
     for s in range(k):
-        speed = devices[s].speed
+        times = model.times[s]
         to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
         send_min = model.send_min(s)
         final = s == k - 1
@@ -555,7 +565,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
         end = None
         for at in range(start, n - (k - 1 - s)):
             i = order[at]
-            fixed += times[i] / speed
+            fixed += times[i]
             param_bytes += params[i]
             activation_bytes += out_bytes[i]
             if to_output[i]:
@@ -642,6 +652,7 @@ class _Lattice:
     Either every ideal of the computing nodes (`ideals`), or the prefixes of one topological
     order (`prefixes`, whose chains are the contiguous slicings of that order). Bit `b` stands
     for computing node `nodes[b]`; ideals are listed by size, empty first and the whole graph last.
+    `time_s[c]` is every ideal's compute under node-time column `columns[c]` (`_Model.columns`).
     """
 
     graph: CostGraph
@@ -649,8 +660,9 @@ class _Lattice:
     reader_mask: list[int]             # graph node -> mask of the computing nodes reading it
     pred_bits: list[tuple[int, ...]]   # bit -> bits of the computing nodes it reads
     inputs: list[int]
+    columns: list[tuple[float, ...]]
     masks: list[int] = field(default_factory=lambda: [0])
-    time_s: list[float] = field(default_factory=lambda: [0.0])
+    time_s: list[list[float]] = field(default_factory=list)   # per column, per ideal
     param_bytes: list[int] = field(default_factory=lambda: [0])
     out_bytes: list[int] = field(default_factory=lambda: [0])
     output_count: list[int] = field(default_factory=lambda: [0])
@@ -658,22 +670,24 @@ class _Lattice:
     frontier: list[int] = field(default_factory=lambda: [0])   # members read outside, a mask
     _pairs: dict[tuple[int, int], _Pair] = field(default_factory=dict)
     _open: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    _sorted: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     @staticmethod
-    def _empty(graph: CostGraph, nodes: list[int]) -> _Lattice:
+    def _empty(graph: CostGraph, nodes: list[int], columns: list[tuple[float, ...]]) -> _Lattice:
         bit = {i: b for b, i in enumerate(nodes)}
         return _Lattice(graph, nodes, [sum(1 << bit[j] for j in graph.succs[i])
                                        for i in range(len(graph))],
                         [tuple(bit[p] for p in graph.preds[i] if p in bit) for i in nodes],
-                        [i for i in range(len(graph)) if graph.is_input[i]])
+                        [i for i in range(len(graph)) if graph.is_input[i]], columns,
+                        time_s=[[0.0] for _ in columns])
 
     @staticmethod
-    def ideals(graph: CostGraph) -> _Lattice | None:
+    def ideals(graph: CostGraph, columns: list[tuple[float, ...]]) -> _Lattice | None:
         """All ideals, grown one node at a time, or None past IDEAL_LIMIT. O(N * width)."""
         nodes = graph.compute_nodes
         if len(nodes) + 1 > IDEAL_LIMIT:
             return None
-        lattice = _Lattice._empty(graph, nodes)
+        lattice = _Lattice._empty(graph, nodes, columns)
         bit = {i: b for b, i in enumerate(nodes)}
         pred_mask = [sum(1 << bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
         ready = sum(1 << b for b in range(len(nodes)) if pred_mask[b] == 0)
@@ -705,9 +719,10 @@ class _Lattice:
         return lattice
 
     @staticmethod
-    def prefixes(graph: CostGraph, order: list[int]) -> _Lattice:
+    def prefixes(graph: CostGraph, order: list[int],
+                 columns: list[tuple[float, ...]]) -> _Lattice:
         """The n + 1 prefixes of a topological order of the computing nodes."""
-        lattice = _Lattice._empty(graph, order)
+        lattice = _Lattice._empty(graph, order, columns)
         for b in range(len(order)):
             lattice._add(b, b, (1 << (b + 1)) - 1)
         return lattice
@@ -717,7 +732,8 @@ class _Lattice:
         i = self.nodes[b]
         graph = self.graph
         self.masks.append(mask)
-        self.time_s.append(self.time_s[parent] + graph.time_s[i])
+        for column, times in zip(self.columns, self.time_s):
+            times.append(times[parent] + column[i])
         self.param_bytes.append(self.param_bytes[parent] + graph.param_bytes[i])
         self.out_bytes.append(self.out_bytes[parent] + graph.out_bytes[i])
         output = graph.to_output[i]
@@ -744,7 +760,7 @@ class _Lattice:
             received = [p for _, p in self._frontier(j) if self.reader_mask[p] & stage]
             received += [p for p in self.inputs if self.reader_mask[p] & stage]
             self._pairs[key] = _Pair(
-                self.time_s[i] - self.time_s[j], tuple(received),
+                tuple(times[i] - times[j] for times in self.time_s), tuple(received),
                 tuple(p for b, p in self._frontier(i) if stage >> b & 1),
                 self.output_count[i] - self.output_count[j],
                 self.output_bytes[i] - self.output_bytes[j],
@@ -758,11 +774,19 @@ class _Lattice:
             self._open[i] = [(b, self.nodes[b]) for b in _bits(self.frontier[i])]
         return self._open[i]
 
-    def subsets(self, i: int, candidates: list[int], times: list[float], widest: float,
-                budget: _Budget) -> Iterator[int]:
-        """The ideals among `candidates` (sorted by time) that are proper subsets of ideal `i`
-        with at most `widest` less compute."""
-        mask, time_s = self.masks[i], self.time_s[i]
+    def by_time(self, c: int) -> tuple[list[int], list[float]]:
+        """The ideals sorted by their compute in column `c`, and those computes."""
+        if c not in self._sorted:
+            times = self.time_s[c]
+            order = sorted(range(len(self.masks)), key=lambda i: (times[i], i))
+            self._sorted[c] = order, [times[i] for i in order]
+        return self._sorted[c]
+
+    def subsets(self, i: int, c: int, widest: float, budget: _Budget) -> Iterator[int]:
+        """The ideals that are proper subsets of ideal `i` with at most `widest` less compute in
+        column `c`."""
+        candidates, times = self.by_time(c)
+        mask, time_s = self.masks[i], self.time_s[c][i]
         low = bisect.bisect_left(times, time_s - widest) if widest < math.inf else 0
         high = bisect.bisect_right(times, time_s * (1 + _TOL))
         budget.spend(high - low)
@@ -794,7 +818,7 @@ def _bits(mask: int) -> list[int]:
 class _Pair(NamedTuple):
     """A candidate stage I - J: what its relaxed time and memory depend on."""
 
-    time_s: float
+    time_s: tuple[float, ...]      # compute per column
     received: tuple[int, ...]      # producers outside the stage read inside it
     sending: tuple[int, ...]       # members read after the ideal I
     output_count: int
@@ -808,7 +832,7 @@ class _StageCost:
 
     def __init__(self, model: _Model, s: int):
         self.model, self.s = model, s
-        self.speed = model.devices[s].speed
+        self.column = model.column_of[s]
         self.receive = model.recv_min(s)
         self.send = model.send_min(s)
         self.out = model.to_driver[s]
@@ -821,7 +845,7 @@ class _StageCost:
                 not self.model.memory(self.s, pair.param_bytes, pair.activation_bytes):
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
-        return (pair.time_s / self.speed + out + sum(self.receive[p] for p in pair.received) +
+        return (pair.time_s[self.column] + out + sum(self.receive[p] for p in pair.received) +
                 self.relaxed_send(pair))
 
     def relaxed_send(self, pair: _Pair) -> float:
@@ -925,35 +949,35 @@ def _dp(model: _Model, lattice: _Lattice, costs: list[_StageCost], limit_s: floa
     ideals reachable within it extended, and only ideals the remaining stages can finish ended."""
     k, full = model.k, len(lattice.masks) - 1
     limit = limit_s * (1 + _TOL)
-    fastest = max(d.speed for d in model.devices)
-    by_time = sorted(range(len(lattice.masks)), key=lambda i: (lattice.time_s[i], i))
-    all_times = [lattice.time_s[i] for i in by_time]
-    total = lattice.time_s[full]
+    by_floor, floor_times = lattice.by_time(model.floor_column)
+    total = lattice.time_s[model.floor_column][full]
     unreached = (math.inf, -1)
     best: list[list[tuple[float, int]]] = []
     for s in range(k):
         values = [unreached] * len(lattice.masks)
+        column = lattice.time_s[model.column_of[s]]
+        by_time, _ = lattice.by_time(model.column_of[s])
         sources = [0] if s == 0 else [j for j in by_time if best[s - 1][j][0] <= limit]
-        times = [lattice.time_s[j] for j in sources]
-        widest = limit * model.devices[s].speed
+        times = [column[j] for j in sources]
         if s == k - 1:
             targets = [full]
         elif not sources:
             targets = []
         else:   # reachable from a source in one stage, and finishable by the stages left
-            low = total - (k - 1 - s) * limit * fastest
-            high = times[-1] + widest
-            targets = sorted(i for i in by_time[bisect.bisect_left(all_times, low):
-                                                bisect.bisect_right(all_times, high)]
-                             if 0 < i < full)
-        speed, masks, previous = model.devices[s].speed, lattice.masks, best[-1] if s else None
+            # (no ideal's compute is below its floor: the least time of its nodes anywhere)
+            low = total - (k - 1 - s) * limit
+            high = times[-1] + limit
+            targets = sorted(i for i in by_floor[bisect.bisect_left(floor_times, low):
+                                                 bisect.bisect_right(floor_times, high)]
+                             if 0 < i < full and column[i] <= high)
+        masks, previous = lattice.masks, best[-1] if s else None
         for i in targets:
             # Largest sources first: the stage's compute grows, and once it alone reaches the
             # best value found no smaller source can do better.
-            mask, time_i, value_i, source_i = masks[i], lattice.time_s[i], limit, -1
+            mask, time_i, value_i, source_i = masks[i], column[i], limit, -1
             first = bisect.bisect_right(times, time_i * (1 + _TOL)) - 1
             at = first
-            while at >= 0 and (time_i - times[at]) / speed <= value_i:
+            while at >= 0 and time_i - times[at] <= value_i:
                 j = sources[at]
                 at -= 1
                 if j >= i or masks[j] & ~mask:
@@ -985,8 +1009,6 @@ def _search(model: _Model, lattice: _Lattice, costs: list[_StageCost],
     graph = model.graph
     stage_of = [-1] * len(graph)
     state = {"best": incumbent, "best_s": incumbent_s}
-    by_time = sorted(range(len(lattice.masks)), key=lambda i: (lattice.time_s[i], i))
-    times = [lattice.time_s[j] for j in by_time]
 
     def sends(s: int, sending: tuple[int, ...]) -> float:
         total = 0.0
@@ -997,8 +1019,7 @@ def _search(model: _Model, lattice: _Lattice, costs: list[_StageCost],
 
     def visit(s: int, i: int, suffix: float) -> None:
         cut = state["best_s"] * (1 - _TOL)
-        sources = [0] if s == 0 else lattice.subsets(
-            i, by_time, times, cut * model.devices[s].speed, budget)
+        sources = [0] if s == 0 else lattice.subsets(i, model.column_of[s], cut, budget)
         options = []
         for j in sources:
             before = best[s - 1][j][0] if s else 0.0

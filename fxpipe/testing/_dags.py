@@ -9,7 +9,8 @@
         assert my_partition(case.graph, case.devices).bottleneck_s >= best.bottleneck_s
 
 `dags` draws a `DagCase`: a `CostGraph` (graph inputs first, random edges, costs and sizes) and
-the devices to split it over (random names, hence links, speeds and memory). Graphs stay small
+the devices to split it over (random names, hence links and kinds, speeds and memory). With
+`kinds`, the cuda devices may have their own times per node, like a GPU's against a CPU's. Graphs stay small
 enough for `brute_force_partition`, which tries every valid assignment.
 """
 
@@ -21,7 +22,7 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from passes.cost_model import CostGraph, DeviceSpec, LinkFn, default_link, stage_costs
+from passes.cost_model import CostGraph, DeviceSpec, KindTimes, LinkFn, default_link, stage_costs
 from passes.errors import PartitionError
 from passes.partition import Partition, evaluate
 
@@ -40,14 +41,17 @@ class DagCase:
 
 @st.composite
 def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stages: int = 4,
-         max_inputs: int = 2, max_assignments: int = 50_000, memory: bool = True) -> DagCase:
+         max_inputs: int = 2, max_assignments: int = 50_000, memory: bool = True,
+         kinds: bool = True) -> DagCase:
     """A random `DagCase` of at most `max_nodes` nodes (inputs included) and 2..4 devices.
 
     The number of computing nodes `m` is kept to `stages ** m <= max_assignments`, which bounds
     `brute_force_partition`'s work. Times are multiples of 0.1 ms (ties happen, on purpose),
     values up to 16 MB (transfers as slow as compute), parameters up to 4 MB. Sinks are graph
     outputs, and so is any other node with probability 1/4. With `memory`, a device's memory may
-    be a fraction of what the whole graph needs, so that some cases cannot fit.
+    be a fraction of what the whole graph needs, so that some cases cannot fit. With `kinds`, half
+    the cases give the cuda kinds a GPU-like column: 20x faster than the reference on nodes of
+    1 ms or more, barely faster (0.9x) on smaller ones, split 1:2 into forward and backward.
     """
     k = draw(st.integers(min_stages, max_stages), label="stages")
     inputs = draw(st.integers(0, max_inputs), label="inputs")
@@ -64,10 +68,16 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
     param_bytes = [0] * inputs + [draw(st.integers(0, 4)) * 1_000_000 for _ in range(computing)]
     to_output = [i >= inputs and (i not in has_succ or draw(st.integers(0, 3)) == 0)
                  for i in range(n)]
+    columns = {}
+    if kinds and draw(st.booleans(), label="gpu-like kinds"):
+        gpu = [t / 20 if t >= 1e-3 else t * 0.9 for t in time_s]
+        column = KindTimes(tuple(t / 3 for t in gpu), tuple(2 * t / 3 for t in gpu))
+        columns = {name: column for name in DEVICE_NAMES if name.startswith("cuda")}
     graph = CostGraph(names=tuple(f"x{i}" if i < inputs else f"n{i}" for i in range(n)),
                       time_s=tuple(time_s), out_bytes=tuple(out_bytes),
                       param_bytes=tuple(param_bytes), preds=tuple(preds),
-                      is_input=tuple(i < inputs for i in range(n)), to_output=tuple(to_output))
+                      is_input=tuple(i < inputs for i in range(n)), to_output=tuple(to_output),
+                      kinds=columns)
     need = sum(param_bytes) + 2 * sum(out_bytes)
     devices = []
     for _ in range(k):

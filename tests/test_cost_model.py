@@ -1,0 +1,98 @@
+"""The cost model: per-kind node times, the lower bound for unrelated devices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+
+from fxpipe.testing import DagCase, brute_force_partition, dags
+from passes.cost_model import (CostGraph, DeviceSpec, KindTimes, NodeCost, cost_graph,
+                               lower_bound_s, stage_costs)
+from passes.errors import PartitionError
+
+MS = 1e-3
+CPU, GPU = DeviceSpec("cpu"), DeviceSpec("cuda:0")
+
+
+def four_nodes(cpu_ms, gpu_ms) -> CostGraph:
+    """x -> a -> b -> c -> d, the reference (cpu) times `cpu_ms`, the cuda:0 kind's `gpu_ms`."""
+    n = len(cpu_ms) + 1
+    return CostGraph(
+        names=("x",) + tuple("abcd"[:n - 1]), time_s=(0.0,) + tuple(t * MS for t in cpu_ms),
+        out_bytes=(0,) * n, param_bytes=(0,) * n,
+        preds=((),) + tuple((i,) for i in range(n - 1)), is_input=(True,) + (False,) * (n - 1),
+        to_output=(False,) * (n - 1) + (True,),
+        kinds={"cuda:0": KindTimes((0.0,) + tuple(t * MS for t in gpu_ms), (0.0,) * n)})
+
+
+def test_a_device_takes_its_kinds_time_over_its_speed():
+    graph = four_nodes([1, 1, 10, 10], [5, 5, 0.5, 0.5])
+    assert graph.device_times(GPU)[1:] == pytest.approx([5 * MS, 5 * MS, 0.5 * MS, 0.5 * MS])
+    fast_gpu = DeviceSpec("cuda:0", speed=2.0)
+    assert graph.device_times(fast_gpu)[3] == pytest.approx(0.25 * MS)
+    # cuda:1 has no column: the reference time over its speed.
+    assert graph.device_times(DeviceSpec("cuda:1", speed=4.0))[3] == pytest.approx(2.5 * MS)
+    costs = stage_costs(graph, [-1, 0, 0, 1, 1], [CPU, GPU])
+    assert [c.compute_s for c in costs] == pytest.approx([2 * MS, 1 * MS])
+
+
+def test_lower_bound_weighs_unrelated_devices():
+    # a, b are fast on cpu, c, d on the gpu. Weights in proportion to speed (1/3, 2/3) bound
+    # the bottleneck by 4/3 ms; the best weights, 5/6 and 1/6, by 11/6 ms; the optimum is 2 ms.
+    graph = four_nodes([1, 1, 10, 10], [5, 5, 0.5, 0.5])
+    bound = lower_bound_s(graph, [CPU, GPU])
+    assert bound == pytest.approx(11 / 6 * MS, rel=1e-6)
+    assert bound <= brute_force_partition(graph, [CPU, GPU]).bottleneck_s
+
+
+def test_lower_bound_of_related_devices_is_total_over_speed():
+    graph = four_nodes([1, 2, 3, 4], [1, 2, 3, 4])
+    devices = [CPU, DeviceSpec("cuda:0", speed=3.0), DeviceSpec("cuda:0", speed=3.0)]
+    assert lower_bound_s(graph, devices) == pytest.approx(10 * MS / 7)
+    assert lower_bound_s(four_nodes([1, 1, 9, 1], [1, 1, 9, 1]), devices) == pytest.approx(3 * MS)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_lower_bound_never_exceeds_the_optimum(case: DagCase):
+    try:
+        oracle = brute_force_partition(case.graph, case.devices)
+    except PartitionError:
+        return
+    assert lower_bound_s(case.graph, case.devices) <= oracle.bottleneck_s * (1 + 1e-9)
+
+
+def test_cost_graph_reads_each_kinds_cost_and_keeps_backward_apart():
+    gm = fx.symbolic_trace(nn.Sequential(nn.ReLU(), nn.Tanh()))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, (fwd, bwd) in {"input_1": (0, 0), "_0": (2, 4), "_1": (3, 6)}.items():
+        nodes[name].meta["cost"] = NodeCost(fwd_s=fwd * MS, bwd_s=bwd * MS)
+    nodes["_0"].meta["costs"] = {"cuda:0": NodeCost(fwd_s=1 * MS, bwd_s=1 * MS)}
+    graph = cost_graph(gm, training=True, kinds=["cuda:0", "cpu/2"])
+    assert graph.time_s == pytest.approx((0, 6 * MS, 9 * MS))
+    assert graph.kind_times("cuda:0").fwd_s == pytest.approx((0, 1 * MS, 3 * MS))
+    assert graph.kind_times("cuda:0").bwd_s == pytest.approx((0, 1 * MS, 6 * MS))
+    assert graph.kind_times("cpu/2") == graph.kind_times(None)
+    assert graph.kind_times(None).bwd_s == pytest.approx((0, 4 * MS, 6 * MS))
+    assert graph.device_times(DeviceSpec("cuda:0", speed=2.0)) == pytest.approx(
+        (0, 1 * MS, 4.5 * MS))
+    inference = cost_graph(gm, kinds=["cuda:0"])
+    assert inference.kind_times("cuda:0").bwd_s == (0.0, 0.0, 0.0)
+    assert inference.device_times(GPU) == pytest.approx((0, 1 * MS, 3 * MS))
+    assert torch.equal(gm(torch.ones(2)), torch.tanh(torch.ones(2)))   # the model is unchanged
+
+
+def test_partition_puts_each_node_where_it_runs_fast():
+    from passes.partition import partition
+
+    graph = four_nodes([1, 1, 10, 10], [5, 5, 0.5, 0.5])
+    result = partition(graph, [CPU, GPU])
+    assert result.stage_of == {"a": 0, "b": 0, "c": 1, "d": 1}
+    assert result.optimal
+    assert result.bottleneck_s == brute_force_partition(graph, [CPU, GPU]).bottleneck_s
+    assert result.stages[0].compute_s == pytest.approx(2 * MS)
