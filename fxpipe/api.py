@@ -20,7 +20,8 @@ from torch import nn
 from passes.annotate_costs import annotate_costs, bind_inputs
 from passes.codegen import split_stages
 from passes.compare import difference, output_name
-from passes.cost_model import DRIVER, DeviceSpec, Link, LinkFn, cost_graph, default_link
+from passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
+                               default_link)
 from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from passes.functionalize import functionalize
@@ -196,13 +197,13 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     costs = _Costs(gm, recipe, training)
     chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s)
     config = chosen.config
-    costs.keep(chosen)
     specs = chosen.partition.devices
+    costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
     plan = make_plan(gm.meta["capture"], chosen.partition, stages, config.chunks, verified)
     pipe = Pipeline(gm, stages, plan, config.chunks, schedule=config.schedule,
-                    threads_per_stage=config.threads,
+                    threads_per_stage=[d.threads for d in specs],
                     batch_dims=_placeholder_dims(signature_of(gm), dims, recipe.default_dim))
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
@@ -213,7 +214,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     pipe.plan = replace(pipe.plan, predicted_step_s=predicted_s, unpipelined_s=unpipelined_s,
                         unpipelined_threads=torch.get_num_threads(), chosen=chosen,
                         reason=reason, considered=considered,
-                        calibration=costs.calibration[costs.key(chosen.config)])
+                        calibration=costs.calibration[config.chunks, specs[0].kind,
+                                                      config.num_stages > 1])
     return pipe
 
 
@@ -231,61 +233,70 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
     candidates = []
     for k in stage_counts:
         threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
-        shared = search.sharing_cores(specs[:k], threads, cores)
         for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
             for schedule in schedules:
                 config = search.Config(k, chunks, schedule, threads)
-                candidates.append(search.consider(config, costs.measure(config),
-                                                  shared, link, training))
+                devices = costs.devices(config, specs)
+                candidates.append(search.consider(
+                    config, costs.measure(config, devices),
+                    search.sharing_cores(devices, threads, cores), link, training))
     as_is = None
     if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
         config = search.Config(1, 1, schedules[0], torch.get_num_threads())
-        as_is = search.consider(config, costs.measure(config), specs, link, training)
+        devices = costs.devices(config, specs)
+        as_is = search.consider(config, costs.measure(config, devices), devices, link, training)
         as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
     chosen, reason = search.choose(candidates, as_is)
     return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
 
 
 class _Costs:
-    """The graph's node costs, measured once per micro-batch size, thread count and thread
-    (the caller's, or a worker's as the stages of a pipeline run on), then calibrated."""
+    """The graph's node costs, measured once per micro-batch size, device kind (a CPU kind per
+    thread count) and thread (the caller's, or a worker's as the stages of a pipeline run on),
+    then calibrated; a configuration's costs are those of its devices' kinds."""
 
     def __init__(self, gm: fx.GraphModule, recipe: _Recipe, training: bool):
         self.gm, self.recipe, self.training = gm, recipe, training
-        self.measured: dict[tuple, tuple[search.Costed, dict[fx.Node, Any]]] = {}
+        self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
 
     @staticmethod
-    def key(config: search.Config) -> tuple[int, int, bool]:
-        return config.chunks, config.threads, config.num_stages > 1
+    def devices(config: search.Config, specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
+        """The configuration's devices, each CPU stage with its threads."""
+        return [replace(d, threads=d.threads or config.threads) if d.name.startswith("cpu")
+                else d for d in specs[:config.num_stages]]
 
-    def measure(self, config: search.Config) -> search.Costed:
-        """The graph costed as a stage with `config.threads` runs one of `config.chunks`
-        micro-batches: on a worker thread of its own when it will run on one (several
-        stages), where intra-op threads scale differently than on the caller's thread."""
-        key = self.key(config)
+    def measure(self, config: search.Config, devices: Sequence[DeviceSpec]) -> search.Costed:
+        """The graph costed as `config`'s stages run one of `config.chunks` micro-batches on
+        `devices`: each kind measured on its device with its threads, on a worker thread of its
+        own when the stages run on workers (several stages), where intra-op threads scale
+        differently than on the caller's thread. Leaves those costs on the nodes."""
         worker = config.num_stages > 1
-        if key not in self.measured:
-            gm, o = self.gm, self.recipe.options
-            device = o["specs"][0].name
-            args, kwargs = microbatch.split((self.recipe.args, self.recipe.kwargs),
-                                            config.chunks, self.recipe.input_dims)[0]
+        kinds = list(dict.fromkeys(d.kind for d in devices))
+        for device in {d.kind: d for d in devices}.values():
+            key = (config.chunks, device.kind, worker)
+            if key not in self.measured:
+                self.measured[key] = self._measure(config.chunks, device, worker)
+        for n in self.gm.graph.nodes:
+            if n.op != "output":
+                n.meta["costs"] = {k: self.measured[config.chunks, k, worker][n] for k in kinds}
+                n.meta["cost"] = n.meta["costs"][kinds[0]]
+        return search.Costed(cost_graph(self.gm, kinds=kinds),
+                             cost_graph(self.gm, training=self.training, kinds=kinds))
 
-            def run():
-                with _intra_op_threads(config.threads if device.startswith("cpu") else None):
-                    annotate_costs(gm, args, kwargs, device=device, repeats=o["repeats"],
-                                   backward=self.training)
-                    self.calibration[key] = _calibrate(gm, args, kwargs, self.training)
-            _on_worker_thread(run) if worker else run()
-            self.measured[key] = (
-                search.Costed(cost_graph(gm), cost_graph(gm, training=self.training)),
-                {n: n.meta["cost"] for n in gm.graph.nodes if "cost" in n.meta})
-        return self.measured[key][0]
+    def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
+        gm, recipe = self.gm, self.recipe
+        args, kwargs = microbatch.split((recipe.args, recipe.kwargs), chunks,
+                                        recipe.input_dims)[0]
 
-    def keep(self, chosen: search.Candidate) -> None:
-        """Leave the chosen configuration's costs on the graph's nodes."""
-        for n, cost in self.measured[self.key(chosen.config)][1].items():
-            n.meta["cost"] = cost
+        def run():
+            with _intra_op_threads(device.threads):
+                annotate_costs(gm, args, kwargs, device=device.name,
+                               repeats=recipe.options["repeats"], backward=self.training)
+                self.calibration[chunks, device.kind, worker] = _calibrate(
+                    gm, args, kwargs, self.training)
+        _on_worker_thread(run) if worker else run()
+        return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
 
 
 def _chunk_options(model: nn.Module, recipe: _Recipe, training: bool, devices: int) -> list[int]:

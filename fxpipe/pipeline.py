@@ -35,7 +35,7 @@ class Pipeline(nn.Module):
 
     def __init__(self, graph_module: fx.GraphModule, stages: Sequence[Stage], plan: Plan,
                  chunks: int, *, schedule: ScheduleName = "gpipe",
-                 threads_per_stage: int | None = None, batch_dims: Mapping[str, Any] | None = None):
+                 threads_per_stage: int | Sequence[int | None] | None = None, batch_dims: Mapping[str, Any] | None = None):
         super().__init__()
         self.training = graph_module.training
         self.schedule = schedule

@@ -92,9 +92,11 @@ class Runtime:
     """The wiring of one pipeline's stages; runs timetables on them, any number of times."""
 
     def __init__(self, stages: Sequence[Stage], output_names: Sequence[str], *,
-                 threads_per_stage: int | None = None):
+                 threads_per_stage: int | Sequence[int | None] | None = None):
         self.stages = list(stages)
-        self.threads_per_stage = threads_per_stage
+        # Each CPU stage's intra-op threads (None: as the thread starts).
+        self.threads = (list(threads_per_stage) if isinstance(threads_per_stage, Sequence)
+                        else [threads_per_stage] * len(self.stages))
         producer: dict[str, int] = {}
         for stage in stages:
             for name in stage.outputs:
@@ -226,8 +228,8 @@ class _Execution:
     def work(self, stage: Stage, actions: list[Action]) -> None:
         action = Action(stage.index, 0, Phase.FORWARD)
         try:
-            if self.rt.threads_per_stage and stage.device.type == "cpu":
-                torch.set_num_threads(self.rt.threads_per_stage)   # per thread on OpenMP builds
+            if self.rt.threads[stage.index] and stage.device.type == "cpu":
+                set_thread_count(self.rt.threads[stage.index])
             stream = self.rt.streams[stage.index]
             with contextlib.ExitStack() as context:   # the caller's thread-local modes, here too
                 context.enter_context(torch.set_grad_enabled(self.grad_enabled or self.training))
@@ -326,6 +328,16 @@ class _Execution:
             except queue.Empty:
                 pass
         return _ABORT
+
+
+def set_thread_count(threads: int) -> None:
+    """Give this thread `threads` intra-op threads, whatever other threads set.
+
+    With OpenMP the count is per thread, but torch sets a new thread's count, on its first
+    parallel op, from the latest `torch.set_num_threads` of any thread: asking for it first
+    makes that happen now, so that the count set next stays this thread's."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 def _join(threads: Sequence[threading.Thread]) -> None:

@@ -105,3 +105,46 @@ def test_training_plans_compare_a_training_step():
     assert all(p.grad is None for p in model.parameters())       # timing left .grad alone
     assert pipe.plan.predicted_step_s == pytest.approx(
         max(slot.end_s for slot in pipe.predict(training=True)))
+
+
+class Threads(nn.Module):
+    """A leaf recording the intra-op threads in effect where it runs."""
+
+    seen: list = []
+
+    def forward(self, x):
+        Threads.seen.append(torch.get_num_threads())
+        return x + 1
+
+
+class TwoParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.first, self.second = Threads(), Threads()
+
+    def forward(self, x):
+        return self.second(self.b(self.first(self.a(x))))
+
+
+def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(monkeypatch):
+    measured = []
+
+    def measuring(*args, **kwargs):
+        measured.append(torch.get_num_threads())
+        return annotate_costs(*args, **kwargs)
+
+    annotate_costs = fxpipe.api.annotate_costs
+    monkeypatch.setattr(fxpipe.api, "annotate_costs", measuring)
+    devices = [fxpipe.DeviceSpec("cpu", threads=2), fxpipe.DeviceSpec("cpu", threads=1)]
+    x = torch.randn(4, 8)
+    pipe = fxpipe.compile(TwoParts().eval(), devices, (x,), leaf_modules=[Threads])
+    assert sorted(measured) == [1, 2]
+    nodes = [n for n in pipe.module.graph.nodes if "costs" in n.meta]
+    assert nodes and all(set(n.meta["costs"]) == {"cpu/2", "cpu/1"} for n in nodes)
+    assert [d.kind for d in pipe.plan.partition.devices] == ["cpu/2", "cpu/1"]
+    stage_of = pipe.plan.partition.stage_of
+    Threads.seen = []
+    pipe(x)
+    expected = [2 if stage_of["first"] == 0 else 1, 2 if stage_of["second"] == 0 else 1]
+    assert Threads.seen == expected
