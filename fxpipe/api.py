@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from passes.annotate_costs import annotate_costs, bind_inputs
+from passes.annotate_costs import annotate_costs, bind_inputs, measurement_spread
 from passes.codegen import split_stages
 from passes.compare import difference, output_name
 from passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
@@ -215,7 +215,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
                         unpipelined_threads=torch.get_num_threads(), chosen=chosen,
                         reason=reason, considered=considered,
                         calibration=costs.calibration[config.chunks, specs[0].kind,
-                                                      config.num_stages > 1])
+                                                      config.num_stages > 1],
+                        spread=measurement_spread(gm))
     return pipe
 
 

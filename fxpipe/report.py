@@ -9,6 +9,7 @@ from typing import Sequence
 
 from tabulate import tabulate
 
+from passes.annotate_costs import UNSTEADY
 from passes.codegen import Stage
 from passes.partition import Partition
 from passes.trace import Capture, module_path
@@ -37,6 +38,7 @@ class Plan:
     chosen: object = None                     # the one chosen (a search.Candidate)
     reason: str = ""                          # why
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
+    spread: float | None = None               # how unsteady the measurement was
 
     @property
     def speedup(self) -> float | None:
@@ -73,14 +75,21 @@ class Plan:
         ])
 
     def _measurement(self) -> list[str]:
-        """How the costs were measured: the calibration to the graph's own time."""
+        """How the costs were measured: their spread, and the calibration to the graph's own
+        time; a warning when the measurement was unsteady."""
         if self.calibration is None:
             return []
         forward, backward = self.calibration
         scaled = f"x{forward:.2f} forward" + (f", x{backward:.2f} backward"
                                              if backward != 1.0 else "")
-        return [f"node costs: measured one by one, scaled ({scaled}) to the time of the whole "
-                f"graph measured as a stage runs it"]
+        steady = self.spread is None or self.spread <= UNSTEADY
+        lines = [f"node costs: measured one by one (spread {self.spread or 0:.0%}, "
+                 f"{'steady' if steady else 'unsteady'}), scaled ({scaled}) to the time of the "
+                 f"whole graph measured as a stage runs it"]
+        if not steady:
+            lines.append("warning: the costs were unsteady: another process may be using the "
+                         "cores; compile again when the machine is quiet")
+        return lines
 
     def _comparison(self) -> list[str]:
         """The pipeline's predicted time per batch against the model's own, and a warning

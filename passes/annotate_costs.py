@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -93,9 +93,13 @@ class CostInterpreter(PlainInterpreter):
         return time.perf_counter() - start
 
 
+UNSTEADY = 0.25     # a measurement whose time-weighted spread is above this is taken again
+
+
 def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, Any] | None = None,
                    *, device: str | torch.device | None = None, repeats: int = 5,
-                   warmup: int = 1, backward: bool = False) -> fx.GraphModule:
+                   warmup: int = 1, backward: bool = False,
+                   max_repeats: int | None = None) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
     The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
@@ -104,30 +108,63 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
     moved there. Inputs are given as the model takes them, positionally and by keyword. With
     `backward`, each node's backward is timed too (`bwd_s`), from its own inputs.
+
+    Noise: the repeats are whole runs of the graph, so a node's repeats are spread over the
+    measurement rather than taken back to back, and a burst of another process's work disturbs
+    one repeat of many nodes, not every repeat of one node; each node keeps the median, which one
+    disturbed repeat cannot move, and its spread, (p90 - p10) / median (`NodeCost.spread`). While
+    the graph's time-weighted spread (`measurement_spread`) is above `UNSTEADY`, the graph runs
+    again, up to `max_repeats` runs in all (default: three times `repeats`).
     """
     device = torch.device(device) if device is not None else _device_of(gm)
     place(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(gm, device, backward=backward)
     generators = [device] if device.type == "cuda" else []
+    limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=generators):
-        for run in range(warmup + repeats):
+        for run in range(warmup + limit):
             interpreter.watch = StateWatch(gm) if run == 0 else None
             fresh = [_to_device(_clone(v), device) for v in inputs]
             interpreter.run(*fresh)
             if run == 0:
                 interpreter.watch.mark()
+            if run + 1 >= warmup + repeats:
+                _write_costs(gm, interpreter, warmup)
+                if measurement_spread(gm) <= UNSTEADY:
+                    break
+    return gm
+
+
+def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) -> None:
     owned = _param_bytes_by_node(gm)
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
         times = interpreter.times_s[n][warmup:] or interpreter.times_s[n]
         backward_times = interpreter.backward_s.get(n, [0.0])
+        backward_times = backward_times[warmup:] or backward_times
         n.meta["cost"] = NodeCost(fwd_s=statistics.median(times),
-                                  bwd_s=statistics.median(backward_times[warmup:] or backward_times),
+                                  bwd_s=statistics.median(backward_times),
                                   out_bytes=0 if n.op == "get_attr" else interpreter.out_bytes[n],
-                                  param_bytes=owned.get(n, 0))
-    return gm
+                                  param_bytes=owned.get(n, 0), spread=spread(times))
+
+
+def spread(times: Sequence[float]) -> float:
+    """How unsteady repeated timings are: (p90 - p10) / median (0 for fewer than 3)."""
+    if len(times) < 3:
+        return 0.0
+    ordered = sorted(times)
+    p10, p90 = (ordered[round(q * (len(ordered) - 1))] for q in (0.1, 0.9))
+    median = statistics.median(ordered)
+    return (p90 - p10) / median if median > 0 else 0.0
+
+
+def measurement_spread(gm: fx.GraphModule) -> float:
+    """The spread of a graph's measured costs: each node's, weighted by its time."""
+    costs = [n.meta["cost"] for n in gm.graph.nodes if n.meta.get("cost") is not None]
+    total = sum(c.fwd_s for c in costs)
+    return sum(c.fwd_s * c.spread for c in costs) / total if total > 0 else 0.0
 
 
 def tensor_bytes(value: Any) -> int:

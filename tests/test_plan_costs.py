@@ -148,3 +148,12 @@ def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(mon
     pipe(x)
     expected = [2 if stage_of["first"] == 0 else 1, 2 if stage_of["second"] == 0 else 1]
     assert Threads.seen == expected
+
+
+def test_the_plan_shows_how_steady_the_measurement_was():
+    pipe = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
+    spread = pipe.plan.spread
+    assert spread is not None and spread >= 0
+    unsteady = dataclasses.replace(pipe.plan, spread=1.5)
+    assert "spread 150%, unsteady" in str(unsteady) and "compile again" in str(unsteady)
+    assert "compile again" not in str(dataclasses.replace(pipe.plan, spread=0.02))
