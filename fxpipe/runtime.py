@@ -181,9 +181,13 @@ class _Execution:
             channel.put(_ABORT)
 
     def run(self, timetable: Timetable) -> tuple[list[Any], Run]:
-        threads = [threading.Thread(target=self.work, args=(stage, timetable[stage.index]),
-                                    name=f"fxpipe-stage-{stage.index}", daemon=True)
-                   for stage in self.rt.stages]
+        # One stage runs on the caller's thread: no worker to start, hand over to, or join, so
+        # a pipeline of one stage costs what the model costs.
+        here = len(self.rt.stages) == 1
+        threads = [] if here else [
+            threading.Thread(target=self.work, args=(stage, timetable[stage.index]),
+                             name=f"fxpipe-stage-{stage.index}", daemon=True)
+            for stage in self.rt.stages]
         outputs: list[dict] = []
         self.rt.last_run = self.record
         self.start = time.perf_counter()
@@ -197,6 +201,9 @@ class _Execution:
                 for dst, names in self.sends(DRIVER).items():
                     self.channels[Phase.FORWARD, DRIVER, dst].put(
                         _Message({n: values[n] for n in names}))
+            if here:
+                with _kept_thread_count():
+                    self.work(self.rt.stages[0], timetable[0])
             if not self.training:
                 for _ in self.inputs:
                     received = self.receive(Phase.FORWARD, DRIVER, None)
@@ -246,6 +253,9 @@ class _Execution:
                         return
                     self.record.slots.append(Slot(action, began, time.perf_counter() - self.start))
         except BaseException as e:   # whatever it is, the run must end
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
+                    threading.main_thread():
+                raise                # the caller's own Ctrl-C, on the caller's thread
             try:
                 self.errors.append(_stage_error(stage, action, e))
             finally:
@@ -338,6 +348,16 @@ def set_thread_count(threads: int) -> None:
     makes that happen now, so that the count set next stays this thread's."""
     torch.get_num_threads()
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _kept_thread_count():
+    """The caller's intra-op thread count, restored after a stage ran on its thread."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _join(threads: Sequence[threading.Thread]) -> None:

@@ -1,0 +1,64 @@
+"""A pipeline of one stage runs on the caller's thread: it costs what the model costs."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+
+
+class Where(nn.Module):
+    """A leaf recording the thread it runs on and the intra-op threads in effect there."""
+
+    seen: list = []
+
+    def forward(self, x):
+        Where.seen.append((threading.current_thread() is threading.main_thread(),
+                           torch.get_num_threads()))
+        return x * 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.where = nn.Linear(4, 4), Where()
+
+    def forward(self, x):
+        return self.where(self.fc(x)).relu()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_one_stage_runs_on_the_callers_thread_with_its_threads_and_restores_the_callers(training):
+    torch.manual_seed(0)
+    model, x = Net().train(training), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", threads=2)], (x,), chunks=2,
+                          leaf_modules=[Where])
+    caller = torch.get_num_threads()
+    Where.seen = []
+    if training:
+        loss = pipe.train_step(x, torch.zeros(8, 4), nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(model(x), torch.zeros(8, 4))
+        torch.testing.assert_close(loss, expected)
+    else:
+        torch.testing.assert_close(pipe(x), model(x))
+    assert Where.seen[:2] == [(True, 2), (True, 2)]       # both micro-batches, here, 2 threads
+    assert torch.get_num_threads() == caller
+
+
+class Fails(nn.Module):
+    def forward(self, x):
+        if x.sum() > 1e9:
+            raise RuntimeError("too large")
+        return x
+
+
+def test_a_failure_in_the_one_stage_is_a_stage_error_and_the_thread_count_is_restored():
+    model = nn.Sequential(nn.Linear(4, 4), Fails())
+    pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", threads=2)], (torch.randn(2, 4),),
+                          leaf_modules=[Fails])
+    caller = torch.get_num_threads()
+    with pytest.raises(fxpipe.StageError, match="stage 0.*too large"):
+        pipe(torch.full((2, 4), 1e12))
+    assert torch.get_num_threads() == caller and pipe.last_run.failed
