@@ -231,21 +231,24 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
     schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
                      ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
     cores = os.cpu_count() or 1
+    as_is_config = search.Config(1, 1, schedules[0], torch.get_num_threads())
     candidates = []
     for k in stage_counts:
         threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
         for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
             for schedule in schedules:
                 config = search.Config(k, chunks, schedule, threads)
+                if num_stages == "auto" and config == as_is_config:
+                    continue     # the model as it is, measured whole below
                 devices = costs.devices(config, specs)
                 candidates.append(search.consider(
                     config, costs.measure(config, devices),
                     search.sharing_cores(devices, threads, cores), link, training))
     as_is = None
     if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
-        config = search.Config(1, 1, schedules[0], torch.get_num_threads())
-        devices = costs.devices(config, specs)
-        as_is = search.consider(config, costs.measure(config, devices), devices, link, training)
+        devices = costs.devices(as_is_config, specs)
+        as_is = search.consider(as_is_config, costs.measure(as_is_config, devices), devices,
+                                link, training)
         as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
     chosen, reason = search.choose(candidates, as_is)
     return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())

@@ -54,6 +54,7 @@ class Pipeline(nn.Module):
         self._output_dims: list[int | None] | None = None
         self._model: weakref.ref | None = None     # the model compiled, to notice it changed
         self._model_parts: dict[str, weakref.ref] = {}
+        self._model_members: list[Any] = []
         self._recipe = None                        # how to compile it again in the other mode
         self._modes: dict[bool, dict[str, Any]] = {}
 
@@ -228,6 +229,7 @@ class Pipeline(nn.Module):
         """Keep (weakly) the model and what its names refer to, for `_check_model`."""
         self._model = weakref.ref(model)
         self._model_parts = {name: weakref.ref(value) for name, value in _parts(model)}
+        self._model_members = _members(model)
 
     def _check_model(self) -> None:
         """Refuse to run when a module, parameter or buffer of the model was replaced since
@@ -236,6 +238,10 @@ class Pipeline(nn.Module):
         model = self._model() if self._model is not None else None
         if model is None:
             return
+        members = _members(model)
+        if len(members) == len(self._model_members) and all(
+                a is b for a, b in zip(members, self._model_members)):
+            return      # nothing replaced: the common case, checked in a few microseconds
         for name, value in _parts(model):
             old = self._model_parts.get(name)
             if old is not None and old() is value:
@@ -263,6 +269,18 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
+
+
+def _members(model: nn.Module) -> list[Any]:
+    """Every module, parameter and buffer of `model`, in a fixed order (kept alive: a stage
+    holds them anyway), to see at a glance whether any was replaced."""
+    found, todo = [], [model]
+    while todo:
+        module = todo.pop()
+        for table in (module._modules, module._parameters, module._buffers):
+            found.extend(table.values())
+        todo.extend(m for m in module._modules.values() if m is not None)
+    return found
 
 
 def _parts(model: nn.Module) -> list[tuple[str, Any]]:

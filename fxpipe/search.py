@@ -126,6 +126,8 @@ def choose(candidates: Sequence[Candidate], unpipelined: Candidate | None) -> tu
     """The candidate to run and why: the fastest that fits, the smallest among those within
     `TIE` of it; the model as is (`unpipelined`) when nothing is predicted faster than it."""
     fitting = [c for c in candidates if c.predicted_s is not None]
+    if not fitting and unpipelined is not None and unpipelined.predicted_s is not None:
+        return unpipelined, "no pipeline is predicted faster than the model run whole (none fits)"
     if not fitting:
         raise PartitionError("no configuration fits: " + "; ".join(
             f"{c}: {c.problem}" for c in candidates))

@@ -29,8 +29,9 @@ def test_choose_never_picks_a_plan_predicted_slower_than_the_model(found, model_
     as_is = candidate(1, 1, model_s)
     fitting = [c for c in found if c.predicted_s is not None]
     if not fitting:
+        assert search.choose(found, as_is)[0] is as_is
         with pytest.raises(PartitionError, match="no configuration fits"):
-            search.choose(found, as_is)
+            search.choose(found, None)
         return
     chosen, reason = search.choose(found, as_is)
     assert chosen.predicted_s <= model_s
@@ -149,3 +150,11 @@ def test_bad_auto_options_are_named():
         fxpipe.compile(model, ["cpu"], (x,), chunks="many")
     with pytest.raises(fxpipe.FxpipeError, match="'auto'"):
         fxpipe.compile(model, ["cpu"], (x,), schedule="fast")
+
+
+def test_one_device_with_auto_stages_is_the_model_as_is():
+    torch.manual_seed(0)
+    model, x = Residual().eval(), torch.randn(16, 16)
+    pipe = fxpipe.compile(model, ["cpu"], (x,), num_stages="auto")
+    assert pipe.plan.runs_as_is and len(pipe.stages) == 1 and pipe.chunks == 1
+    torch.testing.assert_close(pipe(x), model(x))
