@@ -3,7 +3,7 @@
     python benchmarks/never_slower.py [--repeats 7] [--stages 2] [--training]
 
 For each model (the residual MLP of the planner issue, the quickstart's branching CNN, a chain of
-convolutions, the zoo's ResNet-50 and ViT at "small" size), fxpipe compiles with every choice left
+convolutions, the zoo's ViT, ResNet-50 and DenseNet at "small" size), fxpipe compiles with every choice left
 to the plan (`num_stages="auto"`, `chunks="auto"`, `schedule="auto"`) on `--stages` CPU devices,
 and the table prints what it chose, the pipeline's measured time per call (per `train_step` with
 `--training`) beside the model run whole with all cores, measured in the same interleaved rounds,
@@ -32,7 +32,7 @@ from examples.zoo import build as zoo  # noqa: E402
 def models():
     yield from predict_models()
     yield "conv chain", conv_chain(48).eval(), torch.randn(64, 3, 32, 32)
-    for name in ("resnet50", "vit"):
+    for name in ("resnet50", "densenet"):
         case = zoo(name, size="small", batch=16)
         yield name, case.model, case.example_inputs[0]
 

@@ -236,7 +236,7 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
     for k in stage_counts:
         threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
         for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
-            for schedule in schedules:
+            for schedule in (schedules if k > 1 else schedules[:1]):   # alike on one stage
                 config = search.Config(k, chunks, schedule, threads)
                 if num_stages == "auto" and config == as_is_config:
                     continue     # the model as it is, measured whole below

@@ -49,7 +49,9 @@ class Candidate:
 
     def __str__(self) -> str:
         c = self.config
-        return f"{c.num_stages} stages x {c.chunks} micro-batches ({c.schedule}, {c.threads} threads)"
+        return (f"{c.num_stages} stage{'s' * (c.num_stages > 1)} x {c.chunks} "
+                f"micro-batch{'es' * (c.chunks > 1)} ({c.schedule}, {c.threads} "
+                f"thread{'s' * (c.threads > 1)})")
 
 
 @dataclass(frozen=True)
