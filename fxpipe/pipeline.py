@@ -274,12 +274,15 @@ class Pipeline(nn.Module):
 def _members(model: nn.Module) -> list[Any]:
     """Every module, parameter and buffer of `model`, in a fixed order (kept alive: a stage
     holds them anyway), to see at a glance whether any was replaced."""
-    found, todo = [], [model]
+    found, todo, seen = [], [model], {id(model)}
     while todo:
         module = todo.pop()
         for table in (module._modules, module._parameters, module._buffers):
             found.extend(table.values())
-        todo.extend(m for m in module._modules.values() if m is not None)
+        for m in module._modules.values():
+            if m is not None and id(m) not in seen:    # modules may be shared, or even cycle
+                seen.add(id(m))
+                todo.append(m)
     return found
 
 
