@@ -18,7 +18,8 @@ from passes.signature import signature_of
 from . import microbatch
 from .report import Plan
 from .runtime import Run, Runtime
-from .schedules import ScheduleName, Slot, gpipe, simulate, timetable_for
+from . import search
+from .schedules import ScheduleName, Slot, gpipe, timetable_for
 
 
 class Pipeline(nn.Module):
@@ -162,20 +163,8 @@ class Pipeline(nn.Module):
         The same timetable the runtime executes, each action taking its stage's predicted time.
         `max(slot.end_s for slot in pipe.predict())` is the predicted duration of the whole step.
         """
-        plan = self.plan.partition
-        forward_s = [stage.comm_s for stage in plan.stages]
-        backward_s = [stage.comm_s for stage in plan.stages]   # gradients cross the same links
-        for node in self.module.graph.nodes:
-            s = plan.stage_of.get(node.name)
-            if s is not None:
-                cost = node.meta["cost"]
-                forward_s[s] += cost.fwd_s / plan.devices[s].speed
-                backward_s[s] += cost.bwd_s / plan.devices[s].speed
-        timetable = (timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
-                     if training else gpipe(len(self._stages), self.chunks))
-        return simulate(timetable,
-                        lambda a: forward_s[a.stage] if a.phase.value == "F" else backward_s[a.stage],
-                        self._runtime.reads_from(training))
+        return search.predict_slots(self.plan.partition, self.chunks, self.schedule, training,
+                                    self._runtime.reads_from(training))
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
-from passes.cost_model import CostGraph, DeviceSpec, LinkFn, stage_costs
+from passes.cost_model import CostGraph, DeviceSpec, LinkFn
 from passes.errors import PartitionError
 from passes.partition import Partition, partition
 
-from .schedules import SCHEDULES, Phase, gpipe, simulate, timetable_for
+from .schedules import SCHEDULES, Phase, Slot, gpipe, simulate, timetable_for
 
 TIE = 0.02     # configurations within 2% of the fastest count as equally fast
 
@@ -78,23 +78,27 @@ def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> li
     return peaks
 
 
-def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str, training: bool,
-                   link: LinkFn) -> float:
-    """One step's predicted time: the timetable simulated with each stage's forward and
-    backward times (gradients cross the same links as the values they belong to)."""
-    devices = part.devices
-    stage_of = [part.stage_of.get(name, -1) for name in costed.forward.names]
-    forward = stage_costs(costed.forward, stage_of, devices, link)
-    step = stage_costs(costed.step, stage_of, devices, link) if training else forward
-    forward_s = [c.time_s for c in forward]
-    backward_s = [s.compute_s - f.compute_s + f.comm_s for s, f in zip(step, forward)]
-    k = len(devices)
+def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
+                  reads_from: Mapping[int, Sequence[int]]) -> list[Slot]:
+    """The timeline the cost model predicts for one step (a call, or a `train_step`): the
+    timetable the runtime would execute, each forward action taking its stage's
+    `forward_step_s` and each backward action its `backward_step_s`."""
+    k = part.num_stages
     timetable = (timetable_for(schedule, k, chunks, backward=True) if training
                  else gpipe(k, chunks))
-    slots = simulate(timetable,
-                     lambda a: forward_s[a.stage] if a.phase is Phase.FORWARD else backward_s[a.stage],
-                     reads_from(costed.forward, stage_of, k, training))
-    return max((slot.end_s for slot in slots), default=0.0)
+    return simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
+                                          if a.phase is Phase.FORWARD
+                                          else part.stages[a.stage].backward_step_s),
+                    reads_from)
+
+
+def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
+                   training: bool) -> float:
+    """One step's predicted time (`predict_slots`, its last action's end)."""
+    stage_of = [part.stage_of.get(name, -1) for name in costed.forward.names]
+    reads = reads_from(costed.forward, stage_of, part.num_stages, training)
+    return max((slot.end_s for slot in predict_slots(part, chunks, schedule, training, reads)),
+               default=0.0)
 
 
 def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
@@ -120,7 +124,7 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
         part = partition(costed.step, specs, link, activation_factor=max(factors))
     except PartitionError as e:
         return Candidate(config, None, 0, None, str(e).split("\n")[0])
-    predicted = predict_step_s(costed, part, config.chunks, config.schedule, training, link)
+    predicted = predict_step_s(costed, part, config.chunks, config.schedule, training)
     return Candidate(config, predicted, max(s.memory_bytes for s in part.stages), part)
 
 

@@ -159,16 +159,22 @@ class CostGraph:
         found = self.kinds.get(kind) or self.kinds.get(None)
         return found or KindTimes(self.time_s, (0.0,) * len(self))
 
-    def device_times(self, device: DeviceSpec) -> tuple[float, ...]:
-        """Node `i`'s time on `device`: its kind's forward plus backward time over its speed."""
+    def device_columns(self, device: DeviceSpec) -> KindTimes:
+        """Node `i`'s forward and backward time on `device`: its kind's, over its speed. A kind
+        without a column takes the reference's split (which adds up to `time_s`)."""
         key = (device.kind, device.speed)
         if key not in self._device_times:
-            if device.kind in self.kinds:
-                t = self.kinds[device.kind]
-                total = tuple(f + b for f, b in zip(t.fwd_s, t.bwd_s))
-            else:
-                total = self.time_s
-            self._device_times[key] = tuple(x / device.speed for x in total)
+            t = self.kind_times(device.kind)
+            self._device_times[key] = KindTimes(tuple(x / device.speed for x in t.fwd_s),
+                                                tuple(x / device.speed for x in t.bwd_s))
+        return self._device_times[key]
+
+    def device_times(self, device: DeviceSpec) -> tuple[float, ...]:
+        """Node `i`'s time on `device`: its forward plus backward time (`device_columns`)."""
+        key = ("total", device.kind, device.speed)
+        if key not in self._device_times:
+            t = self.device_columns(device)
+            self._device_times[key] = tuple(f + b for f, b in zip(t.fwd_s, t.bwd_s))
         return self._device_times[key]
 
 
@@ -266,7 +272,12 @@ def _sent_bytes(nodes: Sequence[fx.Node], members: Sequence[int], outputs: set[f
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage's predicted cost: compute on its device, transfers in and out, memory held."""
+    """One stage's predicted cost: compute on its device, transfers in and out, memory held.
+
+    `compute_s` is forward plus backward compute; `backward_s` the backward part of it. A
+    forward action of the stage takes `forward_step_s`, a backward one `backward_step_s`:
+    gradients cross the same links as the values they belong to.
+    """
 
     compute_s: float
     comm_s: float
@@ -274,10 +285,19 @@ class StageCost:
     sent_bytes: int
     received_bytes: int
     num_nodes: int
+    backward_s: float = 0.0
 
     @property
     def time_s(self) -> float:
         return self.compute_s + self.comm_s
+
+    @property
+    def forward_step_s(self) -> float:
+        return self.compute_s - self.backward_s + self.comm_s
+
+    @property
+    def backward_step_s(self) -> float:
+        return self.backward_s + self.comm_s
 
 
 def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[DeviceSpec],
@@ -292,7 +312,9 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
     """
     k = len(devices)
     times = [graph.device_times(d) for d in devices]
+    backward_times = [graph.device_columns(d).bwd_s for d in devices]
     compute = [0.0] * k
+    backward = [0.0] * k
     comm = [0.0] * k
     params = [0] * k
     activations = [0] * k
@@ -305,6 +327,7 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
         nbytes = graph.out_bytes[i]
         if src is not None:
             compute[src] += times[src][i]
+            backward[src] += backward_times[src][i]
             params[src] += graph.param_bytes[i]
             activations[src] += nbytes
             count[src] += len(graph.node_names(i))
@@ -323,7 +346,7 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
             sent[src] += nbytes
     return [StageCost(compute[s], comm[s],
                       stage_memory_bytes(params[s], activations[s], activation_factor),
-                      sent[s], received[s], count[s])
+                      sent[s], received[s], count[s], backward[s])
             for s in range(k)]
 
 
@@ -331,6 +354,109 @@ def stage_memory_bytes(param_bytes: int, activation_bytes: int,
                        activation_factor: float = 1.0) -> int:
     """A stage's memory: its parameters plus `activation_factor` copies of its activations."""
     return param_bytes + math.ceil(activation_factor * activation_bytes)
+
+
+class Pricing:
+    """The cost rules of one device order, in the views the partitioner searches with.
+
+    Exact (`stage_costs`, `bottleneck_s`): a value is sent once per (producer, receiving stage)
+    over the link between their devices, and both ends pay for it.
+
+    Relaxed (`send_min`, `receive_min`, `relaxed_stage_s`): a stage priced knowing only which of
+    its values are read by later stages, not by which ones: a received value costs the cheapest
+    link from any earlier stage, a sent value the cheapest link to one later stage, once. Relaxed
+    times never exceed exact ones, so a minimum over them is a lower bound, and they are equal
+    when every value is read by at most one later stage over uniform links.
+
+    Memory (`fits`) is the same in both: `stage_memory_bytes` of what the stage holds.
+    """
+
+    def __init__(self, graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn = default_link,
+                 activation_factor: float = 1.0):
+        k = len(devices)
+        self.graph = graph
+        self.devices = tuple(devices)
+        self.link = link
+        self.k = k
+        self.activation_factor = activation_factor
+        self.links = [[link(a, b) for b in devices] for a in devices]
+        # Node times per stage (its device's kind over its speed), as distinct columns, and the
+        # least of them per node: the floor no device goes below.
+        self.times = [graph.device_times(d) for d in devices]
+        distinct = list(dict.fromkeys(self.times))
+        self.column_of = [distinct.index(t) for t in self.times]
+        self.columns = distinct + [tuple(map(min, zip(*distinct)))]
+        self.floor_column = len(distinct)
+        self.from_driver = [link(DRIVER, d) for d in devices]
+        self.to_driver = [link(d, DRIVER) for d in devices]
+        # The distinct links a stage may send to (later stages) or receive from (earlier ones).
+        self._later = [tuple(dict.fromkeys(self.links[s][t] for t in range(s + 1, k)))
+                       for s in range(k)]
+        self._earlier = [tuple(dict.fromkeys(self.links[t][s] for t in range(s)))
+                         for s in range(k)]
+        self._send: dict[int, list[float]] = {}
+        self._receive: dict[int, list[float]] = {}
+
+    def send_min(self, s: int) -> list[float]:
+        """Per node: the least its value costs a stage-`s` sender to reach one later stage."""
+        if s not in self._send:
+            self._send[s] = _cheapest(self._later[s], self.graph.out_bytes)
+        return self._send[s]
+
+    def receive_min(self, s: int) -> list[float]:
+        """Per node: the least receiving its value can cost stage `s` (inf: it cannot)."""
+        if s not in self._receive:
+            out_bytes = self.graph.out_bytes
+            earlier = _cheapest(self._earlier[s], out_bytes) if s else [math.inf] * len(out_bytes)
+            driver = self.from_driver[s]
+            self._receive[s] = [driver.time_s(b) if is_input else t
+                                for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
+        return self._receive[s]
+
+    def fits(self, s: int, param_bytes: int, activation_bytes: int) -> bool:
+        """True when a stage holding these bytes fits stage `s`'s device."""
+        need = stage_memory_bytes(param_bytes, activation_bytes, self.activation_factor)
+        return need <= self.devices[s].memory_bytes
+
+    def stage_costs(self, stage_of: Sequence[int]) -> list[StageCost]:
+        return stage_costs(self.graph, stage_of, self.devices, self.link,
+                           activation_factor=self.activation_factor)
+
+    def bottleneck_s(self, stage_of: Sequence[int]) -> float:
+        """The exact bottleneck of a partition."""
+        return max(c.time_s for c in self.stage_costs(stage_of))
+
+    def relaxed_stage_s(self, stage_of: Sequence[int]) -> list[float]:
+        """Every stage's relaxed time (the definition the partitioner's incremental forms are
+        tested against): compute, values received at `receive_min`, values read by a later
+        stage sent once at `send_min`, outputs returned to the driver."""
+        graph = self.graph
+        times = [0.0] * self.k
+        for i in range(len(graph)):
+            readers = {stage_of[j] for j in graph.succs[i]}
+            if graph.is_input[i]:
+                for s in readers:
+                    times[s] += self.receive_min(s)[i]
+                continue
+            s = stage_of[i]
+            times[s] += self.times[s][i]
+            if graph.to_output[i]:
+                times[s] += self.to_driver[s].time_s(graph.out_bytes[i])
+            if any(r > s for r in readers):
+                times[s] += self.send_min(s)[i]
+            for r in readers - {s}:
+                times[r] += self.receive_min(r)[i]
+        return times
+
+
+def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
+    """Per value size: its time over the fastest of `links` (0 when there is none)."""
+    times = [0.0] * len(out_bytes) if not links else None
+    for link in links:
+        latency, rate = link.latency_s, link.bytes_per_s
+        over = [latency + b / rate for b in out_bytes]
+        times = over if times is None else [min(t, u) for t, u in zip(times, over)]
+    return times
 
 
 def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:

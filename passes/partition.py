@@ -34,7 +34,8 @@ exact bottleneck wins:
 2. **DP over ideals** (Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph
    Operators", NeurIPS 2020). A valid partition is a chain of ideals (downward-closed node sets)
    {} = I_0 < I_1 < ... < I_k = V; stage `s` is I_{s+1} - I_s. The DP over pairs of ideals
-   minimises the largest *relaxed* stage time, where a stage's transfers are priced from the
+   minimises the largest *relaxed* stage time (`cost_model.Pricing`, whose `relaxed_stage_s`
+   the DP's incremental form is tested against), where a stage's transfers are priced from the
    pair alone: a received value over the cheapest link from an earlier stage, a sent value once
    over the cheapest link to a later stage. Relaxed times never exceed exact ones, so the DP's
    value bounds every partition from below, and it is exact when each value is received by at
@@ -79,7 +80,7 @@ from typing import Iterator, Mapping, NamedTuple, Sequence
 import torch.fx as fx
 from tabulate import tabulate
 
-from .cost_model import (DRIVER, CostGraph, DeviceSpec, Link, LinkFn, StageCost, cost_graph,
+from .cost_model import (CostGraph, DeviceSpec, LinkFn, Pricing, StageCost, cost_graph,
                          default_link, lower_bound_s, stage_costs, stage_memory_bytes)
 from .errors import PartitionError
 
@@ -294,85 +295,18 @@ def _check_request(graph: CostGraph, devices: Sequence[DeviceSpec]) -> None:
             raise PartitionError(f"device {d.name!r} has speed {d.speed}: speeds must be > 0")
 
 
-class _Model:
-    """The cost model flattened for the search: links between stages, relaxed transfer times."""
-
-    def __init__(self, graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
-                 activation_factor: float):
-        k = len(devices)
-        self.graph = graph
-        self.devices = devices
-        self.link = link
-        self.k = k
-        self.activation_factor = activation_factor
-        self.links = [[link(a, b) for b in devices] for a in devices]
-        # Node times per stage (its device's kind over its speed), as distinct columns, and the
-        # least of them per node: the floor no device goes below.
-        self.times = [graph.device_times(d) for d in devices]
-        distinct = list(dict.fromkeys(self.times))
-        self.column_of = [distinct.index(t) for t in self.times]
-        self.columns = distinct + [tuple(map(min, zip(*distinct)))]
-        self.floor_column = len(distinct)
-        self.from_driver = [link(DRIVER, d) for d in devices]
-        self.to_driver = [link(d, DRIVER) for d in devices]
-        # The distinct links a stage may send to (later stages) or receive from (earlier ones).
-        self._later = [tuple(dict.fromkeys(self.links[s][t] for t in range(s + 1, k)))
-                       for s in range(k)]
-        self._earlier = [tuple(dict.fromkeys(self.links[t][s] for t in range(s)))
-                         for s in range(k)]
-
-        self._send: dict[int, list[float]] = {}
-        self._receive: dict[int, list[float]] = {}
-
-    def send_min(self, s: int) -> list[float]:
-        """Per node: the least its value costs a stage-`s` sender to reach one later stage."""
-        if s not in self._send:
-            self._send[s] = _cheapest(self._later[s], self.graph.out_bytes)
-        return self._send[s]
-
-    def recv_min(self, s: int) -> list[float]:
-        """Per node: the least receiving its value can cost stage `s` (inf: it cannot)."""
-        if s not in self._receive:
-            out_bytes = self.graph.out_bytes
-            earlier = _cheapest(self._earlier[s], out_bytes) if s else [math.inf] * len(out_bytes)
-            driver = self.from_driver[s]
-            self._receive[s] = [driver.time_s(b) if is_input else t
-                                for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
-        return self._receive[s]
-
-    def memory(self, s: int, param_bytes: int, activation_bytes: int) -> bool:
-        """True when stage `s` fits its device."""
-        need = stage_memory_bytes(param_bytes, activation_bytes, self.activation_factor)
-        return need <= self.devices[s].memory_bytes
-
-    def bottleneck(self, stage_of: Sequence[int]) -> float:
-        costs = stage_costs(self.graph, stage_of, self.devices, self.link,
-                            activation_factor=self.activation_factor)
-        return max(c.time_s for c in costs)
-
-
-def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
-    """Per value size: its time over the fastest of `links` (0 when there is none)."""
-    times = [0.0] * len(out_bytes) if not links else None
-    for link in links:
-        latency, rate = link.latency_s, link.bytes_per_s
-        over = [latency + b / rate for b in out_bytes]
-        times = over if times is None else [min(t, u) for t, u in zip(times, over)]
-    return times
-
-
 def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
                activation_factor: float) -> tuple[Partition | None, bool]:
     """The best partition for one device order, or (None, whether no partition fits is
     proven) when none found fits in memory."""
-    model = _Model(graph, devices, link, activation_factor)
+    model = Pricing(graph, devices, link, activation_factor)
     bound = lower_bound_s(graph, devices)
     orders = list(_orders(graph))
     candidates: list[tuple[float, list[int], str]] = []
     for name, order in orders:
         sliced = _best_slicing(model, order, bound)
         if sliced is not None:
-            candidates.append((model.bottleneck(sliced), sliced, f"slicing the {name} order"))
+            candidates.append((model.bottleneck_s(sliced), sliced, f"slicing the {name} order"))
 
     def exact(lattice: _Lattice, floor: float) -> _Exact | None:
         incumbent_s, incumbent, _ = min(candidates, key=lambda c: c[0],
@@ -395,14 +329,14 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
         proof = {"tight": ideals, "nothing better": ideals,
                  "probes": f"bound: {ideals} limited to narrow bands"}.get(
             found.note, f"{ideals}, then {found.note}")
-        candidates.append((model.bottleneck(found.stage_of), found.stage_of, "the ideal DP"))
+        candidates.append((model.bottleneck_s(found.stage_of), found.stage_of, "the ideal DP"))
     proven = found is not None and found.proven
     if not proven:
         for name, order in orders:
             if len(order) <= PREFIX_LIMIT:
                 sliced = exact(_Lattice.prefixes(graph, order, model.columns), 0.0)
                 if sliced is not None and sliced.stage_of is not None:
-                    candidates.append((model.bottleneck(sliced.stage_of), sliced.stage_of,
+                    candidates.append((model.bottleneck_s(sliced.stage_of), sliced.stage_of,
                                        f"exact slicing of the {name} order"))
     if not candidates:
         return None, False
@@ -481,7 +415,7 @@ def _orders(graph: CostGraph) -> Iterator[tuple[str, list[int]]]:
         yield "depth-first", order
 
 
-def _best_slicing(model: _Model, order: list[int], bound: float) -> list[int] | None:
+def _best_slicing(model: Pricing, order: list[int], bound: float) -> list[int] | None:
     """The best contiguous slicing of `order` found by binary search on the bottleneck.
 
     Starts from the lower bound and gallops up (bound * (1 + 2^j / 1024)) to the first bottleneck
@@ -530,7 +464,7 @@ def _best_slicing(model: _Model, order: list[int], bound: float) -> list[int] | 
     return best[0]
 
 
-def _slice(model: _Model, order: list[int], position: list[int], last: list[int],
+def _slice(model: Pricing, order: list[int], position: list[int], last: list[int],
            limit: float, reserve: list[float], over: dict[int, float]
            ) -> tuple[list[int], float] | None:
     """One greedy pass: close each stage at the last node that keeps every stage within `limit`
@@ -595,7 +529,7 @@ def _slice(model: _Model, order: list[int], position: list[int], last: list[int]
                         overflow = True
                         over[sender] = max(over.get(sender, 0.0),
                                            load[sender] + extra[sender] - limit)
-            if overflow or fixed > limit or not model.memory(s, param_bytes, activation_bytes):
+            if overflow or fixed > limit or not model.fits(s, param_bytes, activation_bytes):
                 break
             if fixed + sending <= limit - reserve[s] and (not final or at == n - 1):
                 end = (at + 1, fixed + sending, len(charges))
@@ -652,7 +586,7 @@ class _Lattice:
     Either every ideal of the computing nodes (`ideals`), or the prefixes of one topological
     order (`prefixes`, whose chains are the contiguous slicings of that order). Bit `b` stands
     for computing node `nodes[b]`; ideals are listed by size, empty first and the whole graph last.
-    `time_s[c]` is every ideal's compute under node-time column `columns[c]` (`_Model.columns`).
+    `time_s[c]` is every ideal's compute under node-time column `columns[c]` (`Pricing.columns`).
     """
 
     graph: CostGraph
@@ -830,10 +764,10 @@ class _Pair(NamedTuple):
 class _StageCost:
     """The relaxed time of a candidate stage on stage `s`'s device (inf if it does not fit)."""
 
-    def __init__(self, model: _Model, s: int):
+    def __init__(self, model: Pricing, s: int):
         self.model, self.s = model, s
         self.column = model.column_of[s]
-        self.receive = model.recv_min(s)
+        self.receive = model.receive_min(s)
         self.send = model.send_min(s)
         self.out = model.to_driver[s]
         self.capacity = model.devices[s].memory_bytes
@@ -842,7 +776,7 @@ class _StageCost:
     def __call__(self, pair: _Pair) -> float:
         # Rounding activations up adds less than a byte: only a near miss needs the exact test.
         if pair.param_bytes + pair.activation_bytes * self.factor + 1 > self.capacity and \
-                not self.model.memory(self.s, pair.param_bytes, pair.activation_bytes):
+                not self.model.fits(self.s, pair.param_bytes, pair.activation_bytes):
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
         return (pair.time_s[self.column] + out + sum(self.receive[p] for p in pair.received) +
@@ -866,7 +800,7 @@ class _Exact:
     note: str
 
 
-def _exact(model: _Model, lattice: _Lattice, incumbent: list[int] | None, incumbent_s: float,
+def _exact(model: Pricing, lattice: _Lattice, incumbent: list[int] | None, incumbent_s: float,
            floor: float, budget: _Budget) -> _Exact | None:
     """The DP over `lattice`, then branch and bound; None when `budget` runs out first.
 
@@ -887,7 +821,7 @@ def _exact(model: _Model, lattice: _Lattice, incumbent: list[int] | None, incumb
     if value == math.inf:
         return _Exact(bound, incumbent, True, "nothing better")
     stage_of = _chain(lattice, best, k)
-    exact = model.bottleneck(stage_of)
+    exact = model.bottleneck_s(stage_of)
     if exact <= bound * (1 + _TOL):
         return _Exact(bound, stage_of, True, "tight")
     if exact > incumbent_s:
@@ -900,7 +834,7 @@ def _exact(model: _Model, lattice: _Lattice, incumbent: list[int] | None, incumb
     return _Exact(bound, found, True, "branch and bound on exact transfers")
 
 
-def _probe(model: _Model, lattice: _Lattice, costs: list[_StageCost], floor: float,
+def _probe(model: Pricing, lattice: _Lattice, costs: list[_StageCost], floor: float,
            incumbent: list[int] | None, incumbent_s: float, budget: _Budget) -> _Exact | None:
     """A lower bound from DPs limited to stages of at most L, for L rising from `floor`.
 
@@ -923,7 +857,7 @@ def _probe(model: _Model, lattice: _Lattice, costs: list[_StageCost], floor: flo
         value = best[k - 1][-1][0]
         if value < math.inf:
             stage_of = _chain(lattice, best, k)
-            exact = model.bottleneck(stage_of)
+            exact = model.bottleneck_s(stage_of)
             if exact > incumbent_s:
                 stage_of, exact = incumbent, incumbent_s
             return _Exact(value, stage_of, exact <= value * (1 + _TOL), "probes")
@@ -942,7 +876,7 @@ def _chain(lattice: _Lattice, best: list[list[tuple[float, int]]], k: int) -> li
     return lattice.stage_of(list(reversed(chain)))
 
 
-def _dp(model: _Model, lattice: _Lattice, costs: list[_StageCost], limit_s: float,
+def _dp(model: Pricing, lattice: _Lattice, costs: list[_StageCost], limit_s: float,
         budget: _Budget) -> list[list[tuple[float, int]]]:
     """best[s][I] = (least relaxed bottleneck of splitting ideal I into stages 0..s, the ideal
     before stage s). Only stages whose compute alone stays within `limit_s` are tried, only
@@ -996,7 +930,7 @@ def _dp(model: _Model, lattice: _Lattice, costs: list[_StageCost], limit_s: floa
     return best
 
 
-def _search(model: _Model, lattice: _Lattice, costs: list[_StageCost],
+def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
             best: list[list[tuple[float, int]]], incumbent: list[int], incumbent_s: float,
             budget: _Budget) -> list[int]:
     """Branch and bound over chains of ideals, from the last stage back; the optimal assignment.
@@ -1043,7 +977,7 @@ def _search(model: _Model, lattice: _Lattice, costs: list[_StageCost],
                 if s > 0:
                     visit(s - 1, j, max(suffix, cost))
                 else:
-                    exact = model.bottleneck(stage_of)
+                    exact = model.bottleneck_s(stage_of)
                     if exact < state["best_s"]:
                         state["best"], state["best_s"] = list(stage_of), exact
             for node in members:

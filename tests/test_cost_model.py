@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.fx as fx
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe.testing import DagCase, brute_force_partition, dags
-from passes.cost_model import (CostGraph, DeviceSpec, KindTimes, NodeCost, cost_graph,
+from passes.cost_model import (CostGraph, DeviceSpec, KindTimes, NodeCost, Pricing, cost_graph,
                                lower_bound_s, stage_costs)
 from passes.errors import PartitionError
+from passes.partition import _Lattice, _slice, _StageCost
 
 MS = 1e-3
 CPU, GPU = DeviceSpec("cpu"), DeviceSpec("cuda:0")
@@ -96,3 +98,83 @@ def test_partition_puts_each_node_where_it_runs_fast():
     assert result.optimal
     assert result.bottleneck_s == brute_force_partition(graph, [CPU, GPU]).bottleneck_s
     assert result.stages[0].compute_s == pytest.approx(2 * MS)
+
+
+# --- one set of rules, several views: exact, relaxed, incremental ---------------------------
+
+def _valid_assignment(data, graph: CostGraph, k: int) -> list[int]:
+    """A random valid stage for every node: never before a stage it reads from."""
+    stage_of = [-1] * len(graph)
+    for i in graph.compute_nodes:
+        earliest = max((stage_of[p] for p in graph.preds[i] if not graph.is_input[p]), default=0)
+        stage_of[i] = data.draw(st.integers(earliest, k - 1))
+    return stage_of
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(memory=False), st.data())
+def test_relaxed_stage_times_never_exceed_exact_ones(case: DagCase, data):
+    pricing = Pricing(case.graph, case.devices)
+    stage_of = _valid_assignment(data, case.graph, len(case.devices))
+    exact = [c.time_s for c in pricing.stage_costs(stage_of)]
+    relaxed = pricing.relaxed_stage_s(stage_of)
+    for r, e in zip(relaxed, exact):
+        assert r <= e * (1 + 1e-9) + 1e-15
+    # They agree where the relaxation gives nothing away: one link, each value read by at most
+    # one later stage.
+    single_reader = all(len({stage_of[j] for j in case.graph.succs[i]} - {stage_of[i]}) <= 1
+                        for i in case.graph.compute_nodes)
+    if single_reader and len({d.name for d in case.devices}) == 1 and case.devices[0].name == "cpu":
+        assert relaxed == pytest.approx(exact)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(memory=False), st.data())
+def test_the_dp_prices_a_stage_as_the_relaxed_rule_does(case: DagCase, data):
+    graph, k = case.graph, len(case.devices)
+    pricing = Pricing(graph, case.devices)
+    stage_of = _valid_assignment(data, graph, k)
+    lattice = _Lattice.ideals(graph, pricing.columns)
+    bit = {node: b for b, node in enumerate(lattice.nodes)}
+    index = {mask: at for at, mask in enumerate(lattice.masks)}
+    relaxed = pricing.relaxed_stage_s(stage_of)
+    below = 0
+    for s in range(k):
+        upto = below | sum(1 << bit[i] for i in graph.compute_nodes if stage_of[i] == s)
+        pair = lattice.pair(index[below], index[upto])
+        assert _StageCost(pricing, s)(pair) == pytest.approx(relaxed[s], abs=1e-12)
+        below = upto
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(memory=False), st.integers(0, 2**20))
+def test_the_slicing_keeps_exact_stage_times_as_it_goes(case: DagCase, limit_seed):
+    graph = case.graph
+    pricing = Pricing(graph, case.devices)
+    order = graph.compute_nodes
+    position = [-1] * len(graph)
+    for at, i in enumerate(order):
+        position[i] = at
+    last = [max((position[j] for j in graph.succs[i]), default=-1) for i in range(len(graph))]
+    limit = math.inf if limit_seed % 3 == 0 else lower_bound_s(graph, case.devices) * (
+        1 + limit_seed / 2**18)
+    found = _slice(pricing, order, position, last, limit, [0.0] * len(case.devices), {})
+    if found is not None:
+        stage_of, bottleneck = found
+        assert bottleneck == pytest.approx(pricing.bottleneck_s(stage_of), rel=1e-9, abs=1e-15)
+        assert bottleneck <= limit * (1 + 1e-9)
+
+
+def test_stage_costs_keep_forward_and_backward_apart_per_kind():
+    graph = CostGraph(
+        names=("x", "a", "b"), time_s=(0.0, 3 * MS, 6 * MS), out_bytes=(0, 0, 0),
+        param_bytes=(0, 0, 0), preds=((), (0,), (1,)), is_input=(True, False, False),
+        to_output=(False, False, True),
+        kinds={None: KindTimes((0.0, 1 * MS, 2 * MS), (0.0, 2 * MS, 4 * MS)),
+               "cuda:0": KindTimes((0.0, 0.1 * MS, 0.2 * MS), (0.0, 0.3 * MS, 0.4 * MS))})
+    cpu, gpu = stage_costs(graph, [-1, 0, 1], [CPU, DeviceSpec("cuda:0", speed=2.0)])
+    assert cpu.backward_s == pytest.approx(2 * MS)
+    assert cpu.forward_step_s == pytest.approx(1 * MS + cpu.comm_s)
+    assert gpu.backward_s == pytest.approx(0.2 * MS)
+    assert gpu.forward_step_s == pytest.approx(0.1 * MS + gpu.comm_s)
+    assert gpu.time_s == pytest.approx(gpu.forward_step_s + gpu.backward_step_s - gpu.comm_s)

@@ -157,3 +157,17 @@ def test_the_plan_shows_how_steady_the_measurement_was():
     unsteady = dataclasses.replace(pipe.plan, spread=1.5)
     assert "spread 150%, unsteady" in str(unsteady) and "compile again" in str(unsteady)
     assert "compile again" not in str(dataclasses.replace(pipe.plan, spread=0.02))
+
+
+def test_the_prediction_prices_each_stage_on_its_own_kind_of_device():
+    devices = [fxpipe.DeviceSpec("cpu", threads=2), fxpipe.DeviceSpec("cpu", threads=1)]
+    pipe = fxpipe.compile(TwoParts().eval(), devices, (torch.randn(4, 8),), chunks=2,
+                          leaf_modules=[Threads])
+    part = pipe.plan.partition
+    for s, (device, stage) in enumerate(zip(part.devices, part.stages)):
+        own = sum(n.meta["costs"][device.kind].fwd_s for n in pipe.module.graph.nodes
+                  if part.stage_of.get(n.name) == s)
+        assert stage.compute_s == pytest.approx(own / device.speed)
+        durations = [slot.end_s - slot.start_s for slot in pipe.predict() if slot.action.stage == s]
+        assert durations == pytest.approx([stage.forward_step_s] * 2)
+    assert max(slot.end_s for slot in pipe.predict()) == pytest.approx(pipe.plan.predicted_step_s)
