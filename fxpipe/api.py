@@ -241,9 +241,8 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
                 if num_stages == "auto" and config == as_is_config:
                     continue     # the model as it is, measured whole below
                 devices = costs.devices(config, specs)
-                candidates.append(search.consider(
-                    config, costs.measure(config, devices),
-                    search.sharing_cores(devices, threads, cores), link, training))
+                candidates.append(search.consider(config, costs.measure(config, devices),
+                                                  devices, link, training, cores))
     as_is = None
     if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
         devices = costs.devices(as_is_config, specs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -164,7 +165,7 @@ class Pipeline(nn.Module):
         `max(slot.end_s for slot in pipe.predict())` is the predicted duration of the whole step.
         """
         return search.predict_slots(self.plan.partition, self.chunks, self.schedule, training,
-                                    self._runtime.reads_from(training))
+                                    self._runtime.reads_from(training), os.cpu_count())
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -107,14 +107,23 @@ def dependencies(action: Action, reads_from: Mapping[int, Sequence[int]],
 
 def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
              reads_from: Mapping[int, Sequence[int]], *,
-             message_s: Callable[[Action, Action], float] = lambda a, b: 0.0) -> list[Slot]:
+             message_s: Callable[[Action, Action], float] = lambda a, b: 0.0,
+             cores: float | None = None, demand: Sequence[float] = ()) -> list[Slot]:
     """Run the timetable on an ideal machine: each stage does its actions in order, each action
     starts when its stage is free and its dependencies have finished (plus `message_s` for a
-    dependency on another stage). Raises if the timetable deadlocks, showing where."""
+    dependency on another stage). Raises if the timetable deadlocks, showing where.
+
+    `duration_s` is an action's time with the cores it asks for. With `cores`, stage `s` asks
+    for `demand[s]` of them (its intra-op threads; 0 for a stage off the CPU): while the
+    running actions ask for more than there are, they share them, each progressing at
+    `cores / asked` of its speed (processor sharing, as the OS time-slices threads).
+    """
     read_by: dict[int, list[int]] = {}
     for s, sources in reads_from.items():
         for p in sources:
             read_by.setdefault(p, []).append(s)
+    if cores is not None and sum(demand) > cores:
+        return _shared(timetable, duration_s, reads_from, read_by, message_s, cores, demand)
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
     free_at = [0.0] * len(timetable)
@@ -141,6 +150,59 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
             raise FxpipeError(f"the timetable deadlocks: no stage can run its next action "
                               f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
     return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
+
+
+def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
+            reads_from: Mapping[int, Sequence[int]], read_by: Mapping[int, Sequence[int]],
+            message_s: Callable[[Action, Action], float], cores: float,
+            demand: Sequence[float]) -> list[Slot]:
+    """`simulate` on cores the stages share: events are an action's start and its end, and
+    between two events every running action progresses at its share of the cores."""
+    done: dict[Action, float] = {}
+    position = [0] * len(timetable)
+    running: dict[int, list] = {}       # stage -> [action, start_s, work left in seconds]
+    slots: list[Slot] = []
+    now = 0.0
+    while True:
+        waits = []          # when the next action of an idle stage may start
+        for s, actions in enumerate(timetable):
+            if s in running or position[s] == len(actions):
+                continue
+            action = actions[position[s]]
+            deps = dependencies(action, reads_from, read_by)
+            if any(d not in done for d in deps):
+                continue
+            ready = max([now] + [done[d] + (message_s(d, action) if d.stage != s else 0.0)
+                                 for d in deps])
+            if ready <= now:
+                running[s] = [action, now, duration_s(action)]
+                position[s] += 1
+            else:
+                waits.append(ready)
+        if not running:
+            if waits:
+                now = min(waits)
+                continue
+            if any(p < len(a) for p, a in zip(position, timetable)):
+                stuck = next(a[position[s]] for s, a in enumerate(timetable)
+                             if position[s] < len(a))
+                raise FxpipeError(f"the timetable deadlocks: no stage can run its next action "
+                                  f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
+            return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
+        asked = sum(demand[s] for s in running)
+        rate = {s: min(1.0, cores / asked) if demand[s] > 0 else 1.0 for s in running}
+        step = min([left / rate[s] for s, (_, _, left) in running.items()] +
+                   [w - now for w in waits])
+        now += step
+        for s in list(running):
+            action, start, left = running[s]
+            left -= step * rate[s]
+            if left <= 1e-12 * max(1.0, now):
+                slots.append(Slot(action, start, now))
+                done[action] = now
+                del running[s]
+            else:
+                running[s][2] = left
 
 
 def validate(timetable: Timetable, chunks: int, reads_from: Mapping[int, Sequence[int]], *,

@@ -79,26 +79,32 @@ def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> li
 
 
 def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
-                  reads_from: Mapping[int, Sequence[int]]) -> list[Slot]:
+                  reads_from: Mapping[int, Sequence[int]], cores: float | None = None) -> list[Slot]:
     """The timeline the cost model predicts for one step (a call, or a `train_step`): the
     timetable the runtime would execute, each forward action taking its stage's
-    `forward_step_s` and each backward action its `backward_step_s`."""
+    `forward_step_s` and each backward action its `backward_step_s`. With `cores`, CPU stages
+    whose threads add up to more share them while they run at once (`simulate`)."""
     k = part.num_stages
     timetable = (timetable_for(schedule, k, chunks, backward=True) if training
                  else gpipe(k, chunks))
     return simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
                                           if a.phase is Phase.FORWARD
                                           else part.stages[a.stage].backward_step_s),
-                    reads_from)
+                    reads_from, cores=cores, demand=cpu_demand(part.devices))
+
+
+def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
+    """The cores each stage's device asks for: a CPU stage's intra-op threads, none off the CPU."""
+    return [(d.threads or 1) if d.name.startswith("cpu") else 0 for d in devices]
 
 
 def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
-                   training: bool) -> float:
+                   training: bool, cores: float | None = None) -> float:
     """One step's predicted time (`predict_slots`, its last action's end)."""
     stage_of = [part.stage_of.get(name, -1) for name in costed.forward.names]
     reads = reads_from(costed.forward, stage_of, part.num_stages, training)
-    return max((slot.end_s for slot in predict_slots(part, chunks, schedule, training, reads)),
-               default=0.0)
+    return max((slot.end_s for slot in predict_slots(part, chunks, schedule, training, reads,
+                                                     cores)), default=0.0)
 
 
 def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
@@ -116,15 +122,16 @@ def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
 
 
 def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
-             training: bool) -> Candidate:
-    """Partition and predict one configuration; a candidate that does not fit says why."""
+             training: bool, cores: float | None = None) -> Candidate:
+    """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
+    candidate that does not fit says why."""
     specs = list(devices[:config.num_stages])
     factors = in_flight(training, config.schedule, config.chunks, config.num_stages)
     try:
         part = partition(costed.step, specs, link, activation_factor=max(factors))
     except PartitionError as e:
         return Candidate(config, None, 0, None, str(e).split("\n")[0])
-    predicted = predict_step_s(costed, part, config.chunks, config.schedule, training)
+    predicted = predict_step_s(costed, part, config.chunks, config.schedule, training, cores)
     return Candidate(config, predicted, max(s.memory_bytes for s in part.stages), part)
 
 
@@ -157,19 +164,6 @@ def chunk_options(rows: int, max_stages: int) -> list[int]:
     then under a fifth), at most 32 and at most the batch's rows."""
     top = max(1, min(rows, 32, 4 * max_stages))
     return [2 ** i for i in range(int(math.log2(top)) + 1)]
-
-
-def sharing_cores(devices: Sequence[DeviceSpec], threads: int, cores: int) -> list[DeviceSpec]:
-    """`devices` with their CPU stages slowed by the share of the cores each gets, when they
-    ask for more threads than there are cores (4 one-thread stages on 2 cores run at half
-    speed while all are busy): an upper bound on their time, so "auto" does not choose them
-    unawares."""
-    cpu = [d for d in devices if d.name.startswith("cpu")]
-    wanted = sum(d.threads or threads for d in cpu)
-    if wanted <= cores:
-        return list(devices)
-    return [replace(d, speed=d.speed * cores / wanted) if d.name.startswith("cpu") else d
-            for d in devices]
 
 
 def stage_threads(devices: Sequence[DeviceSpec], num_stages: int, cores: int,

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from fxpipe.schedules import (Action, Phase, format_timetable, gpipe, one_f_one_b, simulate,
-                              validate)
+                              timetable_for, validate)
 from passes.errors import FxpipeError
 
 
@@ -84,3 +84,32 @@ def test_simulation_adds_message_time_between_stages():
     slots = simulate(gpipe(2, 1), lambda a: 1.0, chain(2), message_s=lambda a, b: 0.5)
     assert [(str(s.action), s.start_s, s.end_s) for s in slots] == [
         ("0F0", 0.0, 1.0), ("1F0", 1.5, 2.5)]
+
+
+def test_stages_asking_for_more_cores_than_there_are_share_them():
+    # Two independent stages of 1 s each on one core: each runs at half speed, both end at 2 s.
+    slots = simulate(gpipe(2, 1), lambda a: 1.0, {0: [], 1: []}, cores=1, demand=[1, 1])
+    assert [(str(s.action), s.start_s, s.end_s) for s in slots] == [
+        ("0F0", 0.0, 2.0), ("1F0", 0.0, 2.0)]
+    # A stage off the CPU (demand 0) takes no share.
+    slots = simulate(gpipe(2, 1), lambda a: 1.0, {0: [], 1: []}, cores=1, demand=[1, 0])
+    assert max(s.end_s for s in slots) == 1.0
+    # A chain never runs two actions at once on one micro-batch: nothing to share.
+    assert max(s.end_s for s in simulate(gpipe(2, 1), lambda a: 1.0, chain(2), cores=1,
+                                         demand=[1, 1])) == 2.0
+
+
+@given(st.integers(1, 5), st.integers(1, 8), st.sampled_from(["gpipe", "1f1b"]),
+       st.lists(st.integers(1, 9), min_size=5, max_size=5), st.integers(1, 6))
+def test_shared_cores_slow_a_timetable_at_most_to_running_it_on_one_core(k, m, schedule,
+                                                                          tenths, cores):
+    timetable = timetable_for(schedule, k, m, backward=True)
+    duration = lambda a: tenths[a.stage] / 10 * (2 if a.phase is Phase.BACKWARD else 1)
+    alone = max(s.end_s for s in simulate(timetable, duration, chain(k)))
+    shared = simulate(timetable, duration, chain(k), cores=cores, demand=[1] * k)
+    end = max(s.end_s for s in shared)
+    assert alone * (1 - 1e-9) <= end <= sum(map(duration, sum(timetable, []))) * (1 + 1e-9)
+    if cores >= k:
+        assert end == pytest.approx(alone)
+    validate(timetable, m, chain(k), backward=True)
+    assert sorted(map(str, (s.action for s in shared))) == sorted(map(str, sum(timetable, [])))
