@@ -22,7 +22,7 @@ from tabulate import tabulate  # noqa: E402
 
 from fxpipe.testing import synthetic_graph  # noqa: E402
 from passes.cost_model import DeviceSpec  # noqa: E402
-from passes.partition import Partition, partition  # noqa: E402
+from passes.partition import Method, Partition, partition  # noqa: E402
 
 
 def timed(graph, devices, repeats: int) -> tuple[float, Partition]:
@@ -34,10 +34,9 @@ def timed(graph, devices, repeats: int) -> tuple[float, Partition]:
     return best, result
 
 
-def short(method: str) -> str:
+def short(method: Method) -> str:
     """The method line without the numbers that make it long."""
-    found, _, proof = method.partition("; ")
-    found = found.removeprefix("found by ")
+    found, proof = method.found_by, method.proof
     if "DP over" in proof:
         proof = "ideal DP" + (" + B&B" if "branch and bound" in proof else "") + \
                 (" bands" if "narrow bands" in proof else "")

@@ -15,7 +15,9 @@ from fxpipe.testing import DagCase, brute_force_partition, dags
 from passes.cost_model import (CostGraph, DeviceSpec, KindTimes, NodeCost, Pricing, cost_graph,
                                lower_bound_s, stage_costs)
 from passes.errors import PartitionError
-from passes.partition import _Lattice, _slice, _StageCost
+from passes.partition.lattice import _Lattice, _StageCost
+from passes.partition.limits import Limits
+from passes.partition.slicing import _slice
 
 MS = 1e-3
 CPU, GPU = DeviceSpec("cpu"), DeviceSpec("cuda:0")
@@ -134,7 +136,7 @@ def test_the_dp_prices_a_stage_as_the_relaxed_rule_does(case: DagCase, data):
     graph, k = case.graph, len(case.devices)
     pricing = Pricing(graph, case.devices)
     stage_of = _valid_assignment(data, graph, k)
-    lattice = _Lattice.ideals(graph, pricing.columns)
+    lattice = _Lattice.ideals(graph, pricing.columns, Limits().ideals)
     bit = {node: b for b, node in enumerate(lattice.nodes)}
     index = {mask: at for at, mask in enumerate(lattice.masks)}
     relaxed = pricing.relaxed_stage_s(stage_of)

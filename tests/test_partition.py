@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from unittest import mock
 
 import pytest
 import torch.fx as fx
@@ -13,10 +12,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe.testing import DagCase, brute_force_partition, dags, synthetic_graph
-from passes.cost_model import PEER_DEVICE, CostGraph, DeviceSpec, NodeCost, stage_costs
+from passes.cost_model import (PEER_DEVICE, CostGraph, DeviceSpec, NodeCost, Pricing,
+                               lower_bound_s, stage_costs)
 from passes.errors import PartitionError
-import passes.partition as partition_module
-from passes.partition import Partition, check_valid, num_stages_for, partition
+from passes.partition import (DeviceOrders, Limits, Method, Partition, check_valid,
+                              num_stages_for, partition)
+from passes.partition.lattice import _Lattice
+from passes.partition.limits import _Budget
+from passes.partition.result import Certified, Infeasible, OverBudget, Proved, Route
+from passes.partition.search import _exact
+from passes.partition.slicing import _best_slicing
 
 MS = 1e-3
 CPU = DeviceSpec("cpu")
@@ -91,12 +96,11 @@ def test_fallbacks_never_beat_the_oracle_nor_overclaim(case: DagCase, limits):
     # Tiny work and ideal limits force the paths large graphs take: slicing, band probes,
     # a stopped branch and bound, exact slicing of one order.
     work, ideals, prefix = limits
-    with mock.patch.multiple(partition_module, WORK_LIMIT=work, IDEAL_LIMIT=ideals,
-                             PREFIX_LIMIT=prefix):
-        try:
-            result = partition(case.graph, case.devices)
-        except PartitionError:
-            return      # may be reported when only the exact search would find a fit
+    try:
+        result = partition(case.graph, case.devices,
+                           limits=Limits(work=work, ideals=ideals, prefix_nodes=prefix))
+    except PartitionError:
+        return      # may be reported when only the exact search would find a fit
     oracle = brute_force_partition(case.graph, case.devices)
     assert_agrees_with_oracle(case.graph, result, oracle)
 
@@ -229,8 +233,94 @@ def test_activation_factor_multiplies_activation_memory():
 def test_num_stages_for_stops_where_more_devices_stop_helping():
     # One 10 ms node dominates: beyond 2 stages the bottleneck cannot go down.
     graph = chain(6, [10.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert num_stages_for(graph, [CPU] * 6) == 2
-    assert num_stages_for(chain(8), [CPU] * 4) == 4
+    assert num_stages_for(graph, [CPU] * 6).num_stages == 2
+    assert num_stages_for(chain(8), [CPU] * 4).num_stages == 4
+
+
+def test_num_stages_for_returns_the_partition_it_chose():
+    graph = chain(6, [10.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    chosen = num_stages_for(graph, [CPU] * 6)
+    assert isinstance(chosen, Partition)
+    assert chosen == partition(graph, [CPU] * 2)
+
+
+def test_limits_are_a_parameter_and_tiny_ones_certify_without_proving():
+    graph, devices = chain(5), [CPU] * 2     # 3 ms of compute in a stage; 2.5 ms on average
+    proven = partition(graph, devices)
+    assert proven.optimal
+    tiny = partition(graph, devices, limits=Limits(ideals=1, prefix_nodes=0))
+    assert not tiny.optimal
+    assert tiny.bottleneck_s == proven.bottleneck_s
+    assert tiny.lower_bound_s == lower_bound_s(graph, devices) < proven.lower_bound_s
+    assert str(tiny.method) == ("found by slicing the graph order; bound: compute over speed "
+                                "(exact DP skipped: too many ideals)")
+
+
+def test_reordering_is_bounded_by_the_limits():
+    devices = [DeviceSpec("cpu", speed=1.0), DeviceSpec("cpu", speed=3.0)]
+    with pytest.raises(PartitionError, match="2 distinct orders of 2 devices are too many"):
+        partition(chain(4), devices, reorder_devices=True, limits=Limits(device_orders=1))
+
+
+def test_the_method_prints_as_todays_sentence():
+    result = partition(chain(12), [CPU] * 4)
+    assert result.method == Method(found_by="slicing the graph order",
+                                   proof="DP over 13 ideals (Tarnawski et al. 2020)",
+                                   optimal=True)
+    assert str(result.method) == ("found by slicing the graph order; DP over 13 ideals "
+                                  "(Tarnawski et al. 2020): proven optimal")
+    assert str(result).endswith(f"(proven optimal; {result.method})")
+    devices = [DeviceSpec("cpu", speed=1.0), DeviceSpec("cpu", speed=3.0)]
+    best = partition(chain(4, [3.0, 3.0, 1.0, 1.0]), devices, reorder_devices=True)
+    assert best.method.orders == DeviceOrders(tried=2, solved=2)
+    assert str(best.method) == (
+        "best of 2 device orders, 2 solved to optimality; for this order: found by slicing the "
+        "graph order; DP over 5 ideals (Tarnawski et al. 2020): proven optimal")
+
+
+def exact_outcome(graph: CostGraph, devices: list[DeviceSpec], work: int):
+    """What the exact search establishes on all ideals with `work`, slicing as the incumbent."""
+    model = Pricing(graph, devices)
+    lattice = _Lattice.ideals(graph, model.columns, Limits().ideals)
+    bound = lower_bound_s(graph, devices)
+    incumbent = _best_slicing(model, graph.compute_nodes, bound)
+    incumbent_s = math.inf if incumbent is None else model.bottleneck_s(incumbent)
+    return model, _exact(model, lattice, incumbent, incumbent_s, bound, _Budget(work))
+
+
+# (nodes, seed, stages, work) of random_wide_dag cases found to settle each way.
+@pytest.mark.parametrize("nodes, seed, k, work, settled, route", [
+    (8, 1, 4, 800, Proved, Route.DP),
+    (7, 70, 3, 400, Proved, Route.PROBES),
+    (12, 0, 3, 3200, Proved, Route.BRANCH_AND_BOUND),
+    (12, 0, 3, 50, Certified, Route.PROBES),
+    (6, 31, 3, 200, Certified, Route.BRANCH_AND_BOUND),
+])
+def test_the_exact_search_proves_or_certifies(nodes, seed, k, work, settled, route):
+    graph, devices = random_wide_dag(nodes, seed), list(GPUS[:k])
+    model, found = exact_outcome(graph, devices, work)
+    assert type(found) is settled and found.route is route
+    optimum_s = brute_force_partition(graph, devices).bottleneck_s
+    found_s = model.bottleneck_s(found.stage_of)
+    assert found.lower_bound_s <= optimum_s * (1 + 1e-9)
+    if settled is Proved:
+        assert found_s == pytest.approx(optimum_s, rel=1e-9)
+    else:
+        assert found.lower_bound_s < found_s
+
+
+def test_the_exact_search_runs_over_budget():
+    _, found = exact_outcome(random_wide_dag(14, 29), list(GPUS[:2]), 50)
+    assert found == OverBudget()
+
+
+def test_the_exact_search_proves_that_nothing_fits():
+    graph = chain(4, param_bytes={f"n{i}": 10_000_000 for i in range(4)})
+    small = [DeviceSpec("cpu", memory_bytes=15e6)] * 2
+    assert exact_outcome(graph, small, Limits().work)[1] == Infeasible()
+    with pytest.raises(PartitionError, match=r"^no partition into 2 stages fits the devices' "
+                                             r"memory\. .* stage \d on cpu needs 20\.0 MB"):
+        partition(graph, small)
 
 
 def test_partitions_a_graph_module_with_costs_on_its_nodes():

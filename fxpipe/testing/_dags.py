@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from passes.cost_model import CostGraph, DeviceSpec, KindTimes, LinkFn, default_link, stage_costs
 from passes.errors import PartitionError
-from passes.partition import Partition, evaluate
+from passes.partition import Method, Partition, evaluate
 
 # Names choose the links (cpu-cpu hand-offs, host copies, peer copies) through `default_link`.
 DEVICE_NAMES = ("cpu", "cuda:0", "cuda:1")
@@ -135,8 +135,9 @@ def brute_force_partition(graph: CostGraph, devices: Sequence[DeviceSpec],
     if best[1] is None:
         raise PartitionError(f"none of the {best[2]} valid assignments fits the devices' memory")
     return evaluate(graph, best[1], devices, link, optimal=True,
-                    method=f"brute force over {best[2]} valid assignments", lower_bound=best[0],
-                    activation_factor=activation_factor)
+                    method=Method(found_by="brute force",
+                                  proof=f"all {best[2]} valid assignments tried", optimal=True),
+                    lower_bound=best[0], activation_factor=activation_factor)
 
 
 def synthetic_graph(num_nodes: int, *, seed: int = 0) -> CostGraph:

@@ -1,0 +1,302 @@
+"""Method 2: dynamic programming over ideals (Tarnawski et al., "Efficient Algorithms for Device
+Placement of DNN Graph Operators", NeurIPS 2020).
+
+A valid partition is a chain of ideals (downward-closed node sets) {} = I_0 < I_1 < ... < I_k = V;
+stage `s` is I_{s+1} - I_s. `_dp` over pairs of ideals minimises the largest *relaxed* stage time
+(`cost_model.Pricing`, whose `relaxed_stage_s` `_StageCost` is tested against), where a stage's
+transfers are priced from the pair alone: a received value over the cheapest link from an earlier
+stage, a sent value once over the cheapest link to a later stage. Relaxed times never exceed exact
+ones, so the DP's value bounds every partition from below, and it is exact when each value is
+received by at most one later stage over uniform links (typical DNNs).
+
+Only pairs whose compute fits under the best bottleneck known are tried, only ideals in the
+compute bands where stage boundaries can fall take part, and sources are scanned from the
+largest down, stopping once compute alone reaches the best value: O(n N) to list N ideals
+(`Limits.ideals`), then O(k P) for the P pairs tried (<= k N^2 / 2, about k N w in practice for a
+band of w ideals). A sequential graph has n + 1 ideals; chains with parallel branches have few
+more. Listing ideals grows as n times the graph's width; the DP as k times the pairs in the bands.
+
+`_Lattice.prefixes` gives the same DP the n + 1 prefixes of one topological order instead, whose
+chains are the contiguous slicings of that order (exact slicing, `search.py`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+from ..cost_model import CostGraph, Pricing
+from .limits import _Budget
+from .result import _TOL
+
+
+@dataclass
+class _Lattice:
+    """A family of ideals as bit masks, with what the DP needs of each.
+
+    Either every ideal of the computing nodes (`ideals`), or the prefixes of one topological
+    order (`prefixes`, whose chains are the contiguous slicings of that order). Bit `b` stands
+    for computing node `nodes[b]`; ideals are listed by size, empty first and the whole graph last.
+    `time_s[c]` is every ideal's compute under node-time column `columns[c]` (`Pricing.columns`).
+    """
+
+    graph: CostGraph
+    nodes: list[int]
+    reader_mask: list[int]             # graph node -> mask of the computing nodes reading it
+    pred_bits: list[tuple[int, ...]]   # bit -> bits of the computing nodes it reads
+    inputs: list[int]
+    columns: list[tuple[float, ...]]
+    masks: list[int] = field(default_factory=lambda: [0])
+    time_s: list[list[float]] = field(default_factory=list)   # per column, per ideal
+    param_bytes: list[int] = field(default_factory=lambda: [0])
+    out_bytes: list[int] = field(default_factory=lambda: [0])
+    output_count: list[int] = field(default_factory=lambda: [0])
+    output_bytes: list[int] = field(default_factory=lambda: [0])
+    frontier: list[int] = field(default_factory=lambda: [0])   # members read outside, a mask
+    _pairs: dict[tuple[int, int], _Pair] = field(default_factory=dict)
+    _open: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    _sorted: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+    @staticmethod
+    def _empty(graph: CostGraph, nodes: list[int], columns: list[tuple[float, ...]]) -> _Lattice:
+        bit = {i: b for b, i in enumerate(nodes)}
+        return _Lattice(graph, nodes, [sum(1 << bit[j] for j in graph.succs[i])
+                                       for i in range(len(graph))],
+                        [tuple(bit[p] for p in graph.preds[i] if p in bit) for i in nodes],
+                        [i for i in range(len(graph)) if graph.is_input[i]], columns,
+                        time_s=[[0.0] for _ in columns])
+
+    @staticmethod
+    def ideals(graph: CostGraph, columns: list[tuple[float, ...]],
+               max_ideals: int) -> _Lattice | None:
+        """All ideals, grown one node at a time, or None past `max_ideals`. O(N * width)."""
+        nodes = graph.compute_nodes
+        if len(nodes) + 1 > max_ideals:
+            return None
+        lattice = _Lattice._empty(graph, nodes, columns)
+        bit = {i: b for b, i in enumerate(nodes)}
+        pred_mask = [sum(1 << bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
+        ready = sum(1 << b for b in range(len(nodes)) if pred_mask[b] == 0)
+        seen = {0}
+        level = [(0, 0, ready)]                      # (mask, index, nodes that may join)
+        while level:
+            grown = []
+            for mask, index, can_join in level:
+                rest = can_join
+                while rest:
+                    low = rest & -rest
+                    rest ^= low
+                    bigger = mask | low
+                    if bigger in seen:
+                        continue
+                    seen.add(bigger)
+                    if len(seen) > max_ideals:
+                        return None
+                    b = low.bit_length() - 1
+                    joining = can_join & ~low
+                    readers = lattice.reader_mask[nodes[b]]
+                    while readers:
+                        r = readers & -readers
+                        readers ^= r
+                        if pred_mask[r.bit_length() - 1] & ~bigger == 0:
+                            joining |= r
+                    grown.append((bigger, lattice._add(index, b, bigger), joining))
+            level = grown
+        return lattice
+
+    @staticmethod
+    def prefixes(graph: CostGraph, order: list[int],
+                 columns: list[tuple[float, ...]]) -> _Lattice:
+        """The n + 1 prefixes of a topological order of the computing nodes."""
+        lattice = _Lattice._empty(graph, order, columns)
+        for b in range(len(order)):
+            lattice._add(b, b, (1 << (b + 1)) - 1)
+        return lattice
+
+    def _add(self, parent: int, b: int, mask: int) -> int:
+        """Record ideal `mask`, which is ideal `parent` plus bit `b`; returns its index."""
+        i = self.nodes[b]
+        graph = self.graph
+        self.masks.append(mask)
+        for column, times in zip(self.columns, self.time_s):
+            times.append(times[parent] + column[i])
+        self.param_bytes.append(self.param_bytes[parent] + graph.param_bytes[i])
+        self.out_bytes.append(self.out_bytes[parent] + graph.out_bytes[i])
+        output = graph.to_output[i]
+        self.output_count.append(self.output_count[parent] + output)
+        self.output_bytes.append(self.output_bytes[parent] + output * graph.out_bytes[i])
+        frontier = self.frontier[parent]
+        if self.reader_mask[i] & ~mask:
+            frontier |= 1 << b
+        for p in self.pred_bits[b]:        # only what b reads can stop being read outside
+            if frontier >> p & 1 and not self.reader_mask[self.nodes[p]] & ~mask:
+                frontier &= ~(1 << p)
+        self.frontier.append(frontier)
+        return len(self.masks) - 1
+
+    def members(self, mask: int) -> list[int]:
+        return [self.nodes[b] for b in _bits(mask)]
+
+    def pair(self, j: int, i: int) -> _Pair:
+        """The candidate stage I - J (J a subset of I), computed once."""
+        key = (j, i)
+        if key not in self._pairs:
+            stage = self.masks[i] & ~self.masks[j]
+            graph = self.graph
+            received = [p for _, p in self._frontier(j) if self.reader_mask[p] & stage]
+            received += [p for p in self.inputs if self.reader_mask[p] & stage]
+            self._pairs[key] = _Pair(
+                tuple(times[i] - times[j] for times in self.time_s), tuple(received),
+                tuple(p for b, p in self._frontier(i) if stage >> b & 1),
+                self.output_count[i] - self.output_count[j],
+                self.output_bytes[i] - self.output_bytes[j],
+                self.param_bytes[i] - self.param_bytes[j],
+                self.out_bytes[i] - self.out_bytes[j] + sum(graph.out_bytes[p] for p in received))
+        return self._pairs[key]
+
+    def _frontier(self, i: int) -> list[tuple[int, int]]:
+        """(bit, node) of the members of ideal `i` read outside it, computed once."""
+        if i not in self._open:
+            self._open[i] = [(b, self.nodes[b]) for b in _bits(self.frontier[i])]
+        return self._open[i]
+
+    def by_time(self, c: int) -> tuple[list[int], list[float]]:
+        """The ideals sorted by their compute in column `c`, and those computes."""
+        if c not in self._sorted:
+            times = self.time_s[c]
+            order = sorted(range(len(self.masks)), key=lambda i: (times[i], i))
+            self._sorted[c] = order, [times[i] for i in order]
+        return self._sorted[c]
+
+    def subsets(self, i: int, c: int, widest: float, budget: _Budget) -> Iterator[int]:
+        """The ideals that are proper subsets of ideal `i` with at most `widest` less compute in
+        column `c`."""
+        candidates, times = self.by_time(c)
+        mask, time_s = self.masks[i], self.time_s[c][i]
+        low = bisect.bisect_left(times, time_s - widest) if widest < math.inf else 0
+        high = bisect.bisect_right(times, time_s * (1 + _TOL))
+        budget.spend(high - low)
+        for j in candidates[low:high]:
+            if j < i and self.masks[j] & ~mask == 0:
+                yield j
+
+    def stage_of(self, chain: list[int]) -> list[int]:
+        """The assignment of a chain of ideals (indices), the whole graph last."""
+        stage_of = [-1] * len(self.graph)
+        previous = 0
+        for s, i in enumerate(chain):
+            for node in self.members(self.masks[i] & ~previous):
+                stage_of[node] = s
+            previous = self.masks[i]
+        return stage_of
+
+
+def _bits(mask: int) -> list[int]:
+    """The positions of the set bits of `mask`, lowest first."""
+    found = []
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        found.append(low.bit_length() - 1)
+    return found
+
+
+class _Pair(NamedTuple):
+    """A candidate stage I - J: what its relaxed time and memory depend on."""
+
+    time_s: tuple[float, ...]      # compute per column
+    received: tuple[int, ...]      # producers outside the stage read inside it
+    sending: tuple[int, ...]       # members read after the ideal I
+    output_count: int
+    output_bytes: int
+    param_bytes: int
+    activation_bytes: int
+
+
+class _StageCost:
+    """The relaxed time of a candidate stage on stage `s`'s device (inf if it does not fit)."""
+
+    def __init__(self, model: Pricing, s: int):
+        self.model, self.s = model, s
+        self.column = model.column_of[s]
+        self.receive = model.receive_min(s)
+        self.send = model.send_min(s)
+        self.out = model.to_driver[s]
+        self.capacity = model.devices[s].memory_bytes
+        self.factor = model.activation_factor
+
+    def __call__(self, pair: _Pair) -> float:
+        # Rounding activations up adds less than a byte: only a near miss needs the exact test.
+        if pair.param_bytes + pair.activation_bytes * self.factor + 1 > self.capacity and \
+                not self.model.fits(self.s, pair.param_bytes, pair.activation_bytes):
+            return math.inf
+        out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
+        return (pair.time_s[self.column] + out + sum(self.receive[p] for p in pair.received) +
+                self.relaxed_send(pair))
+
+    def relaxed_send(self, pair: _Pair) -> float:
+        return sum(self.send[p] for p in pair.sending)
+
+
+def _chain(lattice: _Lattice, best: list[list[tuple[float, int]]], k: int) -> list[int]:
+    """The DP's best assignment, followed back from the whole graph."""
+    chain = [len(lattice.masks) - 1]
+    for s in range(k - 1, 0, -1):
+        chain.append(best[s][chain[-1]][1])
+    return lattice.stage_of(list(reversed(chain)))
+
+
+def _dp(model: Pricing, lattice: _Lattice, costs: list[_StageCost], limit_s: float,
+        budget: _Budget) -> list[list[tuple[float, int]]]:
+    """best[s][I] = (least relaxed bottleneck of splitting ideal I into stages 0..s, the ideal
+    before stage s). Only stages whose compute alone stays within `limit_s` are tried, only
+    ideals reachable within it extended, and only ideals the remaining stages can finish ended."""
+    k, full = model.k, len(lattice.masks) - 1
+    limit = limit_s * (1 + _TOL)
+    by_floor, floor_times = lattice.by_time(model.floor_column)
+    total = lattice.time_s[model.floor_column][full]
+    unreached = (math.inf, -1)
+    best: list[list[tuple[float, int]]] = []
+    for s in range(k):
+        values = [unreached] * len(lattice.masks)
+        column = lattice.time_s[model.column_of[s]]
+        by_time, _ = lattice.by_time(model.column_of[s])
+        sources = [0] if s == 0 else [j for j in by_time if best[s - 1][j][0] <= limit]
+        times = [column[j] for j in sources]
+        if s == k - 1:
+            targets = [full]
+        elif not sources:
+            targets = []
+        else:   # reachable from a source in one stage, and finishable by the stages left
+            # (no ideal's compute is below its floor: the least time of its nodes anywhere)
+            low = total - (k - 1 - s) * limit
+            high = times[-1] + limit
+            targets = sorted(i for i in by_floor[bisect.bisect_left(floor_times, low):
+                                                 bisect.bisect_right(floor_times, high)]
+                             if 0 < i < full and column[i] <= high)
+        masks, previous = lattice.masks, best[-1] if s else None
+        for i in targets:
+            # Largest sources first: the stage's compute grows, and once it alone reaches the
+            # best value found no smaller source can do better.
+            mask, time_i, value_i, source_i = masks[i], column[i], limit, -1
+            first = bisect.bisect_right(times, time_i * (1 + _TOL)) - 1
+            at = first
+            while at >= 0 and time_i - times[at] <= value_i:
+                j = sources[at]
+                at -= 1
+                if j >= i or masks[j] & ~mask:
+                    continue
+                before = previous[j][0] if s else 0.0
+                if before > value_i or before == value_i and source_i >= 0:
+                    continue
+                budget.spend(8)
+                value = max(before, costs[s](lattice.pair(j, i)))
+                if value < value_i or value == value_i and source_i < 0:
+                    value_i, source_i = value, j
+            budget.spend(first - at)
+            if source_i >= 0:
+                values[i] = (value_i, source_i)
+        best.append(values)
+    return best
