@@ -1,0 +1,144 @@
+"""The stage executor: one stage's forward and backward for one micro-batch, on the calling thread.
+
+It knows nothing of threads, queues or other stages: it is given the values a stage reads and
+returns the values it computed (forward), or is given the gradients its readers sent and returns
+its inputs' gradients (backward). Whoever moves those values, and on which thread, is the
+orchestrator's and the transport's business.
+
+Whether a micro-batch is trained is read off the timetable, not off a flag: a stage whose
+timetable holds micro-batch m's backward cuts autograd where m's values came from other stages
+(they become fresh leaves, so the backward stops at the stage boundary) and keeps m's inputs and
+outputs until that backward, which runs `torch.autograd.backward` on the outputs with the
+gradients the readers sent, then frees them. The stage given a `loss_of` (the last one) turns
+micro-batch m's values into its loss, whose backward starts there. Without a backward to come,
+tensors stay attached to autograd, so `pipe(x).sum().backward()` works as for the model.
+
+Random draws follow the seeds the caller's `Pipeline` drew, one per micro-batch (see
+`passes.randomness`): micro-batch m's forward runs under `microbatch_seed(seeds[m])`.
+
+On a GPU the stage computes on its own CUDA stream, which first waits for the caller's stream
+(its inputs, the latest optimizer step), and which the caller's stream waits for at the end.
+The caller's thread-local modes (grad mode, autocast) are captured when the executor is made, on
+the caller's thread, and entered again wherever the stage computes (`computing()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from passes.codegen import Stage
+from passes.graph_values import tensors
+from passes.randomness import microbatch_seed
+
+LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
+Grads = dict[str, list[torch.Tensor | None]]             # value name -> gradient of each tensor
+
+
+@dataclass
+class _Saved:
+    """What a forward keeps for its backward."""
+
+    inputs: dict[str, Any]       # what it received, other stages' tensors as detached leaves
+    outputs: dict[str, Any]
+    loss: torch.Tensor | None = None
+
+
+class StageExecutor:
+    """Runs one stage's forwards and backwards, one micro-batch at a time, on the calling thread.
+
+    `from_stages`: the names of the values other stages send (the stage's inputs, and graph
+    outputs the loss reads), cut from autograd before a backward, and whose gradients `backward`
+    returns; `backward_for`: the micro-batches whose backward will run here; `loss_of`: given
+    to the stage that computes the loss; `seeds[m]`: micro-batch m's seed; `stream`: its stream.
+    Made on the caller's thread; on any other, call `forward` and `backward` inside `computing()`.
+    """
+
+    def __init__(self, stage: Stage, *, from_stages: Collection[str] = (),
+                 backward_for: Collection[int] = (), loss_of: LossFn | None = None,
+                 seeds: Sequence[int | None] | None = None,
+                 stream: torch.cuda.Stream | None = None):
+        self.stage = stage
+        self.from_stages = tuple(from_stages)
+        self.backward_for = frozenset(backward_for)
+        self.loss_of = loss_of
+        self.seeds = seeds
+        self.stream = stream
+        self.losses: dict[int, torch.Tensor] = {}    # micro-batch -> its loss, detached
+        self._saved: dict[int, _Saved] = {}
+        self._grad_enabled = torch.is_grad_enabled() or bool(self.backward_for)
+        self._autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                          if torch.is_autocast_enabled(kind)]
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """The caller's grad mode and autocast, and this stage's stream, on the current thread."""
+        with contextlib.ExitStack() as context:
+            context.enter_context(torch.set_grad_enabled(self._grad_enabled))
+            for kind, dtype in self._autocast:
+                context.enter_context(torch.autocast(kind, dtype=dtype))
+            if self.stream is not None:
+                context.enter_context(torch.cuda.stream(self.stream))
+            yield
+
+    def wait_for_caller(self) -> None:
+        """Start this stage's GPU work after the caller's queued work (inputs, optimizer step)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def make_caller_wait(self) -> None:
+        """Queue the caller's later GPU work (losses, reading `.grad`) after this stage's."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def forward(self, m: int, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Micro-batch m's outputs from the values the stage received (`values`, by name)."""
+        keep = m in self.backward_for
+        if keep:
+            values = {k: _detach_leaf(v) if k in self.from_stages else v for k, v in values.items()}
+        # `forward`, not `__call__`: fx's wrapper around generated code prints errors to stderr
+        # and drops the traceback that names the failing statement.
+        with microbatch_seed(self.seeds[m] if self.seeds is not None else None):
+            out = dict(zip(self.stage.outputs,
+                           self.stage.module.forward(*(values[n] for n in self.stage.inputs))))
+        loss = None
+        if self.loss_of is not None:
+            loss = self.loss_of(m, {**values, **out})
+            self.losses[m] = loss.detach()
+        if keep:
+            self._saved[m] = _Saved(dict(values), out, loss)
+        return out
+
+    def backward(self, m: int, grads: Iterable[Mapping[str, Sequence[torch.Tensor | None]]]
+                 ) -> Grads:
+        """Micro-batch m's backward: `grads` holds one message per reader, naming this stage's
+        outputs; returns the gradients of the inputs other stages sent, and frees m's values."""
+        saved = self._saved.pop(m)
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
+        for message in grads:
+            for name, output_grads in message.items():
+                for leaf, g in zip(tensors(saved.outputs[name]), output_grads):
+                    if g is not None and leaf.requires_grad:
+                        roots.append(leaf)
+                        root_grads.append(g)
+        if saved.loss is not None and saved.loss.requires_grad:   # no parameters, no graph
+            roots.append(saved.loss)
+            root_grads.append(None)
+        if roots:   # autograd sums the gradients of an output read by several stages
+            torch.autograd.backward(roots, root_grads)
+        return {name: [leaf.grad for leaf in tensors(saved.inputs[name])]
+                for name in self.from_stages}
+
+
+def _detach_leaf(value: Any) -> Any:
+    """A received tensor as a fresh autograd leaf, so this stage's backward stops here."""
+    def cut(v):
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v.detach().requires_grad_(True)
+        return v
+    return fx.node.map_aggregate(value, cut)

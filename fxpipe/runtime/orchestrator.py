@@ -1,0 +1,373 @@
+"""The orchestrator: runs a timetable, one worker per stage, and records what ran when.
+
+The caller's thread is the driver: it sends each stage the graph inputs it reads, one message per
+micro-batch, and collects what comes back. Each stage's worker walks its row of the timetable: a
+forward receives the micro-batch's values from every stage (or the driver) the stage reads from,
+has the stage's `StageExecutor` compute, and sends each reader its values; a backward receives the
+readers' gradients and sends the inputs' gradients back to their producers. Messages travel by a
+`Transport` (threads and queues today); workers release the GIL inside torch ops, so stages
+overlap. One stage runs on the caller's thread: no worker to start, hand over to, or join, so a
+pipeline of one stage costs what the model costs; the caller's intra-op thread count is restored
+afterwards.
+
+Inference and training differ only in their timetable and their loss. Without `loss_of` the
+graph outputs go back to the driver; with it they go to the last stage, which turns them into
+the micro-batch's loss, and the timetable's backwards run the executors' backwards.
+
+Each CPU stage may have its own intra-op thread count, set on its worker after torch's per-thread
+initialisation (`set_thread_count`).
+
+If a stage fails (whatever it raises), or the caller's thread is interrupted (Ctrl-C), the run is
+aborted: a flag every worker checks between actions, and the transport's abort, which wakes every
+waiting thread. All workers stop within one action, `_workers` joins them whatever happens, and
+the caller gets the first `StageError`, naming the stage, the micro-batch and the statement that
+failed (or its own `KeyboardInterrupt`). The driver waits with timeouts, so a signal reaches it
+while it waits. `Run` records the actions that finished, for a failed run too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from passes.codegen import Stage
+from passes.errors import StageError
+
+from ..schedules import Action, Phase, Slot, Timetable
+from .executor import LossFn, StageExecutor
+from .transport import POLL_S, Aborted, Link, ThreadTransport
+
+DRIVER = -1
+
+Reads = dict[int, dict[int, list[str]]]     # reads[receiver][sender]: the names sent, in a forward
+
+
+@dataclass
+class Run:
+    """What the latest run did, action by action (seconds from its start), for reports and traces.
+
+    A run that stopped early keeps the actions that finished, and `error` says what stopped it.
+    """
+
+    slots: list[Slot] = field(default_factory=list)
+    wall_s: float = 0.0
+    num_stages: int = 0
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """Who sends what to whom in a forward (a backward sends gradients the other way)."""
+
+    reads: Reads    # reads[receiver][sender]: names
+    sends: Reads    # sends[sender][receiver]: names
+
+    @staticmethod
+    def of(stages: Sequence[Stage], producer: dict[str, int], output_names: Sequence[str],
+           outputs_to: int) -> "_Wiring":
+        """Stages read their inputs from their producers (or the driver), and `outputs_to`
+        reads the graph outputs it does not produce itself."""
+        reads: Reads = {}
+        for stage in stages:
+            for name in stage.inputs:
+                reads.setdefault(stage.index, {}).setdefault(producer.get(name, DRIVER),
+                                                             []).append(name)
+        for name in output_names:
+            if producer[name] != outputs_to:
+                reads.setdefault(outputs_to, {}).setdefault(producer[name], []).append(name)
+        sends: Reads = {}
+        for receiver, senders in reads.items():
+            for sender, names in senders.items():
+                sends.setdefault(sender, {})[receiver] = names
+        return _Wiring(reads, sends)
+
+    def links(self) -> list[Link]:
+        """Every (phase, sender, receiver): forwards as read, and gradients back between stages."""
+        links: list[Link] = []
+        for receiver, senders in self.reads.items():
+            for sender in senders:
+                links.append((Phase.FORWARD, sender, receiver))
+                if sender != DRIVER:
+                    links.append((Phase.BACKWARD, receiver, sender))
+        return links
+
+
+class Runtime:
+    """The wiring of one pipeline's stages; runs timetables on them, any number of times."""
+
+    def __init__(self, stages: Sequence[Stage], output_names: Sequence[str], *,
+                 threads_per_stage: int | Sequence[int | None] | None = None):
+        self.stages = list(stages)
+        # Each CPU stage's intra-op threads (None: as the thread starts).
+        self.threads = (list(threads_per_stage) if isinstance(threads_per_stage, Sequence)
+                        else [threads_per_stage] * len(self.stages))
+        producer: dict[str, int] = {}
+        for stage in stages:
+            for name in stage.outputs:
+                assert producer.setdefault(name, stage.index) == stage.index, (
+                    f"{name!r} is sent by stages {producer[name]} and {stage.index}")
+        for stage in stages:
+            for name in stage.inputs:
+                assert producer.get(name, DRIVER) < stage.index, (
+                    f"stage {stage.index} reads {name!r} from stage {producer[name]}, not earlier")
+        self.producer = producer
+        # Graph outputs go to the driver in inference, and to the last stage, which computes the
+        # loss, in training.
+        self._wiring = {training: _Wiring.of(stages, producer, output_names,
+                                             len(stages) - 1 if training else DRIVER)
+                        for training in (False, True)}
+        self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
+                        for s in stages]
+        self.last_run: Run | None = None    # the latest run's record, failed or not
+
+    def reads_from(self, training: bool) -> dict[int, list[int]]:
+        """Which stages each stage reads from (the driver left out): the timetable's dependencies."""
+        return {dst: [src for src in srcs if src != DRIVER]
+                for dst, srcs in self._wiring[training].reads.items() if dst != DRIVER}
+
+    def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]], *,
+            loss_of: LossFn | None = None,
+            seeds: Sequence[int] | None = None) -> tuple[list[Any], Run]:
+        """Run `timetable` on per-micro-batch graph inputs, micro-batch m drawing from `seeds[m]`.
+
+        Returns per-micro-batch graph outputs (inference) or per-micro-batch losses, detached
+        (training), and the record of the run (also `self.last_run`, kept when the run fails).
+        """
+        return _Execution(self, timetable, inputs, loss_of, seeds).run()
+
+
+class _Execution:
+    """One run: its executors, its transport, the first errors and its record."""
+
+    def __init__(self, runtime: Runtime, timetable: Timetable, inputs: Sequence[dict[str, Any]],
+                 loss_of: LossFn | None, seeds: Sequence[int] | None):
+        self.rt = runtime
+        self.timetable = timetable
+        self.inputs = list(inputs)
+        self.loss_of = loss_of
+        self.seeds = list(seeds) if seeds is not None else None
+        self.wiring = runtime._wiring[loss_of is not None]
+        self.stopping = threading.Event()
+        self.transport = ThreadTransport(
+            self.wiring.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            self.stopping)
+        self.executors = [self.executor(stage) for stage in runtime.stages]
+        self.errors: list[StageError] = []
+        self.record = Run(num_stages=len(runtime.stages))
+        self.start = 0.0
+
+    def executor(self, stage: Stage) -> StageExecutor:
+        """`stage`'s executor for this run, made on the caller's thread to capture its modes."""
+        last = stage.index == len(self.rt.stages) - 1
+        return StageExecutor(
+            stage,
+            from_stages=[n for src, names in self.wiring.reads.get(stage.index, {}).items()
+                         if src != DRIVER for n in names],
+            backward_for={a.microbatch for a in self.timetable[stage.index]
+                          if a.phase is Phase.BACKWARD},
+            loss_of=self.graph_loss if self.loss_of is not None and last else None,
+            seeds=self.seeds,
+            stream=self.rt.streams[stage.index])
+
+    def graph_loss(self, m: int, values: dict[str, Any]) -> torch.Tensor:
+        """The caller's loss of micro-batch m, given the graph inputs too."""
+        return self.loss_of(m, {**self.inputs[m], **values})
+
+    def abort(self) -> None:
+        self.stopping.set()
+        self.transport.abort()
+
+    def run(self) -> tuple[list[Any], Run]:
+        """Drive the run on the caller's thread; its outputs or losses, or the first error."""
+        # One stage runs on the caller's thread (see the module's docstring).
+        here = len(self.rt.stages) == 1
+        threads = [] if here else [
+            threading.Thread(target=self.work, args=(stage.index,),
+                             name=f"fxpipe-stage-{stage.index}", daemon=True)
+            for stage in self.rt.stages]
+        self.rt.last_run = self.record
+        self.start = time.perf_counter()
+        for executor in self.executors:
+            executor.wait_for_caller()
+        try:
+            with _workers(threads, self.abort):
+                self.feed()
+                if here:
+                    with _kept_thread_count():
+                        self.work(0)
+                outputs = self.collect()
+                for t in threads:      # a signal must reach this thread while it waits
+                    while t.is_alive():
+                        t.join(POLL_S)
+        except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
+            self.record.error = f"{type(e).__name__} in the caller's thread"
+            raise
+        finally:
+            for executor in self.executors:
+                executor.make_caller_wait()
+            self.record.wall_s = time.perf_counter() - self.start
+            self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
+        if self.errors:
+            self.record.error = str(self.errors[0])
+            raise self.errors[0] from self.errors[0].__cause__
+        if self.loss_of is not None:
+            losses = self.executors[-1].losses
+            return [losses[m] for m in range(len(self.inputs))], self.record
+        return outputs, self.record
+
+    # --- the driver ----------------------------------------------------------------------------
+
+    def feed(self) -> None:
+        """Send every micro-batch's graph inputs to the stages that read them."""
+        for m, values in enumerate(self.inputs):
+            for dst, names in self.wiring.sends.get(DRIVER, {}).items():
+                self.transport.send(Phase.FORWARD, DRIVER, dst, m, {n: values[n] for n in names})
+
+    def collect(self) -> list[dict[str, Any]]:
+        """The graph outputs sent to the driver, per micro-batch; fewer once the run aborted."""
+        outputs = []
+        try:
+            for m in range(len(self.inputs)):
+                outputs.append(self.receive(DRIVER, m))
+        except Aborted:
+            pass
+        return outputs
+
+    # --- the worker ----------------------------------------------------------------------------
+
+    def work(self, index: int) -> None:
+        """Run stage `index`'s row of the timetable; a failure is kept and aborts the run."""
+        executor = self.executors[index]
+        action = Action(index, 0, Phase.FORWARD)
+        try:
+            if self.rt.threads[index] and executor.stage.device.type == "cpu":
+                set_thread_count(self.rt.threads[index])
+            with executor.computing():
+                for action in self.timetable[index]:
+                    if self.stopping.is_set():
+                        return
+                    step = self.forward if action.phase is Phase.FORWARD else self.backward
+                    began = step(executor, action.microbatch)
+                    self.record.slots.append(Slot(action, began, time.perf_counter() - self.start))
+        except Aborted:
+            return
+        except BaseException as e:   # whatever it is, the run must end
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
+                    threading.main_thread():
+                raise                # the caller's own Ctrl-C, on the caller's thread
+            try:
+                self.errors.append(_stage_error(executor.stage, action, e))
+            finally:
+                self.abort()
+
+    def forward(self, executor: StageExecutor, m: int) -> float:
+        """Micro-batch m's forward on the executor's stage; returns when its inputs arrived."""
+        index = executor.stage.index
+        values = self.receive(index, m)
+        began = time.perf_counter() - self.start
+        out = executor.forward(m, values)
+        for dst, names in self.wiring.sends.get(index, {}).items():
+            self.transport.send(Phase.FORWARD, index, dst, m, {n: out[n] for n in names})
+        return began
+
+    def backward(self, executor: StageExecutor, m: int) -> float:
+        """Micro-batch m's backward on the executor's stage; returns when its gradients arrived."""
+        index = executor.stage.index
+        grads = [self.transport.receive(Phase.BACKWARD, dst, index, m)
+                 for dst in self.wiring.sends.get(index, {})]
+        began = time.perf_counter() - self.start
+        input_grads = executor.backward(m, grads)
+        for src, names in self.wiring.reads.get(index, {}).items():
+            if src != DRIVER:
+                self.transport.send(Phase.BACKWARD, index, src, m,
+                                    {n: input_grads[n] for n in names})
+        return began
+
+    def receive(self, receiver: int, m: int) -> dict[str, Any]:
+        """Micro-batch m's forward values from every sender of `receiver`."""
+        values: dict[str, Any] = {}
+        for sender in self.wiring.reads.get(receiver, {}):
+            values.update(self.transport.receive(Phase.FORWARD, sender, receiver, m))
+        return values
+
+
+@contextlib.contextmanager
+def _workers(threads: Sequence[threading.Thread], abort: Callable[[], None]) -> Iterator[None]:
+    """Start `threads`; if the caller's block raises, `abort` the run; join them all, always."""
+    try:
+        for t in threads:
+            t.start()
+        yield
+    except BaseException:
+        abort()
+        raise
+    finally:
+        _join(threads)
+
+
+def set_thread_count(threads: int) -> None:
+    """Give this thread `threads` intra-op threads, whatever other threads set.
+
+    With OpenMP the count is per thread, but torch sets a new thread's count, on its first
+    parallel op, from the latest `torch.set_num_threads` of any thread: asking for it first
+    makes that happen now, so that the count set next stays this thread's."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _kept_thread_count():
+    """The caller's intra-op thread count, restored after a stage ran on its thread."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _join(threads: Sequence[threading.Thread]) -> None:
+    """Wait for every thread, through a second Ctrl-C too: no stage may outlive its run."""
+    interrupted: BaseException | None = None
+    for t in threads:
+        while t.is_alive():
+            try:
+                t.join(POLL_S)
+            except KeyboardInterrupt as e:
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted
+
+
+def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
+    """A StageError naming the stage, micro-batch and the generated statement that raised."""
+    statement = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename.startswith("<eval_with_key>") and frame.line:
+            statement = f"\n  at: {frame.line.strip()}"
+    message = (f"stage {stage.index} (on {stage.device}) failed on micro-batch {action.microbatch} "
+               f"({action.phase.name.lower()}): {_describe(error)}{statement}\n"
+               f"  print(pipe.stages[{stage.index}].code) shows the stage's code")
+    result = StageError(message, stage=stage.index, microbatch=action.microbatch)
+    result.__cause__ = error
+    return result
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: message`, even for an exception whose `str` (or `repr`) raises."""
+    name = type(error).__name__
+    for text in (str, repr):
+        try:
+            return f"{name}: {text(error)}"
+        except BaseException:
+            pass
+    return f"{name} (its message could not be printed)"

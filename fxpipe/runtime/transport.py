@@ -1,0 +1,144 @@
+"""The transport: moves stages' outputs and gradients to their readers.
+
+A message goes from a sender to a receiver in one phase, for one micro-batch: a forward message
+carries values by name, a backward message the gradients of those values. `Transport` is all the
+orchestrator asks of a transport, so one on `torch.distributed` can take the place of
+`ThreadTransport`, which hands messages between threads of one process.
+
+`ThreadTransport` keeps a FIFO queue per (phase, sender, receiver). A receiver takes one message
+per micro-batch from each of its senders, in micro-batch order, so the queue's order is all the
+synchronisation there is (each message names its micro-batch, and a receiver checks it).
+
+On a GPU a message carries a CUDA event recorded on the sender's current stream (its stage's
+stream) after its work, and the receiver's stream waits on it before using the tensors (see `_to`
+for how copies between devices are kept safe). A receiver on no device (the caller's thread)
+waits for the event itself.
+
+`abort()` puts an abort token in every queue, and every wait has a timeout after which it looks
+at the run's abort flag: a waiting thread leaves within `POLL_S` of an abort, by `Aborted`, and
+the caller's thread sees signals (Ctrl-C) while it waits.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol
+
+import torch
+import torch.fx as fx
+
+from ..schedules import Phase
+
+POLL_S = 0.05     # how often a waiting thread looks for an abort or a signal
+_ABORT = object()
+
+Link = tuple[Phase, int, int]     # (phase, sender, receiver)
+
+
+class Aborted(Exception):
+    """The run was aborted while this thread waited for a message."""
+
+
+class Transport(Protocol):
+    """Moves one message per (phase, sender, receiver, micro-batch)."""
+
+    def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
+             values: dict[str, Any]) -> None:
+        """Hand `values` to `receiver`, once the sender's work queued so far is done."""
+
+    def receive(self, phase: Phase, sender: int, receiver: int,
+                microbatch: int) -> dict[str, Any]:
+        """The values `sender` sent, ready for use on the receiver's device; raises `Aborted`."""
+
+    def abort(self) -> None:
+        """Wake every receiver that waits, with `Aborted`."""
+
+
+@dataclass
+class _Message:
+    microbatch: int
+    values: dict[str, Any]
+    ready: Any = None          # a CUDA event the receiver waits on, if the sender used a GPU
+
+
+class ThreadTransport:
+    """Messages between threads of one process: a FIFO queue per link.
+
+    `devices[i]` is where participant i computes (None: the caller's thread, which moves nothing);
+    `stopping` is the run's abort flag, which waits look at.
+    """
+
+    def __init__(self, links: Iterable[Link], devices: Mapping[int, torch.device | None],
+                 stopping: threading.Event):
+        self.channels: dict[Link, queue.SimpleQueue] = {link: queue.SimpleQueue() for link in links}
+        self.devices = devices
+        self.stopping = stopping
+
+    def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
+             values: dict[str, Any]) -> None:
+        device = self.devices[sender]
+        ready = (torch.cuda.current_stream(device).record_event()
+                 if device is not None and device.type == "cuda" else None)
+        self.channels[phase, sender, receiver].put(_Message(microbatch, values, ready))
+
+    def receive(self, phase: Phase, sender: int, receiver: int,
+                microbatch: int) -> dict[str, Any]:
+        message = self._get(self.channels[phase, sender, receiver])
+        assert message.microbatch == microbatch, (
+            f"{phase.name.lower()} message {sender} -> {receiver}: micro-batch "
+            f"{message.microbatch} came where {microbatch} was expected")
+        device = self.devices[receiver]
+        _wait(message, device)
+        if device is None:
+            return message.values
+        return {name: _to(value, device) for name, value in message.values.items()}
+
+    def abort(self) -> None:
+        for channel in self.channels.values():
+            channel.put(_ABORT)
+
+    def _get(self, channel: queue.SimpleQueue) -> _Message:
+        """The next message; waits with timeouts, so the caller's thread sees signals and a
+        worker sees the abort flag."""
+        while not self.stopping.is_set():
+            try:
+                message = channel.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if message is _ABORT:
+                break
+            return message
+        raise Aborted
+
+
+def _wait(message: _Message, device: torch.device | None) -> None:
+    """Order the receiver's work after the sender's: on its stream, or on this thread."""
+    if message.ready is None:
+        return
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(message.ready)
+    else:
+        message.ready.synchronize()
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """`value`'s tensors on `device`, safe to use on this thread's current stream.
+
+    A tensor another stage made on this GPU is marked as used by this stream, so the allocator
+    does not hand its memory back to the sender first. A copy to the GPU is queued on this stream;
+    one from another GPU is waited for (correct first: its source may be freed once this returns);
+    one to the CPU is synchronous, since CPU ops do not wait for streams."""
+    def move(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.device == device:
+            if device.type == "cuda":
+                v.record_stream(torch.cuda.current_stream(device))
+            return v
+        moved = v.to(device, non_blocking=device.type == "cuda")
+        if device.type == "cuda" and v.device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return moved
+    return fx.node.map_aggregate(value, move)

@@ -1,0 +1,161 @@
+"""The runtime's parts on their own: the stage executor without threads, the transport's queues and
+abort, and the orchestrator joining its workers when a stage fails."""
+
+import threading
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.runtime import Aborted, Runtime, StageExecutor, ThreadTransport
+from fxpipe.runtime.orchestrator import _workers
+from fxpipe.schedules import Phase, gpipe, one_f_one_b
+from passes.codegen import split_stages
+from passes.errors import StageError
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def explode(x):
+    raise RuntimeError("stage exploded")
+
+
+torch.fx.wrap("explode")
+
+
+class Exploding(Mlp):
+    def forward(self, x):
+        return self.c(explode(self.b(torch.relu(self.a(x)))))
+
+
+def split(model, num_stages):
+    """`model` traced and cut into `num_stages` stages of consecutive nodes, all on the CPU."""
+    gm = fx.symbolic_trace(model)
+    nodes = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    stage_of = {name: i * num_stages // len(nodes) for i, name in enumerate(nodes)}
+    return split_stages(gm, stage_of, ["cpu"] * num_stages)
+
+
+def stage_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("fxpipe-stage")]
+
+
+def test_the_executor_runs_a_forward_then_its_backward_as_autograd_does_on_the_stage():
+    torch.manual_seed(0)
+    first, second = split(Mlp(), 2)
+    (sent,) = first.module.forward(torch.randn(3, 4))   # attached to stage 0's parameters
+    (name,) = second.inputs
+    executor = StageExecutor(second, from_stages=[name], backward_for=[0])
+    threads = threading.active_count()
+
+    out = executor.forward(0, {name: sent})
+    (out_name,) = second.outputs
+    grad = torch.randn_like(out[out_name])
+    input_grads = executor.backward(0, [{out_name: [grad]}])
+
+    assert threading.active_count() == threads
+    leaf = sent.detach().requires_grad_(True)
+    (expected_out,) = second.module.forward(leaf)
+    params = list(second.module.parameters())
+    expected = torch.autograd.grad(expected_out, [leaf, *params], grad)
+    assert torch.equal(out[out_name], expected_out)
+    torch.testing.assert_close(input_grads[name][0], expected[0])
+    for param, expected_grad in zip(params, expected[1:]):
+        torch.testing.assert_close(param.grad, expected_grad)
+    # autograd was cut at the boundary: nothing reached the sender's parameters
+    assert all(p.grad is None for p in first.module.parameters())
+
+
+def test_the_executor_starts_the_backward_from_the_loss_on_the_stage_that_computes_it():
+    torch.manual_seed(0)
+    (stage,) = split(Mlp(), 1)
+    x = torch.randn(5, 4)
+    executor = StageExecutor(stage, backward_for=[0],
+                             loss_of=lambda m, values: values[stage.outputs[0]].square().mean())
+
+    executor.forward(0, {stage.inputs[0]: x})
+    assert executor.backward(0, []) == {}
+
+    params = list(stage.module.parameters())
+    (out,) = stage.module.forward(x)
+    expected = torch.autograd.grad(out.square().mean(), params)
+    assert torch.equal(executor.losses[0], out.square().mean().detach())
+    for param, expected_grad in zip(params, expected):
+        torch.testing.assert_close(param.grad, expected_grad)
+
+
+def test_without_a_backward_to_come_the_executor_leaves_values_attached():
+    torch.manual_seed(0)
+    first, second = split(Mlp(), 2)
+    (sent,) = first.module.forward(torch.randn(3, 4))
+    executor = StageExecutor(second, from_stages=second.inputs)
+
+    (out,) = executor.forward(0, {second.inputs[0]: sent}).values()
+    out.sum().backward()
+
+    assert all(p.grad is not None for p in first.module.parameters())
+
+
+def test_the_thread_transport_keeps_order_and_wakes_a_waiting_receiver_on_abort():
+    stopping = threading.Event()
+    transport = ThreadTransport([(Phase.FORWARD, 0, 1)], {0: None, 1: None}, stopping)
+    for m in range(3):
+        transport.send(Phase.FORWARD, 0, 1, m, {"x": m})
+    received = [transport.receive(Phase.FORWARD, 0, 1, m) for m in range(3)]
+    assert received == [{"x": m} for m in range(3)]
+    raised = []
+
+    def wait():
+        try:
+            transport.receive(Phase.FORWARD, 0, 1, 3)
+        except Aborted as e:
+            raised.append(e)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    stopping.set()
+    transport.abort()
+    waiting.join(5)
+    assert not waiting.is_alive() and len(raised) == 1
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_orchestrator_joins_its_workers_when_a_stage_raises(training):
+    stages = split(Exploding(), 3)
+    failing = next(s.index for s in stages if "explode" in s.module.code)
+    runtime = Runtime(stages, list(stages[-1].outputs))
+    chunks = 4
+    timetable = one_f_one_b(3, chunks) if training else gpipe(3, chunks)
+    inputs = [{"x": torch.randn(2, 4)} for _ in range(chunks)]
+    loss_of = (lambda m, values: values[stages[-1].outputs[0]].sum()) if training else None
+    before = threading.enumerate()
+
+    with pytest.raises(StageError, match=f"stage {failing} .*micro-batch 0.*exploded") as info:
+        runtime.run(timetable, inputs, loss_of=loss_of)
+
+    assert threading.enumerate() == before and not stage_threads()
+    assert info.value.stage == failing and info.value.microbatch == 0
+    assert runtime.last_run.failed and "stage exploded" in runtime.last_run.error
+
+
+def test_the_workers_context_aborts_and_joins_when_the_callers_block_raises():
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait, name=f"fxpipe-stage-{i}") for i in range(3)]
+    before = threading.enumerate()
+
+    with pytest.raises(KeyError):
+        with _workers(threads, stop.set):
+            assert all(t.is_alive() for t in threads)
+            raise KeyError("the driver failed")
+
+    assert stop.is_set() and threading.enumerate() == before
