@@ -12,13 +12,14 @@ from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, Inpu
 from passes.partition import Partition
 
 from . import timeline
-from .api import compile
+from .api import compile, plan
 from .devices import tune_cpu_allocator
 from .pipeline import Pipeline
 from .report import Plan
+from .saved import PlanFileError, load_plan
 
 __all__ = [
-    "compile", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
+    "compile", "plan", "load_plan", "PlanFileError", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
     "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
     "CostError", "StageError",
 ]

@@ -34,7 +34,8 @@ from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
 from .reference import copied, run_per_microbatch, unchanged
-from .report import make_plan
+from .report import Plan, make_plan
+from .wiring import Wiring
 from .schedules import SCHEDULES, ScheduleName
 
 BatchDims = int | Mapping[str | int, int | None]
@@ -145,6 +146,15 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     return pipe
 
 
+def plan(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
+         example_inputs: tuple | Any = (), example_kwargs: Mapping[str, Any] | None = None,
+         **options: Any) -> Plan:
+    """The plan `compile` makes, with the same options: what `fxpipe.Pipeline(plan)` runs, and
+    what `plan.save(path)` writes (and `fxpipe.load_plan(path)` reads back in another process).
+    Like compile, it checks the plan against the model on the example unless `verify=False`."""
+    return compile(model, devices, example_inputs, example_kwargs, **options).plan
+
+
 @dataclass
 class _Recipe:
     """What compiling takes, kept by the pipeline to compile the model again in the other mode.
@@ -201,13 +211,19 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
-    plan = make_plan(gm.meta["capture"], chosen.partition, stages, config.chunks, verified)
-    pipe = Pipeline(gm, stages, plan, config.chunks, schedule=config.schedule,
-                    threads_per_stage=[d.threads for d in specs],
-                    batch_dims=_placeholder_dims(signature_of(gm), dims, recipe.default_dim))
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    signature = signature_of(gm)
+    plan = make_plan(gm.meta["capture"], chosen.partition, stages, config.chunks, verified,
+                     wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
+                                               if n.op != "placeholder"]),
+                     signature=signature,
+                     batch_dims=_placeholder_dims(signature, dims, recipe.default_dim),
+                     schedule=config.schedule, threads=tuple(d.threads for d in specs),
+                     training=model.training)
+    pipe = Pipeline(plan, gm)
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
-    pipe._output_dims = _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
+    _check(model, pipe, recipe, o["verify"], o["verify_tolerance"])
     as_is = considered[-1] if reason.startswith("no pipeline") else None
     predicted_s = (unpipelined_s if chosen is as_is else   # it runs the model's own ops so
                    max((slot.end_s for slot in pipe.predict(training=training)), default=0.0))
@@ -546,9 +562,9 @@ def _check(model: nn.Module, pipe: Pipeline, recipe: _Recipe, verify: bool,
         rows = [microbatch.batch_size(p, dims)
                 for p in microbatch.split((args, kwargs), chunks, dims)]
         output_dims = _output_dims(whole, parts, rows, tolerance)
+        pipe.plan = replace(pipe.plan, output_dims=tuple(output_dims))
     if not verify:
         return output_dims
-    pipe._output_dims = output_dims
     expected = microbatch.merge(parts, output_dims)
     with unchanged(model):
         torch.manual_seed(0)

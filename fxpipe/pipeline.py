@@ -14,7 +14,6 @@ from passes.codegen import Stage
 from passes.errors import FxpipeError, InputError
 from passes.graph_values import tensors
 from passes.randomness import microbatch_seeds
-from passes.signature import signature_of
 
 from . import microbatch
 from .report import Plan
@@ -35,30 +34,32 @@ class Pipeline(nn.Module):
     `compile`; moving the whole pipeline with `.to()` is refused.
     """
 
-    def __init__(self, graph_module: fx.GraphModule, stages: Sequence[Stage], plan: Plan,
-                 chunks: int, *, schedule: ScheduleName = "gpipe",
-                 threads_per_stage: int | Sequence[int | None] | None = None, batch_dims: Mapping[str, Any] | None = None):
+    def __init__(self, plan: Plan, module: nn.Module | None = None):
+        """Run `plan`; `module` holds the parameters under the model's names (`compile` passes
+        the traced model; by default a module gathering the stages' own)."""
         super().__init__()
-        self.training = graph_module.training
-        self.schedule = schedule
-        self.module = graph_module     # holds the parameters, under the model's names
-        self._stages = list(stages)
         self.plan = plan
-        self.chunks = chunks
-        (output,) = [n for n in graph_module.graph.nodes if n.op == "output"]
-        self._signature = signature_of(graph_module)   # model inputs -> graph -> model output
-        self._placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
-        self._runtime = Runtime(stages, [n.name for n in output.all_input_nodes
-                                         if n.op != "placeholder"],
-                                threads_per_stage=threads_per_stage)
-        # Batch dimensions: of each placeholder's value, and of each output leaf (None: none).
-        self._batch_dims = {p: (batch_dims or {}).get(p, 0) for p in self._placeholders}
-        self._output_dims: list[int | None] | None = None
+        self.module = module if module is not None else _gathered(plan.stages)
+        self.training = self._planned_mode = (
+            self.module.training if plan.training is None else plan.training)
+        self._runtime = Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads))
         self._model: weakref.ref | None = None     # the model compiled, to notice it changed
         self._model_parts: dict[str, weakref.ref] = {}
         self._model_members: list[Any] = []
         self._recipe = None                        # how to compile it again in the other mode
         self._modes: dict[bool, dict[str, Any]] = {}
+
+    # What runs is the plan's.
+    chunks = property(lambda self: self.plan.chunks)
+    schedule = property(lambda self: self.plan.schedule)
+    _stages = property(lambda self: self.plan.stages)
+    _signature = property(lambda self: self.plan.signature)     # model inputs -> graph -> output
+    _placeholders = property(lambda self: self.plan.signature.placeholders)
+    _output_dims = property(lambda self: self.plan.output_dims)
+
+    @property
+    def _batch_dims(self) -> dict[str, Any]:
+        return {p: self.plan.batch_dims.get(p, 0) for p in self._placeholders}
 
     @property
     def stages(self) -> list[fx.GraphModule]:
@@ -165,7 +166,7 @@ class Pipeline(nn.Module):
         `max(slot.end_s for slot in pipe.predict())` is the predicted duration of the whole step.
         """
         return search.predict_slots(self.plan.partition, self.chunks, self.schedule, training,
-                                    self._runtime.reads_from(training), os.cpu_count())
+                                    self.plan.wiring.reads_from(training), os.cpu_count())
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -195,6 +196,14 @@ class Pipeline(nn.Module):
                 f"this pipeline's graph was captured by torch.export in {have} mode, which fixes "
                 f"how its dropout and BatchNorm behave: compile the model after model.{want}() "
                 f"to run it in {want} mode")
+        if self._recipe is None and mode != self._planned_mode:
+            # Without the model there is no capturing it again, and an fx graph may have read
+            # `self.training` in Python at capture: run only the mode it was planned in.
+            have, want = ("train", "eval") if self._planned_mode else ("eval", "train")
+            raise FxpipeError(
+                f"this pipeline runs a plan made in {have} mode, and has no model to capture in "
+                f"{want} mode: plan the model after model.{want}() for that (or compile it, "
+                f"which switches modes)")
         if self._recipe is not None and mode != self.training and mode not in self._modes:
             self._check_model()
             self._modes[self.training] = self._mode_state()
@@ -208,8 +217,7 @@ class Pipeline(nn.Module):
             stage.module.train(mode)
         return self
 
-    _MODE_FIELDS = ("module", "_stages", "plan", "_signature", "_placeholders", "_runtime",
-                    "_batch_dims", "_output_dims", "chunks", "schedule")
+    _MODE_FIELDS = ("module", "plan", "_runtime")
 
     def _mode_state(self) -> dict[str, Any]:
         """What differs between the pipelines of one model in train and in eval mode."""
@@ -259,6 +267,34 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
+
+
+def _gathered(stages: Sequence[Stage]) -> nn.Module:
+    """One module holding every stage's parameters and buffers under their own names (the
+    model's: stages keep the names of what they hold), each once."""
+    root = nn.Module()
+    for stage in stages:
+        for table in ("_parameters", "_buffers"):
+            for path, owner in stage.module.named_modules():
+                for name, value in getattr(owner, table).items():
+                    target = _module_at(root, path)
+                    held = getattr(target, table).get(name)
+                    if held is not None and held is not value:
+                        raise FxpipeError(f"stages hold two different tensors named "
+                                          f"{'.'.join(filter(None, (path, name)))!r}")
+                    getattr(target, table)[name] = value
+    root.train(all(stage.module.training for stage in stages))
+    return root
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    """The submodule of `root` at the dotted `path`, made empty where missing."""
+    module = root
+    for part in filter(None, path.split(".")):
+        if part not in module._modules:
+            module._modules[part] = nn.Module()
+        module = module._modules[part]
+    return module
 
 
 def _members(model: nn.Module) -> list[Any]:

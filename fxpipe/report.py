@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from tabulate import tabulate
 
 from passes.annotate_costs import UNSTEADY
 from passes.codegen import Stage
 from passes.partition import Partition
+from passes.signature import Signature
 from passes.trace import Capture, module_path
+
+from .wiring import Wiring
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,22 @@ class Plan:
     reason: str = ""                          # why
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
     spread: float | None = None               # how unsteady the measurement was
+    # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
+    # dimension of each graph input and model output leaf, the schedule, each stage's threads.
+    stages: tuple[Stage, ...] = ()
+    wiring: Wiring | None = None
+    signature: Signature | None = None
+    batch_dims: Mapping[str, Any] = field(default_factory=dict)
+    output_dims: tuple[int | None, ...] | None = None
+    schedule: str = "gpipe"
+    threads: tuple[int | None, ...] = ()
+    training: bool | None = None              # the mode the model was planned (and checked) in
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
+        without the model's code (see `fxpipe.saved`)."""
+        from .saved import save
+        return save(self, path)
 
     @property
     def speedup(self) -> float | None:
@@ -140,7 +161,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,
-              verified: str) -> Plan:
+              verified: str, **run: Any) -> Plan:
+    """The plan of `stages`; `run` holds what a Pipeline runs besides them (`Plan`'s fields)."""
     spans = []
     for stage in stages:
         names = [n.name for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
@@ -149,7 +171,7 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
         sum(t.numel() * t.element_size() for t in list(s.module.parameters()) + list(s.module.buffers()))
         for s in stages)
     return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
-                stage_modules(stages))
+                stage_modules(stages), stages=tuple(stages), **run)
 
 
 def stage_modules(stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:

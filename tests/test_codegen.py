@@ -98,7 +98,7 @@ class Tied(nn.Module):
 
 
 def test_a_parameter_read_on_another_device_is_sent_once_from_its_home():
-    from fxpipe.runtime import Runtime
+    from fxpipe.wiring import Wiring
 
     gm = fx.symbolic_trace(Tied())
     order = [n.name for n in computing(gm) if n.op != "get_attr"]   # matmul, tanh, matmul_1, ...
@@ -110,5 +110,4 @@ def test_a_parameter_read_on_another_device_is_sent_once_from_its_home():
     assert len(readers) == 3
     assert "w" in stages[0].outputs and "w" not in stages[2].outputs     # sent by its home only
     assert "w" in stages[1].inputs and "w" not in stages[2].inputs       # a copy where it lives
-    runtime = Runtime(stages, ["matmul_2"])
-    assert runtime.producer["w"] == 0
+    assert Wiring.of(stages, ["matmul_2"]).producer["w"] == 0

@@ -11,6 +11,7 @@ from torch import nn
 from fxpipe.runtime import Aborted, Runtime, StageExecutor, ThreadTransport
 from fxpipe.runtime.orchestrator import _workers
 from fxpipe.schedules import Phase, gpipe, one_f_one_b
+from fxpipe.wiring import Wiring
 from passes.codegen import split_stages
 from passes.errors import StageError
 
@@ -133,7 +134,7 @@ def test_the_thread_transport_keeps_order_and_wakes_a_waiting_receiver_on_abort(
 def test_the_orchestrator_joins_its_workers_when_a_stage_raises(training):
     stages = split(Exploding(), 3)
     failing = next(s.index for s in stages if "explode" in s.module.code)
-    runtime = Runtime(stages, list(stages[-1].outputs))
+    runtime = Runtime(stages, Wiring.of(stages, list(stages[-1].outputs)))
     chunks = 4
     timetable = one_f_one_b(3, chunks) if training else gpipe(3, chunks)
     inputs = [{"x": torch.randn(2, 4)} for _ in range(chunks)]

@@ -40,8 +40,9 @@ from passes.codegen import Stage
 from passes.errors import StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
+from ..wiring import DRIVER, Wiring
 from .executor import LossFn, StageExecutor
-from .transport import POLL_S, Aborted, Link, ThreadTransport
+from .transport import POLL_S, Aborted, ThreadTransport
 
 DRIVER = -1
 
@@ -65,75 +66,19 @@ class Run:
         return self.error is not None
 
 
-@dataclass(frozen=True)
-class _Wiring:
-    """Who sends what to whom in a forward (a backward sends gradients the other way)."""
-
-    reads: Reads    # reads[receiver][sender]: names
-    sends: Reads    # sends[sender][receiver]: names
-
-    @staticmethod
-    def of(stages: Sequence[Stage], producer: dict[str, int], output_names: Sequence[str],
-           outputs_to: int) -> "_Wiring":
-        """Stages read their inputs from their producers (or the driver), and `outputs_to`
-        reads the graph outputs it does not produce itself."""
-        reads: Reads = {}
-        for stage in stages:
-            for name in stage.inputs:
-                reads.setdefault(stage.index, {}).setdefault(producer.get(name, DRIVER),
-                                                             []).append(name)
-        for name in output_names:
-            if producer[name] != outputs_to:
-                reads.setdefault(outputs_to, {}).setdefault(producer[name], []).append(name)
-        sends: Reads = {}
-        for receiver, senders in reads.items():
-            for sender, names in senders.items():
-                sends.setdefault(sender, {})[receiver] = names
-        return _Wiring(reads, sends)
-
-    def links(self) -> list[Link]:
-        """Every (phase, sender, receiver): forwards as read, and gradients back between stages."""
-        links: list[Link] = []
-        for receiver, senders in self.reads.items():
-            for sender in senders:
-                links.append((Phase.FORWARD, sender, receiver))
-                if sender != DRIVER:
-                    links.append((Phase.BACKWARD, receiver, sender))
-        return links
-
-
 class Runtime:
-    """The wiring of one pipeline's stages; runs timetables on them, any number of times."""
+    """Runs timetables on a pipeline's stages along their `Wiring`, any number of times."""
 
-    def __init__(self, stages: Sequence[Stage], output_names: Sequence[str], *,
+    def __init__(self, stages: Sequence[Stage], wiring: Wiring, *,
                  threads_per_stage: int | Sequence[int | None] | None = None):
         self.stages = list(stages)
+        self.wiring = wiring
         # Each CPU stage's intra-op threads (None: as the thread starts).
         self.threads = (list(threads_per_stage) if isinstance(threads_per_stage, Sequence)
                         else [threads_per_stage] * len(self.stages))
-        producer: dict[str, int] = {}
-        for stage in stages:
-            for name in stage.outputs:
-                assert producer.setdefault(name, stage.index) == stage.index, (
-                    f"{name!r} is sent by stages {producer[name]} and {stage.index}")
-        for stage in stages:
-            for name in stage.inputs:
-                assert producer.get(name, DRIVER) < stage.index, (
-                    f"stage {stage.index} reads {name!r} from stage {producer[name]}, not earlier")
-        self.producer = producer
-        # Graph outputs go to the driver in inference, and to the last stage, which computes the
-        # loss, in training.
-        self._wiring = {training: _Wiring.of(stages, producer, output_names,
-                                             len(stages) - 1 if training else DRIVER)
-                        for training in (False, True)}
         self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
                         for s in stages]
         self.last_run: Run | None = None    # the latest run's record, failed or not
-
-    def reads_from(self, training: bool) -> dict[int, list[int]]:
-        """Which stages each stage reads from (the driver left out): the timetable's dependencies."""
-        return {dst: [src for src in srcs if src != DRIVER]
-                for dst, srcs in self._wiring[training].reads.items() if dst != DRIVER}
 
     def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]], *,
             loss_of: LossFn | None = None,
@@ -156,7 +101,7 @@ class _Execution:
         self.inputs = list(inputs)
         self.loss_of = loss_of
         self.seeds = list(seeds) if seeds is not None else None
-        self.wiring = runtime._wiring[loss_of is not None]
+        self.wiring = runtime.wiring.flow(training=loss_of is not None)
         self.stopping = threading.Event()
         self.transport = ThreadTransport(
             self.wiring.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},

@@ -1,0 +1,304 @@
+"""A plan on disk: plan once, run it in another process without the model's code.
+
+    pipe.plan.save("plans/resnet50-4")          # or fxpipe.plan(model, ...).save(...)
+    plan = fxpipe.load_plan("plans/resnet50-4")
+    pipe = fxpipe.Pipeline(plan)
+
+A saved plan is a directory:
+
+- `plan.json`: what a person (or a tool) reads: the versions it was saved with, the capture, the
+  devices, chunks, schedule and threads, the partition with its bound and proof, the stage
+  wiring, every node's measured costs per kind of device, and a SHA-256 of every other file.
+- `stage_<s>.py`: stage `s`'s generated code, to read (`print(pipe.stages[s].code)`).
+- `stage_<s>.pt`: stage `s`'s own weights (torch's format, loaded with `weights_only=True`); a
+  tensor several stages share is saved once, with the first stage holding it.
+- `plan.pt`: the plan itself (stages as GraphModules with their tensors left out, the calling
+  convention), pickled by `torch.save`. Loading it unpickles Python objects: load only plans you
+  trust, as with any pickle. A stage that calls a module class from outside torch (a leaf module
+  kept whole) needs that class importable where the plan is loaded; everything else is torch's.
+
+Loading checks every file against `plan.json` (missing, changed) and the fxpipe and torch versions
+against those running, and says what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from passes.codegen import Stage
+from passes.errors import FxpipeError
+
+FORMAT = 1
+PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
+
+
+class PlanFileError(FxpipeError):
+    """A saved plan that cannot be loaded: a file missing or changed, or other versions."""
+
+
+def versions() -> dict[str, str]:
+    """The versions a plan is saved with and must be loaded with."""
+    try:
+        ours = importlib.metadata.version("fxpipe")
+    except importlib.metadata.PackageNotFoundError:     # run from a source tree
+        ours = "unknown"
+    return {"fxpipe": ours, "torch": torch.__version__}
+
+
+def save(plan: Any, path: str | os.PathLike) -> Path:
+    """Write `plan` (a `fxpipe.Plan` with its stages) to the directory `path` (made if needed)."""
+    if not plan.stages:
+        raise FxpipeError("this plan has no stages to save: save the plan of a Pipeline "
+                          "(pipe.plan.save(path)) or of fxpipe.plan(...)")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    first_holder: dict[int, tuple[int, str]] = {}     # id(tensor) -> (stage, name) saving it
+    shared: list[dict[str, list]] = []
+    files: dict[str, str] = {}
+    for stage in plan.stages:
+        own, refs = {}, {}
+        for name, tensor in _tensors(stage.module):
+            holder = first_holder.setdefault(id(tensor), (stage.index, name))
+            if holder == (stage.index, name):
+                own[name] = tensor.detach()
+            else:
+                refs[name] = list(holder)
+        shared.append(refs)
+        files[f"stage_{stage.index}.py"] = _write(root / f"stage_{stage.index}.py",
+                                                  stage.module.code.encode())
+        files[f"stage_{stage.index}.pt"] = _write_torch(root / f"stage_{stage.index}.pt", own)
+    with _without_tensors([stage.module for stage in plan.stages]):
+        files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE, plan)
+    document = {"format": FORMAT, **versions(), "summary": str(plan).splitlines()[0],
+                **_description(plan), "shared": shared, "files": files}
+    (root / PLAN_FILE).write_text(json.dumps(_finite(document), indent=1, default=str) + "\n")
+    return root
+
+
+def load_plan(path: str | os.PathLike, model: nn.Module | None = None) -> Any:
+    """The plan saved at `path`, every stage with its weights on its device.
+
+    With `model`, the stages take that model's current weights instead of the saved ones (a
+    plan made once, run with weights trained since); a model whose parameters and buffers do not
+    match the plan's by name, shape and dtype is refused, naming what differs.
+    """
+    root, document = _checked(path, None)
+    plan = _load_skeleton(root)
+    loaded: dict[tuple[int, str], torch.Tensor] = {}
+    for stage in plan.stages:
+        _fill(root, stage, document["shared"][stage.index], loaded)
+    if model is not None:
+        _take_weights(plan, model, root)
+    return plan
+
+
+def load_stage(path: str | os.PathLike, index: int) -> Stage:
+    """Stage `index` of the plan saved at `path`, with its own weights only (a process running
+    one stage loads nothing else). A tensor it shares with an earlier stage is read from that
+    stage's file."""
+    root, document = _checked(path, index)
+    plan = _load_skeleton(root)
+    if not 0 <= index < len(plan.stages):
+        raise FxpipeError(f"the plan at {str(root)!r} has stages 0 to {len(plan.stages) - 1}, "
+                          f"not {index}")
+    stage = plan.stages[index]
+    _fill(root, stage, document["shared"][index], {})
+    return stage
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `module` by qualified name, shared ones under each name."""
+    for path, owner in module.named_modules(remove_duplicate=False):
+        for table in (owner._parameters, owner._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    yield ".".join(filter(None, (path, name))), tensor
+
+
+class _without_tensors:
+    """Inside, `modules` hold empty ("meta") stand-ins for their parameters and buffers, so that
+    pickling them writes their structure only; restored on exit."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.saved: list[tuple[dict, str, torch.Tensor]] = []
+
+    def __enter__(self):
+        stand_ins: dict[int, torch.Tensor] = {}
+        for module in self.modules:
+            for owner in module.modules():
+                for table in (owner._parameters, owner._buffers):
+                    for name, tensor in table.items():
+                        if tensor is None:
+                            continue
+                        if id(tensor) not in stand_ins:
+                            empty = torch.empty_like(tensor, device="meta")
+                            stand_ins[id(tensor)] = (
+                                nn.Parameter(empty, tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter) else empty)
+                        self.saved.append((table, name, tensor))
+                        table[name] = stand_ins[id(tensor)]
+        return self
+
+    def __exit__(self, *exc):
+        for table, name, tensor in self.saved:
+            table[name] = tensor
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_torch(path: Path, obj: Any) -> str:
+    torch.save(obj, path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _description(plan: Any) -> dict[str, Any]:
+    """What the plan was computed from and what it decided, as JSON data."""
+    part = plan.partition
+    costs: dict[str, dict[str, Any]] = {}
+    for stage in plan.stages:
+        for node in stage.module.graph.nodes:
+            measured = node.meta.get("costs") or (
+                {"": node.meta["cost"]} if "cost" in node.meta else {})
+            for kind, cost in measured.items():
+                costs.setdefault(node.name, {})[kind] = dataclasses.asdict(cost)
+    return {
+        "capture": {"method": plan.capture.method, "leaves": list(plan.capture.leaves),
+                    "training": plan.capture.training, "reason": plan.capture.reason},
+        "devices": [dataclasses.asdict(d) for d in part.devices],
+        "chunks": plan.chunks, "schedule": plan.schedule, "threads": list(plan.threads),
+        "partition": {"stage_of": dict(part.stage_of), "bottleneck_s": part.bottleneck_s,
+                      "lower_bound_s": part.lower_bound_s, "optimal": part.optimal,
+                      "method": str(part.method or ""),
+                      "stages": [dataclasses.asdict(c) for c in part.stages]},
+        "predicted_step_s": plan.predicted_step_s, "unpipelined_s": plan.unpipelined_s,
+        "stages": [{"index": s.index, "device": str(s.device), "inputs": list(s.inputs),
+                    "outputs": list(s.outputs)} for s in plan.stages],
+        "wiring": {"producer": dict(plan.wiring.producer),
+                   "graph_outputs": list(plan.wiring.output_names)},
+        "costs": costs,
+    }
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every infinite or NaN float written as a string ("inf"): JSON has none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str, Any]]:
+    """The plan's directory and `plan.json`, once the files a load reads are there and
+    unchanged (all of them, or those stage `index` needs) and the versions match."""
+    root = Path(path)
+    if not (root / PLAN_FILE).is_file():
+        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing (save one "
+                            f"with pipe.plan.save(path))")
+    try:
+        document = json.loads((root / PLAN_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e}): save the plan "
+                            f"again") from None
+    if document.get("format") != FORMAT:
+        raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
+                            f"fxpipe reads format {FORMAT}: save the plan again with it")
+    running = versions()
+    differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
+              for name, version in running.items() if document.get(name) != version]
+    if differ:
+        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions: "
+                            f"{'; '.join(differ)}. Plan the model again with these versions")
+    needed = dict(document["files"])
+    if index is not None:
+        holders = {holder for holder, _ in document["shared"][index].values()} | {index} \
+            if index < len(document["shared"]) else set()
+        needed = {name: digest for name, digest in needed.items()
+                  if not name.startswith("stage_") or name.endswith(".py") or
+                  int(name[6:].split(".")[0]) in holders}
+    for name, digest in needed.items():
+        file = root / name
+        if not file.is_file():
+            raise PlanFileError(f"the plan at {str(root)!r} is missing {name}: save the plan "
+                                f"again")
+        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            raise PlanFileError(f"{name} in the plan at {str(root)!r} changed since the plan was "
+                                f"saved (its SHA-256 differs from plan.json's): save the plan "
+                                f"again rather than editing its files")
+    return root, document
+
+
+def _load_skeleton(root: Path) -> Any:
+    with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        return torch.load(root / PICKLE_FILE, weights_only=False)
+
+
+def _fill(root: Path, stage: Stage, refs: dict[str, list], loaded: dict[tuple[int, str],
+                                                                        torch.Tensor]) -> None:
+    """Put stage's weights, read from its file (and shared ones from their holder's, or from
+    `loaded` when that stage was filled already), in place of its stand-ins."""
+    files: dict[int, dict[str, torch.Tensor]] = {}
+
+    def weights(s: int) -> dict[str, torch.Tensor]:
+        if s not in files:
+            files[s] = torch.load(root / f"stage_{s}.pt", map_location=stage.device,
+                                  weights_only=True)
+        return files[s]
+
+    for path, owner in stage.module.named_modules(remove_duplicate=False):
+        for table in (owner._parameters, owner._buffers):
+            for name, stand_in in list(table.items()):
+                if stand_in is None:
+                    continue
+                qualified = ".".join(filter(None, (path, name)))
+                holder = tuple(refs.get(qualified, (stage.index, qualified)))
+                if holder not in loaded:
+                    value = weights(holder[0])[holder[1]]
+                    loaded[holder] = (nn.Parameter(value, stand_in.requires_grad)
+                                      if isinstance(stand_in, nn.Parameter) else value)
+                table[name] = loaded[holder]
+
+
+def _take_weights(plan: Any, model: nn.Module, root: Path) -> None:
+    """Copy `model`'s parameters and buffers into the plan's stages, by the model's names."""
+    state = model.state_dict(keep_vars=True)
+    problems = []
+    for stage in plan.stages:
+        for name, tensor in _tensors(stage.module):
+            theirs = state.get(name)
+            if theirs is None:
+                problems.append(f"{name!r} is not in the model")
+            elif theirs.shape != tensor.shape or theirs.dtype != tensor.dtype:
+                problems.append(f"{name!r} is {tuple(theirs.shape)} {theirs.dtype} in the model, "
+                                f"{tuple(tensor.shape)} {tensor.dtype} in the plan")
+    if problems:
+        raise PlanFileError(f"the plan at {str(root)!r} is for another model: "
+                            f"{'; '.join(problems[:3])}" +
+                            (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "") +
+                            ": plan this model, or load the plan without model=")
+    with torch.no_grad():
+        for stage in plan.stages:
+            for name, tensor in _tensors(stage.module):
+                tensor.copy_(state[name])

@@ -1,0 +1,100 @@
+"""Who sends what to whom: the stage wiring, plain data computed once from codegen's stages.
+
+Each stage reads its inputs (by node name) from the stage that produces them, or from the driver
+(the caller's thread, which holds the graph inputs); a backward sends gradients the other way.
+Graph outputs go back to the driver in inference, and to the last stage, which computes the loss,
+in training. The runtime moves values along this wiring, the simulator takes its dependencies
+from it (`reads_from`), and a saved plan stores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+from .schedules import Phase
+
+DRIVER = -1
+
+Reads = Mapping[int, Mapping[int, Sequence[str]]]   # reads[receiver][sender]: the names sent
+
+
+class _StageLike(Protocol):
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One mode's wiring: who reads what from whom in a forward, and the same by sender."""
+
+    reads: Reads    # reads[receiver][sender]: names
+    sends: Reads    # sends[sender][receiver]: names
+
+    def links(self) -> list[tuple[Phase, int, int]]:
+        """Every (phase, sender, receiver): forwards as read, and gradients back between stages."""
+        links = []
+        for receiver, senders in self.reads.items():
+            for sender in senders:
+                links.append((Phase.FORWARD, sender, receiver))
+                if sender != DRIVER:
+                    links.append((Phase.BACKWARD, receiver, sender))
+        return links
+
+    def reads_from(self) -> dict[int, list[int]]:
+        """Which stages each stage reads from (the driver left out): a timetable's dependencies."""
+        return {dst: [src for src in srcs if src != DRIVER]
+                for dst, srcs in self.reads.items() if dst != DRIVER}
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """The wiring of a pipeline's stages: each value's producer, and each mode's `Flow`."""
+
+    producer: Mapping[str, int]      # value name -> the stage that sends it
+    output_names: tuple[str, ...]    # the graph outputs stages produce
+    inference: Flow
+    training: Flow
+
+    @staticmethod
+    def of(stages: Sequence[_StageLike], output_names: Sequence[str]) -> "Wiring":
+        """The wiring of `stages` (each with its `index`, `inputs` and `outputs`); graph inputs
+        come from the driver, and `output_names` are the graph outputs the stages produce."""
+        producer: dict[str, int] = {}
+        for stage in stages:
+            for name in stage.outputs:
+                assert producer.setdefault(name, stage.index) == stage.index, (
+                    f"{name!r} is sent by stages {producer[name]} and {stage.index}")
+        for stage in stages:
+            for name in stage.inputs:
+                assert producer.get(name, DRIVER) < stage.index, (
+                    f"stage {stage.index} reads {name!r} from stage {producer[name]}, not earlier")
+        return Wiring(producer, tuple(output_names),
+                      _flow(stages, producer, output_names, DRIVER),
+                      _flow(stages, producer, output_names, len(stages) - 1))
+
+    def flow(self, training: bool) -> Flow:
+        return self.training if training else self.inference
+
+    def reads_from(self, training: bool) -> dict[int, list[int]]:
+        return self.flow(training).reads_from()
+
+
+def _flow(stages: Sequence[_StageLike], producer: Mapping[str, int], output_names: Sequence[str],
+          outputs_to: int) -> Flow:
+    """Stages read their inputs from their producers (or the driver), and `outputs_to` reads the
+    graph outputs it does not produce itself."""
+    reads: dict[int, dict[int, list[str]]] = {}
+    for stage in stages:
+        for name in stage.inputs:
+            reads.setdefault(stage.index, {}).setdefault(producer.get(name, DRIVER),
+                                                         []).append(name)
+    for name in output_names:
+        if producer[name] != outputs_to:
+            reads.setdefault(outputs_to, {}).setdefault(producer[name], []).append(name)
+    sends: dict[int, dict[int, list[str]]] = {}
+    for receiver, senders in reads.items():
+        for sender, names in senders.items():
+            sends.setdefault(sender, {})[receiver] = names
+    return Flow(reads, sends)

@@ -1,0 +1,191 @@
+"""A plan saved to disk and loaded back runs as the pipeline it came from, without the model."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.saved import load_stage
+
+
+class Skip(nn.Module):
+    """Branches and a skip connection across stages, a tied weight, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(8, 8)
+        self.tail = nn.Linear(8, 8)
+        self.tail.weight = self.head.weight       # tied
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        g = self.norm(self.b(h)) + h             # skip
+        y = self.c(g) * self.scale
+        return self.tail(torch.tanh(self.head(y)))
+
+
+def example():
+    torch.manual_seed(0)
+    return Skip().eval(), torch.randn(12, 8)
+
+
+def test_a_saved_plan_loads_as_the_same_pipeline(tmp_path):
+    model, x = example()
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4)
+    pipe.plan.save(tmp_path / "plan")
+    before = model(x).detach()
+    plan = fxpipe.load_plan(tmp_path / "plan")
+    assert plan.partition == pipe.plan.partition          # no measuring again
+    assert [s.module.code for s in plan.stages] == [s.module.code for s in pipe.plan.stages]
+    assert str(plan) == str(pipe.plan)
+    loaded = fxpipe.Pipeline(plan)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+    # The weights are the saved ones, not the model's: a later change to the model stays out.
+    with torch.no_grad():
+        model.a.weight.add_(1.0)
+        torch.testing.assert_close(loaded(x), before)
+
+
+def test_a_loaded_plan_trains_as_the_model_does(tmp_path):
+    model, x = example()
+    target = torch.randn(12, 8)
+    fxpipe.plan(model, ["cpu"] * 3, (x,), chunks=4, training=True).save(tmp_path / "plan")
+    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
+    loss = loaded.train_step(x, target, F.mse_loss)
+    expected = F.mse_loss(model(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    grads = dict(loaded.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, msg=name)
+    # The tied weight is one Parameter again, as in the model.
+    assert loaded.module.head.weight is loaded.module.tail.weight
+    # Its names are the model's: the state loads into the model.
+    model.load_state_dict(loaded.state_dict())
+
+
+def test_a_saved_plan_runs_in_a_process_without_the_models_code(tmp_path):
+    model, x = example()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
+    pipe.plan.save(tmp_path / "plan")
+    torch.save({"x": x, "y": model(x).detach()}, tmp_path / "io.pt")
+    script = textwrap.dedent(f"""
+        import torch, fxpipe
+        pipe = fxpipe.Pipeline(fxpipe.load_plan({str(tmp_path / 'plan')!r}))
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(io["x"]), io["y"])
+        print("same")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fxpipe.__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "same"
+
+
+def test_an_exported_plan_round_trips(tmp_path):
+    model, x = example()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, capture="export")
+    pipe.plan.save(tmp_path / "plan")
+    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_one_stage_loads_with_its_own_weights_only(tmp_path):
+    model, x = example()
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=3)
+    pipe.plan.save(tmp_path / "plan")
+    last = len(pipe.plan.stages) - 1
+    document = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    holders = {holder for holder, _ in document["shared"][last].values()}
+    removed = [s for s in range(last) if s not in holders]
+    assert removed
+    for s in removed:
+        os.remove(tmp_path / "plan" / f"stage_{s}.pt")     # never read
+    stage = load_stage(tmp_path / "plan", last)
+    original = pipe.plan.stages[last]
+    assert stage.inputs == original.inputs and stage.outputs == original.outputs
+    for (name, p), (_, q) in zip(stage.module.state_dict().items(),
+                                 original.module.state_dict().items()):
+        torch.testing.assert_close(p, q, msg=name)
+    with pytest.raises(fxpipe.PlanFileError, match=f"missing stage_{removed[0]}.pt"):
+        fxpipe.load_plan(tmp_path / "plan")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, x = example()
+    fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2).save(tmp_path / "plan")
+    return tmp_path / "plan"
+
+
+def test_a_missing_file_is_named(saved):
+    os.remove(saved / "stage_1.pt")
+    with pytest.raises(fxpipe.PlanFileError, match="missing stage_1.pt"):
+        fxpipe.load_plan(saved)
+    with pytest.raises(fxpipe.PlanFileError, match="no saved plan"):
+        fxpipe.load_plan(saved.parent / "elsewhere")
+
+
+def test_a_changed_file_is_named(saved):
+    code = saved / "stage_0.py"
+    code.write_text(code.read_text() + "\n# edited\n")
+    with pytest.raises(fxpipe.PlanFileError, match="stage_0.py .* changed since the plan was saved"):
+        fxpipe.load_plan(saved)
+
+
+def test_a_plan_from_other_versions_says_which(saved):
+    document = json.loads((saved / "plan.json").read_text())
+    document["torch"] = "1.0.0"
+    (saved / "plan.json").write_text(json.dumps(document))
+    with pytest.raises(fxpipe.PlanFileError, match=r"torch 1\.0\.0 \(saved\) against "):
+        fxpipe.load_plan(saved)
+
+
+def test_a_loaded_plan_runs_only_the_mode_it_was_planned_in(saved):
+    pipe = fxpipe.Pipeline(fxpipe.load_plan(saved))
+    pipe.eval()                                   # the mode it was planned in: nothing to do
+    with pytest.raises(fxpipe.FxpipeError, match="plan made in eval mode.*model.train"):
+        pipe.train()
+
+
+def test_plan_json_says_what_the_plan_decided(saved):
+    document = json.loads((saved / "plan.json").read_text())
+    assert document["chunks"] == 2 and len(document["stages"]) == 2
+    assert set(document["partition"]["stage_of"].values()) == {0, 1}
+    assert document["costs"] and all(
+        {"fwd_s", "out_bytes"} <= set(cost) for kinds in document["costs"].values()
+        for cost in kinds.values())
+    assert document["devices"][0]["name"] == "cpu"
+
+
+def test_a_plan_runs_with_the_weights_of_the_model_given(saved):
+    model, x = example()
+    with torch.no_grad():
+        model.c.weight.mul_(-2)                    # trained since the plan was saved, say
+    pipe = fxpipe.Pipeline(fxpipe.load_plan(saved, model=model))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_plan_for_another_model_says_what_differs(saved):
+    other = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(fxpipe.PlanFileError, match="another model: 'a.weight' is not in the model"):
+        fxpipe.load_plan(saved, model=other)
+    wider, _ = example()
+    wider.c = nn.Linear(16, 4)
+    with pytest.raises(fxpipe.PlanFileError, match=r"'c.weight' is \(4, 16\)"):
+        fxpipe.load_plan(saved, model=wider)
