@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -11,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from passes.codegen import Stage
-from passes.errors import FxpipeError, InputError
+from passes.errors import FxpipeError, InputError, StageError
 from passes.graph_values import tensors
 from passes.randomness import microbatch_seeds
 
@@ -19,7 +20,7 @@ from . import microbatch
 from .report import Plan
 from .runtime import Run, Runtime
 from . import search
-from .schedules import ScheduleName, Slot, gpipe, timetable_for
+from .schedules import Action, Phase, ScheduleName, Slot, gpipe, timetable_for
 
 
 class Pipeline(nn.Module):
@@ -72,12 +73,46 @@ class Pipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_model()
+        model = self._as_is()
+        if model is not None:
+            return self._run_as_is(model, args, kwargs)
         values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
         outputs, _ = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks,
                                        seeds=microbatch_seeds(self.chunks))
         return microbatch.merge([self._signature.rebuild_outputs({**chunk, **out})
                                  for chunk, out in zip(chunks, outputs)], self._output_dims)
+
+    def _as_is(self) -> nn.Module | None:
+        """The model, when the plan runs it as is (one stage, the whole batch, the caller's
+        threads) and it is in the pipeline's mode: then a call runs the model's own forward,
+        which costs what the model costs (the traced graph's generated code costs a little more)."""
+        if not self.plan.runs_as_is or self._model is None:
+            return None
+        model = self._model()
+        return model if model is not None and model.training == self.training else None
+
+    def _run_as_is(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """`model(*args, **kwargs)` as the pipeline's one micro-batch: from its seed (the
+        caller's generator left as the graph would leave it), recorded in `last_run`, a failure
+        raised as a `StageError`."""
+        seed = microbatch_seeds(1)[0]
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        record = Run(num_stages=1)
+        self._runtime.last_run = record
+        start = time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(seed)
+                out = model(*args, **kwargs)
+        except Exception as e:
+            record.error = f"{type(e).__name__} in the model run as is"
+            raise StageError(f"stage 0 (the model as is), micro-batch 0 failed: "
+                             f"{type(e).__name__}: {e}", stage=0, microbatch=0) from e
+        finally:
+            record.wall_s = time.perf_counter() - start
+        record.slots.append(Slot(Action(0, 0, Phase.FORWARD), 0.0, record.wall_s))
+        return out
 
     @property
     def last_run(self) -> Run | None:

@@ -62,3 +62,49 @@ def test_a_failure_in_the_one_stage_is_a_stage_error_and_the_thread_count_is_res
     with pytest.raises(fxpipe.StageError, match="stage 0.*too large"):
         pipe(torch.full((2, 4), 1e12))
     assert torch.get_num_threads() == caller and pipe.last_run.failed
+
+
+class Drops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.fc(x), 0.5, training=self.training)
+
+
+def test_the_model_as_is_runs_its_own_forward_from_the_micro_batch_seed():
+    from fxpipe.reference import run_per_microbatch
+    from passes.randomness import microbatch_seeds
+
+    torch.manual_seed(0)
+    model, x = Drops().train(), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu"], (x,), num_stages="auto")
+    assert pipe.plan.runs_as_is
+    calls = []
+    forward = Drops.forward
+    Drops.forward = lambda self, x: calls.append(1) or forward(self, x)
+    try:
+        torch.manual_seed(7)
+        out = pipe(x)
+        after = torch.rand(3)
+    finally:
+        Drops.forward = forward
+    assert calls == [1]                   # the model's own forward, once, on the whole batch
+    torch.manual_seed(7)
+    seeds = microbatch_seeds(1)
+    torch.testing.assert_close(out, run_per_microbatch(model, (x,), {}, 1, seeds=seeds)[0])
+    torch.manual_seed(7)
+    microbatch_seeds(1)
+    torch.testing.assert_close(after, torch.rand(3))   # the caller's generator as the graph leaves it
+    assert pipe.last_run.slots and not pipe.last_run.failed
+
+
+def test_a_failure_of_the_model_as_is_is_a_stage_error():
+    model = nn.Sequential(Fails(), nn.Linear(4, 4))
+    pipe = fxpipe.compile(model, ["cpu"], (torch.randn(2, 4),), num_stages="auto",
+                          leaf_modules=[Fails])
+    assert pipe.plan.runs_as_is
+    with pytest.raises(fxpipe.StageError, match="the model as is.*too large"):
+        pipe(torch.full((2, 4), 1e12))
+    assert pipe.last_run.failed
