@@ -25,6 +25,7 @@ from passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, NodeCost, cost_
 from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from passes.functionalize import functionalize
+from passes.graph_values import tensors
 from passes.randomness import microbatch_seed, microbatch_seeds, seed_random_ops
 from passes.signature import Signature, signature_of
 from passes.state import unchanged_state
@@ -34,7 +35,7 @@ from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
 from .reference import copied, run_per_microbatch, unchanged
-from .report import Plan, make_plan
+from .report import Measurement, Plan, make_plan
 from .wiring import Wiring
 from .schedules import SCHEDULES, ScheduleName
 
@@ -50,7 +51,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             threads_per_stage: int | None = None,
             link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
             batch_dims: BatchDims = 0, verify: bool = True,
-            verify_tolerance: float | None = None) -> Pipeline:
+            verify_tolerance: float | None = None, costs: Plan | None = None) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
@@ -78,6 +79,11 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     number of threads. Checking leaves the model, its buffers and the random generators as they
     were. The pipeline follows `.train()` and `.eval()`, capturing the model again in the other
     mode when its graph depends on the mode.
+
+    `costs`, a plan of the same model (`pipe.plan`, or `fxpipe.load_plan(path)`), plans again
+    from the costs it measured: each measurement it holds (a micro-batch size, a kind of device,
+    on a worker thread or not, in this mode) is reused, and only the others are measured, so
+    re-planning for other devices or stage counts measures only what is new.
     """
     if not isinstance(model, nn.Module):
         raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module: wrap it in a "
@@ -113,6 +119,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                                              and 0 <= verify_tolerance < math.inf):
         raise FxpipeError(f"verify_tolerance={verify_tolerance!r}: use a relative tolerance >= 0, "
                           f"e.g. 1e-4, or verify=False to skip the check")
+    if costs is not None and not (isinstance(costs, Plan) and costs.measurements):
+        raise CostError(f"costs={type(costs).__name__}: pass a plan made by this version of "
+                        f"fxpipe (pipe.plan, fxpipe.plan(...) or fxpipe.load_plan(path)), whose "
+                        f"measured costs are reused")
     if link == "measure":
         link = measure_links(specs)
     elif link == "default":
@@ -129,7 +139,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                      batch_dims if isinstance(batch_dims, int) else 0, dict(
                          specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
                          training=training, threads_per_stage=threads_per_stage, link=link,
-                         repeats=repeats, verify=verify, verify_tolerance=verify_tolerance),
+                         repeats=repeats, verify=verify, verify_tolerance=verify_tolerance,
+                         costs=costs),
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
                           concrete_args=concrete_args,   # stages: a graph fine enough for them
                           stages=num_stages if isinstance(num_stages, int) else len(specs)))
@@ -219,7 +230,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
                      signature=signature,
                      batch_dims=_placeholder_dims(signature, dims, recipe.default_dim),
                      schedule=config.schedule, threads=tuple(d.threads for d in specs),
-                     training=model.training)
+                     training=model.training, measurements=costs.saved_measurements())
     pipe = Pipeline(plan, gm)
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
@@ -278,6 +289,35 @@ class _Costs:
         self.gm, self.recipe, self.training = gm, recipe, training
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
+        saved = recipe.options["costs"]
+        self.saved: Mapping[tuple, Measurement] = {
+            key: m for key, m in (saved.measurements if saved is not None else {}).items()
+            if key[3] == training}      # costs measured with backward, or without
+        if self.saved:
+            names = {n.name for n in gm.graph.nodes if n.op != "output"}
+            known = next(iter(self.saved.values())).costs.keys()
+            if names != set(known):
+                raise CostError(
+                    f"the costs passed with costs= were measured on another graph ("
+                    f"{len(names - set(known))} of this graph's {len(names)} nodes are not in "
+                    f"it): pass the plan of this model, captured with the same options")
+
+    def saved_measurements(self) -> dict[tuple, Measurement]:
+        """Every measurement made or reused, by (the micro-batch's input shapes, kind, on a worker
+        thread, with backward), each node's cost by name: what `compile(..., costs=plan)`
+        reuses."""
+        found = dict(self.saved)
+        for (chunks, kind, worker), costs in self.measured.items():
+            found[self._key(chunks, kind, worker)] = Measurement(
+                {n.name: cost for n, cost in costs.items()},
+                self.calibration[chunks, kind, worker])
+        return found
+
+    def _key(self, chunks: int, kind: str, worker: bool) -> tuple:
+        recipe = self.recipe
+        first = microbatch.split((recipe.args, recipe.kwargs), chunks, recipe.input_dims)[0]
+        shapes = tuple(tuple(t.shape) for t in tensors(first))    # what a node's cost depends on
+        return (shapes, kind, worker, self.training)
 
     @staticmethod
     def devices(config: search.Config, specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
@@ -305,6 +345,10 @@ class _Costs:
 
     def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
         gm, recipe = self.gm, self.recipe
+        reused = self.saved.get(self._key(chunks, device.kind, worker))
+        if reused is not None:
+            self.calibration[chunks, device.kind, worker] = reused.calibration
+            return {n: reused.costs[n.name] for n in gm.graph.nodes if n.op != "output"}
         args, kwargs = microbatch.split((recipe.args, recipe.kwargs), chunks,
                                         recipe.input_dims)[0]
 

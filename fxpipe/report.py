@@ -12,12 +12,22 @@ from typing import Any, Mapping, Sequence
 from tabulate import tabulate
 
 from passes.annotate_costs import UNSTEADY
+from passes.cost_model import NodeCost
 from passes.codegen import Stage
 from passes.partition import Partition
 from passes.signature import Signature
 from passes.trace import Capture, module_path
 
 from .wiring import Wiring
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Every node's cost (by node name) measured in one condition, and the calibration applied
+    to them (forward and backward factors): what `compile(..., costs=plan)` reuses."""
+
+    costs: Mapping[str, NodeCost]
+    calibration: tuple[float, float]
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,9 @@ class Plan:
     schedule: str = "gpipe"
     threads: tuple[int | None, ...] = ()
     training: bool | None = None              # the mode the model was planned (and checked) in
+    # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
+    # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
+    measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,

@@ -189,3 +189,35 @@ def test_a_plan_for_another_model_says_what_differs(saved):
     wider.c = nn.Linear(16, 4)
     with pytest.raises(fxpipe.PlanFileError, match=r"'c.weight' is \(4, 16\)"):
         fxpipe.load_plan(saved, model=wider)
+
+
+def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, monkeypatch):
+    import fxpipe.api
+
+    model, x = example()
+    fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=1).save(tmp_path / "plan")
+    saved = fxpipe.load_plan(tmp_path / "plan")
+    measured = []
+    annotate = fxpipe.api.annotate_costs
+    monkeypatch.setattr(fxpipe.api, "annotate_costs",
+                        lambda *a, **k: measured.append(torch.get_num_threads()) or annotate(*a, **k))
+    # Three stages with one thread each, two micro-batches: all measured before.
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=2, threads_per_stage=1, costs=saved)
+    assert measured == []
+    assert pipe.plan.partition.num_stages == 3
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+    node = next(iter(saved.measurements.values())).costs
+    assert {n.name: n.meta["cost"] for n in pipe.module.graph.nodes if n.op != "output"} == node
+    # Two threads per stage are a new kind of device: measured, once.
+    fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=2, costs=saved)
+    assert measured == [2]
+
+
+def test_saved_costs_of_another_model_are_refused(saved):
+    other = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()    # the mode the costs are for
+    with pytest.raises(fxpipe.CostError, match="measured on another graph"):
+        fxpipe.compile(other, ["cpu"] * 2, (torch.randn(12, 8),), chunks=2,
+                       costs=fxpipe.load_plan(saved))
+    with pytest.raises(fxpipe.CostError, match="costs=str"):
+        fxpipe.compile(other, ["cpu"] * 2, (torch.randn(12, 8),), costs="plan.json")
