@@ -36,10 +36,10 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from examples.zoo import ZOO, build  # noqa: E402
-from passes.annotate_costs import annotate_costs  # noqa: E402
-from passes.cost_model import CostGraph, DeviceSpec, cost_graph  # noqa: E402
-from passes.partition import evaluate, partition  # noqa: E402
-from passes.trace import trace  # noqa: E402
+from fxpipe.passes.annotate_costs import annotate_costs  # noqa: E402
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec, cost_graph  # noqa: E402
+from fxpipe.passes.partition import evaluate, partition  # noqa: E402
+from fxpipe.passes.trace import trace  # noqa: E402
 
 PEERS = ("nodes", "params", "time")
 

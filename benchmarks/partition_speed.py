@@ -1,4 +1,4 @@
-"""How long `passes.partition` takes on synthetic DNN-shaped graphs, and how good the result is.
+"""How long `fxpipe.passes.partition` takes on synthetic DNN-shaped graphs, and how good the result is.
 
     python benchmarks/partition_speed.py [--nodes 1000 10000 50000] [--stages 2 4 8 16]
 
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tabulate import tabulate  # noqa: E402
 
 from fxpipe.testing import synthetic_graph  # noqa: E402
-from passes.cost_model import DeviceSpec  # noqa: E402
-from passes.partition import Method, Partition, partition  # noqa: E402
+from fxpipe.passes.cost_model import DeviceSpec  # noqa: E402
+from fxpipe.passes.partition import Method, Partition, partition  # noqa: E402
 
 
 def timed(graph, devices, repeats: int) -> tuple[float, Partition]:

@@ -5,11 +5,11 @@
     print(pipe.plan)     # how the model was split
 """
 
-from passes.codegen import Stage
-from passes.cost_model import DeviceSpec, Link, NodeCost
-from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
+from fxpipe.passes.codegen import Stage
+from fxpipe.passes.cost_model import DeviceSpec, Link, NodeCost
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, StageError, TraceError)
-from passes.partition import Partition
+from fxpipe.passes.partition import Partition
 
 from . import timeline
 from .api import compile, plan

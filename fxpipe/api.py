@@ -17,19 +17,19 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from passes.annotate_costs import annotate_costs, bind_inputs, measurement_spread
-from passes.codegen import split_stages
-from passes.compare import difference, output_name
-from passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
+from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs, measurement_spread
+from fxpipe.passes.codegen import split_stages
+from fxpipe.passes.compare import difference, output_name
+from fxpipe.passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
                                default_link)
-from passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
-from passes.functionalize import functionalize
-from passes.graph_values import tensors
-from passes.randomness import microbatch_seed, microbatch_seeds, seed_random_ops
-from passes.signature import Signature, signature_of
-from passes.state import unchanged_state
-from passes.trace import CaptureMode, trace
+from fxpipe.passes.functionalize import functionalize
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.randomness import microbatch_seed, microbatch_seeds, seed_random_ops
+from fxpipe.passes.signature import Signature, signature_of
+from fxpipe.passes.state import unchanged_state
+from fxpipe.passes.trace import CaptureMode, trace
 
 from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices

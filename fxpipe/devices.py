@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from passes.cost_model import DeviceSpec, Link, LinkFn
-from passes.errors import DeviceError
+from fxpipe.passes.cost_model import DeviceSpec, Link, LinkFn
+from fxpipe.passes.errors import DeviceError
 
 DeviceLike = str | torch.device | DeviceSpec
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from passes.errors import BatchError
+from fxpipe.passes.errors import BatchError
 
 Dims = Any   # an int, None, or a pytree prefix of the inputs with ints (or None) as leaves
 

@@ -11,10 +11,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.codegen import Stage
-from passes.errors import FxpipeError, InputError, StageError
-from passes.graph_values import tensors
-from passes.randomness import microbatch_seeds
+from fxpipe.passes.codegen import Stage
+from fxpipe.passes.errors import FxpipeError, InputError, StageError
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
 from .report import Plan

@@ -2,7 +2,7 @@
 
 A pipeline with `chunks=c` computes, for micro-batch `m`, what the model computes when called on
 micro-batch `m` alone right after `torch.manual_seed(seeds[m])` (the seeds of
-`passes.randomness.microbatch_seeds`), the calls made in micro-batch order; outputs are merged
+`fxpipe.passes.randomness.microbatch_seeds`), the calls made in micro-batch order; outputs are merged
 along their batch dimension. So BatchNorm normalises each micro-batch (as in GPipe), buffers are
 updated once per micro-batch, and dropout draws the numbers the model draws under those seeds.
 `run_per_microbatch` is that reference; `unchanged` lets a check run it without side effects.
@@ -17,8 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from passes.state import unchanged_state
-from passes.trace import attributes_restored
+from fxpipe.passes.state import unchanged_state
+from fxpipe.passes.trace import attributes_restored
 
 from . import microbatch
 
@@ -50,8 +50,8 @@ def copied(inputs: Any) -> Any:
 @contextlib.contextmanager
 def unchanged(model: nn.Module) -> Iterator[None]:
     """Inside, run `model` freely: its parameters and buffers (the tensors, and the buffers'
-    values, `passes.state.unchanged_state`), its modules' plain attributes
-    (`passes.trace.attributes_restored`) and the random generators are restored after;
+    values, `fxpipe.passes.state.unchanged_state`), its modules' plain attributes
+    (`fxpipe.passes.trace.attributes_restored`) and the random generators are restored after;
     gradients are off."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with unchanged_state(model), attributes_restored(model), torch.random.fork_rng(devices=cuda), \

@@ -11,12 +11,12 @@ from typing import Any, Mapping, Sequence
 
 from tabulate import tabulate
 
-from passes.annotate_costs import UNSTEADY
-from passes.cost_model import NodeCost
-from passes.codegen import Stage
-from passes.partition import Partition
-from passes.signature import Signature
-from passes.trace import Capture, module_path
+from fxpipe.passes.annotate_costs import UNSTEADY
+from fxpipe.passes.cost_model import NodeCost
+from fxpipe.passes.codegen import Stage
+from fxpipe.passes.partition import Partition
+from fxpipe.passes.signature import Signature
+from fxpipe.passes.trace import Capture, module_path
 
 from .wiring import Wiring
 

@@ -36,8 +36,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from passes.codegen import Stage
-from passes.errors import FxpipeError
+from fxpipe.passes.codegen import Stage
+from fxpipe.passes.errors import FxpipeError
 
 FORMAT = 1
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"

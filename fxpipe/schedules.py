@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
-from passes.errors import FxpipeError
+from fxpipe.passes.errors import FxpipeError
 
 
 class Phase(Enum):

@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from passes.cost_model import CostGraph, DeviceSpec, LinkFn
-from passes.errors import PartitionError
-from passes.partition import Partition, partition
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn
+from fxpipe.passes.errors import PartitionError
+from fxpipe.passes.partition import Partition, partition
 
 from .schedules import SCHEDULES, Phase, Slot, gpipe, simulate, timetable_for
 

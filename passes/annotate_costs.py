@@ -5,7 +5,7 @@ does, timing each node's call. The graph runs `warmup + repeats` times, from fre
 inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
 a stage boundary. On CUDA the device is synchronised around every node.
 
-The graph's parameters and buffers are left as they were (`passes.state.unchanged_state`):
+The graph's parameters and buffers are left as they were (`fxpipe.passes.state.unchanged_state`):
 buffers the model updates while running (BatchNorm statistics, counters) are restored afterwards,
 and so are the random generators dropout and the like draw from; every run gets its own copy of
 the inputs.
@@ -103,7 +103,7 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
     The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
-    see `passes.state`), so that the partitioner keeps them in one stage.
+    see `fxpipe.passes.state`), so that the partitioner keeps them in one stage.
 
     `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
     moved there. Inputs are given as the model takes them, positionally and by keyword. With
@@ -182,9 +182,9 @@ def tensor_bytes(value: Any) -> int:
 def _param_bytes_by_node(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Parameter and buffer bytes, each tensor counted at the first node that references it.
 
-    A `get_attr` is never sent between stages: `passes.codegen` copies it into each stage that
+    A `get_attr` is never sent between stages: `fxpipe.passes.codegen` copies it into each stage that
     reads it. So its tensor, or a module's parameters and buffers when it reads a submodule
-    (`passes.randomness` calls a routed module that way), is counted at its first reader, and
+    (`fxpipe.passes.randomness` calls a routed module that way), is counted at its first reader, and
     its `out_bytes` is 0.
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}

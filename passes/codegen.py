@@ -116,7 +116,7 @@ def place(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
 
 def _grad_regions(graph: fx.Graph) -> None:
     """Run nodes traced under an explicit grad mode (`node.meta["grad_enabled"]`, see
-    `passes.trace`: `with torch.no_grad():` in forward) in that mode, and the rest in the caller's.
+    `fxpipe.passes.trace`: `with torch.no_grad():` in forward) in that mode, and the rest in the caller's.
 
     Each maximal run of nodes with the same explicit mode (reads of parameters join any run)
     becomes, in the stage's code:

@@ -188,7 +188,7 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
     Parameter reads (`get_attr`) are left out: codegen copies one into every stage that reads it,
     and `annotate_costs` counts its bytes at its first reader. The nodes that read or write a
     parameter or buffer written in forward, with every node on a path between them
-    (`passes.state.state_units`), become one node of the CostGraph, so they share a stage and
+    (`fxpipe.passes.state.state_units`), become one node of the CostGraph, so they share a stage and
     the stage applies the writes in micro-batch order; its `members` name them.
     """
     nodes = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
@@ -198,7 +198,7 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
     for n in nodes:
         if n.meta.get("cost") is None:
             raise CostError(
-                f"node {n.name!r} ({n.format_node()}) has no cost: run passes.annotate_costs on the "
+                f"node {n.name!r} ({n.format_node()}) has no cost: run fxpipe.passes.annotate_costs on the "
                 f"graph first, or set node.meta['cost'] = NodeCost(...) by hand")
     preds = [list(dict.fromkeys(index[p] for p in n.all_input_nodes if p in index)) for n in nodes]
     units = _units(preds, state_units(nodes, preds))

@@ -20,7 +20,7 @@ Export graphs spell in-place ops in ATen (`aten.relu_.default`, `aten.add_.Tenso
 schema writes their first argument become their out-of-place overload. Writes to parameters and
 buffers (`get_attr` nodes and their views, e.g. BatchNorm's `num_batches_tracked.add_(1)` in train
 mode) are state updates the model keeps, and stay; later reads of that state read it through
-the write (`passes.state.order_state_reads`).
+the write (`fxpipe.passes.state.order_state_reads`).
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def _out_of_place_hint(node: fx.Node, name: str) -> str:
 
 def _source_line(node: fx.Node) -> str:
     """`File "model.py", line 12, in forward` and its code, indented, from the stack trace
-    `node` recorded (see `passes.user_code`), or '' when none was recorded."""
+    `node` recorded (see `fxpipe.passes.user_code`), or '' when none was recorded."""
     frame = user_frame(node)
     return describe_frame(frame) + "\n" if frame is not None else ""
 

@@ -23,18 +23,18 @@ whole (torch.nn's own `TransformerEncoder`, whose fast path fx cannot follow) gi
 A graph counts only if it reproduces the model's output on the example inputs. When no front-end
 captures the model, one `TraceError` lists each failure with the user's source line and a fix.
 The graph records how it was captured in `gm.meta["capture"]` (a `Capture`), and each front-end
-its calling convention in `gm.meta["signature"]` (a `passes.signature.Signature`: the inputs fx
+its calling convention in `gm.meta["signature"]` (a `fxpipe.passes.signature.Signature`: the inputs fx
 fixed, export's specs), so nothing needs to be recovered from the graph afterwards.
 
 Grad-mode regions in forward (`with torch.no_grad():`, a frozen teacher) stay regions: an fx node
 records the mode it was traced in (`node.meta["grad_enabled"]`, see `_Tracer`) and
-`passes.codegen` runs it so; an export graph keeps them as `wrap_with_set_grad_enabled` calls.
+`fxpipe.passes.codegen` runs it so; an export graph keeps them as `wrap_with_set_grad_enabled` calls.
 
 An export graph is made readable before anyone sees it (`_readable`): nodes are named after the
 module they ran in (`model_layers_0_self_attn_q_proj`, `model_layers_0_mlp_mul`), each parameter
 is read (`get_attr`) just before its first use, and export's own checks, which pin the example's
 device, are dropped. It keeps export's calling convention: it takes and returns what the model
-does (see `passes.signature`).
+does (see `fxpipe.passes.signature`).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class _Tracer(fx.Tracer):
     `node.meta["grad_enabled"]` is False for a node traced under `torch.no_grad()`,
     `torch.inference_mode()` or `torch.set_grad_enabled(False)` in forward, True under
     `torch.enable_grad()` or `torch.set_grad_enabled(True)`, and absent where the caller's mode
-    applies; `passes.codegen` runs those nodes in that mode. Tracing runs with grad enabled, so a
+    applies; `fxpipe.passes.codegen` runs those nodes in that mode. Tracing runs with grad enabled, so a
     disabled mode is the model's own, and counts the grad-mode context managers forward is in,
     so an enabled mode inside one is too.
     """
@@ -392,7 +392,7 @@ def _quiet() -> Iterator[None]:
     """Keep torch's own output off the terminal while it runs: when torch.export fails, it prints
     its partial graph (hundreds of lines) and logs warnings before fxpipe's one message. What it
     prints to stderr, and the records torch's loggers emit on this thread, go to this module's
-    logger at DEBUG level instead (`logging.getLogger("passes.trace")`)."""
+    logger at DEBUG level instead (`logging.getLogger("fxpipe.passes.trace")`)."""
     captured = io.StringIO()
     thread = threading.get_ident()
 
@@ -423,7 +423,7 @@ def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     input has none).
 
     `Dim.AUTO` lets export keep a size fixed where the model's code needs it fixed (then inputs
-    of another batch size are refused by name, see `passes.signature`), instead of failing.
+    of another batch size are refused by name, see `fxpipe.passes.signature`), instead of failing.
     """
     values, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     dims = pytree._broadcast_to_and_flatten(batch_dims, spec)
@@ -712,7 +712,7 @@ def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple,
     Each runs on its own copy of the example (a forward may write its inputs in place), from the
     same random state, and buffers (e.g. BatchNorm statistics) are restored afterwards, so
     checking leaves the model and the caller's tensors as they were. Outputs compare as in
-    `passes.compare`.
+    `fxpipe.passes.compare`.
     """
     given = _copied((args, kwargs))
     try:
@@ -740,7 +740,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _written_inputs(model: nn.Module, inputs: tuple, ran_on: tuple) -> tuple[str, ...]:
     """The inputs whose copies the model's forward changed (`x += 1`, `x.mul_(2)`), by name:
-    `passes.functionalize` refuses them (a graph may not show the write: fx records `x += 1`
+    `fxpipe.passes.functionalize` refuses them (a graph may not show the write: fx records `x += 1`
     on a tensor as an add)."""
     try:
         names = inspect.signature(model.forward).bind(*inputs[0], **inputs[1]).arguments

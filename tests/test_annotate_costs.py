@@ -4,10 +4,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.annotate_costs import UNSTEADY, annotate_costs, bind_inputs, measurement_spread
-from passes.trace import trace
-from passes.cost_model import NodeCost
-from passes.errors import CostError, InputError
+from fxpipe.passes.annotate_costs import UNSTEADY, annotate_costs, bind_inputs, measurement_spread
+from fxpipe.passes.trace import trace
+from fxpipe.passes.cost_model import NodeCost
+from fxpipe.passes.errors import CostError, InputError
 
 
 class Shared(nn.Module):

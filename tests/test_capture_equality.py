@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from passes.trace import trace
+from fxpipe.passes.trace import trace
 
 
 class WritesItsInput(nn.Module):
@@ -214,7 +214,7 @@ def test_a_forward_decorated_with_no_grad_stays_frozen():
 
 
 def test_outputs_compare_within_a_tolerance_scaled_to_their_magnitude():
-    from passes.compare import difference
+    from fxpipe.passes.compare import difference
     big = torch.tensor([1e12, 3.0, -2e11])
     assert difference(big * (1 + 3e-7), big, None) == ""
     assert "differs by up to" in difference(big * (1 + 1e-4), big, None)

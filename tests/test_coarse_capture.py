@@ -14,8 +14,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_pipeline_matches
-from passes.errors import PartitionError
-from passes.trace import trace
+from fxpipe.passes.errors import PartitionError
+from fxpipe.passes.trace import trace
 
 
 def encoder(dropout: float = 0.1) -> nn.TransformerEncoder:

@@ -4,8 +4,8 @@ import torch.fx as fx
 from hypothesis import given, strategies as st
 from torch import nn
 
-from passes.codegen import split_stages
-from passes.errors import PartitionError
+from fxpipe.passes.codegen import split_stages
+from fxpipe.passes.errors import PartitionError
 
 
 class Branchy(nn.Module):

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe.testing import DagCase, brute_force_partition, dags
-from passes.cost_model import (CostGraph, DeviceSpec, KindTimes, NodeCost, Pricing, cost_graph,
+from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, KindTimes, NodeCost, Pricing, cost_graph,
                                lower_bound_s, stage_costs)
-from passes.errors import PartitionError
-from passes.partition.lattice import _Lattice, _StageCost
-from passes.partition.limits import Limits
-from passes.partition.slicing import _slice
+from fxpipe.passes.errors import PartitionError
+from fxpipe.passes.partition.lattice import _Lattice, _StageCost
+from fxpipe.passes.partition.limits import Limits
+from fxpipe.passes.partition.slicing import _slice
 
 MS = 1e-3
 CPU, GPU = DeviceSpec("cpu"), DeviceSpec("cuda:0")
@@ -92,7 +92,7 @@ def test_cost_graph_reads_each_kinds_cost_and_keeps_backward_apart():
 
 
 def test_partition_puts_each_node_where_it_runs_fast():
-    from passes.partition import partition
+    from fxpipe.passes.partition import partition
 
     graph = four_nodes([1, 1, 10, 10], [5, 5, 0.5, 0.5])
     result = partition(graph, [CPU, GPU])

@@ -5,7 +5,7 @@ import torch
 
 import fxpipe
 from fxpipe.devices import measure_links, parse_devices
-from passes.cost_model import DeviceSpec
+from fxpipe.passes.cost_model import DeviceSpec
 
 
 def test_device_lists_parse_to_one_spec_per_stage():

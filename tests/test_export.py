@@ -13,12 +13,12 @@ from torch import nn
 import fxpipe
 from fxpipe.report import stage_modules
 from fxpipe.testing import assert_pipeline_matches
-from passes.annotate_costs import annotate_costs
-from passes.codegen import place, split_stages
-from passes.errors import InputError, TraceError
-from passes.functionalize import functionalize
-from passes.signature import signature_of
-from passes.trace import trace
+from fxpipe.passes.annotate_costs import annotate_costs
+from fxpipe.passes.codegen import place, split_stages
+from fxpipe.passes.errors import InputError, TraceError
+from fxpipe.passes.functionalize import functionalize
+from fxpipe.passes.signature import signature_of
+from fxpipe.passes.trace import trace
 
 
 class Block(nn.Module):

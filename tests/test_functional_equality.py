@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch import nn
 
 import fxpipe
-from passes.functionalize import functionalize
+from fxpipe.passes.functionalize import functionalize
 
 
 # --- memory errors show their numbers ------------------------------------------------------------

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from passes.errors import TraceError
-from passes.functionalize import functionalize
+from fxpipe.passes.errors import TraceError
+from fxpipe.passes.functionalize import functionalize
 
 
 class InPlace(nn.Module):

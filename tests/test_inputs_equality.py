@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from passes.trace import trace
+from fxpipe.passes.trace import trace
 
 
 # ---- item 3: non-tensor inputs of an exported graph --------------------------------------

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from fxpipe import microbatch
-from passes.errors import BatchError
+from fxpipe.passes.errors import BatchError
 
 
 @given(rows=st.integers(1, 12), chunks=st.integers(1, 12), features=st.integers(1, 3))

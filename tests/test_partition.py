@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe.testing import DagCase, brute_force_partition, dags, synthetic_graph
-from passes.cost_model import (PEER_DEVICE, CostGraph, DeviceSpec, NodeCost, Pricing,
+from fxpipe.passes.cost_model import (PEER_DEVICE, CostGraph, DeviceSpec, NodeCost, Pricing,
                                lower_bound_s, stage_costs)
-from passes.errors import PartitionError
-from passes.partition import (DeviceOrders, Limits, Method, Partition, check_valid,
+from fxpipe.passes.errors import PartitionError
+from fxpipe.passes.partition import (DeviceOrders, Limits, Method, Partition, check_valid,
                               num_stages_for, partition)
-from passes.partition.lattice import _Lattice
-from passes.partition.limits import _Budget
-from passes.partition.result import Certified, Infeasible, OverBudget, Proved, Route
-from passes.partition.search import _exact
-from passes.partition.slicing import _best_slicing
+from fxpipe.passes.partition.lattice import _Lattice
+from fxpipe.passes.partition.limits import _Budget
+from fxpipe.passes.partition.result import Certified, Infeasible, OverBudget, Proved, Route
+from fxpipe.passes.partition.search import _exact
+from fxpipe.passes.partition.slicing import _best_slicing
 
 MS = 1e-3
 CPU = DeviceSpec("cpu")

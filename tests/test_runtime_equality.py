@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
-from passes.randomness import microbatch_seeds
+from fxpipe.passes.randomness import microbatch_seeds
 
 
 class Noisy(nn.Module):

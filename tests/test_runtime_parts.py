@@ -12,8 +12,8 @@ from fxpipe.runtime import Aborted, Runtime, StageExecutor, ThreadTransport
 from fxpipe.runtime.orchestrator import _workers
 from fxpipe.schedules import Phase, gpipe, one_f_one_b
 from fxpipe.wiring import Wiring
-from passes.codegen import split_stages
-from passes.errors import StageError
+from fxpipe.passes.codegen import split_stages
+from fxpipe.passes.errors import StageError
 
 
 class Mlp(nn.Module):

@@ -3,7 +3,7 @@ from hypothesis import given, strategies as st
 
 from fxpipe.schedules import (Action, Phase, format_timetable, gpipe, one_f_one_b, simulate,
                               timetable_for, validate)
-from passes.errors import FxpipeError
+from fxpipe.passes.errors import FxpipeError
 
 
 def chain(k):

@@ -10,8 +10,8 @@ import fxpipe
 from fxpipe import search
 from fxpipe.schedules import Phase, timetable_for
 from fxpipe.testing import assert_pipeline_matches
-from passes.cost_model import CostGraph, DeviceSpec
-from passes.errors import PartitionError
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec
+from fxpipe.passes.errors import PartitionError
 
 CPU = DeviceSpec("cpu")
 

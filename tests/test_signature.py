@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import fxpipe
-from passes.errors import InputError
-from passes.signature import signature_of
-from passes.trace import trace
+from fxpipe.passes.errors import InputError
+from fxpipe.passes.signature import signature_of
+from fxpipe.passes.trace import trace
 
 
 class Options(nn.Module):

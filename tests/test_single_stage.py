@@ -75,7 +75,7 @@ class Drops(nn.Module):
 
 def test_the_model_as_is_runs_its_own_forward_from_the_micro_batch_seed():
     from fxpipe.reference import run_per_microbatch
-    from passes.randomness import microbatch_seeds
+    from fxpipe.passes.randomness import microbatch_seeds
 
     torch.manual_seed(0)
     model, x = Drops().train(), torch.randn(8, 4)

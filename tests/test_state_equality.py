@@ -7,11 +7,11 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_pipeline_matches
-from passes.annotate_costs import annotate_costs
-from passes.cost_model import cost_graph
-from passes.functionalize import functionalize
-from passes.randomness import seed_random_ops
-from passes.trace import trace
+from fxpipe.passes.annotate_costs import annotate_costs
+from fxpipe.passes.cost_model import cost_graph
+from fxpipe.passes.functionalize import functionalize
+from fxpipe.passes.randomness import seed_random_ops
+from fxpipe.passes.trace import trace
 
 
 class Counter(nn.Module):

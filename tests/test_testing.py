@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, find, settings
 
 import fxpipe.api
 from fxpipe.testing import assert_pipeline_matches, models
-from passes.codegen import split_stages
+from fxpipe.passes.codegen import split_stages
 
 
 def sabotage_last_stage(gm, stage_of, devices):

@@ -3,9 +3,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.errors import TraceError
-from passes.trace import trace
-from passes.user_code import describe_frame, user_frame
+from fxpipe.passes.errors import TraceError
+from fxpipe.passes.trace import trace
+from fxpipe.passes.user_code import describe_frame, user_frame
 
 
 class DataDependent(nn.Module):
@@ -90,7 +90,7 @@ def test_checking_the_graph_leaves_batchnorm_statistics_untouched():
     torch.testing.assert_close(model[1].running_mean, before)
 
 
-# ---- where it failed: passes.user_code ------------------------------------------------------
+# ---- where it failed: fxpipe.passes.user_code ------------------------------------------------------
 
 class SplitsWrongly(nn.Module):
     """torch's own Python raises, called from forward."""

@@ -13,7 +13,7 @@ import fxpipe
 import fxpipe.api
 from fxpipe import timeline
 from fxpipe.testing import models
-from passes.codegen import split_stages
+from fxpipe.passes.codegen import split_stages
 
 
 class Net(nn.Module):

@@ -14,7 +14,7 @@ micro-batch m's values into its loss, whose backward starts there. Without a bac
 tensors stay attached to autograd, so `pipe(x).sum().backward()` works as for the model.
 
 Random draws follow the seeds the caller's `Pipeline` drew, one per micro-batch (see
-`passes.randomness`): micro-batch m's forward runs under `microbatch_seed(seeds[m])`.
+`fxpipe.passes.randomness`): micro-batch m's forward runs under `microbatch_seed(seeds[m])`.
 
 On a GPU the stage computes on its own CUDA stream, which first waits for the caller's stream
 (its inputs, the latest optimizer step), and which the caller's stream waits for at the end.
@@ -31,9 +31,9 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Seque
 import torch
 import torch.fx as fx
 
-from passes.codegen import Stage
-from passes.graph_values import tensors
-from passes.randomness import microbatch_seed
+from fxpipe.passes.codegen import Stage
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.randomness import microbatch_seed
 
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
 Grads = dict[str, list[torch.Tensor | None]]             # value name -> gradient of each tensor

@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from passes.codegen import Stage
-from passes.errors import StageError
+from fxpipe.passes.codegen import Stage
+from fxpipe.passes.errors import StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
 from ..wiring import DRIVER, Wiring

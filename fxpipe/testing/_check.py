@@ -9,9 +9,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from passes.compare import equal, output_name, same_structure
-from passes.randomness import microbatch_seeds
-from passes.trace import trace
+from fxpipe.passes.compare import equal, output_name, same_structure
+from fxpipe.passes.randomness import microbatch_seeds
+from fxpipe.passes.trace import trace
 
 from .. import microbatch
 from ..api import compile
@@ -108,7 +108,7 @@ def _grads(outputs: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) -> None:
     """Every leaf of `actual` close to `expected`'s (torch.testing.assert_close, or == for a
-    non-tensor); containers as `passes.compare` judges them, by their keys."""
+    non-tensor); containers as `fxpipe.passes.compare` judges them, by their keys."""
     assert same_structure(actual, expected), (
         f"{what} structure differs: pipeline gives {pytree.tree_structure(actual)}, model gives "
         f"{pytree.tree_structure(expected)}")
@@ -123,7 +123,7 @@ def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) 
 
 def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict, tolerance: dict) -> str:
     """Run the whole graph and the stages one after the other; name the first that disagrees."""
-    from passes.annotate_costs import bind_inputs
+    from fxpipe.passes.annotate_costs import bind_inputs
 
     gm = pipe.module
     inputs = bind_inputs(gm, args, kwargs)

@@ -1,4 +1,4 @@
-"""Random costed graphs, and the brute-force partitioner that is `passes.partition`'s oracle.
+"""Random costed graphs, and the brute-force partitioner that is `fxpipe.passes.partition`'s oracle.
 
     from hypothesis import given
     from fxpipe.testing import dags, brute_force_partition
@@ -22,9 +22,9 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from passes.cost_model import CostGraph, DeviceSpec, KindTimes, LinkFn, default_link, stage_costs
-from passes.errors import PartitionError
-from passes.partition import Method, Partition, evaluate
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec, KindTimes, LinkFn, default_link, stage_costs
+from fxpipe.passes.errors import PartitionError
+from fxpipe.passes.partition import Method, Partition, evaluate
 
 # Names choose the links (cpu-cpu hand-offs, host copies, peer copies) through `default_link`.
 DEVICE_NAMES = ("cpu", "cuda:0", "cuda:1")
