@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.passes.codegen import Stage
+from fxpipe.passes.cost_model import default_link
 from fxpipe.passes.errors import FxpipeError, InputError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
@@ -20,6 +21,7 @@ from . import microbatch
 from .report import Plan
 from .runtime import Run, Runtime
 from . import search
+from .explain import explain
 from .schedules import Action, Phase, ScheduleName, Slot, gpipe, timetable_for
 
 
@@ -205,6 +207,19 @@ class Pipeline(nn.Module):
         """
         return search.predict_slots(self.plan.partition, self.chunks, self.schedule, training,
                                     self.plan.wiring.reads_from(training), os.cpu_count())
+
+    def explain(self) -> str:
+        """For each boundary between stages: the values that cross it (producer, readers, shape,
+        bytes) and why the cut is there (the stage times either side, and what a cut one node
+        earlier or later would cost). See `fxpipe.explain`."""
+        if not isinstance(self.module, fx.GraphModule) or not any(
+                "cost" in n.meta for n in self.module.graph.nodes):
+            raise FxpipeError("explain() needs the costed graph, which a compiled pipeline keeps "
+                              "and a loaded plan does not: compile the model to explain its plan")
+        part = self.plan.partition
+        link = self._recipe.options["link"] if self._recipe is not None else default_link
+        return explain(self.module, dict(part.stage_of), part.devices, link=link,
+                       training=any(c.backward_s > 0 for c in part.stages))
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -39,6 +39,7 @@ class CostInterpreter(PlainInterpreter):
         self.times_s: dict[fx.Node, list[float]] = {}
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
+        self.shapes: dict[fx.Node, tuple[tuple[int, ...], ...]] = {}   # of the output's tensors
         self.watch: StateWatch | None = None     # set for a run that finds the state written
 
     def sync(self) -> None:
@@ -62,6 +63,7 @@ class CostInterpreter(PlainInterpreter):
             raise CostError(f"node {n.name!r} failed while its cost was measured: "
                             f"{type(e).__name__}: {e}\n  node: {n.format_node()}") from e
         self.out_bytes[n] = tensor_bytes(result)
+        self.shapes[n] = tuple(tuple(t.shape) for t in tensors(result))
         return result
 
     def _time_backward(self, n: fx.Node) -> float:
@@ -148,6 +150,7 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
                                   bwd_s=statistics.median(backward_times),
                                   out_bytes=0 if n.op == "get_attr" else interpreter.out_bytes[n],
                                   param_bytes=owned.get(n, 0), spread=spread(times))
+        n.meta["shapes"] = interpreter.shapes.get(n, ())
 
 
 def spread(times: Sequence[float]) -> float:

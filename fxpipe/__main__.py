@@ -1,0 +1,288 @@
+"""The command line: plan a model, look at a saved plan, run one.
+
+    python -m fxpipe plan torchvision.models:resnet50 --devices cpu,cpu --input 8x3x224x224
+    python -m fxpipe plan mypkg.nets:Net --kwargs '{"width": 64}' --input 16x32 --save plans/net
+    python -m fxpipe show plans/net
+    python -m fxpipe diff plans/net plans/net-4
+    python -m fxpipe run plans/net --input 16x32
+
+A model is `module:factory`, the factory called with `--kwargs` (JSON) to build it. Inputs are
+random tensors of the shapes given (`--input` once per positional input, sizes joined by `x`),
+of `--dtype` (integer dtypes draw token ids below 100). Bad input gets one line naming the
+problem and exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+import fxpipe
+from fxpipe.passes.errors import FxpipeError
+
+from . import timeline
+
+
+class UsageError(FxpipeError):
+    """A command line that cannot be carried out: an unknown model, shape, dtype or device."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.command(args)
+    except BrokenPipeError:          # the reader stopped reading (`| head`)
+        sys.stderr.close()
+        return 0
+    except (FxpipeError, FileNotFoundError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"fxpipe {args.name}: error: {first}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(required=True, metavar="command")
+
+    plan = commands.add_parser("plan", help="plan a model and print the plan")
+    plan.add_argument("model", help="module:factory, e.g. torchvision.models:resnet50")
+    plan.add_argument("--devices", default="cpu,cpu",
+                      help="comma-separated devices, one per stage (default: cpu,cpu)")
+    _inputs(plan)
+    plan.add_argument("--kwargs", default="{}", help="the factory's keyword arguments, as JSON")
+    plan.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
+    plan.add_argument("--stages", default=None, help="number of stages to use, or auto")
+    plan.add_argument("--train", action="store_true", help="plan for training (train_step)")
+    plan.add_argument("--explain", action="store_true",
+                      help="also print, for each cut, what crosses it and why it is there")
+    plan.add_argument("--save", metavar="DIR",
+                      help="write the plan there (fxpipe show/run read it), with pictures")
+    plan.set_defaults(command=_plan, name="plan")
+
+    show = commands.add_parser("show", help="print a saved plan")
+    show.add_argument("dir")
+    show.set_defaults(command=_show, name="show")
+
+    diff = commands.add_parser("diff", help="where two saved plans differ")
+    diff.add_argument("first")
+    diff.add_argument("second")
+    diff.set_defaults(command=_diff, name="diff")
+
+    run = commands.add_parser("run", help="run a saved plan on random inputs; measured "
+                                          "against predicted time per stage")
+    run.add_argument("dir")
+    _inputs(run)
+    run.add_argument("--repeats", type=int, default=5, help="timed calls (default: 5)")
+    run.set_defaults(command=_run, name="run")
+    return parser
+
+
+def _inputs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", action="append", required=True, metavar="SHAPE",
+                        help="a positional input's shape, e.g. 8x3x224x224 (once per input)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the inputs' dtype (default: float32; int64 draws token ids)")
+
+
+# ---- commands -----------------------------------------------------------------------------------
+
+def _plan(args: argparse.Namespace) -> int:
+    model = _model(args.model, args.kwargs).train(args.train)
+    inputs = _random_inputs(args.input, args.dtype)
+    options = {"chunks": _count(args.chunks, "--chunks"), "training": args.train}
+    if args.stages is not None:
+        options["num_stages"] = _count(args.stages, "--stages")
+    pipe = fxpipe.compile(model, args.devices.split(","), inputs, **options)
+    print(pipe.plan)
+    if args.explain:
+        print(pipe.explain())
+    if args.save:
+        root = pipe.plan.save(args.save)
+        timeline.write_svg(pipe.predict(training=args.train), root / "timeline.svg")
+        write_stage_graph(pipe.plan, root / "stages.svg")
+        print(f"saved to {root}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    print(fxpipe.load_plan(args.dir))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    first, second = (_document(d) for d in (args.first, args.second))
+    lines = []
+    for key in ("devices", "chunks", "schedule", "threads", "fxpipe", "torch"):
+        if first.get(key) != second.get(key):
+            lines.append(f"{key}: {json.dumps(first.get(key))} | {json.dumps(second.get(key))}")
+    a, b = first["partition"], second["partition"]
+    for key in ("bottleneck_s", "lower_bound_s"):
+        lines.append(f"{key.replace('_s', '')}: {_ms(a[key])} | {_ms(b[key])}")
+    moved = [(n, s, b["stage_of"].get(n)) for n, s in a["stage_of"].items()
+             if b["stage_of"].get(n) != s]
+    only = sorted(set(b["stage_of"]) - set(a["stage_of"]))
+    lines.append(f"nodes in another stage: {len(moved)} of {len(a['stage_of'])}")
+    lines += [f"  {n}: stage {s} | {'-' if t is None else f'stage {t}'}" for n, s, t in moved[:40]]
+    if len(moved) > 40:
+        lines.append(f"  ... and {len(moved) - 40} more")
+    if only:
+        lines.append(f"nodes only in {args.second}: {len(only)}")
+    print("\n".join(lines))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: use 1 or more")
+    plan = fxpipe.load_plan(args.dir)
+    pipe = fxpipe.Pipeline(plan)
+    inputs = _random_inputs(args.input, args.dtype)
+    with torch.no_grad():
+        pipe(*inputs)       # warm-up
+        runs = []
+        for _ in range(args.repeats):
+            pipe(*inputs)
+            runs.append(pipe.last_run)
+    print(f"{args.dir}: {plan.partition.num_stages} stages, {plan.chunks} micro-batches, "
+          f"median of {args.repeats} calls")
+    print(f"{'stage':>5}  {'device':<10} {'predicted ms':>13} {'measured ms':>12}")
+    for s, (device, stage) in enumerate(zip(plan.partition.devices, plan.partition.stages)):
+        measured = [slot.end_s - slot.start_s for run in runs for slot in run.slots
+                    if slot.action.stage == s]
+        print(f"{s:>5}  {device.name:<10} {stage.forward_step_s * 1e3:>13.3f} "
+              f"{statistics.median(measured) * 1e3:>12.3f}")
+    predicted = max((slot.end_s for slot in pipe.predict()), default=0.0)
+    print(f"per call: predicted {predicted * 1e3:.3f} ms, measured "
+          f"{statistics.median(run.wall_s for run in runs) * 1e3:.3f} ms")
+    return 0
+
+
+# ---- reading the command line -------------------------------------------------------------------
+
+def _model(target: str, kwargs: str) -> torch.nn.Module:
+    module_name, _, factory_name = target.partition(":")
+    if not module_name or not factory_name:
+        raise UsageError(f"model {target!r}: write it as module:factory, e.g. "
+                         f"torchvision.models:resnet50")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {module_name!r} ({e}): is it installed, or on "
+                         f"PYTHONPATH?") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise UsageError(f"{module_name!r} has no factory {factory_name!r}")
+    try:
+        options = json.loads(kwargs)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--kwargs {kwargs!r} is not JSON ({e.msg}): e.g. "
+                         f"'{{\"num_classes\": 10}}'") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"--kwargs {kwargs!r}: give a JSON object of keyword arguments")
+    try:
+        model = factory(**options)
+    except Exception as e:       # the factory's own complaint, e.g. a missing argument
+        raise UsageError(f"{target}(**{options}) failed: {type(e).__name__}: {e} (pass its "
+                         f"arguments with --kwargs)") from None
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{target} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _random_inputs(shapes: Sequence[str], dtype_name: str) -> tuple[torch.Tensor, ...]:
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--dtype {dtype_name!r} is not a torch dtype: e.g. float32, "
+                         f"bfloat16, int64")
+    torch.manual_seed(0)
+    inputs = []
+    for text in shapes:
+        try:
+            shape = [int(size) for size in text.lower().split("x")]
+        except ValueError:
+            shape = []
+        if not shape or min(shape) < 1:
+            raise UsageError(f"--input {text!r} is not a shape: sizes >= 1 joined by x, "
+                             f"e.g. 8x3x224x224")
+        inputs.append(torch.randint(0, 100, shape, dtype=dtype) if not dtype.is_floating_point
+                      else torch.randn(shape, dtype=dtype))
+    return tuple(inputs)
+
+
+def _count(text: str, option: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise UsageError(f"{option} {text!r}: use a number >= 1 or auto")
+
+
+def _document(directory: str) -> dict:
+    path = Path(directory) / "plan.json"
+    if not path.is_file():
+        raise UsageError(f"no saved plan at {directory!r} (plan.json is missing)")
+    return json.loads(path.read_text())
+
+
+def _ms(value) -> str:
+    return f"{float(value) * 1e3:.3f} ms"
+
+
+# ---- the stage graph as a picture ---------------------------------------------------------------
+
+COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
+           "#ff9da7", "#9c755f", "#bab0ac")
+
+
+def write_stage_graph(plan, path: str | Path) -> Path:
+    """An SVG of the stages left to right, one colour each, with what each sends to each later
+    stage (values and bytes per micro-batch) on the arrows between them."""
+    stages, part = plan.stages, plan.partition
+    flow = plan.wiring.inference
+    width, box_w, box_h, gap = 220 * len(stages) + 40, 160, 70, 60
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{box_h + 200}" '
+             f'font-family="sans-serif" font-size="12">',
+             '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="8" refY="4" '
+             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#444"/></marker></defs>']
+    x_of = [20 + s * (box_w + gap) for s in range(len(stages))]
+    for s, stage in enumerate(stages):
+        cost = part.stages[s]
+        parts.append(f'<rect x="{x_of[s]}" y="60" width="{box_w}" height="{box_h}" rx="6" '
+                     f'fill="{COLOURS[s % len(COLOURS)]}" stroke="#333"/>')
+        parts.append(f'<text x="{x_of[s] + 8}" y="80" fill="white">stage {s} on '
+                     f'{_escape(str(stage.device))}</text>')
+        parts.append(f'<text x="{x_of[s] + 8}" y="98" fill="white">{cost.num_nodes} nodes, '
+                     f'{cost.time_s * 1e3:.3f} ms</text>')
+    row = 0
+    for sender, receivers in sorted(flow.sends.items()):
+        for receiver, names in sorted(receivers.items()):
+            if sender < 0 or receiver < 0:
+                continue
+            row += 1
+            y = 60 + box_h + 18 * row
+            x1, x2 = x_of[sender] + box_w // 2, x_of[receiver] + box_w // 2
+            parts.append(f'<path d="M{x1},{60 + box_h} L{x1},{y} L{x2},{y} L{x2},{60 + box_h}" '
+                         f'fill="none" stroke="#444" marker-end="url(#arrow)"/>')
+            label = f"{len(names)} value{'s' * (len(names) != 1)}: {', '.join(names)[:60]}"
+            parts.append(f'<text x="{min(x1, x2) + 6}" y="{y - 3}">{_escape(label)}</text>')
+    parts.append("</svg>")
+    path = Path(path)
+    path.write_text("\n".join(parts).replace(f'height="{box_h + 200}"',
+                                             f'height="{60 + box_h + 18 * row + 30}"', 1))
+    return path
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The command line plans, saves, shows, diffs and runs plans; bad input is one line, exit 2."""
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.__main__ import COLOURS, main
+
+LAYER = ["torch.nn:TransformerEncoderLayer", "--kwargs",
+         '{"d_model": 32, "nhead": 4, "batch_first": true, "dropout": 0.0}', "--input", "8x10x32"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plans")
+    assert main(["plan", *LAYER, "--devices", "cpu,cpu", "--chunks", "2",
+                 "--save", str(root / "two")]) == 0
+    assert main(["plan", *LAYER, "--devices", "cpu,cpu,cpu", "--chunks", "2",
+                 "--save", str(root / "three")]) == 0
+    return root
+
+
+def test_plan_prints_the_plan_and_saves_it_with_its_pictures(saved, capsys):
+    assert main(["show", str(saved / "two")]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("fxpipe plan: 2 stages, 2 micro-batches")
+    for name in ("plan.json", "plan.pt", "stage_0.py", "stage_1.pt", "stages.svg",
+                 "timeline.svg"):
+        assert (saved / "two" / name).is_file(), name
+    document = json.loads((saved / "two" / "plan.json").read_text())
+    assert dict(fxpipe.load_plan(saved / "two").partition.stage_of) == \
+        document["partition"]["stage_of"]
+
+
+def test_the_pictures_are_svg_with_one_colour_per_stage(saved):
+    for plan, k in (("two", 2), ("three", 3)):
+        root = ET.parse(saved / plan / "stages.svg").getroot()
+        fills = {e.get("fill") for e in root.iter() if e.tag.endswith("rect")}
+        assert fills == set(COLOURS[:k])
+        ET.parse(saved / plan / "timeline.svg")
+
+
+def test_run_measures_a_saved_plan_against_its_prediction(saved, capsys):
+    assert main(["run", str(saved / "two"), "--input", "8x10x32", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted ms" in out and "measured ms" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2
+
+
+def test_diff_shows_where_two_plans_differ(saved, capsys):
+    assert main(["diff", str(saved / "two"), str(saved / "three")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("devices:") and "nodes in another stage:" in out
+
+
+def test_plan_explains_its_cuts(capsys):
+    assert main(["plan", *LAYER, "--devices", "cpu,cpu", "--explain"]) == 0
+    assert "boundary 0 | 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "no_such_module:f", "--input", "4x4"], "cannot import 'no_such_module'"),
+    (["plan", "torch.nn:NoSuchNet", "--input", "4x4"], "has no factory 'NoSuchNet'"),
+    (["plan", "torch.nn:Linear", "--input", "4x4"], "pass its arguments with --kwargs"),
+    (["plan", "torch.nn:ReLU", "--input", "4xfour"], "is not a shape"),
+    (["plan", "torch.nn:ReLU", "--input", "4x4", "--dtype", "float99"], "is not a torch dtype"),
+    (["plan", "torch.nn:ReLU", "--input", "4x4", "--kwargs", "{oops"], "is not JSON"),
+    (["plan", "torch.nn:ReLU", "--input", "4x4", "--devices", "gpu7"], "'gpu7' is not a device"),
+    (["show", "/nonexistent/plan"], "no saved plan"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_the_module_runs_as_a_program():
+    done = subprocess.run([sys.executable, "-m", "fxpipe", "show", "/nonexistent"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("fxpipe show: error: no saved plan")
+    assert subprocess.run([sys.executable, "-m", "fxpipe", "--help"], capture_output=True,
+                          timeout=120).returncode == 0
+
+
+class Skip(nn.Module):
+    """A value of the first layer read by the last: a skip across every cut of a chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 32)
+        self.body = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        return self.body(h) + h
+
+
+def test_explain_names_the_skip_tensor_at_every_boundary_it_crosses():
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(Skip().eval(), ["cpu"] * 3, (torch.randn(16, 32),))
+    stage_of = pipe.plan.partition.stage_of
+    text = pipe.explain()
+    blocks = text.split("\nboundary ")[1:]
+    assert len(blocks) == 2
+    for s, block in enumerate(blocks):
+        crosses = stage_of["relu"] <= s < stage_of["add"]
+        skip = [line for line in block.splitlines()
+                if line.strip().startswith(f"relu (stage {stage_of['relu']}) ->")]
+        assert any(f"add (stage {stage_of['add']})" in line for line in skip) == crosses, block
+        assert "one node earlier" in block and "one node later" in block
+    assert stage_of["add"] - stage_of["relu"] >= 1
+
+
+def test_a_loaded_plan_cannot_explain_without_its_costs(saved):
+    with pytest.raises(fxpipe.FxpipeError, match="compile the model to explain"):
+        fxpipe.Pipeline(fxpipe.load_plan(saved / "two")).explain()
