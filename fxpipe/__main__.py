@@ -2,6 +2,7 @@
 
     python -m fxpipe plan torchvision.models:resnet50 --devices cpu,cpu --input 8x3x224x224
     python -m fxpipe plan mypkg.nets:Net --kwargs '{"width": 64}' --input 16x32 --save plans/net
+    python -m fxpipe explain mypkg.nets:Net --input 16x32 --devices cpu,cpu,cpu
     python -m fxpipe show plans/net
     python -m fxpipe diff plans/net plans/net-4
     python -m fxpipe run plans/net --input 16x32
@@ -53,19 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="command")
 
     plan = commands.add_parser("plan", help="plan a model and print the plan")
-    plan.add_argument("model", help="module:factory, e.g. torchvision.models:resnet50")
-    plan.add_argument("--devices", default="cpu,cpu",
-                      help="comma-separated devices, one per stage (default: cpu,cpu)")
-    _inputs(plan)
-    plan.add_argument("--kwargs", default="{}", help="the factory's keyword arguments, as JSON")
-    plan.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
-    plan.add_argument("--stages", default=None, help="number of stages to use, or auto")
-    plan.add_argument("--train", action="store_true", help="plan for training (train_step)")
+    _planning(plan)
     plan.add_argument("--explain", action="store_true",
                       help="also print, for each cut, what crosses it and why it is there")
     plan.add_argument("--save", metavar="DIR",
                       help="write the plan there (fxpipe show/run read it), with pictures")
     plan.set_defaults(command=_plan, name="plan")
+
+    explain = commands.add_parser("explain", help="plan a model and say, for each cut, what "
+                                                  "crosses it and why it is there")
+    _planning(explain)
+    explain.set_defaults(command=_plan, name="explain", explain=True, save=None)
+
 
     show = commands.add_parser("show", help="print a saved plan")
     show.add_argument("dir")
@@ -85,6 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _planning(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="module:factory, e.g. torchvision.models:resnet50")
+    parser.add_argument("--devices", default="cpu,cpu",
+                        help="comma-separated devices, one per stage (default: cpu,cpu)")
+    _inputs(parser)
+    parser.add_argument("--kwargs", default="{}", help="the factory's keyword arguments, as JSON")
+    parser.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
+    parser.add_argument("--stages", default=None, help="number of stages to use, or auto")
+    parser.add_argument("--train", action="store_true", help="plan for training (train_step)")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
 def _inputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", action="append", required=True, metavar="SHAPE",
                         help="a positional input's shape, e.g. 8x3x224x224 (once per input)")
@@ -97,11 +109,13 @@ def _inputs(parser: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace) -> int:
     model = _model(args.model, args.kwargs).train(args.train)
     inputs = _random_inputs(args.input, args.dtype)
-    options = {"chunks": _count(args.chunks, "--chunks"), "training": args.train}
+    options = {"chunks": _count(args.chunks, "--chunks"), "training": args.train,
+               "progress": False if args.quiet else None}
     if args.stages is not None:
         options["num_stages"] = _count(args.stages, "--stages")
     pipe = fxpipe.compile(model, args.devices.split(","), inputs, **options)
-    print(pipe.plan)
+    if args.name == "plan":
+        print(pipe.plan)
     if args.explain:
         print(pipe.explain())
     if args.save:

@@ -35,6 +35,7 @@ from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
 from .reference import copied, run_per_microbatch, unchanged
+from .progress import Progress
 from .report import Measurement, Plan, make_plan
 from .wiring import Wiring
 from .schedules import SCHEDULES, ScheduleName
@@ -51,7 +52,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             threads_per_stage: int | None = None,
             link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
             batch_dims: BatchDims = 0, verify: bool = True,
-            verify_tolerance: float | None = None, costs: Plan | None = None) -> Pipeline:
+            verify_tolerance: float | None = None, costs: Plan | None = None,
+            progress: bool | None = None) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
@@ -84,6 +86,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     from the costs it measured: each measurement it holds (a micro-batch size, a kind of device,
     on a worker thread or not, in this mode) is reused, and only the others are measured, so
     re-planning for other devices or stage counts measures only what is new.
+
+    `progress` shows on stderr the nodes measured and the configurations weighed (None: when
+    stderr is a terminal).
     """
     if not isinstance(model, nn.Module):
         raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module: wrap it in a "
@@ -144,6 +149,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
                           concrete_args=concrete_args,   # stages: a graph fine enough for them
                           stages=num_stages if isinstance(num_stages, int) else len(specs)))
+    recipe.progress = Progress(progress)
     try:
         pipe = _build(model, recipe.trace(model), recipe)
     except BatchError:
@@ -153,6 +159,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
         # and "auto" never changes the result, so the plan keeps the batch whole.
         recipe.options["chunks"] = 1
         pipe = _build(model, recipe.trace(model), recipe)
+    finally:
+        recipe.progress.finish()
     pipe._recipe = recipe
     return pipe
 
@@ -182,6 +190,7 @@ class _Recipe:
     options: dict[str, Any]
     trace_options: dict[str, Any]
     traced_code: dict[bool, str] = field(default_factory=dict)
+    progress: Progress = field(default_factory=lambda: Progress(False))
 
     def trace(self, model: nn.Module) -> fx.GraphModule:
         gm = trace(model, copied(self.args), copied(self.kwargs), batch_dims=self.input_dims,
@@ -267,6 +276,8 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
                 config = search.Config(k, chunks, schedule, threads)
                 if num_stages == "auto" and config == as_is_config:
                     continue     # the model as it is, measured whole below
+                recipe.progress.doing(f"planning {k} stage{'s' * (k > 1)} x {chunks} "
+                                      f"micro-batch{'es' * (chunks > 1)}")
                 devices = costs.devices(config, specs)
                 candidates.append(search.consider(config, costs.measure(config, devices),
                                                   devices, link, training, cores))
@@ -355,7 +366,8 @@ class _Costs:
         def run():
             with _intra_op_threads(device.threads):
                 annotate_costs(gm, args, kwargs, device=device.name,
-                               repeats=recipe.options["repeats"], backward=self.training)
+                               repeats=recipe.options["repeats"], backward=self.training,
+                               progress=recipe.progress.nodes)
                 self.calibration[chunks, device.kind, worker] = _calibrate(
                     gm, args, kwargs, self.training)
         _on_worker_thread(run) if worker else run()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,10 +32,13 @@ from .state import StateWatch, storage_of, unchanged_state
 class CostInterpreter(PlainInterpreter):
     """An Interpreter that records the wall time and output size of every node it runs."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False):
+    def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False,
+                 progress: Callable[[int, int], None] | None = None):
         super().__init__(gm)
         self.device = device
         self.backward = backward
+        self.progress = progress
+        self.total = sum(1 for n in gm.graph.nodes if n.op != "output")
         self.times_s: dict[fx.Node, list[float]] = {}
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
@@ -64,7 +67,14 @@ class CostInterpreter(PlainInterpreter):
                             f"{type(e).__name__}: {e}\n  node: {n.format_node()}") from e
         self.out_bytes[n] = tensor_bytes(result)
         self.shapes[n] = tuple(tuple(t.shape) for t in tensors(result))
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
         return result
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.done = 0       # nodes measured in this run
+        return super().run(*args, **kwargs)
 
     def _time_backward(self, n: fx.Node) -> float:
         """The time of the node's backward alone: its inputs as fresh leaves, ones as gradient.
@@ -101,7 +111,8 @@ UNSTEADY = 0.25     # a measurement whose time-weighted spread is above this is 
 def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, Any] | None = None,
                    *, device: str | torch.device | None = None, repeats: int = 5,
                    warmup: int = 1, backward: bool = False,
-                   max_repeats: int | None = None) -> fx.GraphModule:
+                   max_repeats: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
     The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
@@ -117,11 +128,13 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     disturbed repeat cannot move, and its spread, (p90 - p10) / median (`NodeCost.spread`). While
     the graph's time-weighted spread (`measurement_spread`) is above `UNSTEADY`, the graph runs
     again, up to `max_repeats` runs in all (default: three times `repeats`).
+
+    `progress(done, total)` is called as each node of a run is measured.
     """
     device = torch.device(device) if device is not None else _device_of(gm)
     place(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
-    interpreter = CostInterpreter(gm, device, backward=backward)
+    interpreter = CostInterpreter(gm, device, backward=backward, progress=progress)
     generators = [device] if device.type == "cuda" else []
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=generators):

@@ -59,8 +59,9 @@ def test_diff_shows_where_two_plans_differ(saved, capsys):
     assert out.startswith("devices:") and "nodes in another stage:" in out
 
 
-def test_plan_explains_its_cuts(capsys):
-    assert main(["plan", *LAYER, "--devices", "cpu,cpu", "--explain"]) == 0
+@pytest.mark.parametrize("command", [["plan", "--explain"], ["explain"]])
+def test_plan_explains_its_cuts(command, capsys):
+    assert main([command[0], *LAYER, "--devices", "cpu,cpu", *command[1:]]) == 0
     assert "boundary 0 | 1" in capsys.readouterr().out
 
 
@@ -120,3 +121,13 @@ def test_explain_names_the_skip_tensor_at_every_boundary_it_crosses():
 def test_a_loaded_plan_cannot_explain_without_its_costs(saved):
     with pytest.raises(fxpipe.FxpipeError, match="compile the model to explain"):
         fxpipe.Pipeline(fxpipe.load_plan(saved / "two")).explain()
+
+
+def test_progress_shows_nodes_measured_when_asked_and_not_by_default(capsys):
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval(), torch.randn(4, 8)
+    fxpipe.compile(model, ["cpu"] * 2, (x,), progress=True)
+    err = capsys.readouterr().err
+    assert "fxpipe: planning 2 stages x 1 micro-batch" in err
+    assert "measuring node 4 of 4" in err and err.endswith("\r")     # the line cleared after
+    fxpipe.compile(model, ["cpu"] * 2, (x,))       # stderr is not a terminal here
+    assert capsys.readouterr().err == ""
