@@ -29,6 +29,7 @@ import fxpipe
 from fxpipe.passes.errors import FxpipeError
 
 from . import timeline
+from .pictures import COLOURS, write_node_graph, write_stage_graph  # noqa: F401 (COLOURS: tests)
 
 
 class UsageError(FxpipeError):
@@ -122,6 +123,7 @@ def _plan(args: argparse.Namespace) -> int:
         root = pipe.plan.save(args.save)
         timeline.write_svg(pipe.predict(training=args.train), root / "timeline.svg")
         write_stage_graph(pipe.plan, root / "stages.svg")
+        write_node_graph(pipe.module, pipe.plan, root / "graph.dot")
         print(f"saved to {root}")
     return 0
 
@@ -248,54 +250,6 @@ def _document(directory: str) -> dict:
 
 def _ms(value) -> str:
     return f"{float(value) * 1e3:.3f} ms"
-
-
-# ---- the stage graph as a picture ---------------------------------------------------------------
-
-COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
-           "#ff9da7", "#9c755f", "#bab0ac")
-
-
-def write_stage_graph(plan, path: str | Path) -> Path:
-    """An SVG of the stages left to right, one colour each, with what each sends to each later
-    stage (values and bytes per micro-batch) on the arrows between them."""
-    stages, part = plan.stages, plan.partition
-    flow = plan.wiring.inference
-    width, box_w, box_h, gap = 220 * len(stages) + 40, 160, 70, 60
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{box_h + 200}" '
-             f'font-family="sans-serif" font-size="12">',
-             '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="8" refY="4" '
-             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#444"/></marker></defs>']
-    x_of = [20 + s * (box_w + gap) for s in range(len(stages))]
-    for s, stage in enumerate(stages):
-        cost = part.stages[s]
-        parts.append(f'<rect x="{x_of[s]}" y="60" width="{box_w}" height="{box_h}" rx="6" '
-                     f'fill="{COLOURS[s % len(COLOURS)]}" stroke="#333"/>')
-        parts.append(f'<text x="{x_of[s] + 8}" y="80" fill="white">stage {s} on '
-                     f'{_escape(str(stage.device))}</text>')
-        parts.append(f'<text x="{x_of[s] + 8}" y="98" fill="white">{cost.num_nodes} nodes, '
-                     f'{cost.time_s * 1e3:.3f} ms</text>')
-    row = 0
-    for sender, receivers in sorted(flow.sends.items()):
-        for receiver, names in sorted(receivers.items()):
-            if sender < 0 or receiver < 0:
-                continue
-            row += 1
-            y = 60 + box_h + 18 * row
-            x1, x2 = x_of[sender] + box_w // 2, x_of[receiver] + box_w // 2
-            parts.append(f'<path d="M{x1},{60 + box_h} L{x1},{y} L{x2},{y} L{x2},{60 + box_h}" '
-                         f'fill="none" stroke="#444" marker-end="url(#arrow)"/>')
-            label = f"{len(names)} value{'s' * (len(names) != 1)}: {', '.join(names)[:60]}"
-            parts.append(f'<text x="{min(x1, x2) + 6}" y="{y - 3}">{_escape(label)}</text>')
-    parts.append("</svg>")
-    path = Path(path)
-    path.write_text("\n".join(parts).replace(f'height="{box_h + 200}"',
-                                             f'height="{60 + box_h + 18 * row + 30}"', 1))
-    return path
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The command line plans, saves, shows, diffs and runs plans; bad input is one line, exit 2."""
 
 import json
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -131,3 +132,21 @@ def test_progress_shows_nodes_measured_when_asked_and_not_by_default(capsys):
     assert "measuring node 4 of 4" in err and err.endswith("\r")     # the line cleared after
     fxpipe.compile(model, ["cpu"] * 2, (x,))       # stderr is not a terminal here
     assert capsys.readouterr().err == ""
+
+
+def test_the_node_graph_colours_each_node_by_its_stage(saved, tmp_path):
+    from fxpipe.pictures import write_node_graph
+
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(Skip().eval(), ["cpu"] * 3, (torch.randn(16, 32),))
+    dot = write_node_graph(pipe.module, pipe.plan, tmp_path / "graph.dot").read_text()
+    for name, s in pipe.plan.partition.stage_of.items():
+        assert f'"{name}" [fillcolor="{COLOURS[s]}"' in dot
+    cuts = {(p, n) for n, s in pipe.plan.partition.stage_of.items()
+            for p in [a.name for a in next(x for x in pipe.module.graph.nodes
+                                           if x.name == n).all_input_nodes]
+            if p in pipe.plan.partition.stage_of and pipe.plan.partition.stage_of[p] != s}
+    assert cuts and all(f'"{p}" -> "{n}" [label=' in dot for p, n in cuts)
+    if shutil.which("dot"):       # Graphviz renders it beside the DOT file
+        fills = {e.get("fill") for e in ET.parse(tmp_path / "graph.svg").getroot().iter()}
+        assert set(COLOURS[:3]) <= fills
