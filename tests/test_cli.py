@@ -150,3 +150,16 @@ def test_the_node_graph_colours_each_node_by_its_stage(saved, tmp_path):
     if shutil.which("dot"):       # Graphviz renders it beside the DOT file
         fills = {e.get("fill") for e in ET.parse(tmp_path / "graph.svg").getroot().iter()}
         assert set(COLOURS[:3]) <= fills
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit"])
+def test_plan_on_zoo_models_saves_a_plan_that_reloads_to_the_same_partition(name, tmp_path,
+                                                                             capsys):
+    argv = ["plan", "examples.zoo:model", "--kwargs", json.dumps({"name": name}),
+            "--input", "4x3x32x32", "--devices", "cpu,cpu,cpu", "--save", str(tmp_path)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("fxpipe plan: 3 stages")
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert dict(fxpipe.load_plan(tmp_path).partition.stage_of) == \
+        document["partition"]["stage_of"]
+    assert main(["run", str(tmp_path), "--input", "4x3x32x32", "--repeats", "1"]) == 0

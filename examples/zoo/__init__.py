@@ -153,3 +153,15 @@ def build(name: str, size: str = "tiny", batch: int = 4, seed: int = 0) -> ZooCa
     except KeyError:
         raise KeyError(f"unknown zoo model {name!r}; known: {sorted(ZOO)}") from None
     return factory(size=size, batch=batch, seed=seed)
+
+
+def model(name: str, size: str = "tiny", seed: int = 0) -> nn.Module:
+    """Zoo model ``name`` alone, for the command line: ``python -m fxpipe plan
+    examples.zoo:model --kwargs '{"name": "resnet50"}' --input 4x3x32x32`` (``input_shape``
+    gives the input's shape after the batch)."""
+    return build(name, size=size, batch=1, seed=seed).model
+
+
+def input_shape(name: str, size: str = "tiny") -> tuple[int, ...]:
+    """The shape of one sample of zoo model ``name``'s input."""
+    return tuple(build(name, size=size, batch=1).example_inputs[0].shape[1:])
