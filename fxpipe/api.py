@@ -53,7 +53,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
             batch_dims: BatchDims = 0, verify: bool = True,
             verify_tolerance: float | None = None, costs: Plan | None = None,
-            progress: bool | None = None) -> Pipeline:
+            progress: bool | None = None,
+            recompute: Literal["never", "always"] = "never") -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
@@ -86,6 +87,11 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     from the costs it measured: each measurement it holds (a micro-batch size, a kind of device,
     on a worker thread or not, in this mode) is reused, and only the others are measured, so
     re-planning for other devices or stage counts measures only what is new.
+
+    `recompute="always"` re-materialises activations (GPipe's second idea): in `train_step`, each
+    stage's forward keeps only what it received, and its backward runs the forward again first
+    (from the same seed, its buffer writes undone), trading a forward's time for the memory of
+    its activations. The default, "never", keeps them.
 
     `progress` shows on stderr the nodes measured and the configurations weighed (None: when
     stderr is a terminal).
@@ -124,6 +130,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                                              and 0 <= verify_tolerance < math.inf):
         raise FxpipeError(f"verify_tolerance={verify_tolerance!r}: use a relative tolerance >= 0, "
                           f"e.g. 1e-4, or verify=False to skip the check")
+    if recompute not in ("never", "always"):
+        raise FxpipeError(f"recompute={recompute!r}: use 'never' (keep activations for the "
+                          f"backward) or 'always' (keep each stage's inputs, recompute the rest)")
     if costs is not None and not (isinstance(costs, Plan) and costs.measurements):
         raise CostError(f"costs={type(costs).__name__}: pass a plan made by this version of "
                         f"fxpipe (pipe.plan, fxpipe.plan(...) or fxpipe.load_plan(path)), whose "
@@ -145,7 +154,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
                          training=training, threads_per_stage=threads_per_stage, link=link,
                          repeats=repeats, verify=verify, verify_tolerance=verify_tolerance,
-                         costs=costs),
+                         costs=costs, recompute=recompute),
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
                           concrete_args=concrete_args,   # stages: a graph fine enough for them
                           stages=num_stages if isinstance(num_stages, int) else len(specs)))
@@ -239,7 +248,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
                      signature=signature,
                      batch_dims=_placeholder_dims(signature, dims, recipe.default_dim),
                      schedule=config.schedule, threads=tuple(d.threads for d in specs),
-                     training=model.training, measurements=costs.saved_measurements())
+                     training=model.training, measurements=costs.saved_measurements(),
+                     recompute=o["recompute"])
     pipe = Pipeline(plan, gm)
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)

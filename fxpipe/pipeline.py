@@ -45,7 +45,8 @@ class Pipeline(nn.Module):
         self.module = module if module is not None else _gathered(plan.stages)
         self.training = self._planned_mode = (
             self.module.training if plan.training is None else plan.training)
-        self._runtime = Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads))
+        self._runtime = Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads),
+                                recompute=plan.recompute == "always")
         self._model: weakref.ref | None = None     # the model compiled, to notice it changed
         self._model_parts: dict[str, weakref.ref] = {}
         self._model_members: list[Any] = []
@@ -392,6 +393,8 @@ class _DeferredScale:
         self.before: list[torch.Tensor | None] | None = None
 
     def start(self) -> None:
+        if self.before is not None:
+            return      # started already (a recomputed forward asks again)
         self.before = [t.grad for t in self.leaves]
         for t in self.leaves:
             t.grad = None

@@ -64,6 +64,8 @@ class Plan:
     schedule: str = "gpipe"
     threads: tuple[int | None, ...] = ()
     training: bool | None = None              # the mode the model was planned (and checked) in
+    recompute: str = "never"                  # "always": training forwards keep only inputs
+    stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
     measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
@@ -103,6 +105,7 @@ class Plan:
             f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
             f"{p.lower_bound_s * 1e3:.3f} ms ({proof})",
             *self._measurement(),
+            *self._activations(),
             *self._comparison(),
             *self._choice(),
             f"outputs checked against the model: {self.verified}",
@@ -124,6 +127,15 @@ class Plan:
             lines.append("warning: the costs were unsteady: another process may be using the "
                          "cores; compile again when the machine is quiet")
         return lines
+
+    def _activations(self) -> list[str]:
+        """In training: what autograd keeps for the backward, per stage and micro-batch."""
+        if not any(self.stage_saved_bytes):
+            return []
+        kept = " | ".join(f"{b / 1e6:.3f}" for b in self.stage_saved_bytes)
+        how = ("recomputed in the backward (recompute='always'): each stage keeps only its inputs"
+               if self.recompute == "always" else "kept until the backward")
+        return [f"activations for the backward, MB per micro-batch by stage: {kept}; {how}"]
 
     def _comparison(self) -> list[str]:
         """The pipeline's predicted time per batch against the model's own, and a warning
@@ -183,8 +195,11 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
     param_bytes = tuple(
         sum(t.numel() * t.element_size() for t in list(s.module.parameters()) + list(s.module.buffers()))
         for s in stages)
+    saved_bytes = tuple(sum(n.meta["cost"].saved_bytes for n in s.module.graph.nodes
+                            if n.op not in ("placeholder", "output", "get_attr")
+                            and "cost" in n.meta) for s in stages)
     return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
-                stage_modules(stages), stages=tuple(stages), **run)
+                stage_modules(stages), stages=tuple(stages), stage_saved_bytes=saved_bytes, **run)
 
 
 def stage_modules(stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:

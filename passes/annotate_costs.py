@@ -43,6 +43,7 @@ class CostInterpreter(PlainInterpreter):
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
         self.shapes: dict[fx.Node, tuple[tuple[int, ...], ...]] = {}   # of the output's tensors
+        self.saved_bytes: dict[fx.Node, int] = {}    # kept for the backward (with `backward`)
         self.watch: StateWatch | None = None     # set for a run that finds the state written
 
     def sync(self) -> None:
@@ -87,8 +88,18 @@ class CostInterpreter(PlainInterpreter):
             (args, kwargs), lambda v: (               # buffers are copied, so a write stays off them
                 v.detach().clone() if storage_of(v) in buffers else
                 v if id(v) in state else _leaf_if_float(v))))
-        with torch.enable_grad():
+        params = {storage_of(p) for p in self.module.parameters()}
+        saved: dict[Any, int] = {}     # storage -> bytes, of what autograd keeps for backward
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            where = storage_of(t)
+            if where not in params:
+                saved[where if where is not None else id(t)] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = getattr(self, n.op)(n.target, args, kwargs)
+        self.saved_bytes[n] = sum(saved.values())
         outputs = [t for t in tensors(out) if t.requires_grad]
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
         modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
@@ -162,7 +173,8 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
         n.meta["cost"] = NodeCost(fwd_s=statistics.median(times),
                                   bwd_s=statistics.median(backward_times),
                                   out_bytes=0 if n.op == "get_attr" else interpreter.out_bytes[n],
-                                  param_bytes=owned.get(n, 0), spread=spread(times))
+                                  param_bytes=owned.get(n, 0), spread=spread(times),
+                                  saved_bytes=interpreter.saved_bytes.get(n, 0))
         n.meta["shapes"] = interpreter.shapes.get(n, ())
 
 

@@ -28,7 +28,8 @@ class NodeCost:
 
     `fwd_s` and `bwd_s` are measured on a reference device of speed 1.0; `out_bytes` is the size of
     the node's output (what a consumer on another stage receives); `param_bytes` the parameters and
-    buffers the node owns.
+    buffers the node owns; `saved_bytes` what autograd keeps of its forward for its backward
+    (tensors other than parameters, measured with saved-tensor hooks; 0 when not measured).
     """
 
     fwd_s: float = 0.0
@@ -36,6 +37,7 @@ class NodeCost:
     out_bytes: int = 0
     param_bytes: int = 0
     spread: float = 0.0     # how unsteady the measurement was: (p90 - p10) / median of the repeats
+    saved_bytes: int = 0
 
 
 @dataclass(frozen=True)

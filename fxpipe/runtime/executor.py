@@ -34,6 +34,7 @@ import torch.fx as fx
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
+from fxpipe.passes.state import unchanged_state
 
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
 Grads = dict[str, list[torch.Tensor | None]]             # value name -> gradient of each tensor
@@ -61,8 +62,9 @@ class StageExecutor:
     def __init__(self, stage: Stage, *, from_stages: Collection[str] = (),
                  backward_for: Collection[int] = (), loss_of: LossFn | None = None,
                  seeds: Sequence[int | None] | None = None,
-                 stream: torch.cuda.Stream | None = None):
+                 stream: torch.cuda.Stream | None = None, recompute: bool = False):
         self.stage = stage
+        self.recompute = recompute
         self.from_stages = tuple(from_stages)
         self.backward_for = frozenset(backward_for)
         self.loss_of = loss_of
@@ -96,10 +98,25 @@ class StageExecutor:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def forward(self, m: int, values: Mapping[str, Any]) -> dict[str, Any]:
-        """Micro-batch m's outputs from the values the stage received (`values`, by name)."""
+        """Micro-batch m's outputs from the values the stage received (`values`, by name).
+
+        With `recompute`, a forward whose backward is to come keeps only what the stage
+        received: it runs without autograd, and the backward runs it again, with autograd."""
         keep = m in self.backward_for
         if keep:
             values = {k: _detach_leaf(v) if k in self.from_stages else v for k, v in values.items()}
+        if keep and self.recompute:
+            with torch.no_grad():
+                out, loss = self._run(m, values)
+            self._saved[m] = _Saved(dict(values), {})
+            return {k: _needing_grad(v) for k, v in out.items()}
+        out, loss = self._run(m, values)
+        if keep:
+            self._saved[m] = _Saved(dict(values), out, loss)
+        return out
+
+    def _run(self, m: int, values: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """The stage's outputs for micro-batch m, from its seed, and its loss on the last stage."""
         # `forward`, not `__call__`: fx's wrapper around generated code prints errors to stderr
         # and drops the traceback that names the failing statement.
         with microbatch_seed(self.seeds[m] if self.seeds is not None else None):
@@ -109,15 +126,29 @@ class StageExecutor:
         if self.loss_of is not None:
             loss = self.loss_of(m, {**values, **out})
             self.losses[m] = loss.detach()
-        if keep:
-            self._saved[m] = _Saved(dict(values), out, loss)
-        return out
+        return out, loss
+
+    def _recomputed(self, m: int, saved: _Saved) -> _Saved:
+        """Micro-batch m's forward run again, with autograd, from what it received: the same
+        seed draws the same random numbers. (`backward` puts back the buffers it writes.)"""
+        with torch.enable_grad():
+            out, loss = self._run(m, saved.inputs)
+        return _Saved(saved.inputs, out, loss)
 
     def backward(self, m: int, grads: Iterable[Mapping[str, Sequence[torch.Tensor | None]]]
                  ) -> Grads:
         """Micro-batch m's backward: `grads` holds one message per reader, naming this stage's
         outputs; returns the gradients of the inputs other stages sent, and frees m's values."""
         saved = self._saved.pop(m)
+        if not self.recompute:
+            return self._backward(saved, grads)
+        # Buffers the forward writes (BatchNorm's running statistics) are put back once the
+        # backward is done (autograd checks them until then): the first forward updated them.
+        with unchanged_state(self.stage.module):
+            return self._backward(self._recomputed(m, saved), grads)
+
+    def _backward(self, saved: _Saved, grads: Iterable[Mapping[str, Sequence[torch.Tensor | None]]]
+                  ) -> Grads:
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor | None] = []
         for message in grads:
@@ -133,6 +164,17 @@ class StageExecutor:
             torch.autograd.backward(roots, root_grads)
         return {name: [leaf.grad for leaf in tensors(saved.inputs[name])]
                 for name in self.from_stages}
+
+
+def _needing_grad(value: Any) -> Any:
+    """A value computed without autograd, its floating-point tensors marked as needing grad, so
+    that the stages reading them send their gradients back (the recomputed forward has the
+    graph those gradients flow into)."""
+    def mark(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().requires_grad_(True)
+        return v
+    return fx.node.map_aggregate(value, mark)
 
 
 def _detach_leaf(value: Any) -> Any:

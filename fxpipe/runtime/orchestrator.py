@@ -70,9 +70,11 @@ class Runtime:
     """Runs timetables on a pipeline's stages along their `Wiring`, any number of times."""
 
     def __init__(self, stages: Sequence[Stage], wiring: Wiring, *,
-                 threads_per_stage: int | Sequence[int | None] | None = None):
+                 threads_per_stage: int | Sequence[int | None] | None = None,
+                 recompute: bool = False):
         self.stages = list(stages)
         self.wiring = wiring
+        self.recompute = recompute     # training forwards keep only their inputs (see executor)
         # Each CPU stage's intra-op threads (None: as the thread starts).
         self.threads = (list(threads_per_stage) if isinstance(threads_per_stage, Sequence)
                         else [threads_per_stage] * len(self.stages))
@@ -122,7 +124,8 @@ class _Execution:
                           if a.phase is Phase.BACKWARD},
             loss_of=self.graph_loss if self.loss_of is not None and last else None,
             seeds=self.seeds,
-            stream=self.rt.streams[stage.index])
+            stream=self.rt.streams[stage.index],
+            recompute=self.rt.recompute)
 
     def graph_loss(self, m: int, values: dict[str, Any]) -> torch.Tensor:
         """The caller's loss of micro-batch m, given the graph inputs too."""
