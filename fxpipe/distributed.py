@@ -392,8 +392,7 @@ class DistributedStage:
     def _start(self, prepare: Callable[[], Any]) -> tuple[list[int], Any]:
         """Rank 0 prepares the step's inputs (`prepare()`) and draws the micro-batch seeds; every
         rank gets the seeds and what `prepare` returned, or raises if it failed on rank 0."""
-        told = self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
-        return told
+        return self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
 
     def _agree(self, source: int, prepare: Callable[[], Any]) -> Any:
         """`prepare()` on rank `source`, its result on every rank; its error raised on every
