@@ -146,16 +146,7 @@ class Pipeline(nn.Module):
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
         self._check_model()
-        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
-            (inputs if isinstance(inputs, tuple) else (inputs,)), {})
-        try:
-            values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
-        except InputError as e:
-            if not isinstance(inputs, dict):
-                raise
-            raise InputError(f"{e}\ntrain_step takes a dict as the model's keyword inputs; to "
-                             f"pass one dict as the model's positional input, wrap it in a tuple: "
-                             f"pipe.train_step((batch,), target, loss_fn)") from None
+        values = step_inputs(self._signature, inputs)
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
         if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
             raise InputError(f"train_step needs a target with one row per sample (dimension 0 "
@@ -181,14 +172,7 @@ class Pipeline(nn.Module):
             elif counts:
                 raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
                                   "for another: return the same for every micro-batch")
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise FxpipeError(f"loss_fn must return a 0-d tensor (or a (loss_sum, count) "
-                                  f"pair), got {loss!r:.80}")
-            if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
-                raise FxpipeError(
-                    "loss_fn returned a loss that does not require grad, though the model's "
-                    "output does: nothing would reach .grad. Compute the loss from the output "
-                    "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
+            check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
             return loss if counts else loss * weights[m]
 
         timetable = timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
@@ -378,6 +362,33 @@ def _lookup(model: nn.Module, name: str) -> Any:
         if value is None:
             return None
     return value if isinstance(value, (nn.Module, torch.Tensor)) else None
+
+
+def step_inputs(signature: Any, inputs: Any) -> dict[str, Any]:
+    """The graph's input values by placeholder from `train_step`'s `inputs`: a tensor, a tuple
+    of positional inputs or a dict of keyword inputs."""
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
+        (inputs if isinstance(inputs, tuple) else (inputs,)), {})
+    try:
+        return dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
+    except InputError as e:
+        if not isinstance(inputs, dict):
+            raise
+        raise InputError(f"{e}\ntrain_step takes a dict as the model's keyword inputs; to "
+                         f"pass one dict as the model's positional input, wrap it in a tuple: "
+                         f"pipe.train_step((batch,), target, loss_fn)") from None
+
+
+def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
+    """Refuse a micro-batch loss that is not a 0-d tensor, or that autograd cannot reach the
+    parameters from (the output requires grad, the loss does not)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise FxpipeError(f"loss_fn must return {expected}, got {loss!r:.80}")
+    if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
+        raise FxpipeError(
+            "loss_fn returned a loss that does not require grad, though the model's "
+            "output does: nothing would reach .grad. Compute the loss from the output "
+            "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
 
 
 class _DeferredScale:

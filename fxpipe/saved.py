@@ -107,6 +107,13 @@ def load_stage(path: str | os.PathLike, index: int) -> Stage:
     """Stage `index` of the plan saved at `path`, with its own weights only (a process running
     one stage loads nothing else). A tensor it shares with an earlier stage is read from that
     stage's file."""
+    return load_stage_plan(path, index)[1]
+
+
+def load_stage_plan(path: str | os.PathLike, index: int) -> tuple[Any, Stage]:
+    """The plan saved at `path` without weights (its wiring, calling convention, chunks and
+    schedule: what a process running one stage needs to know of the others), and its stage
+    `index` with that stage's own weights (see `load_stage`)."""
     root, document = _checked(path, index)
     plan = _load_skeleton(root)
     if not 0 <= index < len(plan.stages):
@@ -114,7 +121,13 @@ def load_stage(path: str | os.PathLike, index: int) -> Stage:
                           f"not {index}")
     stage = plan.stages[index]
     _fill(root, stage, document["shared"][index], {})
-    return stage
+    return plan, stage
+
+
+def stage_count(path: str | os.PathLike) -> int:
+    """How many stages the plan saved at `path` has, read off its plan.json (checked for
+    format and versions, no weights read)."""
+    return len(_document(Path(path))["stages"])
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -213,23 +226,7 @@ def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str
     """The plan's directory and `plan.json`, once the files a load reads are there and
     unchanged (all of them, or those stage `index` needs) and the versions match."""
     root = Path(path)
-    if not (root / PLAN_FILE).is_file():
-        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing (save one "
-                            f"with pipe.plan.save(path))")
-    try:
-        document = json.loads((root / PLAN_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e}): save the plan "
-                            f"again") from None
-    if document.get("format") != FORMAT:
-        raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
-                            f"fxpipe reads format {FORMAT}: save the plan again with it")
-    running = versions()
-    differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
-              for name, version in running.items() if document.get(name) != version]
-    if differ:
-        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions: "
-                            f"{'; '.join(differ)}. Plan the model again with these versions")
+    document = _document(root)
     needed = dict(document["files"])
     if index is not None:
         holders = {holder for holder, _ in document["shared"][index].values()} | {index} \
@@ -247,6 +244,29 @@ def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str
                                 f"saved (its SHA-256 differs from plan.json's): save the plan "
                                 f"again rather than editing its files")
     return root, document
+
+
+def _document(root: Path) -> dict[str, Any]:
+    """`plan.json` of the plan at `root`, once it is there, readable, of this format and saved
+    by the versions running."""
+    if not (root / PLAN_FILE).is_file():
+        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing (save one "
+                            f"with pipe.plan.save(path))")
+    try:
+        document = json.loads((root / PLAN_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e}): save the plan "
+                            f"again") from None
+    if document.get("format") != FORMAT:
+        raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
+                            f"fxpipe reads format {FORMAT}: save the plan again with it")
+    running = versions()
+    differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
+              for name, version in running.items() if document.get(name) != version]
+    if differ:
+        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions: "
+                            f"{'; '.join(differ)}. Plan the model again with these versions")
+    return document
 
 
 def _load_skeleton(root: Path) -> Any:

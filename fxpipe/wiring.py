@@ -42,6 +42,15 @@ class Flow:
                     links.append((Phase.BACKWARD, receiver, sender))
         return links
 
+    @staticmethod
+    def of_reads(reads: Reads) -> "Flow":
+        """The flow of `reads` (reads[receiver][sender]: names), with the same by sender."""
+        sends: dict[int, dict[int, list[str]]] = {}
+        for receiver, senders in reads.items():
+            for sender, names in senders.items():
+                sends.setdefault(sender, {})[receiver] = list(names)
+        return Flow(reads, sends)
+
     def reads_from(self) -> dict[int, list[int]]:
         """Which stages each stage reads from (the driver left out): a timetable's dependencies."""
         return {dst: [src for src in srcs if src != DRIVER]
@@ -93,8 +102,4 @@ def _flow(stages: Sequence[_StageLike], producer: Mapping[str, int], output_name
     for name in output_names:
         if producer[name] != outputs_to:
             reads.setdefault(outputs_to, {}).setdefault(producer[name], []).append(name)
-    sends: dict[int, dict[int, list[str]]] = {}
-    for receiver, senders in reads.items():
-        for sender, names in senders.items():
-            sends.setdefault(sender, {})[receiver] = names
-    return Flow(reads, sends)
+    return Flow.of_reads(reads)

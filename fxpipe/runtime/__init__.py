@@ -18,8 +18,8 @@ Inference and training differ only in the timetable (backward actions or none) a
 """
 
 from .executor import LossFn, StageExecutor
-from .orchestrator import DRIVER, Run, Runtime, set_thread_count
+from .orchestrator import DRIVER, Run, Runtime, StageRow, set_thread_count
 from .transport import Aborted, ThreadTransport, Transport
 
-__all__ = ["Aborted", "DRIVER", "LossFn", "Run", "Runtime", "StageExecutor", "ThreadTransport",
+__all__ = ["Aborted", "DRIVER", "LossFn", "Run", "Runtime", "StageExecutor", "StageRow", "ThreadTransport",
            "Transport", "set_thread_count"]

@@ -5,8 +5,9 @@ micro-batch, and collects what comes back. Each stage's worker walks its row of 
 forward receives the micro-batch's values from every stage (or the driver) the stage reads from,
 has the stage's `StageExecutor` compute, and sends each reader its values; a backward receives the
 readers' gradients and sends the inputs' gradients back to their producers. Messages travel by a
-`Transport` (threads and queues today); workers release the GIL inside torch ops, so stages
-overlap. One stage runs on the caller's thread: no worker to start, hand over to, or join, so a
+`Transport` (here `ThreadTransport`, threads and queues); workers release the GIL inside torch
+ops, so stages overlap. Walking one row is `StageRow`'s, which `fxpipe.distributed` shares: there
+each process walks its own stage's row against a transport on `torch.distributed`. One stage runs on the caller's thread: no worker to start, hand over to, or join, so a
 pipeline of one stage costs what the model costs; the caller's intra-op thread count is restored
 afterwards.
 
@@ -40,13 +41,10 @@ from fxpipe.passes.codegen import Stage
 from fxpipe.passes.errors import StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
-from ..wiring import DRIVER, Wiring
+from ..wiring import DRIVER, Flow, Wiring
 from .executor import LossFn, StageExecutor
-from .transport import POLL_S, Aborted, ThreadTransport
+from .transport import POLL_S, Aborted, ThreadTransport, Transport
 
-DRIVER = -1
-
-Reads = dict[int, dict[int, list[str]]]     # reads[receiver][sender]: the names sent, in a forward
 
 
 @dataclass
@@ -196,17 +194,12 @@ class _Execution:
     def work(self, index: int) -> None:
         """Run stage `index`'s row of the timetable; a failure is kept and aborts the run."""
         executor = self.executors[index]
-        action = Action(index, 0, Phase.FORWARD)
+        row = StageRow(executor, self.timetable[index], self.wiring, self.transport)
         try:
             if self.rt.threads[index] and executor.stage.device.type == "cpu":
                 set_thread_count(self.rt.threads[index])
             with executor.computing():
-                for action in self.timetable[index]:
-                    if self.stopping.is_set():
-                        return
-                    step = self.forward if action.phase is Phase.FORWARD else self.backward
-                    began = step(executor, action.microbatch)
-                    self.record.slots.append(Slot(action, began, time.perf_counter() - self.start))
+                row.walk(stopping=self.stopping.is_set, clock=self.clock, done=self.done)
         except Aborted:
             return
         except BaseException as e:   # whatever it is, the run must end
@@ -214,39 +207,91 @@ class _Execution:
                     threading.main_thread():
                 raise                # the caller's own Ctrl-C, on the caller's thread
             try:
-                self.errors.append(_stage_error(executor.stage, action, e))
+                self.errors.append(_stage_error(executor.stage, row.action, e))
             finally:
                 self.abort()
 
-    def forward(self, executor: StageExecutor, m: int) -> float:
-        """Micro-batch m's forward on the executor's stage; returns when its inputs arrived."""
-        index = executor.stage.index
-        values = self.receive(index, m)
-        began = time.perf_counter() - self.start
-        out = executor.forward(m, values)
-        for dst, names in self.wiring.sends.get(index, {}).items():
-            self.transport.send(Phase.FORWARD, index, dst, m, {n: out[n] for n in names})
-        return began
+    def clock(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.start
 
-    def backward(self, executor: StageExecutor, m: int) -> float:
-        """Micro-batch m's backward on the executor's stage; returns when its gradients arrived."""
-        index = executor.stage.index
-        grads = [self.transport.receive(Phase.BACKWARD, dst, index, m)
-                 for dst in self.wiring.sends.get(index, {})]
-        began = time.perf_counter() - self.start
-        input_grads = executor.backward(m, grads)
-        for src, names in self.wiring.reads.get(index, {}).items():
-            if src != DRIVER:
-                self.transport.send(Phase.BACKWARD, index, src, m,
-                                    {n: input_grads[n] for n in names})
-        return began
+    def done(self, action: Action, began: float) -> None:
+        """Record `action`, which began at `began` (its inputs arrived) and just finished."""
+        self.record.slots.append(Slot(action, began, self.clock()))
 
     def receive(self, receiver: int, m: int) -> dict[str, Any]:
         """Micro-batch m's forward values from every sender of `receiver`."""
-        values: dict[str, Any] = {}
-        for sender in self.wiring.reads.get(receiver, {}):
-            values.update(self.transport.receive(Phase.FORWARD, sender, receiver, m))
-        return values
+        return receive_values(self.wiring, self.transport, receiver, m)
+
+
+class StageRow:
+    """One stage's row of a timetable, walked against a `Transport` on the calling thread.
+
+    A forward receives the micro-batch's values from every sender the `Flow` names (stages or
+    the driver), has the executor compute, and sends each reader its values; a backward receives
+    the readers' gradients and sends the inputs' gradients back to the stages that sent them.
+    The thread runtime walks one row per worker thread; `fxpipe.distributed` walks one per
+    process, so both follow the same order of messages.
+    """
+
+    def __init__(self, executor: StageExecutor, actions: Sequence[Action], flow: Flow,
+                 transport: Transport):
+        self.executor = executor
+        self.actions = list(actions)
+        self.flow = flow
+        self.transport = transport
+        self.index = executor.stage.index
+        self.action = Action(self.index, 0, Phase.FORWARD)   # the one running (for errors)
+
+    def walk(self, *, stopping: Callable[[], bool] = lambda: False,
+             clock: Callable[[], float] = time.perf_counter,
+             done: Callable[[Action, float], None] | None = None,
+             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None = None
+             ) -> None:
+        """Run every action in order, until `stopping()`. After each, `done(action, began)`
+        (`began`: the `clock()` when its inputs had arrived); after each forward,
+        `forwarded(m, received, outputs)`."""
+        for action in self.actions:
+            if stopping():
+                return
+            self.action = action
+            m = action.microbatch
+            if action.phase is Phase.FORWARD:
+                values = receive_values(self.flow, self.transport, self.index, m)
+                began = clock()
+                out = self.forward(m, values)
+                if forwarded is not None:
+                    forwarded(m, values, out)
+            else:
+                grads = [self.transport.receive(Phase.BACKWARD, dst, self.index, m)
+                         for dst in self.flow.sends.get(self.index, {})]
+                began = clock()
+                self.backward(m, grads)
+            if done is not None:
+                done(action, began)
+
+    def forward(self, m: int, values: dict[str, Any]) -> dict[str, Any]:
+        """Micro-batch m's forward; each reader is sent the outputs it reads."""
+        out = self.executor.forward(m, values)
+        for dst, names in self.flow.sends.get(self.index, {}).items():
+            self.transport.send(Phase.FORWARD, self.index, dst, m, {n: out[n] for n in names})
+        return out
+
+    def backward(self, m: int, grads: list[dict[str, Any]]) -> None:
+        """Micro-batch m's backward; each stage this one read from is sent its gradients."""
+        input_grads = self.executor.backward(m, grads)
+        for src, names in self.flow.reads.get(self.index, {}).items():
+            if src != DRIVER:
+                self.transport.send(Phase.BACKWARD, self.index, src, m,
+                                    {n: input_grads[n] for n in names})
+
+
+def receive_values(flow: Flow, transport: Transport, receiver: int, m: int) -> dict[str, Any]:
+    """Micro-batch m's forward values from every sender of `receiver`, in the flow's order."""
+    values: dict[str, Any] = {}
+    for sender in flow.reads.get(receiver, {}):
+        values.update(transport.receive(Phase.FORWARD, sender, receiver, m))
+    return values
 
 
 @contextlib.contextmanager

@@ -1,0 +1,463 @@
+"""Run a saved plan on `torch.distributed`: one process per stage, started by torchrun.
+
+    # run.py, launched with: torchrun --nproc-per-node 2 run.py
+    stage = fxpipe.distributed.load("plans/model-2")    # rank r runs stage r, its weights only
+    y = stage(x if stage.rank == 0 else None)           # the model's output on the last rank
+    loss = stage.train_step(x, target, loss_fn)         # x on rank 0, target on the last rank
+
+The flow: rank 0 is also the driver: it splits the inputs into the plan's micro-batches and sends
+each stage the graph inputs it reads. Every rank walks its own stage's row of the timetable (the
+same `StageRow` the thread runtime walks, so messages follow the same order), GPipe for a call and
+the plan's schedule for `train_step`. Graph outputs go to the last rank, which returns the model's
+output (a call) or computes the loss (`train_step`); every other rank returns None. Gradients
+are left in each rank's stage parameters' `.grad`, named as in the model.
+
+Messages go by torch's own engine, over a gloo process group: a message's header (which phase,
+sender, receiver and micro-batch, the values' structure, each tensor's shape and dtype) by
+`send_object_list`, then each tensor by `send`. Gloo's `send` waits for the receiver's `recv`, and
+two stages sending to each other at once (1F1B) would wait for ever, so each rank sends from one
+thread per peer, in the order its stage produced the messages; a receiver takes a peer's messages
+in that order, keeping those it needs later. Every wait ends after `timeout` seconds with a
+`DistributedError` naming the rank that went silent.
+
+Not in this slice: a weight shared by two stages gets a partial gradient on each rank (sum them
+yourself); gradients of the graph inputs are not sent back to rank 0; losses returned as
+`(loss_sum, count)`; CUDA stages go through CPU copies (no NCCL).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from fxpipe.passes.errors import FxpipeError, StageError
+from fxpipe.passes.randomness import microbatch_seeds
+
+from . import microbatch
+from .pipeline import check_loss, step_inputs
+from .runtime.executor import StageExecutor
+from .runtime.orchestrator import StageRow, _stage_error
+from .saved import load_stage_plan, stage_count
+from .schedules import Phase, gpipe, timetable_for
+from .wiring import DRIVER, Flow
+
+__all__ = ["DistributedError", "DistributedStage", "DistributedTransport", "WorldSizeError",
+           "load"]
+
+
+class DistributedError(FxpipeError):
+    """A distributed run that cannot go on: a peer went silent or failed, or no process group."""
+
+
+class WorldSizeError(DistributedError):
+    """The number of processes differs from the plan's number of stages."""
+
+
+def load(path: str | os.PathLike, *, timeout: float = 60.0) -> "DistributedStage":
+    """This process's stage of the plan saved at `path`: rank r loads stage r, its weights only.
+
+    Joins the default process group, initialised here from torchrun's environment (env://,
+    gloo) unless the caller did; `timeout` (seconds) bounds every wait for another rank.
+    """
+    group, owned = _process_group(timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stages = stage_count(path)
+    if world != stages:
+        raise WorldSizeError(
+            f"the plan at {str(path)!r} has {stages} stages but {world} processes run it (rank "
+            f"{rank}): start one process per stage, torchrun --nproc-per-node {stages}")
+    plan, stage = load_stage_plan(path, rank)
+    return DistributedStage(plan, stage, rank, group, timeout, owned)
+
+
+def _process_group(timeout: float) -> tuple[Any, bool]:
+    """The group messages travel in, and whether this call initialised the default one.
+
+    The default group when it is gloo; a gloo group of every rank beside another backend."""
+    if not dist.is_available():
+        raise DistributedError("this torch has no torch.distributed: install a build with it")
+    wait = datetime.timedelta(seconds=timeout)
+    if dist.is_initialized():
+        return (None if dist.get_backend() == "gloo" else
+                dist.new_group(backend="gloo", timeout=wait)), False
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+               if v not in os.environ]
+    if missing:
+        raise DistributedError(
+            f"no process group, and {', '.join(missing)} not set: start the script with "
+            f"torchrun --nproc-per-node <stages> script.py, or call "
+            f"torch.distributed.init_process_group first")
+    dist.init_process_group("gloo", init_method="env://", timeout=wait)
+    return None, True
+
+
+# ---- the transport --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    """What a receiver needs to receive a tensor into: in a header, in the tensor's place."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+Key = tuple[Phase, int, int, int]     # (phase, sender, receiver, micro-batch)
+
+
+class DistributedTransport:
+    """The `Transport` between processes: participant i (stage i) is rank i, and the driver
+    (`DRIVER`, which sends the graph inputs) is rank 0.
+
+    A message between participants on one rank stays in this process. One to another rank is
+    queued for that peer's sending thread; `receive` takes a peer's messages in the order they
+    were sent, keeping those not asked for yet. `flush` waits until every message was taken.
+    """
+
+    def __init__(self, rank: int, device: torch.device, *, group: Any = None,
+                 timeout: float = 60.0):
+        self.rank = rank
+        self.device = device
+        self.group = group
+        self.timeout = timeout
+        self.kept: dict[Key, dict[str, Any]] = {}     # received (or local), not asked for yet
+        self.outboxes: dict[int, queue.SimpleQueue] = {}
+        self.senders: dict[int, threading.Thread] = {}
+        self.failures: list[BaseException] = []
+        self.stopping = threading.Event()
+
+    @staticmethod
+    def rank_of(participant: int) -> int:
+        return 0 if participant == DRIVER else participant
+
+    def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
+             values: dict[str, Any]) -> None:
+        self._raise_failure()
+        key = (phase, sender, receiver, microbatch)
+        peer = self.rank_of(receiver)
+        if peer == self.rank:
+            self.kept[key] = values
+            return
+        payload: list[torch.Tensor] = []
+        structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload))
+                     for name, v in values.items()}
+        self._outbox(peer).put(((phase.value, sender, receiver, microbatch), structure, payload))
+
+    def receive(self, phase: Phase, sender: int, receiver: int,
+                microbatch: int) -> dict[str, Any]:
+        key = (phase, sender, receiver, microbatch)
+        peer = self.rank_of(sender)
+        while key not in self.kept:
+            if peer == self.rank:
+                raise DistributedError(f"{phase.name.lower()} message {sender} -> {receiver} "
+                                       f"of micro-batch {microbatch} was never sent")
+            self._take(peer)
+        return self.kept.pop(key)
+
+    def abort(self) -> None:
+        """Stop sending: peers waiting for this rank end with a timeout naming it."""
+        self.stopping.set()
+        for outbox in self.outboxes.values():
+            outbox.put(None)
+
+    def flush(self) -> None:
+        """Wait until every peer took what this rank sent it (a step's tensors may change after
+        it, by the optimizer); raises what a sending thread met."""
+        marks = []
+        for outbox in self.outboxes.values():
+            mark = threading.Event()
+            outbox.put(mark)
+            marks.append(mark)
+        for mark in marks:
+            while not mark.wait(0.05):
+                self._raise_failure()
+        self._raise_failure()
+
+    def close(self) -> None:
+        """End the sending threads."""
+        self.abort()
+        for thread in self.senders.values():
+            thread.join(self.timeout)
+
+    # ---- sending thread, one per peer
+
+    def _outbox(self, peer: int) -> queue.SimpleQueue:
+        if peer not in self.outboxes:
+            self.outboxes[peer] = queue.SimpleQueue()
+            self.senders[peer] = threading.Thread(target=self._send_loop, args=(peer,),
+                                                  name=f"fxpipe-send-{peer}", daemon=True)
+            self.senders[peer].start()
+        return self.outboxes[peer]
+
+    def _send_loop(self, peer: int) -> None:
+        """Send the queued messages to `peer` in order; a failure is kept for the main thread."""
+        outbox = self.outboxes[peer]
+        while True:
+            item = outbox.get()
+            if item is None or self.stopping.is_set():
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            header, structure, payload = item
+            try:
+                dist.send_object_list([(header, structure)], dst=peer, group=self.group)
+                for t in payload:
+                    dist.send(t, dst=peer, group=self.group)
+            except BaseException as e:    # the main thread raises it
+                self.failures.append(DistributedError(
+                    f"rank {self.rank} could not send to rank {peer} within {self.timeout:g} s "
+                    f"({type(e).__name__}: {e}): rank {peer} went silent or failed; see its "
+                    f"output"))
+                self.stopping.set()
+                return
+
+    def _raise_failure(self) -> None:
+        if self.failures:
+            raise self.failures[0]
+
+    # ---- receiving, on the caller's thread
+
+    def _take(self, peer: int) -> None:
+        """Receive `peer`'s next message and keep it."""
+        try:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=peer, group=self.group)
+            (phase, sender, receiver, m), structure = box[0]
+            received = iter([self._recv(meta, peer) for meta in _metas(structure.values())])
+        except (RuntimeError, OSError) as e:
+            raise DistributedError(
+                f"rank {self.rank} waited for rank {peer} and got nothing within "
+                f"{self.timeout:g} s ({type(e).__name__}: {e}): rank {peer} went silent or "
+                f"failed; see its output") from None
+
+        def fill(v):
+            return next(received) if isinstance(v, _TensorMeta) else v
+        self.kept[Phase(phase), sender, receiver, m] = {
+            name: fx.node.map_aggregate(v, fill) for name, v in structure.items()}
+
+    def _recv(self, meta: _TensorMeta, peer: int) -> torch.Tensor:
+        """One tensor of `meta`'s shape from `peer`, on this rank's device."""
+        t = torch.empty(meta.shape, dtype=meta.dtype)
+        if t.numel() > 0:
+            dist.recv(t, src=peer, group=self.group)
+        t = t.to(self.device)
+        return t.requires_grad_(True) if meta.requires_grad else t
+
+
+def _meta(v: Any, payload: list[torch.Tensor]) -> Any:
+    """A tensor's `_TensorMeta`, its data (a CPU copy where needed) added to `payload`."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    if v.numel() > 0:
+        payload.append(v.detach().to("cpu").contiguous())
+    return _TensorMeta(tuple(v.shape), v.dtype, v.requires_grad)
+
+
+def _metas(values: Any) -> list[_TensorMeta]:
+    """The `_TensorMeta`s in `values`, in the order `_meta` met their tensors."""
+    found: list[_TensorMeta] = []
+    for v in values:
+        fx.node.map_aggregate(v, lambda x: found.append(x) if isinstance(x, _TensorMeta) else x)
+    return found
+
+
+# ---- the stage ------------------------------------------------------------------------------------
+
+class DistributedStage:
+    """This process's stage of a plan; every rank calls it alike (see the module docstring).
+
+    `module` is the stage's GraphModule: its parameters, named as in the model, are what this
+    rank's optimizer steps.
+    """
+
+    def __init__(self, plan: Any, stage: Any, rank: int, group: Any, timeout: float,
+                 owns_group: bool = False):
+        self.plan = plan
+        self.stage = stage
+        self.rank = rank
+        self.group = group
+        self.timeout = timeout
+        self.owns_group = owns_group
+        self.num_stages = len(plan.stages)
+        self.last = self.num_stages - 1
+        self.flow = _flow(plan)
+        self.transport = DistributedTransport(rank, stage.device, group=group, timeout=timeout)
+
+    @property
+    def module(self) -> fx.GraphModule:
+        return self.stage.module
+
+    def parameters(self):
+        return self.stage.module.parameters()
+
+    def named_parameters(self):
+        return self.stage.module.named_parameters()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output (last rank; None elsewhere) for the inputs given on rank 0 (those
+        given elsewhere are not read), in the plan's micro-batches, GPipe order."""
+        chunks: list[dict[str, Any]] = []
+
+        def prepare() -> None:
+            values = dict(zip(self.plan.signature.placeholders,
+                              self.plan.signature.flatten_inputs(args, kwargs)))
+            chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
+
+        seeds, _ = self._start(prepare)
+        outputs: dict[int, Any] = {}
+
+        def collect(m: int, received: dict[str, Any], out: dict[str, Any]) -> None:
+            outputs[m] = self.plan.signature.rebuild_outputs({**received, **out})
+
+        self._run(gpipe(self.num_stages, self.plan.chunks), chunks, seeds, None,
+                  collect if self.rank == self.last else None)
+        if self.rank != self.last:
+            return None
+        return microbatch.merge([outputs[m] for m in range(self.plan.chunks)],
+                                self.plan.output_dims)
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Any], *,
+                   reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
+        """Forward and backward of every micro-batch in the plan's schedule, as
+        `Pipeline.train_step` does: `inputs` on rank 0, `target` on the last rank (each not read
+        elsewhere). Returns the loss on the last rank, None elsewhere; gradients accumulate in
+        this rank's stage parameters' `.grad`. The optimizer step is the caller's, on each rank.
+        """
+        if reduction not in ("mean", "sum"):
+            raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        chunks: list[dict[str, Any]] = []
+
+        def prepare() -> int:
+            values = step_inputs(self.plan.signature, inputs)
+            chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
+            return microbatch.batch_size(values, self._batch_dims)
+
+        seeds, rows_in = self._start(prepare)
+        targets: list[Any] = []
+        weights: list[float] = []
+
+        def prepare_targets() -> None:
+            targets.extend(microbatch.split(target, self.plan.chunks))
+            rows = [microbatch.batch_size(t) for t in targets]
+            if sum(rows) != rows_in:
+                raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
+                                  f"{rows_in}: pass one target row per sample")
+            weights.extend(r / sum(rows) if reduction == "mean" else 1.0 for r in rows)
+
+        self._agree(self.last, prepare_targets)
+
+        def loss_of(m: int, values: dict[str, Any]) -> torch.Tensor:
+            output = self.plan.signature.rebuild_outputs(values)
+            loss = loss_fn(output, targets[m])
+            if isinstance(loss, tuple):
+                raise FxpipeError("loss_fn returned a (loss_sum, count) pair: fxpipe.distributed "
+                                  "does not take those yet; return a 0-d loss")
+            check_loss(loss, output)
+            return loss * weights[m]
+
+        timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
+                                  backward=True)
+        executor = self._run(timetable, chunks, seeds, loss_of, None)
+        if self.rank != self.last:
+            return None
+        return torch.stack([executor.losses[m] for m in range(self.plan.chunks)]).sum()
+
+    def close(self) -> None:
+        """End the sending threads, and the process group if `load` started it."""
+        self.transport.close()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "DistributedStage":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- one step
+
+    @property
+    def _batch_dims(self) -> dict[str, Any]:
+        return {p: self.plan.batch_dims.get(p, 0) for p in self.plan.signature.placeholders}
+
+    def _start(self, prepare: Callable[[], Any]) -> tuple[list[int], Any]:
+        """Rank 0 prepares the step's inputs (`prepare()`) and draws the micro-batch seeds; every
+        rank gets the seeds and what `prepare` returned, or raises if it failed on rank 0."""
+        return self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
+
+    def _agree(self, source: int, prepare: Callable[[], Any]) -> Any:
+        """`prepare()` on rank `source`, its result on every rank; its error raised on every
+        rank (on the others as a `DistributedError` naming it), so none waits for a step that
+        will not start."""
+        box: list[Any] = [None]
+        error: BaseException | None = None
+        if self.rank == source:
+            try:
+                box[0] = ("ok", prepare())
+            except Exception as e:
+                error = e
+                box[0] = ("error", f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        if error is not None:
+            raise error
+        status, value = box[0]
+        if status == "error":
+            raise DistributedError(f"rank {source} could not start the step: {value}")
+        return value
+
+    def _run(self, timetable: list, chunks: list[dict[str, Any]], seeds: list[int],
+             loss_of: Callable[[int, dict[str, Any]], torch.Tensor] | None,
+             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None
+             ) -> StageExecutor:
+        """Feed the graph inputs (rank 0), walk this stage's row, wait until peers took what
+        this rank sent; a failure of the stage is raised as a `StageError`."""
+        executor = StageExecutor(
+            self.stage,
+            from_stages=[n for src, names in self.flow.reads.get(self.rank, {}).items()
+                         if src != DRIVER for n in names],
+            backward_for={a.microbatch for a in timetable[self.rank]
+                          if a.phase is Phase.BACKWARD},
+            loss_of=loss_of if self.rank == self.last else None,
+            seeds=seeds, recompute=self.plan.recompute == "always")
+        if self.rank == 0:
+            for m, values in enumerate(chunks):
+                for dst, names in self.flow.sends.get(DRIVER, {}).items():
+                    self.transport.send(Phase.FORWARD, DRIVER, dst, m,
+                                        {n: values[n] for n in names})
+        row = StageRow(executor, timetable[self.rank], self.flow, self.transport)
+        try:
+            with executor.computing():
+                row.walk(forwarded=forwarded)
+        except (DistributedError, StageError):
+            raise
+        except Exception as e:
+            self.transport.abort()
+            error = _stage_error(self.stage, row.action, e)
+            raise error from e
+        self.transport.flush()
+        return executor
+
+
+def _flow(plan: Any) -> Flow:
+    """Who sends what to whom across ranks: the training wiring (graph outputs go to the last
+    stage) in both modes, and the last stage also reads from the driver the graph inputs the
+    model returns as they are (the model's output is rebuilt there)."""
+    last = len(plan.stages) - 1
+    reads = {receiver: {sender: list(names) for sender, names in senders.items()}
+             for receiver, senders in plan.wiring.training.reads.items()}
+    placeholders = set(plan.signature.placeholders)
+    returned = [leaf for leaf in plan.signature.out_leaves
+                if isinstance(leaf, str) and leaf in placeholders]
+    if returned:
+        from_driver = reads.setdefault(last, {}).setdefault(DRIVER, [])
+        from_driver.extend(n for n in dict.fromkeys(returned) if n not in from_driver)
+    return Flow.of_reads(reads)
