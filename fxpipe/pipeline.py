@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -119,6 +119,35 @@ class Pipeline(nn.Module):
             record.wall_s = time.perf_counter() - start
         record.slots.append(Slot(Action(0, 0, Phase.FORWARD), 0.0, record.wall_s))
         return out
+
+    def stream(self, items: Iterable[Any], *, max_in_flight: int | None = None) -> Iterator[Any]:
+        """The model's output for each item, in order, as the items come: each item is one
+        call's input (a tensor, a tuple of positional inputs, or a dict of keyword inputs) run
+        whole, without splitting it into micro-batches, and the stages work on consecutive items
+        at once. Workers stay up for the whole stream; at most `max_in_flight` items (default:
+        twice the stages) are inside at a time. Stopping early (leaving the loop, an exception
+        in `items`, Ctrl-C) stops and joins every worker; a failing item raises a `StageError`
+        naming its stage and the item's index. Item m draws from its own seed, taken from the
+        caller's generator as it is fed, as `pipe(x)` does for its one micro-batch."""
+        self._check_model()
+        limit = max_in_flight if max_in_flight is not None else 2 * len(self._stages)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise FxpipeError(f"max_in_flight={max_in_flight!r}: use a number of items >= 1")
+        signature, placeholders = self._signature, self._placeholders
+
+        def graph_inputs() -> Iterator[dict[str, Any]]:
+            for item in items:
+                args, kwargs = ((), item) if isinstance(item, dict) else (
+                    item if isinstance(item, tuple) else (item,), {})
+                yield dict(zip(placeholders, signature.flatten_inputs(args, kwargs)))
+
+        flowing = self._runtime.stream(graph_inputs(), max_in_flight=limit,
+                                       seed=lambda: microbatch_seeds(1)[0])
+        try:
+            for values, out in flowing:
+                yield signature.rebuild_outputs({**values, **out})
+        finally:
+            flowing.close()
 
     @property
     def last_run(self) -> Run | None:

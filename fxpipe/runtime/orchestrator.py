@@ -28,17 +28,19 @@ while it waits. `Run` records the actions that finished, for a failed run too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from fxpipe.passes.codegen import Stage
-from fxpipe.passes.errors import StageError
+from fxpipe.passes.errors import FxpipeError, StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
 from ..wiring import DRIVER, Flow, Wiring
@@ -89,6 +91,118 @@ class Runtime:
         (training), and the record of the run (also `self.last_run`, kept when the run fails).
         """
         return _Execution(self, timetable, inputs, loss_of, seeds).run()
+
+
+    def stream(self, inputs: Iterable[dict[str, Any]], *, max_in_flight: int,
+               seed: Callable[[], int | None] = lambda: None
+               ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each item's graph inputs through the stages as it comes, yielding (its inputs, its
+        graph outputs) in order; see `_Stream`."""
+        return _Stream(self, max_in_flight, seed).run(iter(inputs))
+
+
+class _Stream:
+    """A stream: workers stay up for the whole stream, each stage takes the next item as soon as
+    it is free, and the driver (the caller's thread, in the generator) feeds items while fewer
+    than `max_in_flight` are inside, yields outputs in order, and ends the stream with an `END`
+    message that each stage passes on before it stops. Closing the generator early (the
+    consumer stopped), an item that fails to come (the iterable raised) or a stage that fails
+    aborts the stream; every worker is joined before the generator returns."""
+
+    def __init__(self, runtime: Runtime, max_in_flight: int, seed: Callable[[], int | None]):
+        self.rt = runtime
+        self.limit = max_in_flight
+        self.seed = seed
+        self.flow = runtime.wiring.flow(training=False)
+        silent = [s.index for s in runtime.stages if not self.flow.reads.get(s.index)]
+        if silent:
+            raise FxpipeError(f"stage {silent[0]} reads no input nor other stage, so it would "
+                              f"never learn that a stream ended: plan on fewer devices")
+        self.stopping = threading.Event()
+        self.transport = ThreadTransport(
+            self.flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            self.stopping)
+        self.seeds: dict[int, int | None] = {}      # item -> its seed, drawn as it is fed
+        self.executors = [StageExecutor(stage, from_stages=(), seeds=self.seeds,
+                                        stream=runtime.streams[stage.index])
+                          for stage in runtime.stages]
+        self.errors: list[StageError] = []
+
+    def run(self, items: Iterator[dict[str, Any]]
+            ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        threads = [threading.Thread(target=self.work, args=(stage.index,),
+                                    name=f"fxpipe-stream-{stage.index}", daemon=True)
+                   for stage in self.rt.stages]
+        record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
+        start = time.perf_counter()
+        inside: collections.deque[dict[str, Any]] = collections.deque()
+        fed = 0
+        try:
+            with _workers(threads, self.abort):
+                ended = False
+                while True:
+                    while not ended and len(inside) < self.limit:
+                        item = next(items, _NO_MORE)
+                        ended = item is _NO_MORE
+                        self.feed(fed, {END: None} if ended else item)
+                        if not ended:
+                            inside.append(item)
+                            fed += 1
+                    if not inside:
+                        break
+                    m = fed - len(inside)
+                    try:
+                        out = receive_values(self.flow, self.transport, DRIVER, m)
+                    except Aborted:
+                        break
+                    # A stage is never that far behind the outputs: its seed will not be read.
+                    self.seeds.pop(m - 16 * self.limit, None)
+                    yield inside.popleft(), out
+        except GeneratorExit:      # the consumer stopped early: the workers are joined
+            raise
+        except BaseException as e:
+            record.error = f"{type(e).__name__} in the caller's thread"
+            raise
+        finally:
+            record.wall_s = time.perf_counter() - start
+        if self.errors:
+            error = self.errors[0]
+            record.error = str(error)
+            raise StageError(str(error).replace("on micro-batch", "on item", 1),
+                             stage=error.stage, microbatch=error.microbatch) from error.__cause__
+
+    def feed(self, m: int, values: dict[str, Any]) -> None:
+        """Item m's graph inputs (or the stream's end) to every stage that reads them."""
+        if END not in values:
+            self.seeds[m] = self.seed()
+        for dst, names in self.flow.sends.get(DRIVER, {}).items():
+            self.transport.send(Phase.FORWARD, DRIVER, dst, m,
+                                values if END in values else {n: values[n] for n in names})
+
+    def abort(self) -> None:
+        self.stopping.set()
+        self.transport.abort()
+
+    def work(self, index: int) -> None:
+        """Stage `index` forwards items until the stream ends; a failure aborts the stream."""
+        executor = self.executors[index]
+        row = StageRow(executor, (Action(index, m, Phase.FORWARD) for m in itertools.count()),
+                       self.flow, self.transport)
+        try:
+            if self.rt.threads[index] and executor.stage.device.type == "cpu":
+                set_thread_count(self.rt.threads[index])
+            with executor.computing():
+                row.walk(stopping=self.stopping.is_set)
+        except Aborted:
+            return
+        except BaseException as e:
+            try:
+                self.errors.append(_stage_error(executor.stage, row.action, e))
+            finally:
+                self.abort()
+
+
+_NO_MORE = object()
 
 
 class _Execution:
@@ -234,10 +348,10 @@ class StageRow:
     process, so both follow the same order of messages.
     """
 
-    def __init__(self, executor: StageExecutor, actions: Sequence[Action], flow: Flow,
+    def __init__(self, executor: StageExecutor, actions: Iterable[Action], flow: Flow,
                  transport: Transport):
         self.executor = executor
-        self.actions = list(actions)
+        self.actions = actions         # any iterable: a stream's row has no end
         self.flow = flow
         self.transport = transport
         self.index = executor.stage.index
@@ -258,6 +372,10 @@ class StageRow:
             m = action.microbatch
             if action.phase is Phase.FORWARD:
                 values = receive_values(self.flow, self.transport, self.index, m)
+                if END in values:      # a stream ended: pass it on, and stop
+                    for dst in self.flow.sends.get(self.index, {}):
+                        self.transport.send(Phase.FORWARD, self.index, dst, m, {END: None})
+                    return
                 began = clock()
                 out = self.forward(m, values)
                 if forwarded is not None:
@@ -284,6 +402,9 @@ class StageRow:
             if src != DRIVER:
                 self.transport.send(Phase.BACKWARD, self.index, src, m,
                                     {n: input_grads[n] for n in names})
+
+
+END = "fxpipe:end"    # the key of a forward message that ends a stream (no node has this name)
 
 
 def receive_values(flow: Flow, transport: Transport, receiver: int, m: int) -> dict[str, Any]:

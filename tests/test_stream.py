@@ -1,0 +1,107 @@
+"""pipe.stream: each item through the stages as it comes, outputs in order, no thread left."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+
+import fxpipe
+from fxpipe.testing import models
+
+
+def ours() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("fxpipe")}
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        h = torch.relu(self.a(x))
+        return {"out": self.c(torch.tanh(self.b(h)) + h) * scale, "skip": h}
+
+
+def compiled(stages: int):
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    return model, fxpipe.compile(model, ["cpu"] * stages, (torch.randn(1, 8),))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_stream_equals_the_model_item_by_item_in_order(stages):
+    model, pipe = compiled(stages)
+    items = [torch.randn(1, 8) for _ in range(25)]
+    with torch.no_grad():
+        outputs = list(pipe.stream(items, max_in_flight=3))
+        assert len(outputs) == len(items)
+        for out, x in zip(outputs, items):
+            torch.testing.assert_close(out, model(x))
+    assert not ours()
+
+
+def test_items_may_be_tuples_or_dicts_of_the_models_inputs():
+    model, pipe = compiled(2)
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        tuple_out, dict_out = pipe.stream([(x,), {"x": x}])
+        torch.testing.assert_close(tuple_out, model(x))
+        torch.testing.assert_close(dict_out, model(x))
+
+
+def test_an_empty_stream_yields_nothing():
+    _, pipe = compiled(2)
+    assert list(pipe.stream([])) == []
+    assert not ours()
+
+
+def test_an_iterable_that_raises_stops_the_stream_and_its_workers():
+    _, pipe = compiled(3)
+
+    def frames():
+        for _ in range(4):
+            yield torch.randn(1, 8)
+        raise OSError("camera unplugged")
+
+    seen = []
+    with pytest.raises(OSError, match="camera unplugged"):
+        for out in pipe.stream(frames()):
+            seen.append(out)
+    assert len(seen) <= 4 and not ours()
+
+
+def test_a_consumer_that_stops_early_leaves_no_worker():
+    _, pipe = compiled(3)
+    endless = (torch.randn(1, 8) for _ in iter(int, 1))
+    for i, _ in enumerate(pipe.stream(endless)):
+        if i == 5:
+            break
+    assert not ours()
+
+
+def test_a_failing_item_names_its_stage_and_index():
+    _, pipe = compiled(2)
+    items = [torch.randn(1, 8), torch.randn(1, 8), torch.randn(1, 3), torch.randn(1, 8)]
+    with pytest.raises(fxpipe.StageError, match=r"stage 0 .*on item 2") as info:
+        list(pipe.stream(items))
+    assert info.value.microbatch == 2 and not ours()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(models(max_nodes=12, batch=(1, 1)))
+def test_generated_models_stream_as_they_run(case):
+    model, example = case
+    try:
+        pipe = fxpipe.compile(model, ["cpu"] * 2, example)
+    except fxpipe.PartitionError:
+        return       # too few nodes for two stages
+    items = [tuple(torch.randn_like(t) for t in example) for _ in range(6)]
+    with torch.no_grad():
+        outputs = list(pipe.stream(items))
+        assert len(outputs) == len(items)
+        for out, x in zip(outputs, items):
+            torch.testing.assert_close(out, model(*x))
+    assert not ours()
