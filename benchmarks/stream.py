@@ -74,7 +74,7 @@ def main() -> None:
     options = parser.parse_args()
     fxpipe.tune_cpu_allocator()
     cores = os.cpu_count() or 1
-    rows = []
+    rows, predicted = [], []
     for name, model, x in models():
         if options.models and name not in options.models:
             continue
@@ -87,6 +87,8 @@ def main() -> None:
             for run in runs.values():       # warm-up
                 run()
             results = {label: run() for label, run in runs.items()}
+        rate, latency = pipe.plan.stream_prediction
+        predicted.append((name, rate, latency * 1e3))
         base = results["model, 1 thread"][0]
         best = results[f"model, {cores} threads"][0]
         for label, (rate, latencies) in results.items():
@@ -97,6 +99,8 @@ def main() -> None:
     print(f"batch 1, {options.items} samples, {cores} cores")
     print(tabulate(rows, headers=["model", "run", "samples/s", "x 1 thread", f"x {cores} threads",
                                   "latency p50 ms", "latency p95 ms"], floatfmt=".2f"))
+    print("\nthe plan's prediction for the stream (pipe.plan.stream_prediction):")
+    print(tabulate(predicted, headers=["model", "samples/s", "latency alone ms"], floatfmt=".2f"))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,17 @@ class Plan:
         return save(self, path)
 
     @property
+    def stream_prediction(self) -> tuple[float, float]:
+        """What the cost model predicts for `pipe.stream` when each item is the example's
+        micro-batch (plan on one sample to stream samples): items per second, one per
+        bottleneck stage's forward, and one item's latency through the stages when alone."""
+        from .search import predict_slots
+        part = self.partition
+        rate = 1 / max(c.forward_step_s for c in part.stages)
+        alone = predict_slots(part, 1, "gpipe", False, self.wiring.reads_from(False))
+        return rate, max(slot.end_s for slot in alone)
+
+    @property
     def speedup(self) -> float | None:
         """The model's measured time over the pipeline's predicted time, per batch."""
         if not self.predicted_step_s or self.unpipelined_s is None:

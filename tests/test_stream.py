@@ -105,3 +105,13 @@ def test_generated_models_stream_as_they_run(case):
         for out, x in zip(outputs, items):
             torch.testing.assert_close(out, model(*x))
     assert not ours()
+
+
+def test_the_plan_predicts_a_streams_rate_and_latency():
+    _, pipe = compiled(3)
+    rate, latency = pipe.plan.stream_prediction
+    stages = pipe.plan.partition.stages
+    assert rate == pytest.approx(1 / max(c.forward_step_s for c in stages))
+    # One item alone goes through every stage, those not reading each other side by side.
+    times = [c.forward_step_s for c in stages]
+    assert max(times) * (1 - 1e-9) <= latency <= sum(times) * (1 + 1e-9)
