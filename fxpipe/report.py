@@ -140,13 +140,24 @@ class Plan:
         return lines
 
     def _activations(self) -> list[str]:
-        """In training: what autograd keeps for the backward, per stage and micro-batch."""
+        """In training: what autograd keeps for the backward, per stage, at the schedule's peak
+        of micro-batches in flight, without and with recomputation."""
         if not any(self.stage_saved_bytes):
             return []
-        kept = " | ".join(f"{b / 1e6:.3f}" for b in self.stage_saved_bytes)
-        how = ("recomputed in the backward (recompute='always'): each stage keeps only its inputs"
-               if self.recompute == "always" else "kept until the backward")
-        return [f"activations for the backward, MB per micro-batch by stage: {kept}; {how}"]
+        from .search import in_flight
+        part = self.partition
+        peaks = in_flight(True, self.schedule, self.chunks, part.num_stages)
+        never = [n * b for n, b in zip(peaks, self.stage_saved_bytes)]
+        # Recomputing, a stage keeps each micro-batch's inputs, and one micro-batch's
+        # activations while its backward runs.
+        always = [n * c.received_bytes + b
+                  for n, c, b in zip(peaks, part.stages, self.stage_saved_bytes)]
+        mb = lambda values: " | ".join(f"{v / 1e6:.3f}" for v in values)   # noqa: E731
+        chosen = "always" if self.recompute == "always" else "never"
+        return [f"activations kept for the backward at the peak ({self.schedule}, micro-batches "
+                f"in flight by stage: {' | '.join(map(str, peaks))}), MB by stage: "
+                f"{mb(never)} without recomputation, {mb(always)} with it "
+                f"(recompute='{chosen}')"]
 
     def _comparison(self) -> list[str]:
         """The pipeline's predicted time per batch against the model's own, and a warning

@@ -74,3 +74,16 @@ def test_a_recomputing_stage_keeps_only_its_inputs_until_its_backward():
 def test_recompute_is_checked():
     with pytest.raises(fxpipe.FxpipeError, match="recompute='sometimes'"):
         fxpipe.compile(Net(), ["cpu"], (torch.randn(4, 8),), recompute="sometimes")
+
+
+def test_the_plan_shows_what_recomputation_would_keep():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).train()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (torch.randn(32, 64),), chunks=4,
+                          schedule="gpipe")
+    assert all(b > 0 for b in pipe.plan.stage_saved_bytes)
+    # GPipe keeps every micro-batch in flight at each stage.
+    assert "micro-batches in flight by stage: 4 | 4" in str(pipe.plan)
+    inference = fxpipe.compile(model.eval(), ["cpu"] * 2, (torch.randn(32, 64),))
+    assert not any(inference.plan.stage_saved_bytes)
+    assert "activations kept" not in str(inference.plan)
