@@ -115,3 +115,13 @@ def test_the_plan_predicts_a_streams_rate_and_latency():
     # One item alone goes through every stage, those not reading each other side by side.
     times = [c.forward_step_s for c in stages]
     assert max(times) * (1 - 1e-9) <= latency <= sum(times) * (1 + 1e-9)
+
+
+def test_an_exception_in_the_consumers_loop_leaves_no_worker():
+    _, pipe = compiled(3)
+    endless = (torch.randn(1, 8) for _ in iter(int, 1))
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(pipe.stream(endless)):
+            if i == 3:
+                raise KeyboardInterrupt     # as Ctrl-C would, in the consumer's code
+    assert not ours()
