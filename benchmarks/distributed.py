@@ -1,0 +1,142 @@
+"""One plan, four runtimes: fxpipe over torch.distributed, fxpipe's threads, torch's pipelining
+and the model in one process, side by side on this machine's CPU.
+
+    python benchmarks/distributed.py [--channels 48] [--batch 64] [--repeats 5]
+
+The chain of 8 Conv2d+ReLU layers of `benchmarks/pipeline_throughput.py`, planned by fxpipe on 2
+CPU stages of one thread each; for 1, 2, 4, 8 and 16 micro-batches, inference throughput of:
+- the model in one process, whole batch, 1 thread and all cores' threads;
+- fxpipe's threaded `Pipeline` (two stage threads in this process);
+- `fxpipe.distributed`: the saved plan in 2 torchrun processes (gloo on 127.0.0.1);
+- torch.distributed.pipelining's `ScheduleGPipe` on the same 2 stages
+  (`fxpipe.torch_pipelining.pipeline_stages`), 2 torchrun processes.
+"x 1 thread" is samples/s over the model's with one thread; "% of ideal" divides it by the GPipe
+bound k*m/(m+k-1) for k = 2 stages and m micro-batches. Run it alone: two cores are easily shared
+into noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import fxpipe  # noqa: E402
+from benchmarks.pipeline_throughput import build  # noqa: E402
+
+STAGES = 2
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()                                   # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def launched(kind: str, plan: Path, data: Path, repeats: int) -> float:
+    """The median seconds per call measured by 2 torchrun processes running `kind`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(STAGES), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   __file__, "--worker", kind, str(plan), str(data), str(repeats), out]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=600,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return float(Path(out, "seconds").read_text())
+
+
+def worker(kind: str, plan: str, data: str, repeats: str, out: str) -> None:
+    """One torchrun process: time `repeats` calls; the last rank writes the median."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x = torch.load(data)["x"]
+    if kind == "fxpipe":
+        import fxpipe.distributed
+        stage = fxpipe.distributed.load(plan)
+        rank, last = stage.rank, stage.last
+
+        def call():
+            with torch.no_grad():
+                stage(x if rank == 0 else None)
+    else:
+        from torch.distributed.pipelining import ScheduleGPipe
+        import fxpipe.torch_pipelining
+        dist.init_process_group("gloo")
+        rank, last = dist.get_rank(), dist.get_world_size() - 1
+        chunks = fxpipe.load_plan(plan).chunks
+        schedule = ScheduleGPipe(fxpipe.torch_pipelining.pipeline_stages(plan)[0],
+                                 n_microbatches=chunks)
+
+        def call():
+            with torch.no_grad():
+                schedule.eval(x) if rank == 0 else schedule.eval()
+    seconds = median_s(lambda: (call(), dist.barrier()), int(repeats))
+    if rank == last:
+        Path(out, "seconds").write_text(repr(seconds))
+    if kind == "fxpipe":
+        stage.close()
+    else:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--channels", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    options = parser.parse_args()
+    torch.manual_seed(0)
+    model = build(options.channels).eval()
+    x = torch.randn(options.batch, 3, 32, 32)
+    cores = os.cpu_count() or 1
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch, torch.no_grad():
+        data = Path(scratch, "data.pt")
+        torch.save({"x": x}, data)
+        torch.set_num_threads(1)
+        one = median_s(lambda: model(x), options.repeats)
+        torch.set_num_threads(cores)
+        every = median_s(lambda: model(x), options.repeats)
+        for chunks in (1, 2, 4, 8, 16):
+            pipe = fxpipe.compile(model, ["cpu"] * STAGES, (x,), chunks=chunks,
+                                  threads_per_stage=1, progress=False)
+            plan = Path(scratch, f"plan-{chunks}")
+            pipe.plan.save(plan)
+            timings = {"fxpipe threads": median_s(lambda: pipe(x), options.repeats),
+                       "fxpipe.distributed": launched("fxpipe", plan, data, options.repeats),
+                       "torch pipelining": launched("torch", plan, data, options.repeats)}
+            ideal = STAGES * chunks / (chunks + STAGES - 1)
+            for label, seconds in timings.items():
+                rows.append((chunks, label, options.batch / seconds, one / seconds,
+                             every / seconds, 100 * one / seconds / ideal))
+    print(f"inference, batch {options.batch}, {STAGES} stages x 1 thread, {cores} cores; model: "
+          f"{options.batch / one:.1f} samples/s on 1 thread, {options.batch / every:.1f} on "
+          f"{cores}")
+    print(tabulate(rows, headers=["chunks", "runtime", "samples/s", "x 1 thread",
+                                  f"x {cores} threads", "% of ideal"], floatfmt=".2f"))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(*sys.argv[2:7])
+    else:
+        main()
