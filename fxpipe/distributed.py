@@ -1,11 +1,18 @@
-"""Run a saved plan on `torch.distributed`: one process per stage, started by torchrun.
+"""Run a saved plan on `torch.distributed`: one process per stage and replica, started by torchrun.
 
-    # run.py, launched with: torchrun --nproc-per-node 2 run.py
-    stage = fxpipe.distributed.load("plans/model-2")    # rank r runs stage r, its weights only
-    y = stage(x if stage.rank == 0 else None)           # the model's output on the last rank
-    loss = stage.train_step(x, target, loss_fn)         # x on rank 0, target on the last rank
+    # run.py, launched with: torchrun --nproc-per-node 2 run.py   (or 4: two replicas)
+    stage = fxpipe.distributed.load("plans/model-2")    # rank r runs stage r % 2, its weights only
+    y = stage(x if stage.index == 0 else None)          # the model's output on the last stage
+    loss = stage.train_step(x, target, loss_fn)         # x on stage 0, target on the last stage
 
-The flow: rank 0 is also the driver: it splits the inputs into the plan's micro-batches and sends
+Replicas: a world of `replicas x stages` ranks runs `replicas` copies of the pipeline; rank r
+runs stage `r % stages` of replica `r // stages` (replica k is ranks k*stages .. k*stages +
+stages - 1), each replica on the inputs given to its own stage 0 (its shard of the batch). After
+`train_step`, each stage's replicas average their gradients (one all-reduce over a gloo group of
+that stage's ranks, divided by the replicas), so with equal shards and a mean loss every rank
+holds the whole batch's gradients.
+
+The flow, in each replica: its stage-0 rank is also the driver: it splits the inputs into the plan's micro-batches and sends
 each stage the graph inputs it reads. Every rank walks its own stage's row of the timetable (the
 same `StageRow` the thread runtime walks, so messages follow the same order), GPipe for a call and
 the plan's schedule for `train_step`. Graph outputs go to the last rank, which returns the model's
@@ -20,7 +27,17 @@ thread per peer, in the order its stage produced the messages; a receiver takes 
 in that order, keeping those it needs later. Every wait ends after `timeout` seconds with a
 `DistributedError` naming the rank that went silent.
 
-Not in this slice: a weight shared by two stages gets a partial gradient on each rank (sum them
+Failures end every rank: a stage that raises gives its rank a `StageError` naming the rank and
+stage, and it sends its peers an abort header in place of its unsent messages; a rank receiving
+one raises `PeerFailedError` (a `DistributedError`) naming the rank that failed first and relays
+it. A rank that finished its row still hears it: the step ends with a "done" header from every
+peer to every peer, read in order behind their messages. A peer that dies is met as a closed
+connection or a timeout, naming it. A rank that cannot load its stage (`PlanFileError`) makes the
+others raise a `DistributedError` naming it. A failed step leaves the stage unusable: close it
+(`with` does), which waits (at most `timeout`) for the news to be taken, and start again.
+
+Not in this slice: the losses of the replicas are not averaged (each replica's last stage
+returns its shard's); a weight shared by two stages gets a partial gradient on each rank (sum them
 yourself); gradients of the graph inputs are not sent back to rank 0; losses returned as
 `(loss_sum, count)`; CUDA stages go through CPU copies (no NCCL).
 """
