@@ -1,11 +1,18 @@
-"""Run a saved plan on `torch.distributed`: one process per stage, started by torchrun.
+"""Run a saved plan on `torch.distributed`: one process per stage and replica, started by torchrun.
 
-    # run.py, launched with: torchrun --nproc-per-node 2 run.py
-    stage = fxpipe.distributed.load("plans/model-2")    # rank r runs stage r, its weights only
-    y = stage(x if stage.rank == 0 else None)           # the model's output on the last rank
-    loss = stage.train_step(x, target, loss_fn)         # x on rank 0, target on the last rank
+    # run.py, launched with: torchrun --nproc-per-node 2 run.py   (or 4: two replicas)
+    stage = fxpipe.distributed.load("plans/model-2")    # rank r runs stage r % 2, its weights only
+    y = stage(x if stage.index == 0 else None)          # the model's output on the last stage
+    loss = stage.train_step(x, target, loss_fn)         # x on stage 0, target on the last stage
 
-The flow: rank 0 is also the driver: it splits the inputs into the plan's micro-batches and sends
+Replicas: a world of `replicas x stages` ranks runs `replicas` copies of the pipeline; rank r
+runs stage `r % stages` of replica `r // stages` (replica k is ranks k*stages .. k*stages +
+stages - 1), each replica on the inputs given to its own stage 0 (its shard of the batch). After
+`train_step`, each stage's replicas average their gradients (one all-reduce over a gloo group of
+that stage's ranks, divided by the replicas), so with equal shards and a mean loss every rank
+holds the whole batch's gradients.
+
+The flow, in each replica: its stage-0 rank is also the driver: it splits the inputs into the plan's micro-batches and sends
 each stage the graph inputs it reads. Every rank walks its own stage's row of the timetable (the
 same `StageRow` the thread runtime walks, so messages follow the same order), GPipe for a call and
 the plan's schedule for `train_step`. Graph outputs go to the last rank, which returns the model's
@@ -20,7 +27,17 @@ thread per peer, in the order its stage produced the messages; a receiver takes 
 in that order, keeping those it needs later. Every wait ends after `timeout` seconds with a
 `DistributedError` naming the rank that went silent.
 
-Not in this slice: a weight shared by two stages gets a partial gradient on each rank (sum them
+Failures end every rank: a stage that raises gives its rank a `StageError` naming the rank and
+stage, and it sends its peers an abort header in place of its unsent messages; a rank receiving
+one raises `PeerFailedError` (a `DistributedError`) naming the rank that failed first and relays
+it. A rank that finished its row still hears it: the step ends with a "done" header from every
+peer to every peer, read in order behind their messages. A peer that dies is met as a closed
+connection or a timeout, naming it. A rank that cannot load its stage (`PlanFileError`) makes the
+others raise a `DistributedError` naming it. A failed step leaves the stage unusable: close it
+(`with` does), which waits (at most `timeout`) for the news to be taken, and start again.
+
+Not in this slice: the losses of the replicas are not averaged (each replica's last stage
+returns its shard's); a weight shared by two stages gets a partial gradient on each rank (sum them
 yourself); gradients of the graph inputs are not sent back to rank 0; losses returned as
 `(loss_sum, count)`; CUDA stages go through CPU copies (no NCCL).
 """
@@ -49,8 +66,8 @@ from .saved import load_stage_plan, stage_count
 from .schedules import Phase, gpipe, timetable_for
 from .wiring import DRIVER, Flow
 
-__all__ = ["DistributedError", "DistributedStage", "DistributedTransport", "WorldSizeError",
-           "load"]
+__all__ = ["DistributedError", "DistributedStage", "DistributedTransport", "PeerFailedError",
+           "WorldSizeError", "load"]
 
 
 class DistributedError(FxpipeError):
@@ -62,20 +79,68 @@ class WorldSizeError(DistributedError):
 
 
 def load(path: str | os.PathLike, *, timeout: float = 60.0) -> "DistributedStage":
-    """This process's stage of the plan saved at `path`: rank r loads stage r, its weights only.
+    """This process's stage of the plan saved at `path`, its weights only.
 
-    Joins the default process group, initialised here from torchrun's environment (env://,
-    gloo) unless the caller did; `timeout` (seconds) bounds every wait for another rank.
+    The world is `replicas x stages` processes: rank r runs stage `r % stages` of replica
+    `r // stages` (one process per stage is one replica). Joins the default process group,
+    initialised here from torchrun's environment (env://, gloo) unless the caller did; `timeout`
+    (seconds) bounds every wait for another rank. A rank that cannot load its stage makes every
+    rank raise: itself its error, the others a `DistributedError` naming it.
     """
     group, owned = _process_group(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = stage_count(path)
-    if world != stages:
+    if world % stages:
         raise WorldSizeError(
             f"the plan at {str(path)!r} has {stages} stages but {world} processes run it (rank "
-            f"{rank}): start one process per stage, torchrun --nproc-per-node {stages}")
-    plan, stage = load_stage_plan(path, rank)
-    return DistributedStage(plan, stage, rank, group, timeout, owned)
+            f"{rank}): start a multiple of the stages, one process per stage and replica: "
+            f"torchrun --nproc-per-node {stages} (or {2 * stages} for two replicas)")
+    replica, index = divmod(rank, stages)
+    loaded, error = None, None
+    try:
+        loaded = load_stage_plan(path, index)
+    except Exception as e:
+        error = e
+    _agree_loaded(rank, error, group, timeout)
+    pipeline, gradients = _replica_groups(world // stages, stages, replica, index, timeout)
+    plan, stage = loaded
+    return DistributedStage(plan, stage, rank, group, timeout, owned, replica=replica,
+                            replicas=world // stages, pipeline_group=pipeline,
+                            gradient_group=gradients)
+
+
+def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: float) -> None:
+    """Raise `error` here, and on every other rank a `DistributedError` naming the first rank
+    that could not load its stage, so that no rank waits for a stage that never started."""
+    states: list[Any] = [None] * dist.get_world_size()
+    note = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        dist.all_gather_object(states, note, group=group)
+    except RuntimeError as e:
+        raise DistributedError(f"rank {rank} could not hear from every rank within {timeout:g} s "
+                               f"after loading ({e}): see the other ranks' output") from None
+    if error is not None:
+        raise error
+    failed = [(r, n) for r, n in enumerate(states) if n is not None]
+    if failed:
+        raise DistributedError(f"rank {failed[0][0]} could not load its stage "
+                               f"({failed[0][1]}), so rank {rank} stops too: fix the plan "
+                               f"files and start every rank again")
+
+
+def _replica_groups(replicas: int, stages: int, replica: int, index: int,
+                    timeout: float) -> tuple[Any, Any]:
+    """This rank's pipeline group (its replica's ranks) and gradient group (its stage's
+    replicas); None for both with one replica. Every rank creates every group, in one order,
+    as `dist.new_group` requires."""
+    if replicas == 1:
+        return None, None
+    wait = datetime.timedelta(seconds=timeout)
+    pipelines = [dist.new_group(list(range(k * stages, (k + 1) * stages)), timeout=wait,
+                                backend="gloo") for k in range(replicas)]
+    gradients = [dist.new_group([k * stages + i for k in range(replicas)], timeout=wait,
+                                backend="gloo") for i in range(stages)]
+    return pipelines[replica], gradients[index]
 
 
 def _process_group(timeout: float) -> tuple[Any, bool]:
@@ -113,30 +178,48 @@ class _TensorMeta:
 Key = tuple[Phase, int, int, int]     # (phase, sender, receiver, micro-batch)
 
 
+class PeerFailedError(DistributedError):
+    """Another rank of the pipeline failed and told this one: `origin` is the rank that failed
+    first, `note` says why."""
+
+    def __init__(self, message: str, note: str, origin: int):
+        super().__init__(message)
+        self.note = note
+        self.origin = origin
+
+
+_DONE = ("done",)     # a peer's header: it finished the step and sends nothing more in it
+
+
 class DistributedTransport:
-    """The `Transport` between processes: participant i (stage i) is rank i, and the driver
-    (`DRIVER`, which sends the graph inputs) is rank 0.
+    """The `Transport` between processes: participant i (stage i) is rank `base + i`, and the
+    driver (`DRIVER`, which sends the graph inputs) is rank `base`, the replica's first.
 
     A message between participants on one rank stays in this process. One to another rank is
     queued for that peer's sending thread; `receive` takes a peer's messages in the order they
-    were sent, keeping those not asked for yet. `flush` waits until every message was taken.
+    were sent, keeping those not asked for yet. `finish_step` tells every peer of the pipeline
+    that this rank is done and waits until each peer said the same; `abort` tells them it
+    failed instead, so a peer waiting for this rank ends at once with a `PeerFailedError`.
     """
 
     def __init__(self, rank: int, device: torch.device, *, group: Any = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, base: int = 0, peers: list[int] | None = None):
         self.rank = rank
         self.device = device
         self.group = group
         self.timeout = timeout
+        self.base = base
+        self.peers = [p for p in (peers or []) if p != rank]
         self.kept: dict[Key, dict[str, Any]] = {}     # received (or local), not asked for yet
+        self.done: set[int] = set()                   # peers that finished this step
+        self.failed: set[int] = set()                 # ranks known to have failed
         self.outboxes: dict[int, queue.SimpleQueue] = {}
         self.senders: dict[int, threading.Thread] = {}
         self.failures: list[BaseException] = []
-        self.stopping = threading.Event()
+        self.abort_note: tuple[int, str] | None = None
 
-    @staticmethod
-    def rank_of(participant: int) -> int:
-        return 0 if participant == DRIVER else participant
+    def rank_of(self, participant: int) -> int:
+        return self.base + (0 if participant == DRIVER else participant)
 
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
@@ -149,28 +232,30 @@ class DistributedTransport:
         payload: list[torch.Tensor] = []
         structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload))
                      for name, v in values.items()}
-        self._outbox(peer).put(((phase.value, sender, receiver, microbatch), structure, payload))
+        self._outbox(peer).put((("data", (phase.value, sender, receiver, microbatch),
+                                 structure), payload))
 
     def receive(self, phase: Phase, sender: int, receiver: int,
                 microbatch: int) -> dict[str, Any]:
         key = (phase, sender, receiver, microbatch)
         peer = self.rank_of(sender)
         while key not in self.kept:
-            if peer == self.rank:
+            if peer == self.rank or peer in self.done:
                 raise DistributedError(f"{phase.name.lower()} message {sender} -> {receiver} "
                                        f"of micro-batch {microbatch} was never sent")
             self._take(peer)
         return self.kept.pop(key)
 
-    def abort(self) -> None:
-        """Stop sending: peers waiting for this rank end with a timeout naming it."""
-        self.stopping.set()
-        for outbox in self.outboxes.values():
-            outbox.put(None)
-
-    def flush(self) -> None:
-        """Wait until every peer took what this rank sent it (a step's tensors may change after
-        it, by the optimizer); raises what a sending thread met."""
+    def finish_step(self) -> None:
+        """Tell every peer this rank is done, wait until each peer is done (or failed: raised),
+        then until every peer took what this rank sent (a step's tensors may change after it,
+        by the optimizer); raises what a sending thread met."""
+        for peer in self.peers:
+            self._outbox(peer).put((_DONE, []))
+        for peer in self.peers:
+            while peer not in self.done:
+                self._take(peer)
+        self.done.clear()
         marks = []
         for outbox in self.outboxes.values():
             mark = threading.Event()
@@ -181,9 +266,20 @@ class DistributedTransport:
                 self._raise_failure()
         self._raise_failure()
 
+    def abort(self, note: str, origin: int | None = None) -> None:
+        """Stop sending; tell every peer not known to have failed that this step failed
+        (`note` says why, `origin` which rank failed first: this one unless given), in place of
+        the messages not sent yet."""
+        if self.abort_note is None:
+            self.abort_note = (self.rank if origin is None else origin, note)
+        for peer in self.peers:
+            self._outbox(peer).put(None)
+
     def close(self) -> None:
-        """End the sending threads."""
-        self.abort()
+        """End the sending threads, once they sent what was queued (after `abort`, the news of
+        the failure: each ends when its peer took it, left, or at the timeout)."""
+        for outbox in self.outboxes.values():
+            outbox.put(None)
         for thread in self.senders.values():
             thread.join(self.timeout)
 
@@ -198,27 +294,39 @@ class DistributedTransport:
         return self.outboxes[peer]
 
     def _send_loop(self, peer: int) -> None:
-        """Send the queued messages to `peer` in order; a failure is kept for the main thread."""
+        """Send the queued messages to `peer` in order, or once aborted, the abort alone; a
+        failure is kept for the main thread."""
         outbox = self.outboxes[peer]
         while True:
             item = outbox.get()
-            if item is None or self.stopping.is_set():
+            if self.abort_note is not None:
+                self._send_abort(peer)
+                return
+            if item is None:
                 return
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            header, structure, payload = item
+            header, payload = item
             try:
-                dist.send_object_list([(header, structure)], dst=peer, group=self.group)
+                dist.send_object_list([header], dst=peer, group=self.group)
                 for t in payload:
                     dist.send(t, dst=peer, group=self.group)
             except BaseException as e:    # the main thread raises it
                 self.failures.append(DistributedError(
-                    f"rank {self.rank} could not send to rank {peer} within {self.timeout:g} s "
-                    f"({type(e).__name__}: {e}): rank {peer} went silent or failed; see its "
-                    f"output"))
-                self.stopping.set()
+                    f"rank {self.rank} lost rank {peer}: it went silent for {self.timeout:g} s "
+                    f"or failed ({type(e).__name__}: {e}); see its output"))
                 return
+
+    def _send_abort(self, peer: int) -> None:
+        """Tell `peer` the step failed, unless it is known to have failed itself."""
+        origin, note = self.abort_note
+        if peer in self.failed:
+            return
+        try:
+            dist.send_object_list([("abort", origin, note)], dst=peer, group=self.group)
+        except BaseException:     # the peer is gone or failed too: nothing more to tell it
+            pass
 
     def _raise_failure(self) -> None:
         if self.failures:
@@ -227,17 +335,28 @@ class DistributedTransport:
     # ---- receiving, on the caller's thread
 
     def _take(self, peer: int) -> None:
-        """Receive `peer`'s next message and keep it."""
+        """Receive `peer`'s next message and keep it; raise if it is a failure."""
         try:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=peer, group=self.group)
-            (phase, sender, receiver, m), structure = box[0]
-            received = iter([self._recv(meta, peer) for meta in _metas(structure.values())])
+            header = box[0]
+            if header[0] == "data":
+                _, (phase, sender, receiver, m), structure = header
+                received = iter([self._recv(meta, peer) for meta in _metas(structure.values())])
         except (RuntimeError, OSError) as e:
+            self.failed.add(peer)
             raise DistributedError(
-                f"rank {self.rank} waited for rank {peer} and got nothing within "
-                f"{self.timeout:g} s ({type(e).__name__}: {e}): rank {peer} went silent or "
-                f"failed; see its output") from None
+                f"rank {self.rank} waited for rank {peer} and lost it: rank {peer} went silent "
+                f"for {self.timeout:g} s or failed ({type(e).__name__}: {e}); see its "
+                f"output") from None
+        if header[0] == "done":
+            self.done.add(peer)
+            return
+        if header[0] == "abort":
+            _, origin, note = header
+            self.failed.update({peer, origin})
+            raise PeerFailedError(f"{note}\n  so rank {self.rank} stopped its step too (told by "
+                                  f"rank {peer})", note, origin)
 
         def fill(v):
             return next(received) if isinstance(v, _TensorMeta) else v
@@ -280,7 +399,8 @@ class DistributedStage:
     """
 
     def __init__(self, plan: Any, stage: Any, rank: int, group: Any, timeout: float,
-                 owns_group: bool = False):
+                 owns_group: bool = False, *, replica: int = 0, replicas: int = 1,
+                 pipeline_group: Any = None, gradient_group: Any = None):
         self.plan = plan
         self.stage = stage
         self.rank = rank
@@ -289,8 +409,20 @@ class DistributedStage:
         self.owns_group = owns_group
         self.num_stages = len(plan.stages)
         self.last = self.num_stages - 1
+        self.replica = replica
+        self.replicas = replicas
+        self.pipeline_group = group if pipeline_group is None else pipeline_group
+        self.gradient_group = gradient_group
+        self.base = replica * self.num_stages       # the rank of this replica's stage 0
         self.flow = _flow(plan)
-        self.transport = DistributedTransport(rank, stage.device, group=group, timeout=timeout)
+        self.transport = DistributedTransport(
+            rank, stage.device, group=group, timeout=timeout, base=self.base,
+            peers=list(range(self.base, self.base + self.num_stages)))
+
+    @property
+    def index(self) -> int:
+        """This rank's stage: `rank % stages`."""
+        return self.stage.index
 
     @property
     def module(self) -> fx.GraphModule:
@@ -303,8 +435,9 @@ class DistributedStage:
         return self.stage.module.named_parameters()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's output (last rank; None elsewhere) for the inputs given on rank 0 (those
-        given elsewhere are not read), in the plan's micro-batches, GPipe order."""
+        """The model's output (on stage `last`; None elsewhere) for the inputs given on stage 0
+        (those given elsewhere are not read), in the plan's micro-batches, GPipe order; each
+        replica runs its own inputs."""
         chunks: list[dict[str, Any]] = []
 
         def prepare() -> None:
@@ -319,8 +452,8 @@ class DistributedStage:
             outputs[m] = self.plan.signature.rebuild_outputs({**received, **out})
 
         self._run(gpipe(self.num_stages, self.plan.chunks), chunks, seeds, None,
-                  collect if self.rank == self.last else None)
-        if self.rank != self.last:
+                  collect if self.index == self.last else None)
+        if self.index != self.last:
             return None
         return microbatch.merge([outputs[m] for m in range(self.plan.chunks)],
                                 self.plan.output_dims)
@@ -328,9 +461,11 @@ class DistributedStage:
     def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Any], *,
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
         """Forward and backward of every micro-batch in the plan's schedule, as
-        `Pipeline.train_step` does: `inputs` on rank 0, `target` on the last rank (each not read
-        elsewhere). Returns the loss on the last rank, None elsewhere; gradients accumulate in
-        this rank's stage parameters' `.grad`. The optimizer step is the caller's, on each rank.
+        `Pipeline.train_step` does: `inputs` on stage 0, `target` on stage `last` (each not read
+        elsewhere), each replica its own shard of the batch. Returns the loss (of this replica's
+        shard) on stage `last`, None elsewhere; gradients accumulate in this rank's stage
+        parameters' `.grad`, then with replicas each stage's replicas average them (this step's
+        share added to what `.grad` held). The optimizer step is the caller's, on each rank.
         """
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
@@ -367,7 +502,8 @@ class DistributedStage:
         timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
                                   backward=True)
         executor = self._run(timetable, chunks, seeds, loss_of, None)
-        if self.rank != self.last:
+        self._average_gradients()
+        if self.index != self.last:
             return None
         return torch.stack([executor.losses[m] for m in range(self.plan.chunks)]).sum()
 
@@ -385,6 +521,28 @@ class DistributedStage:
 
     # ---- one step
 
+    def _average_gradients(self) -> None:
+        """With replicas, average this stage's parameter gradients over its replicas (one
+        all-reduce of them all, in name order, on the CPU as gloo needs)."""
+        if self.replicas == 1:
+            return
+        grads = [p.grad for _, p in sorted(self.named_parameters()) if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.detach().reshape(-1).to("cpu") for g in grads])
+        try:
+            dist.all_reduce(flat, group=self.gradient_group)
+        except RuntimeError as e:
+            raise DistributedError(
+                f"rank {self.rank} could not average stage {self.index}'s gradients with its "
+                f"{self.replicas - 1} other replicas within {self.timeout:g} s ({e}): a replica "
+                f"went silent or failed; see the other ranks' output") from None
+        flat /= self.replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
     @property
     def _batch_dims(self) -> dict[str, Any]:
         return {p: self.plan.batch_dims.get(p, 0) for p in self.plan.signature.placeholders}
@@ -395,18 +553,25 @@ class DistributedStage:
         return self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
 
     def _agree(self, source: int, prepare: Callable[[], Any]) -> Any:
-        """`prepare()` on rank `source`, its result on every rank; its error raised on every
-        rank (on the others as a `DistributedError` naming it), so none waits for a step that
-        will not start."""
+        """`prepare()` on stage `source` of this replica, its result on every rank of the
+        replica; its error raised on each (on the others as a `DistributedError` naming it), so
+        none waits for a step that will not start."""
         box: list[Any] = [None]
         error: BaseException | None = None
+        source = self.base + source
         if self.rank == source:
             try:
                 box[0] = ("ok", prepare())
             except Exception as e:
                 error = e
                 box[0] = ("error", f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(box, src=source, group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=source, group=self.pipeline_group)
+        except RuntimeError as e:
+            raise DistributedError(
+                f"rank {self.rank} could not start the step with the ranks of replica "
+                f"{self.replica} within {self.timeout:g} s ({e}): one went silent or failed; "
+                f"see their output") from None
         if error is not None:
             raise error
         status, value = box[0]
@@ -418,33 +583,47 @@ class DistributedStage:
              loss_of: Callable[[int, dict[str, Any]], torch.Tensor] | None,
              forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None
              ) -> StageExecutor:
-        """Feed the graph inputs (rank 0), walk this stage's row, wait until peers took what
-        this rank sent; a failure of the stage is raised as a `StageError`."""
+        """Feed the graph inputs (stage 0), walk this stage's row, then finish the step with the
+        pipeline's peers. A failure of the stage is raised as a `StageError` naming this rank;
+        a failure here or a peer's is told to every peer (`DistributedTransport.abort`)."""
+        index = self.index
         executor = StageExecutor(
             self.stage,
-            from_stages=[n for src, names in self.flow.reads.get(self.rank, {}).items()
+            from_stages=[n for src, names in self.flow.reads.get(index, {}).items()
                          if src != DRIVER for n in names],
-            backward_for={a.microbatch for a in timetable[self.rank]
+            backward_for={a.microbatch for a in timetable[index]
                           if a.phase is Phase.BACKWARD},
-            loss_of=loss_of if self.rank == self.last else None,
+            loss_of=loss_of if index == self.last else None,
             seeds=seeds, recompute=self.plan.recompute == "always")
-        if self.rank == 0:
+        if index == 0:
             for m, values in enumerate(chunks):
                 for dst, names in self.flow.sends.get(DRIVER, {}).items():
                     self.transport.send(Phase.FORWARD, DRIVER, dst, m,
                                         {n: values[n] for n in names})
-        row = StageRow(executor, timetable[self.rank], self.flow, self.transport)
+        row = StageRow(executor, timetable[index], self.flow, self.transport)
         try:
             with executor.computing():
                 row.walk(forwarded=forwarded)
-        except (DistributedError, StageError):
+            self.transport.finish_step()
+        except PeerFailedError as e:
+            self.transport.abort(e.note, origin=e.origin)
+            raise
+        except DistributedError as e:
+            self.transport.abort(f"rank {self.rank} stopped: {e}")
             raise
         except Exception as e:
-            self.transport.abort()
-            error = _stage_error(self.stage, row.action, e)
+            error = self._stage_error(row.action, e)
+            self.transport.abort(f"rank {self.rank} failed: {error}")
             raise error from e
-        self.transport.flush()
         return executor
+
+    def _stage_error(self, action: Any, error: BaseException) -> StageError:
+        """The runtime's `StageError` for `error`, naming this rank and replica too."""
+        if isinstance(error, StageError):
+            return error
+        inner = _stage_error(self.stage, action, error)
+        where = f"rank {self.rank}" + (f" (replica {self.replica})" if self.replicas > 1 else "")
+        return StageError(f"{where}: {inner}", stage=inner.stage, microbatch=inner.microbatch)
 
 
 def _flow(plan: Any) -> Flow:

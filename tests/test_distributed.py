@@ -6,7 +6,9 @@ everything it started is killed.
 """
 
 import os
+import re
 import signal
+import time
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+import fxpipe.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -45,13 +48,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(plan: Path, data: Path, out: Path, processes: int) -> None:
-    """Run the worker on `processes` ranks; fail (killing them all) past the timeout."""
+def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run", *,
+           timeout: float = 30, ok: bool = True) -> str:
+    """Run the worker on `processes` ranks in `mode`, each waiting `timeout` s for the others;
+    fail (killing them all) past LAUNCH_TIMEOUT_S. With `ok`, torchrun must exit 0. Returns
+    torchrun's output."""
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(WORKER), str(plan), str(data), str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+               str(WORKER), str(plan), str(data), str(out), mode]
+    env = {**os.environ, "FXPIPE_TIMEOUT": str(timeout), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -61,21 +67,38 @@ def launch(plan: Path, data: Path, out: Path, processes: int) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text.decode()[-3000:]}")
-    assert proc.returncode == 0, text.decode()[-3000:]
+    if ok:
+        assert proc.returncode == 0, text.decode()[-3000:]
+    else:
+        assert proc.returncode != 0, text.decode()[-3000:]
+    return text.decode()
 
 
-def ran(tmp_path: Path, processes: int, stages: int, schedule: str = "gpipe"):
-    """Plan the model in `stages` stages, save it, run it on `processes` ranks; the model, the
-    batch, the single-process pipeline and the folder holding each rank's results."""
+def planned(tmp_path: Path, stages: int, schedule: str = "gpipe"):
+    """Plan the model in `stages` stages and save it with a batch; the model, the batch and
+    the single-process pipeline."""
     torch.manual_seed(0)
-    model, x, target = Branchy(), torch.randn(6, 8), torch.randn(6, 4)
+    model, x, target = Branchy(), torch.randn(8, 8), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=2, training=True,
                           schedule=schedule)
     assert len(pipe.stages) == stages
     pipe.plan.save(tmp_path / "plan")
     torch.save({"x": x, "target": target}, tmp_path / "data.pt")
+    return model, x, target, pipe
+
+
+def ran(tmp_path: Path, processes: int, stages: int, schedule: str = "gpipe"):
+    """Plan the model in `stages` stages, save it, run it on `processes` ranks; the model, the
+    batch, the single-process pipeline and the folder holding each rank's results."""
+    model, x, target, pipe = planned(tmp_path, stages, schedule)
     launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", processes)
     return model, x, target, pipe, tmp_path / "out"
+
+
+def errors(out: Path, processes: int) -> list[str | None]:
+    """What each rank wrote to rank<r>.err (`Type: message`), None where it wrote nothing."""
+    files = [out / f"rank{r}.err" for r in range(processes)]
+    return [f.read_text() if f.exists() else None for f in files]
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +166,94 @@ def test_without_torchrun_load_says_how_to_start(tmp_path, monkeypatch):
         pytest.skip("a process group is already initialised")
     with pytest.raises(fxpipe.distributed.DistributedError, match="torchrun --nproc-per-node"):
         fxpipe.distributed.load(tmp_path)
+
+
+def test_two_replicas_of_two_stages_average_to_the_whole_batch_gradients(tmp_path):
+    """Ranks 0, 1 are replica 0 (stages 0, 1), ranks 2, 3 replica 1, each on half of the rows;
+    after the step, every rank's gradients are the model's on the whole batch (mean loss)."""
+    model, x, target, _, out = ran(tmp_path, 4, 2)
+    ranks = results(out, 4)
+    halves = [(x[:4], target[:4]), (x[4:], target[4:])]
+    with torch.no_grad():
+        for replica, (xs, _) in enumerate(halves):
+            assert ranks[2 * replica]["output"] is None
+            torch.testing.assert_close(ranks[2 * replica + 1]["output"], model(xs))
+    for replica, (xs, ts) in enumerate(halves):
+        torch.testing.assert_close(ranks[2 * replica + 1]["loss"], F.mse_loss(model(xs), ts))
+    model.zero_grad()
+    F.mse_loss(model(x), target).backward()
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        assert got["grads"], rank
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+    assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(expected)
+    assert ranks[0]["grads"].keys() == ranks[2]["grads"].keys()
+
+
+def test_a_world_size_not_a_multiple_of_the_stages_is_refused(tmp_path):
+    planned(tmp_path, 2)
+    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 3)
+    for message in errors(tmp_path / "out", 3):
+        assert message.startswith("WorldSizeError")
+        assert "2 stages but 3 processes" in message
+        assert "torchrun --nproc-per-node 2 (or 4 for two replicas)" in message
+
+
+def test_a_failing_stage_ends_every_rank_at_once_naming_it(tmp_path):
+    """Rank 1 of 3 raises in its first forward: it raises a StageError naming its rank and
+    stage; rank 0 (finishing its step) and rank 2 (waiting for rank 1) are told by a message,
+    not by their 10 s timeout."""
+    planned(tmp_path, 3)
+    start = time.monotonic()
+    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 3, "raise1", timeout=10)
+    first, failed, last = errors(tmp_path / "out", 3)
+    assert failed.startswith("StageError: rank 1: stage 1 (on cpu) failed on micro-batch 0")
+    assert "the test's stage fails here" in failed
+    for message in (first, last):
+        assert message.startswith("PeerFailedError: rank 1 failed: rank 1: stage 1"), message
+        assert "went silent" not in message
+    assert issubclass(fxpipe.distributed.PeerFailedError, fxpipe.distributed.DistributedError)
+    # three startups, and at most one timeout: closing, ranks 0 and 2 may each wait for the
+    # other to take the news it relays (each ends when the other process exits or at 10 s)
+    assert time.monotonic() - start < 40
+
+
+def test_a_rank_killed_mid_step_ends_the_others_naming_it(tmp_path):
+    """Rank 1 exits while computing its loss. torchrun then exits non-zero (and would end
+    rank 0, which the worker has ignore SIGTERM here, so that what rank 0 met is written):
+    rank 0 ends on its own within its timeout, with a DistributedError naming rank 1."""
+    planned(tmp_path, 2)
+    output = launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 2, "kill1",
+                    timeout=10, ok=False)
+    first, killed = errors(tmp_path / "out", 2)
+    assert killed is None and not (tmp_path / "out" / "rank1.pt").exists()
+    assert first.startswith("DistributedError: rank 0 waited for rank 1 and lost it"), first
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: 1", output), output
+    # torchrun's summary of the failure
+
+
+@pytest.mark.parametrize("change", ["edit stage_0.py", "remove stage_1.py"])
+def test_a_plan_whose_files_changed_is_refused_on_every_rank(tmp_path, change):
+    planned(tmp_path, 2)
+    action, name = change.split()
+    if action == "edit":
+        with open(tmp_path / "plan" / name, "a") as f:
+            f.write("# edited\n")
+    else:
+        (tmp_path / "plan" / name).unlink()
+    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 2)
+    for message in errors(tmp_path / "out", 2):
+        assert message.startswith("PlanFileError"), message
+        assert name in message and "save the plan again" in message
+
+
+def test_a_rank_that_cannot_load_its_stage_stops_every_rank(tmp_path):
+    """Only rank 1 reads stage_1.pt: without it rank 1 raises the PlanFileError and rank 0 a
+    DistributedError naming rank 1, rather than waiting for a stage that never starts."""
+    planned(tmp_path, 2)
+    (tmp_path / "plan" / "stage_1.pt").unlink()
+    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 2, timeout=10)
+    first, second = errors(tmp_path / "out", 2)
+    assert second.startswith("PlanFileError") and "stage_1.pt" in second
+    assert first.startswith("DistributedError: rank 1 could not load its stage (PlanFileError")
