@@ -88,6 +88,15 @@ def load(path: str | os.PathLike, *, timeout: float = 60.0) -> "DistributedStage
     rank raise: itself its error, the others a `DistributedError` naming it.
     """
     group, owned = _process_group(timeout)
+    try:
+        return _load(path, timeout, group, owned)
+    except BaseException:
+        if owned:    # a process group left behind at exit can abort the process (SIGABRT)
+            dist.destroy_process_group()
+        raise
+
+
+def _load(path: str | os.PathLike, timeout: float, group: Any, owned: bool) -> "DistributedStage":
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = stage_count(path)
     if world % stages:
