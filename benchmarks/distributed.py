@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -33,19 +31,9 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import fxpipe  # noqa: E402
-from benchmarks.pipeline_throughput import build  # noqa: E402
+from benchmarks.pipeline_throughput import build, median_s  # noqa: E402
 
 STAGES = 2
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()                                   # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def launched(kind: str, plan: Path, data: Path, repeats: int) -> float:

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, LinkFn, cost_graph, default_link,
-                                      stage_costs)
+                                      format_bytes, stage_costs)
 
 
 def explain(gm: fx.GraphModule, stage_of: dict[str, int], devices: Sequence[DeviceSpec], *,
@@ -40,14 +40,14 @@ def explain(gm: fx.GraphModule, stage_of: dict[str, int], devices: Sequence[Devi
         crossing = _crossing(graph, assignment, s)
         total = sum(graph.out_bytes[i] for i, _ in crossing)
         lines.append(f"  crossing: {len(crossing)} value{'s' * (len(crossing) != 1)}, "
-                     f"{_size(total)} per micro-batch")
+                     f"{format_bytes(total)} per micro-batch")
         for i, readers in crossing:
             name = graph.names[i]
             where = ", ".join(f"{graph.names[j]} (stage {assignment[j]})" for j in readers)
             shape = " + ".join("x".join(map(str, sh)) or "scalar" for sh in shapes.get(name, ()))
             origin = "input" if graph.is_input[i] else f"stage {assignment[i]}"
             lines.append(f"    {name} ({origin}) -> {where or 'the output'}: "
-                         f"{shape or '?'}, {_size(graph.out_bytes[i])}")
+                         f"{shape or '?'}, {format_bytes(graph.out_bytes[i])}")
         for label, moved in _moves(graph, assignment, s):
             if moved is None:
                 lines.append(f"  one node {label}: no node can move")
@@ -92,10 +92,3 @@ def _moves(graph: CostGraph, stage_of: list[int], s: int):
             trial[node] = to
             result.append((label, (node, trial)))
     return result
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from fxpipe.passes.cost_model import format_bytes
+
 from fxpipe.passes.trace import module_path
 
 COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
@@ -88,7 +90,7 @@ def write_node_graph(gm: fx.GraphModule, plan, path: str | Path) -> Path:
                 continue
             cut = p.name in stage_of and stage_of[p.name] != stage_of.get(n.name)
             cost = p.meta.get("cost")
-            label = (f' [label="{_size(cost.out_bytes)}", color="#d62728", penwidth=2]'
+            label = (f' [label="{format_bytes(cost.out_bytes)}", color="#d62728", penwidth=2]'
                      if cut and cost is not None else "")
             lines.append(f'  "{p.name}" -> "{n.name}"{label};')
     lines.append("}")
@@ -99,10 +101,3 @@ def write_node_graph(gm: fx.GraphModule, plan, path: str | Path) -> Path:
         subprocess.run([dot, "-Tsvg", str(path), "-o", str(path.with_suffix(".svg"))],
                        check=False, capture_output=True, timeout=120)
     return path
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"

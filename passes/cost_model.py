@@ -461,6 +461,20 @@ def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
     return times
 
 
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in the unit that shows it (`512 B`, `1.5 KB`, `20.0 MB`, `3.2 GB`; powers of
+    1000), so a small model's memory error does not read `0.0 MB`."""
+    if not math.isfinite(nbytes):
+        return "unbounded memory"
+    if round(abs(nbytes)) < 1000:
+        return f"{nbytes:.0f} B"
+    for unit, scale in (("KB", 1e3), ("MB", 1e6)):
+        if round(abs(nbytes) / scale, 1) < 1000:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+
 def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:
     """No partition onto `devices` has a bottleneck below this.
 

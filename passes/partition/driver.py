@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 import torch.fx as fx
 
 from ..cost_model import (CostGraph, DeviceSpec, LinkFn, Pricing, cost_graph, default_link,
-                          lower_bound_s, stage_memory_bytes)
+                          format_bytes, lower_bound_s, stage_memory_bytes)
 from ..errors import PartitionError
 from .lattice import _Lattice
 from .limits import _Budget, Limits
@@ -211,14 +211,14 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
         need = stage_memory_bytes(graph.param_bytes[i], graph.out_bytes[i], activation_factor)
         if need > roomiest:
             return PartitionError(
-                f"node {graph.names[i]!r} alone needs {_size(need)}, more than any device "
-                f"has (at most {_size(roomiest)}): use devices with more memory or a "
+                f"node {graph.names[i]!r} alone needs {format_bytes(need)}, more than any device "
+                f"has (at most {format_bytes(roomiest)}): use devices with more memory or a "
                 f"smaller micro-batch")
     unbounded = tuple(replace(d, memory_bytes=math.inf) for d in devices)
     plan = _partition(graph, unbounded, link, activation_factor, limits)
     assert isinstance(plan, Partition), "the slicing always finds a partition without memory limits"
-    over = [f"stage {s} on {d.name} needs {_size(c.memory_bytes)} but has "
-            f"{_size(d.memory_bytes)}"
+    over = [f"stage {s} on {d.name} needs {format_bytes(c.memory_bytes)} but has "
+            f"{format_bytes(d.memory_bytes)}"
             for s, (d, c) in enumerate(zip(devices, plan.stages))
             if c.memory_bytes > d.memory_bytes]
     need = sum(c.memory_bytes for c in plan.stages)
@@ -228,19 +228,6 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
                "graph is too large for the exact search, so one may exist)")
     return PartitionError(
         f"{verdict.format(len(devices))}. The fastest "
-        f"partition ignoring memory needs {_size(need)} in all ({_size(have)} "
+        f"partition ignoring memory needs {format_bytes(need)} in all ({format_bytes(have)} "
         f"available): {'; '.join(over) or 'each stage fits, but no fast one does'}. Add devices, "
         f"use devices with more memory, or use smaller micro-batches")
-
-
-def _size(nbytes: float) -> str:
-    """`nbytes` in the unit that shows it (`512 B`, `1.5 KB`, `20.0 MB`, `3.2 GB`; powers of
-    1000), so a small model's memory error does not read `0.0 MB`."""
-    if not math.isfinite(nbytes):
-        return "unbounded memory"
-    if round(abs(nbytes)) < 1000:
-        return f"{nbytes:.0f} B"
-    for unit, scale in (("KB", 1e3), ("MB", 1e6)):
-        if round(abs(nbytes) / scale, 1) < 1000:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 1e9:.1f} GB"
