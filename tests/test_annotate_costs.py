@@ -1,9 +1,11 @@
-import time
+import types
+
 import pytest
 import torch
 import torch.fx as fx
 from torch import nn
 
+import fxpipe.passes.annotate_costs as annotate_costs_module
 from fxpipe.passes.annotate_costs import UNSTEADY, annotate_costs, bind_inputs, measurement_spread
 from fxpipe.passes.trace import trace
 from fxpipe.passes.cost_model import NodeCost
@@ -61,15 +63,18 @@ def test_inputs_bind_by_position_keyword_and_default():
         bind_inputs(gm, (1.0, 2.0), {"d": 1})
 
 
-SCRIPT = {"durations_s": [], "calls": 0}    # outside the module: no side effect to refuse
+SCRIPT = {"durations_s": [], "calls": 0, "elapsed_s": 0.0}  # outside the module: no side effect
 
 
 class Scripted(torch.nn.Module):
-    """A leaf that sleeps for a scripted sequence of durations, one per call."""
+    """A leaf that takes a scripted sequence of durations, one per call, on the measuring clock.
+
+    The durations advance a clock of the test's own rather than sleeping, so the timings read
+    are the script's, exactly, however busy the machine is."""
 
     def forward(self, x):
         durations = SCRIPT["durations_s"]
-        time.sleep(durations[min(SCRIPT["calls"], len(durations) - 1)])
+        SCRIPT["elapsed_s"] += durations[min(SCRIPT["calls"], len(durations) - 1)]
         SCRIPT["calls"] += 1
         return x + 1
 
@@ -83,6 +88,13 @@ class Holder(torch.nn.Module):
         return self.slow(x) * 2
 
 
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    """annotate_costs reads a clock on which only the scripted leaf takes time."""
+    clock = types.SimpleNamespace(perf_counter=lambda: SCRIPT["elapsed_s"])
+    monkeypatch.setattr(annotate_costs_module, "time", clock)
+
+
 def scripted_graph(durations_s):
     SCRIPT["durations_s"] = [0.0]
     gm = trace(Holder(), (torch.randn(2, 2),), {}, leaf_modules=[Scripted])
@@ -94,27 +106,27 @@ def calls():
     return SCRIPT["calls"]
 
 
-def test_one_disturbed_repeat_moves_neither_the_cost_nor_the_number_of_runs_much():
+def test_one_disturbed_repeat_moves_neither_the_cost_nor_the_number_of_runs_much(scripted_clock):
     # warm-up, then 5 repeats of which one is disturbed 20x, then steady runs
     gm = scripted_graph([0.01] * 3 + [0.2] + [0.01] * 20)
     annotate_costs(gm, (torch.randn(2, 2),), repeats=5)
     cost = next(n for n in gm.graph.nodes if n.target == "slow").meta["cost"]
-    assert 0.01 <= cost.fwd_s < 0.05                  # the median, not the disturbed repeat
+    assert cost.fwd_s == pytest.approx(0.01)          # the median, not the disturbed repeat
     runs = calls()
     assert 1 + 5 < runs <= 1 + 15                    # unsteady: taken again, within the budget
     assert cost.spread < UNSTEADY                      # and steady once the outlier is a tail
 
 
-def test_the_spread_is_read_off_the_repeats_and_bounded_runs_stop_there():
+def test_the_spread_is_read_off_the_repeats_and_bounded_runs_stop_there(scripted_clock):
     gm = scripted_graph([0.01, 0.01, 0.01, 0.01, 0.01, 0.03])
     annotate_costs(gm, (torch.randn(2, 2),), repeats=5, max_repeats=5)
     cost = next(n for n in gm.graph.nodes if n.target == "slow").meta["cost"]
     assert calls() == 6        # no run beyond the budget
-    assert cost.spread == pytest.approx(2.0, rel=0.25)  # (30 ms - 10 ms) / 10 ms
-    assert measurement_spread(gm) == pytest.approx(cost.spread, rel=0.3)
+    assert cost.spread == pytest.approx(2.0)   # (30 ms - 10 ms) / 10 ms
+    assert measurement_spread(gm) == pytest.approx(cost.spread)  # the only node taking time
 
 
-def test_a_steady_measurement_takes_the_repeats_asked_for():
+def test_a_steady_measurement_takes_the_repeats_asked_for(scripted_clock):
     gm = scripted_graph([0.01])
     annotate_costs(gm, (torch.randn(2, 2),), repeats=5)
     assert calls() == 6
