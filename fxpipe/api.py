@@ -20,7 +20,8 @@ from torch import nn
 from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs, measurement_spread
 from fxpipe.passes.codegen import split_stages
 from fxpipe.passes.compare import difference, output_name
-from fxpipe.passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
+from fxpipe.passes.cost_model import (DRIVER, OPTIMIZER_STATE, DeviceSpec, Link, LinkFn, Memory,
+                                      NodeCost, cost_graph,
                                default_link)
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
@@ -54,7 +55,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             batch_dims: BatchDims = 0, verify: bool = True,
             verify_tolerance: float | None = None, costs: Plan | None = None,
             progress: bool | None = None,
-            recompute: Literal["never", "always"] = "never") -> Pipeline:
+            recompute: Literal["never", "always", "auto"] = "never",
+            optimizer: str | float | type = "adam") -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
@@ -88,10 +90,17 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     on a worker thread or not, in this mode) is reused, and only the others are measured, so
     re-planning for other devices or stage counts measures only what is new.
 
+    Each stage must fit its device's memory (a GPU's, or `DeviceSpec(memory_bytes=...)`). In
+    training a stage holds its parameters, their gradients and the `optimizer`'s state (a name,
+    "sgd", "momentum", "adam", "adamw", "adagrad" or "rmsprop", a `torch.optim` class of one, or
+    state bytes per parameter byte; default "adam"), and what autograd keeps for the backward of
+    each micro-batch in flight (measured; `cost_model.Memory`).
     `recompute="always"` re-materialises activations (GPipe's second idea): in `train_step`, each
     stage's forward keeps only what it received, and its backward runs the forward again first
     (from the same seed, its buffer writes undone), trading a forward's time for the memory of
-    its activations. The default, "never", keeps them.
+    its activations. The default, "never", keeps them; "auto" recomputes in the stages that
+    would not fit their device otherwise, and the partitioner balances stages on that time (a
+    stage with many micro-batches in flight may be made shorter to fit without it).
 
     `progress` shows on stderr the nodes measured and the configurations weighed (None: when
     stderr is a terminal).
@@ -130,9 +139,11 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                                              and 0 <= verify_tolerance < math.inf):
         raise FxpipeError(f"verify_tolerance={verify_tolerance!r}: use a relative tolerance >= 0, "
                           f"e.g. 1e-4, or verify=False to skip the check")
-    if recompute not in ("never", "always"):
+    if recompute not in ("never", "always", "auto"):
         raise FxpipeError(f"recompute={recompute!r}: use 'never' (keep activations for the "
-                          f"backward) or 'always' (keep each stage's inputs, recompute the rest)")
+                          f"backward), 'always' (keep each stage's inputs, recompute the rest) "
+                          f"or 'auto' (recompute where a stage would not fit otherwise)")
+    optimizer_state = optimizer_state_factor(optimizer)
     if costs is not None and not (isinstance(costs, Plan) and costs.measurements):
         raise CostError(f"costs={type(costs).__name__}: pass a plan made by this version of "
                         f"fxpipe (pipe.plan, fxpipe.plan(...) or fxpipe.load_plan(path)), whose "
@@ -154,7 +165,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
                          training=training, threads_per_stage=threads_per_stage, link=link,
                          repeats=repeats, verify=verify, verify_tolerance=verify_tolerance,
-                         costs=costs, recompute=recompute),
+                         costs=costs, recompute=recompute,
+                         optimizer_state=optimizer_state),
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
                           concrete_args=concrete_args,   # stages: a graph fine enough for them
                           stages=num_stages if isinstance(num_stages, int) else len(specs)))
@@ -277,6 +289,8 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
     schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
                      ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
     cores = os.cpu_count() or 1
+    memory = Memory(training=training, optimizer_state=o["optimizer_state"],
+                    recompute=o["recompute"])
     as_is_config = search.Config(1, 1, schedules[0], torch.get_num_threads())
     candidates = []
     for k in stage_counts:
@@ -290,12 +304,12 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
                                       f"micro-batch{'es' * (chunks > 1)}")
                 devices = costs.devices(config, specs)
                 candidates.append(search.consider(config, costs.measure(config, devices),
-                                                  devices, link, training, cores))
+                                                  devices, link, training, cores, memory))
     as_is = None
     if num_stages == "auto":    # the model as it is: one stage, whole batch, the caller's threads
         devices = costs.devices(as_is_config, specs)
         as_is = search.consider(as_is_config, costs.measure(as_is_config, devices), devices,
-                                link, training)
+                                link, training, memory=memory)
         as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
     chosen, reason = search.choose(candidates, as_is)
     return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
@@ -382,6 +396,19 @@ class _Costs:
                     gm, args, kwargs, self.training)
         _on_worker_thread(run) if worker else run()
         return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
+
+
+def optimizer_state_factor(optimizer: str | float | type) -> float:
+    """The optimizer state a training stage holds, in bytes per parameter byte: a name from
+    `cost_model.OPTIMIZER_STATE`, a `torch.optim` class of one, or the number itself."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return float(optimizer)
+    name = optimizer.__name__ if isinstance(optimizer, type) else optimizer
+    if isinstance(name, str) and name.lower() in OPTIMIZER_STATE:
+        return OPTIMIZER_STATE[name.lower()]
+    raise FxpipeError(f"optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATE)} (or "
+                      f"its torch.optim class), or the bytes of optimizer state per parameter "
+                      f"byte as a number (Adam keeps 2.0, SGD 0.0)")
 
 
 def _chunk_options(model: nn.Module, recipe: _Recipe, training: bool, devices: int) -> list[int]:

@@ -603,7 +603,7 @@ class DistributedStage:
             backward_for={a.microbatch for a in timetable[index]
                           if a.phase is Phase.BACKWARD},
             loss_of=loss_of if index == self.last else None,
-            seeds=seeds, recompute=self.plan.recompute == "always")
+            seeds=seeds, recompute=self.plan.stage_recompute[index])
         if index == 0:
             for m, values in enumerate(chunks):
                 for dst, names in self.flow.sends.get(DRIVER, {}).items():

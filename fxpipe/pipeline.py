@@ -46,7 +46,7 @@ class Pipeline(nn.Module):
         self.training = self._planned_mode = (
             self.module.training if plan.training is None else plan.training)
         self._runtime = Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads),
-                                recompute=plan.recompute == "always")
+                                recompute=plan.stage_recompute)
         self._model: weakref.ref | None = None     # the model compiled, to notice it changed
         self._model_parts: dict[str, weakref.ref] = {}
         self._model_members: list[Any] = []

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 from tabulate import tabulate
 
 from fxpipe.passes.annotate_costs import UNSTEADY
-from fxpipe.passes.cost_model import NodeCost
+from fxpipe.passes.cost_model import NodeCost, format_bytes
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.signature import Signature
@@ -64,7 +64,7 @@ class Plan:
     schedule: str = "gpipe"
     threads: tuple[int | None, ...] = ()
     training: bool | None = None              # the mode the model was planned (and checked) in
-    recompute: str = "never"                  # "always": training forwards keep only inputs
+    recompute: str = "never"                  # the option: "never", "always" or "auto"
     stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
@@ -86,6 +86,12 @@ class Plan:
         rate = 1 / max(c.forward_step_s for c in part.stages)
         alone = predict_slots(part, 1, "gpipe", False, self.wiring.reads_from(False))
         return rate, max(slot.end_s for slot in alone)
+
+    @property
+    def stage_recompute(self) -> tuple[bool, ...]:
+        """Whether each stage recomputes its activations in `train_step`: every stage with
+        recompute="always", those the partitioner chose with "auto" (`StageCost.recompute`)."""
+        return tuple(self.recompute == "always" or c.recompute for c in self.partition.stages)
 
     @property
     def speedup(self) -> float | None:
@@ -140,24 +146,23 @@ class Plan:
         return lines
 
     def _activations(self) -> list[str]:
-        """In training: what autograd keeps for the backward, per stage, at the schedule's peak
-        of micro-batches in flight, without and with recomputation."""
-        if not any(self.stage_saved_bytes):
+        """In training: each stage's memory at the schedule's peak of micro-batches in flight,
+        keeping its activations and recomputing them, and what it does."""
+        if not self.training or not any(self.stage_saved_bytes):
             return []
         from .search import in_flight
         part = self.partition
         peaks = in_flight(True, self.schedule, self.chunks, part.num_stages)
-        never = [n * b for n, b in zip(peaks, self.stage_saved_bytes)]
-        # Recomputing, a stage keeps each micro-batch's inputs, and one micro-batch's
-        # activations while its backward runs.
-        always = [n * c.received_bytes + b
-                  for n, c, b in zip(peaks, part.stages, self.stage_saved_bytes)]
-        mb = lambda values: " | ".join(f"{v / 1e6:.3f}" for v in values)   # noqa: E731
-        chosen = "always" if self.recompute == "always" else "never"
-        return [f"activations kept for the backward at the peak ({self.schedule}, micro-batches "
-                f"in flight by stage: {' | '.join(map(str, peaks))}), MB by stage: "
-                f"{mb(never)} without recomputation, {mb(always)} with it "
-                f"(recompute='{chosen}')"]
+        rows = [(s, n, format_bytes(c.memory_kept_bytes), format_bytes(c.memory_recomputing_bytes),
+                 format_bytes(d.memory_bytes),
+                 f"recomputes its forward (+{c.recompute_s * 1e3:.3f} ms per micro-batch)"
+                 if recompute else "keeps its activations")
+                for s, (n, c, d, recompute) in enumerate(zip(peaks, part.stages, part.devices,
+                                                             self.stage_recompute))]
+        return [f"memory in training (parameters, gradients, optimizer state, and what autograd "
+                f"keeps per micro-batch in flight; recompute='{self.recompute}'):",
+                tabulate(rows, headers=["stage", "in flight", "keeping", "recomputing",
+                                        "device has", "chosen"])]
 
     def _comparison(self) -> list[str]:
         """The pipeline's predicted time per batch against the model's own, and a warning

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn, Memory
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
 
@@ -122,13 +122,15 @@ def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
 
 
 def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
-             training: bool, cores: float | None = None) -> Candidate:
+             training: bool, cores: float | None = None, memory: Memory = Memory()) -> Candidate:
     """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
-    candidate that does not fit says why."""
+    candidate that does not fit says why. `memory`'s rules hold with this configuration's
+    micro-batches in flight."""
     specs = list(devices[:config.num_stages])
     factors = in_flight(training, config.schedule, config.chunks, config.num_stages)
     try:
-        part = partition(costed.step, specs, link, activation_factor=max(factors))
+        part = partition(costed.step, specs, link,
+                         memory=replace(memory, in_flight=tuple(factors)))
     except PartitionError as e:
         return Candidate(config, None, 0, None, str(e).split("\n")[0])
     predicted = predict_step_s(costed, part, config.chunks, config.schedule, training, cores)

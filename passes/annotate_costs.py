@@ -43,7 +43,10 @@ class CostInterpreter(PlainInterpreter):
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
         self.shapes: dict[fx.Node, tuple[tuple[int, ...], ...]] = {}   # of the output's tensors
-        self.saved_bytes: dict[fx.Node, int] = {}    # kept for the backward (with `backward`)
+        # Kept for the backward (with `backward`): bytes of tensors the node made inside, and
+        # which nodes' values it keeps (its inputs', its own).
+        self.saved_bytes: dict[fx.Node, int] = {}
+        self.saved_values: dict[fx.Node, set[fx.Node]] = {}
         self.watch: StateWatch | None = None     # set for a run that finds the state written
 
     def sync(self) -> None:
@@ -84,10 +87,16 @@ class CostInterpreter(PlainInterpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
         buffers = {storage_of(b) for b in self.module.buffers()} - {None}
-        args, kwargs = plain(fx.node.map_aggregate(  # activations become leaves; parameters stay;
-            (args, kwargs), lambda v: (               # buffers are copied, so a write stays off them
-                v.detach().clone() if storage_of(v) in buffers else
-                v if id(v) in state else _leaf_if_float(v))))
+        origin = {id(t): p for p in n.all_input_nodes for t in tensors(self.env[p])}
+        given: dict[Any, fx.Node] = {}     # storage of what the node is given -> whose value
+
+        def give(v: Any) -> Any:          # activations become leaves; parameters stay;
+            new = (v.detach().clone() if storage_of(v) in buffers else   # buffers are copied,
+                   v if id(v) in state else _leaf_if_float(v))            # so a write stays off
+            if isinstance(v, torch.Tensor) and id(v) in origin:
+                given.setdefault(storage_of(new), origin[id(v)])
+            return new
+        args, kwargs = plain(fx.node.map_aggregate((args, kwargs), give))
         params = {storage_of(p) for p in self.module.parameters()}
         saved: dict[Any, int] = {}     # storage -> bytes, of what autograd keeps for backward
 
@@ -99,7 +108,12 @@ class CostInterpreter(PlainInterpreter):
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = getattr(self, n.op)(n.target, args, kwargs)
-        self.saved_bytes[n] = sum(saved.values())
+        # A kept input or output is a value of the graph, counted once however many nodes keep
+        # it (see `_write_costs`); the rest the node made inside, and is its own.
+        for t in tensors(out):
+            given.setdefault(storage_of(t), n)
+        self.saved_values[n] = {given[where] for where in saved if where in given}
+        self.saved_bytes[n] = sum(b for where, b in saved.items() if where not in given)
         outputs = [t for t in tensors(out) if t.requires_grad]
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
         modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
@@ -164,6 +178,7 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
 
 def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) -> None:
     owned = _param_bytes_by_node(gm)
+    kept = {v for values in interpreter.saved_values.values() for v in values}
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
@@ -174,7 +189,8 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
                                   bwd_s=statistics.median(backward_times),
                                   out_bytes=0 if n.op == "get_attr" else interpreter.out_bytes[n],
                                   param_bytes=owned.get(n, 0), spread=spread(times),
-                                  saved_bytes=interpreter.saved_bytes.get(n, 0))
+                                  saved_bytes=interpreter.saved_bytes.get(n, 0) +
+                                  (interpreter.out_bytes[n] if n in kept else 0))
         n.meta["shapes"] = interpreter.shapes.get(n, ())
 
 

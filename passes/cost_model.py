@@ -29,7 +29,9 @@ class NodeCost:
     `fwd_s` and `bwd_s` are measured on a reference device of speed 1.0; `out_bytes` is the size of
     the node's output (what a consumer on another stage receives); `param_bytes` the parameters and
     buffers the node owns; `saved_bytes` what autograd keeps of its forward for its backward
-    (tensors other than parameters, measured with saved-tensor hooks; 0 when not measured).
+    (tensors other than parameters, measured with saved-tensor hooks; 0 when not measured): the
+    tensors it makes inside, and its own output when it or any node reading it keeps it, so a
+    value kept by several nodes is counted once, at the node that makes it.
     """
 
     fwd_s: float = 0.0
@@ -113,6 +115,7 @@ class CostGraph:
     graph nodes that node `i` stands for (`cost_graph` contracts nodes that must share a stage
     into one); by default node `i` is the graph node `names[i]`.
 
+    `saved_bytes[i]` is what autograd keeps of node `i`'s forward for its backward (training).
     `time_s` is the reference time of every node (forward, plus backward when training); `kinds`
     maps a device kind (`DeviceSpec.kind`) to its own forward and backward columns, and the key
     None to the reference's split. A device's time for node `i` (`device_times`) is its kind's
@@ -128,13 +131,16 @@ class CostGraph:
     to_output: tuple[bool, ...]
     members: tuple[tuple[str, ...], ...] | None = None
     kinds: Mapping[str | None, KindTimes] = field(default_factory=dict, hash=False)
+    saved_bytes: tuple[int, ...] | None = None   # kept for the backward; None: not measured
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _device_times: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.names)
+        if self.saved_bytes is None:
+            object.__setattr__(self, "saved_bytes", (0,) * n)
         for column in (self.time_s, self.out_bytes, self.param_bytes, self.preds, self.is_input,
-                       self.to_output, self.members or self.names,
+                       self.to_output, self.members or self.names, self.saved_bytes,
                        *(c for t in self.kinds.values() for c in (t.fwd_s, t.bwd_s))):
             assert len(column) == n, "every CostGraph column needs one entry per node"
         succs: list[list[int]] = [[] for _ in range(n)]
@@ -218,6 +224,7 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
         time_s=tuple(sum(c.fwd_s + (c.bwd_s if training else 0.0) for c in cs) for cs in costs),
         out_bytes=tuple(_sent_bytes(nodes, members, outputs) for members in units),
         param_bytes=tuple(sum(c.param_bytes for c in cs) for cs in costs),
+        saved_bytes=tuple(sum(c.saved_bytes for c in cs) if training else 0 for cs in costs),
         preds=tuple(tuple(dict.fromkeys(unit_of[p] for i in members for p in preds[i]
                                         if unit_of[p] != u)) for u, members in enumerate(units)),
         is_input=tuple(nodes[members[0]].op == "placeholder" for members in units),
@@ -276,9 +283,12 @@ def _sent_bytes(nodes: Sequence[fx.Node], members: Sequence[int], outputs: set[f
 class StageCost:
     """One stage's predicted cost: compute on its device, transfers in and out, memory held.
 
-    `compute_s` is forward plus backward compute; `backward_s` the backward part of it. A
+    `compute_s` is forward plus backward compute; `backward_s` the backward part of it, which
+    includes the forward run again when the stage recomputes (`recompute`, `recompute_s`). A
     forward action of the stage takes `forward_step_s`, a backward one `backward_step_s`:
-    gradients cross the same links as the values they belong to.
+    gradients cross the same links as the values they belong to. `memory_bytes` is what the stage
+    holds at its peak (`Memory.need`); `memory_kept_bytes` what it would hold keeping every
+    activation, and `memory_recomputing_bytes` recomputing them (equal outside training).
     """
 
     compute_s: float
@@ -288,6 +298,10 @@ class StageCost:
     received_bytes: int
     num_nodes: int
     backward_s: float = 0.0
+    recompute: bool = False
+    recompute_s: float = 0.0
+    memory_kept_bytes: int = 0
+    memory_recomputing_bytes: int = 0
 
     @property
     def time_s(self) -> float:
@@ -302,24 +316,82 @@ class StageCost:
         return self.backward_s + self.comm_s
 
 
+OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0,
+                   "adam": 2.0, "adamw": 2.0}   # state bytes per parameter byte
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What a stage holds at its peak, and what recomputation it may use to fit its device.
+
+    In inference a stage holds its parameters and buffers, and `in_flight` micro-batches of the
+    values its nodes produce and receive (`activation_bytes`). In training it holds its
+    parameters, their gradients and `optimizer_state` bytes of optimizer state per parameter
+    byte, and for each of the `in_flight[s]` micro-batches whose backward is still to come (read
+    off the timetable: GPipe holds all of them, 1F1B fewer on later stages) what autograd keeps
+    for it (`saved_bytes`, measured) and the values it received. Recomputing, it keeps only the
+    values it received per micro-batch, and one micro-batch's saved values while that one's
+    backward runs, at the cost of running its forward again.
+
+    `recompute`: "never", "always" (every stage), or "auto" (a stage recomputes only when it
+    does not fit otherwise).
+    """
+
+    in_flight: tuple[int, ...] | int = 1
+    training: bool = False
+    optimizer_state: float = 2.0
+    recompute: str = "never"
+
+    def held(self, s: int) -> int:
+        """Micro-batches stage `s` holds at once."""
+        if isinstance(self.in_flight, int):
+            return self.in_flight
+        return self.in_flight[s] if s < len(self.in_flight) else max(self.in_flight, default=1)
+
+    def need(self, s: int, param_bytes: int, activation_bytes: int, saved_bytes: int,
+             received_bytes: int, recompute: bool = False) -> int:
+        """Stage `s`'s peak memory holding these bytes, recomputing or not."""
+        n = self.held(s)
+        if not self.training:
+            return param_bytes + n * activation_bytes
+        state = math.ceil(param_bytes * (2 + self.optimizer_state))   # weights, gradients, state
+        if recompute:
+            return state + n * received_bytes + saved_bytes
+        return state + n * (saved_bytes + received_bytes)
+
+    def choose(self, s: int, capacity: float, param_bytes: int, activation_bytes: int,
+               saved_bytes: int, received_bytes: int) -> bool | None:
+        """Whether stage `s` recomputes, or None when it fits its device neither way."""
+        args = (s, param_bytes, activation_bytes, saved_bytes, received_bytes)
+        if self.training and self.recompute == "always":
+            return True if self.need(*args, recompute=True) <= capacity else None
+        if self.need(*args) <= capacity:
+            return False
+        if self.training and self.recompute == "auto" and \
+                self.need(*args, recompute=True) <= capacity:
+            return True
+        return None
+
+
 def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[DeviceSpec],
-                link: LinkFn = default_link, *, activation_factor: float = 1.0) -> list[StageCost]:
+                link: LinkFn = default_link, *, memory: Memory = Memory()) -> list[StageCost]:
     """The cost of every stage, given `stage_of[i]` for every compute node (ignored for inputs).
 
     A value is sent once per (producer, receiving stage), however many nodes there read it; graph
     inputs come from the driver and graph outputs go back to it, and both ends of a transfer pay
-    for it. Memory is the parameters and buffers the stage owns, plus `activation_factor` times the
-    activations of one micro-batch it holds: the values its nodes produce and the values it
-    receives. Training with 1F1B keeps up to `num_stages` micro-batches in flight: pass that.
+    for it. Memory follows `memory` (`Memory.need`); a stage recomputes as `Memory.choose` says
+    (a stage that fits neither way is priced keeping its activations, and over its device).
     """
     k = len(devices)
     times = [graph.device_times(d) for d in devices]
-    backward_times = [graph.device_columns(d).bwd_s for d in devices]
+    columns = [graph.device_columns(d) for d in devices]
     compute = [0.0] * k
+    forward = [0.0] * k
     backward = [0.0] * k
     comm = [0.0] * k
     params = [0] * k
     activations = [0] * k
+    saved = [0] * k
     sent = [0] * k
     received = [0] * k
     count = [0] * k
@@ -329,9 +401,11 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
         nbytes = graph.out_bytes[i]
         if src is not None:
             compute[src] += times[src][i]
-            backward[src] += backward_times[src][i]
+            forward[src] += columns[src].fwd_s[i]
+            backward[src] += columns[src].bwd_s[i]
             params[src] += graph.param_bytes[i]
             activations[src] += nbytes
+            saved[src] += graph.saved_bytes[i]
             count[src] += len(graph.node_names(i))
         receivers = dict.fromkeys(stage_of[j] for j in graph.succs[i])
         receivers.pop(src, None)
@@ -346,16 +420,18 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
         if graph.to_output[i] and src is not None:
             comm[src] += link(devices[src], DRIVER).time_s(nbytes)
             sent[src] += nbytes
-    return [StageCost(compute[s], comm[s],
-                      stage_memory_bytes(params[s], activations[s], activation_factor),
-                      sent[s], received[s], count[s], backward[s])
-            for s in range(k)]
-
-
-def stage_memory_bytes(param_bytes: int, activation_bytes: int,
-                       activation_factor: float = 1.0) -> int:
-    """A stage's memory: its parameters plus `activation_factor` copies of its activations."""
-    return param_bytes + math.ceil(activation_factor * activation_bytes)
+    costs = []
+    for s in range(k):
+        held = (s, params[s], activations[s], saved[s], received[s])
+        choice = memory.choose(*held[:1], devices[s].memory_bytes, *held[1:])
+        recompute = (memory.training and memory.recompute == "always") if choice is None \
+            else choice
+        extra = forward[s] if recompute else 0.0
+        kept, recomputing = memory.need(*held), memory.need(*held, recompute=True)
+        costs.append(StageCost(compute[s] + extra, comm[s], recomputing if recompute else kept,
+                               sent[s], received[s], count[s], backward[s] + extra, recompute,
+                               extra, kept, recomputing))
+    return costs
 
 
 class Pricing:
@@ -370,17 +446,18 @@ class Pricing:
     times never exceed exact ones, so a minimum over them is a lower bound, and they are equal
     when every value is read by at most one later stage over uniform links.
 
-    Memory (`fits`) is the same in both: `stage_memory_bytes` of what the stage holds.
+    Memory is the same in both (`recompute_s`): what the stage holds (`Memory.need`) must fit its
+    device, recomputing its forward in the backward where `memory` allows and it must.
     """
 
     def __init__(self, graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn = default_link,
-                 activation_factor: float = 1.0):
+                 memory: Memory = Memory()):
         k = len(devices)
         self.graph = graph
         self.devices = tuple(devices)
         self.link = link
         self.k = k
-        self.activation_factor = activation_factor
+        self.memory = memory
         self.links = [[link(a, b) for b in devices] for a in devices]
         # Node times per stage (its device's kind over its speed), as distinct columns, and the
         # least of them per node: the floor no device goes below.
@@ -389,6 +466,9 @@ class Pricing:
         self.column_of = [distinct.index(t) for t in self.times]
         self.columns = distinct + [tuple(map(min, zip(*distinct)))]
         self.floor_column = len(distinct)
+        # Each column's forward part (what recomputing adds); the floor's adds nothing.
+        forward = {t: graph.device_columns(d).fwd_s for t, d in zip(self.times, devices)}
+        self.forward_columns = [forward[t] for t in distinct] + [(0.0,) * len(graph)]
         self.from_driver = [link(DRIVER, d) for d in devices]
         self.to_driver = [link(d, DRIVER) for d in devices]
         # The distinct links a stage may send to (later stages) or receive from (earlier ones).
@@ -415,14 +495,17 @@ class Pricing:
                                 for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
         return self._receive[s]
 
-    def fits(self, s: int, param_bytes: int, activation_bytes: int) -> bool:
-        """True when a stage holding these bytes fits stage `s`'s device."""
-        need = stage_memory_bytes(param_bytes, activation_bytes, self.activation_factor)
-        return need <= self.devices[s].memory_bytes
+    def recompute_s(self, s: int, param_bytes: int, activation_bytes: int, saved_bytes: int,
+                    received_bytes: int, forward_s: float) -> float:
+        """The time recomputation adds to a stage holding these bytes, forward `forward_s`, on
+        stage `s`'s device: 0 when it keeps its activations, its forward when it recomputes
+        them (`Memory.choose`), inf when it fits neither way."""
+        choice = self.memory.choose(s, self.devices[s].memory_bytes, param_bytes,
+                                    activation_bytes, saved_bytes, received_bytes)
+        return math.inf if choice is None else forward_s if choice else 0.0
 
     def stage_costs(self, stage_of: Sequence[int]) -> list[StageCost]:
-        return stage_costs(self.graph, stage_of, self.devices, self.link,
-                           activation_factor=self.activation_factor)
+        return stage_costs(self.graph, stage_of, self.devices, self.link, memory=self.memory)
 
     def bottleneck_s(self, stage_of: Sequence[int]) -> float:
         """The exact bottleneck of a partition."""
@@ -431,24 +514,33 @@ class Pricing:
     def relaxed_stage_s(self, stage_of: Sequence[int]) -> list[float]:
         """Every stage's relaxed time (the definition the partitioner's incremental forms are
         tested against): compute, values received at `receive_min`, values read by a later
-        stage sent once at `send_min`, outputs returned to the driver."""
+        stage sent once at `send_min`, outputs returned to the driver, and what recomputing
+        adds (`recompute_s`; inf for a stage that does not fit)."""
         graph = self.graph
         times = [0.0] * self.k
+        held = [[0, 0, 0, 0, 0.0] for _ in range(self.k)]   # params, activations, saved, received, fwd
         for i in range(len(graph)):
             readers = {stage_of[j] for j in graph.succs[i]}
+            for r in readers - ({stage_of[i]} if not graph.is_input[i] else set()):
+                held[r][1] += graph.out_bytes[i]
+                held[r][3] += graph.out_bytes[i]
             if graph.is_input[i]:
                 for s in readers:
                     times[s] += self.receive_min(s)[i]
                 continue
             s = stage_of[i]
             times[s] += self.times[s][i]
+            held[s][0] += graph.param_bytes[i]
+            held[s][1] += graph.out_bytes[i]
+            held[s][2] += graph.saved_bytes[i]
+            held[s][4] += self.forward_columns[self.column_of[s]][i]
             if graph.to_output[i]:
                 times[s] += self.to_driver[s].time_s(graph.out_bytes[i])
             if any(r > s for r in readers):
                 times[s] += self.send_min(s)[i]
             for r in readers - {s}:
                 times[r] += self.receive_min(r)[i]
-        return times
+        return [t + self.recompute_s(s, *h) for s, (t, h) in enumerate(zip(times, held))]
 
 
 def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:

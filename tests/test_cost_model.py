@@ -136,7 +136,7 @@ def test_the_dp_prices_a_stage_as_the_relaxed_rule_does(case: DagCase, data):
     graph, k = case.graph, len(case.devices)
     pricing = Pricing(graph, case.devices)
     stage_of = _valid_assignment(data, graph, k)
-    lattice = _Lattice.ideals(graph, pricing.columns, Limits().ideals)
+    lattice = _Lattice.ideals(graph, pricing.columns, pricing.forward_columns, Limits().ideals)
     bit = {node: b for b, node in enumerate(lattice.nodes)}
     index = {mask: at for at, mask in enumerate(lattice.masks)}
     relaxed = pricing.relaxed_stage_s(stage_of)

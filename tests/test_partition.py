@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe.testing import DagCase, brute_force_partition, dags, synthetic_graph
-from fxpipe.passes.cost_model import (PEER_DEVICE, CostGraph, DeviceSpec, NodeCost, Pricing,
+from fxpipe.passes.cost_model import (PEER_DEVICE, CostGraph, DeviceSpec, Memory, NodeCost, Pricing,
                                lower_bound_s, stage_costs)
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import (DeviceOrders, Limits, Method, Partition, check_valid,
@@ -88,6 +88,30 @@ def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
         return
     result = partition(case.graph, case.devices)
     assert_agrees_with_oracle(case.graph, result, oracle)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(training=True))
+def test_training_memory_and_recomputation_match_brute_force(case: DagCase):
+    # Stages hold micro-batches in flight, gradients and optimizer state, and recompute
+    # ("always", or "auto" where they would not fit otherwise) at the cost of their forward.
+    try:
+        oracle = brute_force_partition(case.graph, case.devices, memory=case.memory)
+    except PartitionError:
+        with pytest.raises(PartitionError):
+            partition(case.graph, case.devices, memory=case.memory)
+        return
+    result = partition(case.graph, case.devices, memory=case.memory)
+    assert_agrees_with_oracle(case.graph, result, oracle)
+    for cost, device in zip(result.stages, result.devices):
+        assert cost.memory_bytes <= device.memory_bytes
+        assert cost.recompute == (case.memory.recompute == "always" or
+                                  cost.memory_kept_bytes > device.memory_bytes)
+        assert cost.recompute_s == pytest.approx(
+            sum(case.graph.kind_times(device.kind).fwd_s[i] / device.speed
+                for i in case.graph.compute_nodes
+                if result.stage_of[case.graph.names[i]] == result.stages.index(cost))
+            if cost.recompute else 0.0)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -223,10 +247,10 @@ def test_memory_limits_move_nodes_to_the_device_that_has_room():
     assert [len(names) for names in result.stage_names] == [1, 3]
 
 
-def test_activation_factor_multiplies_activation_memory():
+def test_micro_batches_in_flight_multiply_activation_memory():
     graph = chain(4, out_bytes={f"n{i}": 1_000_000 for i in range(4)})
     once = partition(graph, [CPU] * 2)
-    twice = partition(graph, [CPU] * 2, activation_factor=2.0)
+    twice = partition(graph, [CPU] * 2, memory=Memory(in_flight=2))
     assert [c.memory_bytes for c in twice.stages] == [2 * c.memory_bytes for c in once.stages]
 
 
@@ -281,7 +305,7 @@ def test_the_method_prints_as_todays_sentence():
 def exact_outcome(graph: CostGraph, devices: list[DeviceSpec], work: int):
     """What the exact search establishes on all ideals with `work`, slicing as the incumbent."""
     model = Pricing(graph, devices)
-    lattice = _Lattice.ideals(graph, model.columns, Limits().ideals)
+    lattice = _Lattice.ideals(graph, model.columns, model.forward_columns, Limits().ideals)
     bound = lower_bound_s(graph, devices)
     incumbent = _best_slicing(model, graph.compute_nodes, bound)
     incumbent_s = math.inf if incumbent is None else model.bottleneck_s(incumbent)

@@ -76,14 +76,21 @@ def test_recompute_is_checked():
         fxpipe.compile(Net(), ["cpu"], (torch.randn(4, 8),), recompute="sometimes")
 
 
-def test_the_plan_shows_what_recomputation_would_keep():
+def test_the_plan_shows_each_stages_training_memory_kept_and_recomputed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).train()
     pipe = fxpipe.compile(model, ["cpu"] * 2, (torch.randn(32, 64),), chunks=4,
-                          schedule="gpipe")
-    assert all(b > 0 for b in pipe.plan.stage_saved_bytes)
-    # GPipe keeps every micro-batch in flight at each stage.
-    assert "micro-batches in flight by stage: 4 | 4" in str(pipe.plan)
+                          schedule="gpipe", optimizer="adam")
+    plan = pipe.plan
+    assert any(plan.stage_saved_bytes)
+    for s, cost in enumerate(plan.partition.stages):
+        state = 4 * plan.stage_param_bytes[s]       # weights, gradients, Adam's two moments
+        saved, received = plan.stage_saved_bytes[s], cost.received_bytes
+        # GPipe keeps every micro-batch in flight at each stage.
+        assert cost.memory_kept_bytes == state + 4 * (saved + received)
+        assert cost.memory_recomputing_bytes == state + 4 * received + saved
+        assert cost.memory_bytes == cost.memory_kept_bytes and not cost.recompute
+    assert "memory in training" in str(plan)
     inference = fxpipe.compile(model.eval(), ["cpu"] * 2, (torch.randn(32, 64),))
     assert not any(inference.plan.stage_saved_bytes)
-    assert "activations kept" not in str(inference.plan)
+    assert "memory in training" not in str(inference.plan)

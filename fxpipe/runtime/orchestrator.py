@@ -71,10 +71,12 @@ class Runtime:
 
     def __init__(self, stages: Sequence[Stage], wiring: Wiring, *,
                  threads_per_stage: int | Sequence[int | None] | None = None,
-                 recompute: bool = False):
+                 recompute: bool | Sequence[bool] = False):
         self.stages = list(stages)
         self.wiring = wiring
-        self.recompute = recompute     # training forwards keep only their inputs (see executor)
+        # Per stage: its training forwards keep only their inputs (see the executor).
+        self.recompute = (list(recompute) if isinstance(recompute, Sequence)
+                          else [recompute] * len(self.stages))
         # Each CPU stage's intra-op threads (None: as the thread starts).
         self.threads = (list(threads_per_stage) if isinstance(threads_per_stage, Sequence)
                         else [threads_per_stage] * len(self.stages))
@@ -237,7 +239,7 @@ class _Execution:
             loss_of=self.graph_loss if self.loss_of is not None and last else None,
             seeds=self.seeds,
             stream=self.rt.streams[stage.index],
-            recompute=self.rt.recompute)
+            recompute=self.rt.recompute[stage.index])
 
     def graph_loss(self, m: int, values: dict[str, Any]) -> torch.Tensor:
         """The caller's loss of micro-batch m, given the graph inputs too."""

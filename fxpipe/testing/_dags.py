@@ -22,7 +22,8 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from fxpipe.passes.cost_model import CostGraph, DeviceSpec, KindTimes, LinkFn, default_link, stage_costs
+from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, KindTimes, LinkFn, Memory,
+                                      default_link, stage_costs)
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Method, Partition, evaluate
 
@@ -37,12 +38,13 @@ class DagCase:
 
     graph: CostGraph
     devices: tuple[DeviceSpec, ...]
+    memory: Memory = Memory()      # what a stage holds (training: `dags(training=True)`)
 
 
 @st.composite
 def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stages: int = 4,
          max_inputs: int = 2, max_assignments: int = 50_000, memory: bool = True,
-         kinds: bool = True) -> DagCase:
+         kinds: bool = True, training: bool = False) -> DagCase:
     """A random `DagCase` of at most `max_nodes` nodes (inputs included) and 2..4 devices.
 
     The number of computing nodes `m` is kept to `stages ** m <= max_assignments`, which bounds
@@ -52,6 +54,8 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
     be a fraction of what the whole graph needs, so that some cases cannot fit. With `kinds`, half
     the cases give the cuda kinds a GPU-like column: 20x faster than the reference on nodes of
     1 ms or more, barely faster (0.9x) on smaller ones, split 1:2 into forward and backward.
+    With `training`, nodes keep up to 16 MB for their backward, stages hold 1 to 4 micro-batches
+    in flight and the optimizer's state, and recompute "never", "always" or "auto".
     """
     k = draw(st.integers(min_stages, max_stages), label="stages")
     inputs = draw(st.integers(0, max_inputs), label="inputs")
@@ -77,20 +81,28 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
                       time_s=tuple(time_s), out_bytes=tuple(out_bytes),
                       param_bytes=tuple(param_bytes), preds=tuple(preds),
                       is_input=tuple(i < inputs for i in range(n)), to_output=tuple(to_output),
-                      kinds=columns)
-    need = sum(param_bytes) + 2 * sum(out_bytes)
+                      kinds=columns, saved_bytes=tuple(
+                          draw(st.integers(0, 8)) * 2_000_000 if training and i >= inputs else 0
+                          for i in range(n)))
+    rules = Memory()
+    if training:
+        rules = Memory(in_flight=tuple(draw(st.integers(1, 4)) for _ in range(k)), training=True,
+                       optimizer_state=draw(st.sampled_from((0.0, 2.0))),
+                       recompute=draw(st.sampled_from(("never", "always", "auto"))))
+    need = (sum(param_bytes) + 2 * sum(out_bytes) if not training else
+            rules.need(0, sum(param_bytes), 0, sum(graph.saved_bytes), sum(out_bytes)))
     devices = []
     for _ in range(k):
         fraction = draw(st.sampled_from((None, None, 0.3, 0.5, 0.8))) if memory else None
         devices.append(DeviceSpec(name=draw(st.sampled_from(DEVICE_NAMES)),
                                   speed=draw(st.sampled_from(SPEEDS)),
                                   memory_bytes=math.inf if fraction is None else need * fraction))
-    return DagCase(graph, tuple(devices))
+    return DagCase(graph, tuple(devices), rules)
 
 
 def brute_force_partition(graph: CostGraph, devices: Sequence[DeviceSpec],
                           link: LinkFn = default_link, *,
-                          activation_factor: float = 1.0) -> Partition:
+                          memory: Memory = Memory()) -> Partition:
     """The optimal partition, by trying every valid assignment: the oracle for `partition`.
 
     Valid: every computing node in one of `len(devices)` stages, no value flowing backwards, no
@@ -113,8 +125,7 @@ def brute_force_partition(graph: CostGraph, devices: Sequence[DeviceSpec],
             if 0 in used:
                 return
             best[2] += 1
-            costs = stage_costs(graph, stage_of, devices, link,
-                                activation_factor=activation_factor)
+            costs = stage_costs(graph, stage_of, devices, link, memory=memory)
             if all(c.memory_bytes <= d.memory_bytes for c, d in zip(costs, devices)):
                 bottleneck = max(c.time_s for c in costs)
                 if bottleneck < best[0]:
@@ -137,7 +148,7 @@ def brute_force_partition(graph: CostGraph, devices: Sequence[DeviceSpec],
     return evaluate(graph, best[1], devices, link, optimal=True,
                     method=Method(found_by="brute force",
                                   proof=f"all {best[2]} valid assignments tried", optimal=True),
-                    lower_bound=best[0], activation_factor=activation_factor)
+                    lower_bound=best[0], memory=memory)
 
 
 def synthetic_graph(num_nodes: int, *, seed: int = 0) -> CostGraph:

@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 import torch.fx as fx
 
 from ..cost_model import (CostGraph, DeviceSpec, LinkFn, Pricing, cost_graph, default_link,
-                          format_bytes, lower_bound_s, stage_memory_bytes)
+                          Memory, format_bytes, lower_bound_s)
 from ..errors import PartitionError
 from .lattice import _Lattice
 from .limits import _Budget, Limits
@@ -28,14 +28,14 @@ from .slicing import _best_slicing, _orders
 
 
 def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
-              link: LinkFn = default_link, *, activation_factor: float = 1.0,
+              link: LinkFn = default_link, *, memory: Memory = Memory(),
               training: bool = False, reorder_devices: bool = False,
               limits: Limits = Limits()) -> Partition:
     """Split `graph` into `len(devices)` non-empty stages, stage `s` running on `devices[s]`.
 
     Minimises the bottleneck (see the package docstring for the methods and their proofs).
-    `activation_factor` multiplies activation memory (e.g. the number of micro-batches in flight
-    when training); `training` adds backward time when `graph` is a GraphModule;
+    `memory` says what a stage holds (micro-batches in flight, training state) and whether it
+    may recompute its activations to fit (`cost_model.Memory`); `training` adds backward time when `graph` is a GraphModule;
     `reorder_devices` also tries every distinct order of the devices (at most
     `limits.device_orders`), and the result's `devices` says which was kept; `limits` bounds
     the exact methods' work.
@@ -58,11 +58,11 @@ def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
                 f"most {limits.device_orders}): pass reorder_devices=False and order them "
                 f"yourself")
         orders = list(_distinct_orders(devices))
-    found = [_partition(graph, ds, link, activation_factor, limits) for ds in orders]
+    found = [_partition(graph, ds, link, memory, limits) for ds in orders]
     results = [p for p in found if isinstance(p, Partition)]
     if not results:
         proven = all(isinstance(p, Infeasible) for p in found)
-        raise _memory_error(graph, devices, link, activation_factor, limits, proven)
+        raise _memory_error(graph, devices, link, memory, limits, proven)
     best = min(results, key=lambda p: p.bottleneck_s)
     if len(orders) > 1:
         # Each order's bound holds for that order only, so the smallest is the one that holds;
@@ -81,7 +81,7 @@ def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
 
 def num_stages_for(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
                    link: LinkFn = default_link, *, tolerance: float = 0.02,
-                   activation_factor: float = 1.0, training: bool = False,
+                   memory: Memory = Memory(), training: bool = False,
                    limits: Limits = Limits()) -> Partition:
     """How many of `devices` to use: "I have these (e.g. `[gpu] * 8`), how many stages pay?"
 
@@ -97,13 +97,11 @@ def num_stages_for(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSp
     found = []
     for k in range(1, limit + 1):
         try:
-            found.append(partition(graph, devices[:k], link, activation_factor=activation_factor,
-                                   limits=limits))
+            found.append(partition(graph, devices[:k], link, memory=memory, limits=limits))
         except PartitionError:
             continue
     if not found:
-        raise _memory_error(graph, tuple(devices[:limit]), link, activation_factor, limits,
-                            False)
+        raise _memory_error(graph, tuple(devices[:limit]), link, memory, limits, False)
     best_s = min(p.bottleneck_s for p in found)
     return next(p for p in found if p.bottleneck_s <= best_s * (1 + tolerance))
 
@@ -143,10 +141,10 @@ def _check_request(graph: CostGraph, devices: Sequence[DeviceSpec]) -> None:
 
 
 def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
-               activation_factor: float, limits: Limits) -> Partition | Infeasible | OverBudget:
+               memory: Memory, limits: Limits) -> Partition | Infeasible | OverBudget:
     """The best partition for one device order; Infeasible when the exact search proved that
     none fits in memory, OverBudget when none found fits but that is not proven."""
-    model = Pricing(graph, devices, link, activation_factor)
+    model = Pricing(graph, devices, link, memory)
     bound = lower_bound_s(graph, devices)
     orders = list(_orders(graph))
     candidates: list[tuple[float, Sequence[int], str]] = []
@@ -161,7 +159,7 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
         return _exact(model, lattice, incumbent, incumbent_s, floor, budget)
 
     budget = _Budget(limits.work)
-    lattice = _Lattice.ideals(graph, model.columns, limits.ideals)
+    lattice = _Lattice.ideals(graph, model.columns, model.forward_columns, limits.ideals)
     found = OverBudget() if lattice is None else exact(lattice, bound)
     if isinstance(found, Infeasible):
         return found
@@ -176,7 +174,8 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
     if not proven:
         for name, order in orders:
             if len(order) <= limits.prefix_nodes:
-                sliced = exact(_Lattice.prefixes(graph, order, model.columns), 0.0)
+                sliced = exact(_Lattice.prefixes(graph, order, model.columns,
+                                                  model.forward_columns), 0.0)
                 if isinstance(sliced, (Proved, Certified)):
                     candidates.append((model.bottleneck_s(sliced.stage_of), sliced.stage_of,
                                        f"exact slicing of the {name} order"))
@@ -188,7 +187,7 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
     optimal = proven or bottleneck <= bound * (1 + _TOL)
     return evaluate(graph, stage_of, devices, link, optimal=optimal,
                     method=Method(found_by=how, proof=proof, optimal=optimal),
-                    lower_bound=bound, activation_factor=activation_factor)
+                    lower_bound=bound, memory=memory)
 
 
 def _proof(found: Proved | Certified, num_ideals: int) -> str:
@@ -203,31 +202,88 @@ def _proof(found: Proved | Certified, num_ideals: int) -> str:
 
 
 def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
-                  activation_factor: float, limits: Limits, proven: bool) -> PartitionError:
-    """An error naming the stages that need more memory than their device has; `proven` says
-    the exact search showed that no partition fits (else only that none was found)."""
+                  memory: Memory, limits: Limits, proven: bool) -> PartitionError:
+    """An error naming the stages that need more memory than their device has, and the least
+    memory per device with which fxpipe finds a partition; `proven` says the exact search
+    showed that no partition fits (else only that none was found)."""
     roomiest = max(d.memory_bytes for d in devices)
+    fix = _fix(memory)
     for i in graph.compute_nodes:
-        need = stage_memory_bytes(graph.param_bytes[i], graph.out_bytes[i], activation_factor)
-        if need > roomiest:
+        received = sum(graph.out_bytes[p] for p in graph.preds[i])
+        held = (graph.param_bytes[i], graph.out_bytes[i] + received, graph.saved_bytes[i],
+                received)
+        if memory.choose(0, roomiest, *held) is None:
+            need = min(memory.need(0, *held), memory.need(0, *held, recompute=True)
+                       if memory.training and memory.recompute != "never" else math.inf)
             return PartitionError(
                 f"node {graph.names[i]!r} alone needs {format_bytes(need)}, more than any device "
-                f"has (at most {format_bytes(roomiest)}): use devices with more memory or a "
-                f"smaller micro-batch")
+                f"has (at most {format_bytes(roomiest)}): use devices with more memory, {fix}")
     unbounded = tuple(replace(d, memory_bytes=math.inf) for d in devices)
-    plan = _partition(graph, unbounded, link, activation_factor, limits)
+    plan = _partition(graph, unbounded, link, memory, limits)
     assert isinstance(plan, Partition), "the slicing always finds a partition without memory limits"
     over = [f"stage {s} on {d.name} needs {format_bytes(c.memory_bytes)} but has "
             f"{format_bytes(d.memory_bytes)}"
             for s, (d, c) in enumerate(zip(devices, plan.stages))
             if c.memory_bytes > d.memory_bytes]
-    need = sum(c.memory_bytes for c in plan.stages)
-    have = sum(d.memory_bytes for d in devices)
+    least = least_memory_bytes(graph, len(devices), memory)
     verdict = ("no partition into {} stages fits the devices' memory" if proven else
                "fxpipe found no partition into {} stages that fits the devices' memory (the "
                "graph is too large for the exact search, so one may exist)")
     return PartitionError(
-        f"{verdict.format(len(devices))}. The fastest "
-        f"partition ignoring memory needs {format_bytes(need)} in all ({format_bytes(have)} "
-        f"available): {'; '.join(over) or 'each stage fits, but no fast one does'}. Add devices, "
-        f"use devices with more memory, or use smaller micro-batches")
+        f"{verdict.format(len(devices))}. The fastest partition ignoring memory: "
+        f"{'; '.join(over) or 'each stage fits, but no fast one does'}. With "
+        f"{format_bytes(least)} on each of the {len(devices)} devices a partition fits. Add "
+        f"devices, use devices with more memory, {fix}")
+
+
+def _fix(memory: Memory) -> str:
+    """What else frees memory, in the words of the options that do it."""
+    if not memory.training:
+        return "or use smaller micro-batches"
+    also = "" if memory.recompute != "never" else "recompute='auto' (recompute activations), "
+    return (f"{also}more micro-batches (chunks=), schedule='1f1b' (fewer micro-batches in "
+            f"flight), or an optimizer with less state")
+
+
+def least_memory_bytes(graph: CostGraph, num_stages: int, memory: Memory) -> float:
+    """The least memory per device with which slicing the graph's topological order into at
+    most `num_stages` stages fits them all (within 1%), by bisection on the capacity: an upper
+    bound of the least any partition needs, and what a partition fxpipe finds needs."""
+    low = 0.0
+    high = max(1.0, float(memory.need(0, sum(graph.param_bytes), sum(graph.out_bytes),
+                                      sum(graph.saved_bytes), sum(graph.out_bytes))))
+    while high - low > 0.01 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if _slices_within(graph, num_stages, memory, middle) else \
+            (middle, high)
+    return high
+
+
+def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: float) -> bool:
+    """Whether cutting the topological order greedily, each stage as long as it fits
+    `capacity`, needs at most `num_stages` stages (memory only grows as a stage grows)."""
+    s, members, received = 0, set(), {}
+    held = [0, 0, 0]                      # params, values produced, saved
+
+    def fits(params: int, produced: int, saved: int, inbound: dict) -> bool:
+        nbytes = sum(graph.out_bytes[p] for p in inbound)
+        return memory.choose(s, capacity, params, produced + nbytes, saved, nbytes) is not None
+
+    for i in graph.compute_nodes:
+        inbound = {**received, **{p: None for p in graph.preds[i] if p not in members}}
+        grown = [held[0] + graph.param_bytes[i], held[1] + graph.out_bytes[i],
+                 held[2] + graph.saved_bytes[i]]
+        if not fits(*grown, inbound):
+            if not members:
+                return False
+            s += 1
+            if s >= num_stages:
+                return False
+            members, received = set(), {}
+            inbound = {p: None for p in graph.preds[i]}
+            grown = [graph.param_bytes[i], graph.out_bytes[i], graph.saved_bytes[i]]
+            if not fits(*grown, inbound):
+                return False
+        members.add(i)
+        received, held = inbound, grown
+    return True

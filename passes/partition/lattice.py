@@ -48,9 +48,12 @@ class _Lattice:
     pred_bits: list[tuple[int, ...]]   # bit -> bits of the computing nodes it reads
     inputs: list[int]
     columns: list[tuple[float, ...]]
+    forward_columns: list[tuple[float, ...]]   # the forward part of each column
     masks: list[int] = field(default_factory=lambda: [0])
     time_s: list[list[float]] = field(default_factory=list)   # per column, per ideal
+    forward_s: list[list[float]] = field(default_factory=list)   # per column, per ideal
     param_bytes: list[int] = field(default_factory=lambda: [0])
+    saved_bytes: list[int] = field(default_factory=lambda: [0])
     out_bytes: list[int] = field(default_factory=lambda: [0])
     output_count: list[int] = field(default_factory=lambda: [0])
     output_bytes: list[int] = field(default_factory=lambda: [0])
@@ -60,22 +63,24 @@ class _Lattice:
     _sorted: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     @staticmethod
-    def _empty(graph: CostGraph, nodes: list[int], columns: list[tuple[float, ...]]) -> _Lattice:
+    def _empty(graph: CostGraph, nodes: list[int], columns: list[tuple[float, ...]],
+               forward_columns: list[tuple[float, ...]]) -> _Lattice:
         bit = {i: b for b, i in enumerate(nodes)}
         return _Lattice(graph, nodes, [sum(1 << bit[j] for j in graph.succs[i])
                                        for i in range(len(graph))],
                         [tuple(bit[p] for p in graph.preds[i] if p in bit) for i in nodes],
                         [i for i in range(len(graph)) if graph.is_input[i]], columns,
-                        time_s=[[0.0] for _ in columns])
+                        forward_columns, time_s=[[0.0] for _ in columns],
+                        forward_s=[[0.0] for _ in columns])
 
     @staticmethod
     def ideals(graph: CostGraph, columns: list[tuple[float, ...]],
-               max_ideals: int) -> _Lattice | None:
+               forward_columns: list[tuple[float, ...]], max_ideals: int) -> _Lattice | None:
         """All ideals, grown one node at a time, or None past `max_ideals`. O(N * width)."""
         nodes = graph.compute_nodes
         if len(nodes) + 1 > max_ideals:
             return None
-        lattice = _Lattice._empty(graph, nodes, columns)
+        lattice = _Lattice._empty(graph, nodes, columns, forward_columns)
         bit = {i: b for b, i in enumerate(nodes)}
         pred_mask = [sum(1 << bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
         ready = sum(1 << b for b in range(len(nodes)) if pred_mask[b] == 0)
@@ -107,10 +112,10 @@ class _Lattice:
         return lattice
 
     @staticmethod
-    def prefixes(graph: CostGraph, order: list[int],
-                 columns: list[tuple[float, ...]]) -> _Lattice:
+    def prefixes(graph: CostGraph, order: list[int], columns: list[tuple[float, ...]],
+                 forward_columns: list[tuple[float, ...]]) -> _Lattice:
         """The n + 1 prefixes of a topological order of the computing nodes."""
-        lattice = _Lattice._empty(graph, order, columns)
+        lattice = _Lattice._empty(graph, order, columns, forward_columns)
         for b in range(len(order)):
             lattice._add(b, b, (1 << (b + 1)) - 1)
         return lattice
@@ -122,7 +127,10 @@ class _Lattice:
         self.masks.append(mask)
         for column, times in zip(self.columns, self.time_s):
             times.append(times[parent] + column[i])
+        for column, times in zip(self.forward_columns, self.forward_s):
+            times.append(times[parent] + column[i])
         self.param_bytes.append(self.param_bytes[parent] + graph.param_bytes[i])
+        self.saved_bytes.append(self.saved_bytes[parent] + graph.saved_bytes[i])
         self.out_bytes.append(self.out_bytes[parent] + graph.out_bytes[i])
         output = graph.to_output[i]
         self.output_count.append(self.output_count[parent] + output)
@@ -147,13 +155,16 @@ class _Lattice:
             graph = self.graph
             received = [p for _, p in self._frontier(j) if self.reader_mask[p] & stage]
             received += [p for p in self.inputs if self.reader_mask[p] & stage]
+            received_bytes = sum(graph.out_bytes[p] for p in received)
             self._pairs[key] = _Pair(
                 tuple(times[i] - times[j] for times in self.time_s), tuple(received),
                 tuple(p for b, p in self._frontier(i) if stage >> b & 1),
                 self.output_count[i] - self.output_count[j],
                 self.output_bytes[i] - self.output_bytes[j],
                 self.param_bytes[i] - self.param_bytes[j],
-                self.out_bytes[i] - self.out_bytes[j] + sum(graph.out_bytes[p] for p in received))
+                self.out_bytes[i] - self.out_bytes[j] + received_bytes,
+                self.saved_bytes[i] - self.saved_bytes[j], received_bytes,
+                tuple(times[i] - times[j] for times in self.forward_s))
         return self._pairs[key]
 
     def _frontier(self, i: int) -> list[tuple[int, int]]:
@@ -213,6 +224,9 @@ class _Pair(NamedTuple):
     output_bytes: int
     param_bytes: int
     activation_bytes: int
+    saved_bytes: int
+    received_bytes: int
+    forward_s: tuple[float, ...]   # per column
 
 
 class _StageCost:
@@ -224,17 +238,18 @@ class _StageCost:
         self.receive = model.receive_min(s)
         self.send = model.send_min(s)
         self.out = model.to_driver[s]
-        self.capacity = model.devices[s].memory_bytes
-        self.factor = model.activation_factor
+        self.free = model.devices[s].memory_bytes == math.inf and \
+            not (model.memory.training and model.memory.recompute == "always")
 
     def __call__(self, pair: _Pair) -> float:
-        # Rounding activations up adds less than a byte: only a near miss needs the exact test.
-        if pair.param_bytes + pair.activation_bytes * self.factor + 1 > self.capacity and \
-                not self.model.fits(self.s, pair.param_bytes, pair.activation_bytes):
+        extra = 0.0 if self.free else self.model.recompute_s(
+            self.s, pair.param_bytes, pair.activation_bytes, pair.saved_bytes,
+            pair.received_bytes, pair.forward_s[self.column])
+        if extra == math.inf:
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
-        return (pair.time_s[self.column] + out + sum(self.receive[p] for p in pair.received) +
-                self.relaxed_send(pair))
+        return (pair.time_s[self.column] + extra + out +
+                sum(self.receive[p] for p in pair.received) + self.relaxed_send(pair))
 
     def relaxed_send(self, pair: _Pair) -> float:
         return sum(self.send[p] for p in pair.sending)

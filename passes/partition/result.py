@@ -23,8 +23,8 @@ from typing import Mapping, Sequence
 
 from tabulate import tabulate
 
-from ..cost_model import (CostGraph, DeviceSpec, LinkFn, StageCost, default_link, lower_bound_s,
-                          stage_costs)
+from ..cost_model import (CostGraph, DeviceSpec, LinkFn, Memory, StageCost, default_link,
+                          lower_bound_s, stage_costs)
 from ..errors import PartitionError
 
 # Relative slack for float noise: a bottleneck within it of the bound counts as meeting it.
@@ -156,14 +156,14 @@ class Partition:
 
 def evaluate(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[DeviceSpec],
              link: LinkFn = default_link, *, optimal: bool = False, method: Method | None = None,
-             lower_bound: float | None = None, activation_factor: float = 1.0) -> Partition:
+             lower_bound: float | None = None, memory: Memory = Memory()) -> Partition:
     """The `Partition` that assigns node `i` to `stage_of[i]`; checks that it is valid.
 
     `lower_bound` defaults to `cost_model.lower_bound_s`; a bound above the bottleneck can only
     be float noise and is clipped to it.
     """
     check_valid(graph, stage_of, len(devices))
-    costs = stage_costs(graph, stage_of, devices, link, activation_factor=activation_factor)
+    costs = stage_costs(graph, stage_of, devices, link, memory=memory)
     bottleneck = max(c.time_s for c in costs)
     bound = lower_bound_s(graph, devices) if lower_bound is None else lower_bound
     return Partition(

@@ -98,7 +98,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     stage grows, so a stage stops growing as soon as they pass the limit.
     """
     graph, devices, k = model.graph, model.devices, model.k
-    out_bytes, params = graph.out_bytes, graph.param_bytes
+    out_bytes, params, saved = graph.out_bytes, graph.param_bytes, graph.saved_bytes
     preds, is_input, to_output = graph.preds, graph.is_input, graph.to_output
     n = len(order)
     stage_of = [-1] * len(graph)
@@ -107,12 +107,14 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     start = 0
     for s in range(k):
         times = model.times[s]
+        forward = model.forward_columns[model.column_of[s]]
         to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
         send_min = model.send_min(s)
         final = s == k - 1
         fixed = 0.0          # compute, received values and outputs: grows with the stage
         sending = 0.0        # values read after the stage's end, charged at the cheapest link
-        param_bytes = activation_bytes = 0
+        param_bytes = activation_bytes = saved_bytes = received_bytes = 0
+        forward_s = 0.0      # the stage's forward: what recomputing it adds
         received: dict[int, None] = {}
         charges: list[tuple[int, float, int]] = []   # (earlier stage, extra time, producer)
         extra = [0.0] * k
@@ -122,6 +124,8 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
             fixed += times[i]
             param_bytes += params[i]
             activation_bytes += out_bytes[i]
+            saved_bytes += saved[i]
+            forward_s += forward[i]
             if to_output[i]:
                 fixed += to_driver.time_s(out_bytes[i])
             if last[i] > at:
@@ -133,6 +137,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                         received[p] = None
                         fixed += from_driver.time_s(out_bytes[p])
                         activation_bytes += out_bytes[p]
+                        received_bytes += out_bytes[p]
                 elif position[p] >= start:
                     if last[p] == at:
                         sending -= send_min[p]
@@ -142,6 +147,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                     t = links[sender][s].time_s(out_bytes[p])
                     fixed += t
                     activation_bytes += out_bytes[p]
+                    received_bytes += out_bytes[p]
                     more = t if received_once[p] else t - model.send_min(sender)[p]
                     charges.append((sender, more, p))
                     extra[sender] += more
@@ -149,10 +155,12 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                         overflow = True
                         over[sender] = max(over.get(sender, 0.0),
                                            load[sender] + extra[sender] - limit)
-            if overflow or fixed > limit or not model.fits(s, param_bytes, activation_bytes):
+            extra_s = model.recompute_s(s, param_bytes, activation_bytes, saved_bytes,
+                                        received_bytes, forward_s)
+            if overflow or extra_s == math.inf or fixed + extra_s > limit:
                 break
-            if fixed + sending <= limit - reserve[s] and (not final or at == n - 1):
-                end = (at + 1, fixed + sending, len(charges))
+            if fixed + extra_s + sending <= limit - reserve[s] and (not final or at == n - 1):
+                end = (at + 1, fixed + extra_s + sending, len(charges))
         if end is None:
             return None
         stop, load[s], num_charges = end
