@@ -94,3 +94,119 @@ def test_the_plan_shows_each_stages_training_memory_kept_and_recomputed():
     inference = fxpipe.compile(model.eval(), ["cpu"] * 2, (torch.randn(32, 64),))
     assert not any(inference.plan.stage_saved_bytes)
     assert "memory in training" not in str(inference.plan)
+
+
+class Chain(nn.Module):
+    """Activations that dominate the weights, with dropout and BatchNorm to recompute."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.GELU(),
+                                    nn.Dropout(0.2), nn.Linear(256, 256), nn.GELU(),
+                                    nn.Linear(256, 32))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def capped(cap):
+    return [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(schedule):
+    torch.manual_seed(0)
+    model, x, target = Chain().train(), torch.randn(1024, 32), torch.randn(1024, 32)
+    options = dict(chunks=4, schedule=schedule, optimizer="sgd")
+    free = fxpipe.compile(model, ["cpu"] * 2, (x,), **options).plan.partition.stages
+    cap = max(c.memory_kept_bytes for c in free)
+    while True:     # the first cap, in steps of 0.9, that no partition keeping activations meets
+        cap *= 0.9
+        try:
+            fxpipe.compile(model, capped(cap), (x,), verify=False, **options)
+        except fxpipe.PartitionError as e:
+            assert "recompute='auto'" in str(e)
+            break
+    twin = copy.deepcopy(model)
+    auto = fxpipe.compile(twin, capped(cap), (x,), recompute="auto", **options)
+    stages = auto.plan.partition.stages
+    assert all(c.memory_bytes <= cap for c in stages)
+    assert any(auto.plan.stage_recompute)
+    assert [c.recompute for c in stages] == [c.memory_kept_bytes > cap for c in stages]
+    never = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
+    runs = {}
+    for name, pipe, m in (("never", never, model), ("auto", auto, twin)):
+        torch.manual_seed(1)
+        loss = pipe.train_step(x, target, F.mse_loss)
+        runs[name] = (loss, {n: p.grad for n, p in m.named_parameters()},
+                      {n: b.clone() for n, b in m.named_buffers()})
+    (loss, grads, buffers), (loss2, grads2, buffers2) = runs["never"], runs["auto"]
+    torch.testing.assert_close(loss2, loss)
+    for name in grads:
+        torch.testing.assert_close(grads2[name], grads[name], msg=name)
+    for name in buffers:
+        torch.testing.assert_close(buffers2[name], buffers[name], msg=name)
+
+
+def test_a_model_that_fits_nowhere_is_told_the_memory_that_would_do():
+    from fxpipe.passes.cost_model import CostGraph, DeviceSpec, Memory, format_bytes
+    from fxpipe.passes.partition import partition
+    from fxpipe.passes.partition.driver import least_memory_bytes
+
+    n = 8
+    graph = CostGraph(names=("x",) + tuple(f"n{i}" for i in range(n)),
+                      time_s=(0.0,) + (1e-3,) * n, out_bytes=(1000,) * (n + 1),
+                      param_bytes=(0,) + (50_000,) * n,
+                      preds=((),) + tuple(((i,)) for i in range(n)),
+                      is_input=(True,) + (False,) * n, to_output=(False,) * n + (True,),
+                      saved_bytes=(0,) + (20_000,) * n)
+    memory = Memory(in_flight=(4, 4), training=True, optimizer_state=2.0, recompute="auto")
+    least = least_memory_bytes(graph, 2, memory)
+    with pytest.raises(fxpipe.PartitionError, match=format_bytes(least)):
+        partition(graph, [DeviceSpec("cpu", memory_bytes=0.9 * least)] * 2, memory=memory)
+    fits = partition(graph, [DeviceSpec("cpu", memory_bytes=least)] * 2, memory=memory)
+    assert max(c.memory_bytes for c in fits.stages) <= least
+    with pytest.raises(fxpipe.PartitionError):   # within 1% of the least, for a chain
+        partition(graph, [DeviceSpec("cpu", memory_bytes=0.98 * least)] * 2, memory=memory)
+
+
+MEASURE = """
+import json, sys, torch, torch.nn.functional as F
+sys.path.insert(0, {tests!r})
+import fxpipe
+from fxpipe.testing.memory import peak_bytes, return_freed_memory
+from test_recompute import Chain
+return_freed_memory()
+torch.manual_seed(0)
+model, x = Chain().train(), torch.randn(2048, 32)
+options = dict(chunks=4, optimizer="sgd", verify=False, repeats=1)
+cap = float("inf")
+if {recompute!r} == "auto":      # between what the stages need keeping and recomputing
+    free = fxpipe.compile(model, ["cpu"] * 2, (x,), **options).plan.partition.stages
+    cap = max((c.memory_kept_bytes + c.memory_recomputing_bytes) / 2 for c in free)
+pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2, (x,),
+                      recompute={recompute!r}, **options)
+assert {recompute!r} != "auto" or any(pipe.plan.stage_recompute)
+stages, weights = pipe.plan.partition.stages, pipe.plan.stage_param_bytes
+peak = peak_bytes(lambda: pipe.train_step(x, torch.zeros(2048, 32), F.mse_loss))
+print(json.dumps([peak, sum(c.memory_bytes - w for c, w in zip(stages, weights))]))
+"""
+
+
+@pytest.mark.skipif(not __import__("fxpipe.testing.memory").testing.memory.can_measure(),
+                    reason="needs Linux's /proc counters")
+@pytest.mark.parametrize("recompute", ["never", "always", "auto"])
+def test_the_planned_memory_bounds_a_measured_step(recompute):
+    import json
+    import os
+    import subprocess
+    import sys
+    script = MEASURE.format(tests=os.path.dirname(__file__), recompute=recompute)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    measured, predicted = json.loads(out.stdout.strip().splitlines()[-1])
+    # The step's gradients and activations, resident at its peak, against the plan's stages
+    # (the weights were there before); the margin covers what the model leaves out: gradients
+    # of activations in flight during a backward, the allocator's rounding to pages.
+    assert 0.5 * predicted <= measured <= 1.4 * predicted, (measured, predicted)

@@ -241,8 +241,11 @@ def _fix(memory: Memory) -> str:
     if not memory.training:
         return "or use smaller micro-batches"
     also = "" if memory.recompute != "never" else "recompute='auto' (recompute activations), "
-    return (f"{also}more micro-batches (chunks=), schedule='1f1b' (fewer micro-batches in "
-            f"flight), or an optimizer with less state")
+    held = {memory.held(s) for s in range(len(memory.in_flight))} \
+        if isinstance(memory.in_flight, tuple) else {memory.in_flight}
+    if len(held) == 1 and max(held) > 1:      # GPipe: every stage holds every micro-batch
+        also += "schedule='1f1b' (fewer micro-batches in flight), "
+    return f"{also}more micro-batches (chunks=), or an optimizer with less state"
 
 
 def least_memory_bytes(graph: CostGraph, num_stages: int, memory: Memory) -> float:
