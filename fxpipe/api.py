@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs, measurement_spread
-from fxpipe.passes.codegen import split_stages
+from fxpipe.passes.codegen import Stage, split_stages
 from fxpipe.passes.compare import difference, output_name
 from fxpipe.passes.cost_model import (DRIVER, OPTIMIZER_STATE, DeviceSpec, Link, LinkFn, Memory,
                                       NodeCost, cost_graph,
@@ -28,6 +28,8 @@ from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeErro
 from fxpipe.passes.functionalize import functionalize
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed, microbatch_seeds, seed_random_ops
+from fxpipe.passes.partition import Partition
+from fxpipe.passes.recompute import checkpoint_regions, choose_recomputed
 from fxpipe.passes.signature import Signature, signature_of
 from fxpipe.passes.state import unchanged_state
 from fxpipe.passes.trace import CaptureMode, trace
@@ -251,17 +253,20 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     specs = chosen.partition.devices
     costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
+    part, recomputed = chosen.partition, ((),) * len(stages)
+    if training and o["recompute"] == "auto":
+        part, recomputed = _recompute_less(part, stages, config, o["optimizer_state"])
     verified = "yes" if o["verify"] else "skipped (verify=False)"
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
-    plan = make_plan(gm.meta["capture"], chosen.partition, stages, config.chunks, verified,
+    plan = make_plan(gm.meta["capture"], part, stages, config.chunks, verified,
                      wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
                                                if n.op != "placeholder"]),
                      signature=signature,
                      batch_dims=_placeholder_dims(signature, dims, recipe.default_dim),
                      schedule=config.schedule, threads=tuple(d.threads for d in specs),
                      training=model.training, measurements=costs.saved_measurements(),
-                     recompute=o["recompute"])
+                     recompute=o["recompute"], stage_recomputed=recomputed)
     pipe = Pipeline(plan, gm)
     pipe.training = model.training     # an export graph module is built in train mode
     pipe._remember(model)
@@ -396,6 +401,43 @@ class _Costs:
                     gm, args, kwargs, self.training)
         _on_worker_thread(run) if worker else run()
         return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
+
+
+def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Config,
+                    optimizer_state: float) -> tuple[Partition, tuple[tuple[str, ...], ...]]:
+    """Where the partitioner has a stage recompute its whole forward to fit, recompute only its
+    cheapest nodes per byte when that fits (`fxpipe.passes.recompute`): the stages rewritten in
+    place, the partition repriced, and the nodes each stage recomputes."""
+    peaks = search.in_flight(True, config.schedule, config.chunks, len(stages))
+    costs, recomputed = list(part.stages), []
+    for s, (stage, cost, device) in enumerate(zip(stages, part.stages, part.devices)):
+        choice = None
+        if cost.recompute:
+            fixed = math.ceil(stage_param_bytes(stage) * (2 + optimizer_state)) + \
+                peaks[s] * (cost.received_bytes + cost.sent_bytes)   # as `Memory.need` has it
+            choice = choose_recomputed(stage.module, in_flight=peaks[s], fixed_bytes=fixed,
+                                       capacity=device.memory_bytes, speed=device.speed)
+        if choice is None or choice.extra_s >= cost.recompute_s:
+            recomputed.append(())
+            continue
+        checkpoint_regions(stage.module, set(choice.nodes))
+        saved_s = cost.recompute_s - choice.extra_s
+        costs[s] = replace(cost, compute_s=cost.compute_s - saved_s,
+                           backward_s=cost.backward_s - saved_s, recompute=False,
+                           recompute_s=choice.extra_s, memory_bytes=fixed + peaks[s] *
+                           choice.kept_bytes + choice.transient_bytes)
+        recomputed.append(choice.nodes)
+    if costs == list(part.stages):
+        return part, tuple(recomputed)
+    bottleneck = max(c.time_s for c in costs)
+    return replace(part, stages=tuple(costs), bottleneck_s=bottleneck,
+                   optimal=bottleneck <= part.lower_bound_s * (1 + 1e-9)), tuple(recomputed)
+
+
+def stage_param_bytes(stage: Stage) -> int:
+    """The bytes of a stage's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in
+               list(stage.module.parameters()) + list(stage.module.buffers()))
 
 
 def optimizer_state_factor(optimizer: str | float | type) -> float:

@@ -66,6 +66,7 @@ class Plan:
     training: bool | None = None              # the mode the model was planned (and checked) in
     recompute: str = "never"                  # the option: "never", "always" or "auto"
     stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
+    stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
     measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
@@ -153,16 +154,20 @@ class Plan:
         from .search import in_flight
         part = self.partition
         peaks = in_flight(True, self.schedule, self.chunks, part.num_stages)
+        some = self.stage_recomputed or ((),) * part.num_stages
         rows = [(s, n, format_bytes(c.memory_kept_bytes), format_bytes(c.memory_recomputing_bytes),
-                 format_bytes(d.memory_bytes),
+                 format_bytes(d.memory_bytes), format_bytes(c.memory_bytes),
                  f"recomputes its forward (+{c.recompute_s * 1e3:.3f} ms per micro-batch)"
-                 if recompute else "keeps its activations")
-                for s, (n, c, d, recompute) in enumerate(zip(peaks, part.stages, part.devices,
-                                                             self.stage_recompute))]
+                 if recompute else
+                 f"recomputes {_count(len(nodes), 'node')}: {', '.join(nodes[:4])}"
+                 f"{', ...' if len(nodes) > 4 else ''} (+{c.recompute_s * 1e3:.3f} ms per "
+                 f"micro-batch)" if nodes else "keeps its activations")
+                for s, (n, c, d, recompute, nodes) in enumerate(
+                    zip(peaks, part.stages, part.devices, self.stage_recompute, some))]
         return [f"memory in training (parameters, gradients, optimizer state, and what autograd "
                 f"keeps per micro-batch in flight; recompute='{self.recompute}'):",
                 tabulate(rows, headers=["stage", "in flight", "keeping", "recomputing",
-                                        "device has", "chosen"])]
+                                        "device has", "planned", "chosen"])]
 
     def _comparison(self) -> list[str]:
         """The pipeline's predicted time per batch against the model's own, and a warning

@@ -192,6 +192,7 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
                                   saved_bytes=interpreter.saved_bytes.get(n, 0) +
                                   (interpreter.out_bytes[n] if n in kept else 0))
         n.meta["shapes"] = interpreter.shapes.get(n, ())
+        n.meta["output_kept"] = n in kept      # in its saved_bytes: some node keeps it
 
 
 def spread(times: Sequence[float]) -> float:

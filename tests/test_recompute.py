@@ -88,7 +88,9 @@ def test_the_plan_shows_each_stages_training_memory_kept_and_recomputed():
         saved, received = plan.stage_saved_bytes[s], cost.received_bytes
         # GPipe keeps every micro-batch in flight at each stage.
         assert cost.memory_kept_bytes == state + 4 * (saved + received)
-        assert cost.memory_recomputing_bytes == state + 4 * received + saved
+        # recomputing, the peak is in the backward: the gradients of what it sent wait there
+        # (a chain sends each value to one reader: sent_bytes counts each once)
+        assert cost.memory_recomputing_bytes == state + 4 * (received + cost.sent_bytes) + saved
         assert cost.memory_bytes == cost.memory_kept_bytes and not cost.recompute
     assert "memory in training" in str(plan)
     inference = fxpipe.compile(model.eval(), ["cpu"] * 2, (torch.randn(32, 64),))
@@ -97,13 +99,14 @@ def test_the_plan_shows_each_stages_training_memory_kept_and_recomputed():
 
 
 class Chain(nn.Module):
-    """Activations that dominate the weights, with dropout and BatchNorm to recompute."""
+    """Activations that dominate the weights, narrow between blocks, with dropout and
+    BatchNorm to recompute."""
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.GELU(),
-                                    nn.Dropout(0.2), nn.Linear(256, 256), nn.GELU(),
-                                    nn.Linear(256, 32))
+        self.layers = nn.Sequential(*[layer for _ in range(2) for layer in (
+            nn.Linear(32, 256), nn.BatchNorm1d(256), nn.GELU(), nn.Dropout(0.2),
+            nn.Linear(256, 32))])
 
     def forward(self, x):
         return self.layers(x)
@@ -120,8 +123,8 @@ def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(s
     options = dict(chunks=4, schedule=schedule, optimizer="sgd")
     free = fxpipe.compile(model, ["cpu"] * 2, (x,), **options).plan.partition.stages
     cap = max(c.memory_kept_bytes for c in free)
-    while True:     # the first cap, in steps of 0.9, that no partition keeping activations meets
-        cap *= 0.9
+    while True:     # the first cap, in steps of 0.95, that no partition keeping activations meets
+        cap *= 0.95
         try:
             fxpipe.compile(model, capped(cap), (x,), verify=False, **options)
         except fxpipe.PartitionError as e:
@@ -131,8 +134,9 @@ def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(s
     auto = fxpipe.compile(twin, capped(cap), (x,), recompute="auto", **options)
     stages = auto.plan.partition.stages
     assert all(c.memory_bytes <= cap for c in stages)
-    assert any(auto.plan.stage_recompute)
-    assert [c.recompute for c in stages] == [c.memory_kept_bytes > cap for c in stages]
+    recomputes = [whole or bool(nodes) for whole, nodes in
+                  zip(auto.plan.stage_recompute, auto.plan.stage_recomputed)]
+    assert recomputes == [c.memory_kept_bytes > cap for c in stages] and any(recomputes)
     never = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
     runs = {}
     for name, pipe, m in (("never", never, model), ("auto", auto, twin)):
@@ -186,7 +190,7 @@ if {recompute!r} == "auto":      # between what the stages need keeping and reco
     cap = max((c.memory_kept_bytes + c.memory_recomputing_bytes) / 2 for c in free)
 pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2, (x,),
                       recompute={recompute!r}, **options)
-assert {recompute!r} != "auto" or any(pipe.plan.stage_recompute)
+assert {recompute!r} != "auto" or any(pipe.plan.stage_recompute + pipe.plan.stage_recomputed)
 stages, weights = pipe.plan.partition.stages, pipe.plan.stage_param_bytes
 peak = peak_bytes(lambda: pipe.train_step(x, torch.zeros(2048, 32), F.mse_loss))
 print(json.dumps([peak, sum(c.memory_bytes - w for c, w in zip(stages, weights))]))

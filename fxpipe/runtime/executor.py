@@ -34,6 +34,7 @@ import torch.fx as fx
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
+from fxpipe.passes.recompute import Recomputed
 from fxpipe.passes.state import unchanged_state
 
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
@@ -72,6 +73,9 @@ class StageExecutor:
         self.stream = stream
         self.losses: dict[int, torch.Tensor] = {}    # micro-batch -> its loss, detached
         self._saved: dict[int, _Saved] = {}
+        # Runs of nodes recomputed in the backward (`fxpipe.passes.recompute`) write the buffers
+        # again there and draw from the micro-batch's seed again.
+        self._regions = any(isinstance(m, Recomputed) for m in stage.module.modules())
         self._grad_enabled = torch.is_grad_enabled() or bool(self.backward_for)
         self._autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                           if torch.is_autocast_enabled(kind)]
@@ -140,8 +144,12 @@ class StageExecutor:
         """Micro-batch m's backward: `grads` holds one message per reader, naming this stage's
         outputs; returns the gradients of the inputs other stages sent, and frees m's values."""
         saved = self._saved.pop(m)
-        if not self.recompute:
+        if not self.recompute and not self._regions:
             return self._backward(saved, grads)
+        if not self.recompute:
+            with unchanged_state(self.stage.module), \
+                    microbatch_seed(self.seeds[m] if self.seeds is not None else None):
+                return self._backward(saved, grads)
         # Buffers the forward writes (BatchNorm's running statistics) are put back once the
         # backward is done (autograd checks them until then): the first forward updated them.
         with unchanged_state(self.stage.module):

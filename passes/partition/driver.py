@@ -211,7 +211,7 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
     for i in graph.compute_nodes:
         received = sum(graph.out_bytes[p] for p in graph.preds[i])
         held = (graph.param_bytes[i], graph.out_bytes[i] + received, graph.saved_bytes[i],
-                received)
+                received, graph.out_bytes[i])
         if memory.choose(0, roomiest, *held) is None:
             need = min(memory.need(0, *held), memory.need(0, *held, recompute=True)
                        if memory.training and memory.recompute != "never" else math.inf)
@@ -253,8 +253,9 @@ def least_memory_bytes(graph: CostGraph, num_stages: int, memory: Memory) -> flo
     most `num_stages` stages fits them all (within 1%), by bisection on the capacity: an upper
     bound of the least any partition needs, and what a partition fxpipe finds needs."""
     low = 0.0
-    high = max(1.0, float(memory.need(0, sum(graph.param_bytes), sum(graph.out_bytes),
-                                      sum(graph.saved_bytes), sum(graph.out_bytes))))
+    total = sum(graph.out_bytes)
+    high = max(1.0, float(memory.need(0, sum(graph.param_bytes), total, sum(graph.saved_bytes),
+                                      total, total)))
     while high - low > 0.01 * high:
         middle = (low + high) / 2
         low, high = (low, middle) if _slices_within(graph, num_stages, memory, middle) else \
@@ -268,15 +269,18 @@ def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: 
     s, members, received = 0, set(), {}
     held = [0, 0, 0]                      # params, values produced, saved
 
-    def fits(params: int, produced: int, saved: int, inbound: dict) -> bool:
+    def fits(params: int, produced: int, saved: int, inbound: dict, stage: set) -> bool:
         nbytes = sum(graph.out_bytes[p] for p in inbound)
-        return memory.choose(s, capacity, params, produced + nbytes, saved, nbytes) is not None
+        sent = sum(graph.out_bytes[m] for m in stage       # read later, as far as known
+                   if graph.to_output[m] or any(j not in stage for j in graph.succs[m]))
+        return memory.choose(s, capacity, params, produced + nbytes, saved, nbytes,
+                             sent) is not None
 
     for i in graph.compute_nodes:
         inbound = {**received, **{p: None for p in graph.preds[i] if p not in members}}
         grown = [held[0] + graph.param_bytes[i], held[1] + graph.out_bytes[i],
                  held[2] + graph.saved_bytes[i]]
-        if not fits(*grown, inbound):
+        if not fits(*grown, inbound, members | {i}):
             if not members:
                 return False
             s += 1
@@ -285,7 +289,7 @@ def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: 
             members, received = set(), {}
             inbound = {p: None for p in graph.preds[i]}
             grown = [graph.param_bytes[i], graph.out_bytes[i], graph.saved_bytes[i]]
-            if not fits(*grown, inbound):
+            if not fits(*grown, inbound, {i}):
                 return False
         members.add(i)
         received, held = inbound, grown

@@ -156,14 +156,16 @@ class _Lattice:
             received = [p for _, p in self._frontier(j) if self.reader_mask[p] & stage]
             received += [p for p in self.inputs if self.reader_mask[p] & stage]
             received_bytes = sum(graph.out_bytes[p] for p in received)
+            sending = tuple(p for b, p in self._frontier(i) if stage >> b & 1)
+            output_bytes = self.output_bytes[i] - self.output_bytes[j]
+            sent_bytes = output_bytes + sum(graph.out_bytes[p] for p in sending
+                                            if not graph.to_output[p])
             self._pairs[key] = _Pair(
-                tuple(times[i] - times[j] for times in self.time_s), tuple(received),
-                tuple(p for b, p in self._frontier(i) if stage >> b & 1),
-                self.output_count[i] - self.output_count[j],
-                self.output_bytes[i] - self.output_bytes[j],
+                tuple(times[i] - times[j] for times in self.time_s), tuple(received), sending,
+                self.output_count[i] - self.output_count[j], output_bytes,
                 self.param_bytes[i] - self.param_bytes[j],
                 self.out_bytes[i] - self.out_bytes[j] + received_bytes,
-                self.saved_bytes[i] - self.saved_bytes[j], received_bytes,
+                self.saved_bytes[i] - self.saved_bytes[j], received_bytes, sent_bytes,
                 tuple(times[i] - times[j] for times in self.forward_s))
         return self._pairs[key]
 
@@ -226,6 +228,7 @@ class _Pair(NamedTuple):
     activation_bytes: int
     saved_bytes: int
     received_bytes: int
+    sent_bytes: int                # values read after the ideal I or returned, each once
     forward_s: tuple[float, ...]   # per column
 
 
@@ -244,7 +247,7 @@ class _StageCost:
     def __call__(self, pair: _Pair) -> float:
         extra = 0.0 if self.free else self.model.recompute_s(
             self.s, pair.param_bytes, pair.activation_bytes, pair.saved_bytes,
-            pair.received_bytes, pair.forward_s[self.column])
+            pair.received_bytes, pair.sent_bytes, pair.forward_s[self.column])
         if extra == math.inf:
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s

@@ -115,6 +115,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
         sending = 0.0        # values read after the stage's end, charged at the cheapest link
         param_bytes = activation_bytes = saved_bytes = received_bytes = 0
         forward_s = 0.0      # the stage's forward: what recomputing it adds
+        sending_bytes = 0    # values read after the stage or returned, each once
         received: dict[int, None] = {}
         charges: list[tuple[int, float, int]] = []   # (earlier stage, extra time, producer)
         extra = [0.0] * k
@@ -130,6 +131,8 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 fixed += to_driver.time_s(out_bytes[i])
             if last[i] > at:
                 sending += send_min[i]
+            if last[i] > at or to_output[i]:
+                sending_bytes += out_bytes[i]
             overflow = False
             for p in preds[i]:
                 if is_input[p]:
@@ -141,6 +144,8 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 elif position[p] >= start:
                     if last[p] == at:
                         sending -= send_min[p]
+                        if not to_output[p]:
+                            sending_bytes -= out_bytes[p]
                 elif p not in received:
                     received[p] = None
                     sender = stage_of[p]
@@ -156,7 +161,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                         over[sender] = max(over.get(sender, 0.0),
                                            load[sender] + extra[sender] - limit)
             extra_s = model.recompute_s(s, param_bytes, activation_bytes, saved_bytes,
-                                        received_bytes, forward_s)
+                                        received_bytes, sending_bytes, forward_s)
             if overflow or extra_s == math.inf or fixed + extra_s > limit:
                 break
             if fixed + extra_s + sending <= limit - reserve[s] and (not final or at == n - 1):

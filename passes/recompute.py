@@ -1,0 +1,178 @@
+"""Recomputing part of a stage: keep the expensive nodes' activations, recompute the cheap ones.
+
+A training stage keeps, for every micro-batch in flight, what autograd saves for its backward.
+Recomputing the whole stage keeps only what it received and runs its forward again in the
+backward; often most of the bytes are kept by cheap nodes (activations, normalisations, dropout)
+and most of the time spent in expensive ones (matmuls, convolutions). `choose_recomputed` picks
+the nodes to recompute, cheapest per byte freed first, until the stage fits its memory, and
+`checkpoint_regions` rewrites the stage so that each run of consecutive recomputed nodes becomes
+one `Recomputed` submodule: `torch.utils.checkpoint` keeps the run's inputs, frees what its nodes
+save, and runs them again when the backward reaches them.
+
+The generated code reads as before, with the runs called by name:
+
+    recomputed_0 = self.recomputed_0(linear, rng)
+    gelu = recomputed_0[0]
+
+Recomputation draws the same random numbers (the generator state is a graph value, see
+`fxpipe.passes.randomness`, and the runtime sets the micro-batch's seed around the backward) and
+the runtime puts back the buffers a recomputed run writes again. Nodes with side effects are
+never recomputed.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Recomputed(nn.Module):
+    """Runs `body` keeping only its inputs for the backward, which runs it again first."""
+
+    def __init__(self, body: fx.GraphModule):
+        super().__init__()
+        self.body = body
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.body(*args)
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a stage recomputes: node names, the time that adds per micro-batch, and what the
+    stage keeps per micro-batch in flight and while one micro-batch is recomputed."""
+
+    nodes: tuple[str, ...]
+    extra_s: float
+    kept_bytes: int          # per micro-batch in flight
+    transient_bytes: int     # one micro-batch's recomputed activations, during its backward
+
+
+def _computing(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def _candidates(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes that may be recomputed: costed and without side effects."""
+    return [n for n in _computing(gm) if "cost" in n.meta and not n.is_impure()]
+
+
+def stage_memory(gm: fx.GraphModule, recomputed: set[str]) -> Choice:
+    """What the stage keeps when the nodes named in `recomputed` are recomputed (see `Choice`).
+
+    Each node's `saved_bytes` holds what it makes and keeps, and its output when some node keeps
+    that (`node.meta["output_kept"]`). A recomputed node keeps nothing of its own; what enters a
+    run of them is kept by the checkpoint, and what leaves it by the nodes reading it; the
+    transient is the largest run's saved bytes, alive while that run is recomputed."""
+    nodes = _computing(gm)
+    kept = sum(n.meta["cost"].saved_bytes for n in nodes
+               if "cost" in n.meta and n.name not in recomputed)
+    transient = extra = 0.0
+    for run in _runs(gm, recomputed):
+        members = set(run)
+        entering = {p for n in run for p in n.all_input_nodes if p not in members
+                    and p.op not in ("placeholder", "get_attr")
+                    and not p.meta.get("output_kept", False)}
+        leaving = {n for n in run if any(u not in members for u in n.users)}
+        kept += sum(p.meta["cost"].out_bytes for p in entering | leaving if "cost" in p.meta)
+        transient = max(transient, sum(n.meta["cost"].saved_bytes for n in run))
+        extra += sum(n.meta["cost"].fwd_s for n in run)
+    return Choice(tuple(n.name for n in nodes if n.name in recomputed), extra, int(kept),
+                  int(transient))
+
+
+WINDOW = 4          # the longest run of nodes weighed as one step of `choose_recomputed`
+LARGEST = 400       # stages with more candidates recompute whole, rather than search
+
+
+def choose_recomputed(gm: fx.GraphModule, *, in_flight: int, fixed_bytes: int,
+                      capacity: float, speed: float = 1.0) -> Choice | None:
+    """The nodes to recompute so that `fixed_bytes` (parameters, gradients, optimizer state,
+    received values) plus `in_flight` micro-batches of what the stage keeps, plus one
+    micro-batch's recomputed activations, fit `capacity`. Greedy: each step adds the run of up to
+    `WINDOW` consecutive nodes that frees the most bytes per second of forward it adds (a node
+    alone often frees nothing: its neighbours keep its input and output), until the stage fits.
+    None when no step frees more, or on a stage too large to search."""
+    def need(choice: Choice) -> float:
+        return fixed_bytes + in_flight * choice.kept_bytes + choice.transient_bytes
+
+    candidates = _candidates(gm)
+    if len(candidates) > LARGEST:
+        return None
+    chosen: set[str] = set()
+    choice = stage_memory(gm, chosen)
+    while need(choice) > capacity:
+        best, best_rate = None, 0.0
+        free = [n for n in candidates if n.name not in chosen]
+        for i in range(len(free)):
+            for j in range(i + 1, min(i + WINDOW, len(free)) + 1):
+                names = {n.name for n in free[i:j]}
+                trial = stage_memory(gm, chosen | names)
+                rate = (need(choice) - need(trial)) / max(trial.extra_s - choice.extra_s, 1e-9)
+                if rate > best_rate:
+                    best, best_rate = (names, trial), rate
+        if best is None:
+            return None
+        chosen |= best[0]
+        choice = best[1]
+    return Choice(choice.nodes, choice.extra_s / speed, choice.kept_bytes,
+                  choice.transient_bytes)
+
+
+def _runs(gm: fx.GraphModule, names: set[str]) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive recomputed nodes, in graph order (parameter reads neither
+    break a run nor join it)."""
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            continue
+        if n.name in names:
+            current.append(n)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def checkpoint_regions(gm: fx.GraphModule, names: set[str]) -> fx.GraphModule:
+    """Rewrite `gm` in place: each run of consecutive nodes named in `names` becomes a call of a
+    `Recomputed` submodule `recomputed_<i>` taking the values the run reads."""
+    for i, run in enumerate(_runs(gm, names)):
+        members = set(run)
+        inputs = list(dict.fromkeys(p for n in run for p in n.all_input_nodes
+                                    if p not in members))
+        outputs = [n for n in run if any(u not in members for u in n.users)]
+        body = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for p in inputs:
+            env[p] = body.placeholder(p.name)
+        for n in run:
+            env[n] = body.node_copy(n, lambda v: env[v])
+        body.output(tuple(env[n] for n in outputs))
+        name = f"recomputed_{i}"
+        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name=name)))
+        for p in inputs:                 # a parameter read inside the run comes before it
+            if p.op == "get_attr":
+                run[0].prepend(p)
+        with gm.graph.inserting_before(run[0]):
+            call = gm.graph.call_module(name, tuple(inputs))
+            for k, n in enumerate(outputs):
+                value = gm.graph.call_function(operator.getitem, (call, k))
+                value.meta = dict(n.meta)
+                n.replace_all_uses_with(value)
+        for n in reversed(run):
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
