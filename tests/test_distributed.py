@@ -5,6 +5,7 @@ Each test launches `python -m torch.distributed.run` on 127.0.0.1 (gloo) with
 everything it started is killed.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import fxpipe.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
+EXAMPLE = ROOT / "examples" / "torchrun_train.py"
 LAUNCH_TIMEOUT_S = 50
 
 
@@ -49,16 +51,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run", *,
-           timeout: float = 30, ok: bool = True) -> str:
-    """Run the worker on `processes` ranks in `mode`, each waiting `timeout` s for the others;
-    fail (killing them all) past LAUNCH_TIMEOUT_S. With `ok`, torchrun must exit 0. Returns
-    torchrun's output."""
-    out.mkdir()
+def torchrun(arguments: list[str], processes: int, env: dict[str, str] | None = None
+             ) -> tuple[int, str]:
+    """Run `python -m torch.distributed.run` on 127.0.0.1 with `processes` ranks and the script
+    and arguments given, this checkout first on the path; its exit status and output. Fails
+    the test (killing everything it started) past LAUNCH_TIMEOUT_S."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(WORKER), str(plan), str(data), str(out), mode]
-    env = {**os.environ, "FXPIPE_TIMEOUT": str(timeout), "PYTHONPATH": os.pathsep.join(
+               *arguments]
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -68,11 +69,22 @@ def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run",
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text.decode()[-3000:]}")
+    return proc.returncode, text.decode()
+
+
+def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run", *,
+           timeout: float = 30, ok: bool = True) -> str:
+    """Run the worker on `processes` ranks in `mode`, each waiting `timeout` s for the others;
+    fail (killing them all) past LAUNCH_TIMEOUT_S. With `ok`, torchrun must exit 0. Returns
+    torchrun's output."""
+    out.mkdir()
+    code, text = torchrun([str(WORKER), str(plan), str(data), str(out), mode], processes,
+                          {"FXPIPE_TIMEOUT": str(timeout)})
     if ok:
-        assert proc.returncode == 0, text.decode()[-3000:]
+        assert code == 0, text[-3000:]
     else:
-        assert proc.returncode != 0, text.decode()[-3000:]
-    return text.decode()
+        assert code != 0, text[-3000:]
+    return text
 
 
 class Tied(nn.Module):
@@ -388,3 +400,31 @@ def test_a_rank_that_cannot_load_its_stage_stops_every_rank(tmp_path):
     first, second = errors(tmp_path / "out", 2)
     assert second.startswith("PlanFileError") and "stage_1.pt" in second
     assert first.startswith("DistributedError: rank 1 could not load its stage (PlanFileError")
+
+
+def test_the_torchrun_example_trains_as_the_model(tmp_path):
+    """examples/torchrun_train.py: plan (in this process), then 3 steps on 2 ranks under
+    torchrun; the losses it prints (6 decimals) are those of the model trained alone with the
+    same optimizer, its tied weight included (a wrong gradient changes the later steps)."""
+    spec = importlib.util.spec_from_file_location("torchrun_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.make_plan(str(tmp_path / "plan"), 2)
+    assert held_by(tmp_path / "plan", "embed.weight") == [0, 1]
+    code, text = torchrun([str(EXAMPLE), "train", str(tmp_path / "plan"), "--steps", "3",
+                           "--lr", "0.5"], 2)
+    assert code == 0, text[-3000:]
+    printed = [float(v) for v in re.findall(r"^step \d loss (\S+)$", text, re.MULTILINE)]
+    torch.manual_seed(0)
+    model = example.TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = []
+    for tokens, targets in example.batches(3):
+        optimizer.zero_grad()
+        loss = example.loss_fn(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert len(printed) == 3, text[-3000:]
+    torch.testing.assert_close(torch.tensor(printed), torch.tensor(expected),
+                               rtol=1e-5, atol=2e-6)
