@@ -22,8 +22,9 @@ backward each holder's gradient is summed over its group, before the replicas ad
 Each holder then has the model's gradient, and the same optimizer step keeps the copies equal.
 
 The flow, in each replica: its stage-0 rank is also the driver: it splits the inputs into the
-plan's micro-batches and sends each stage the graph inputs it reads. Every rank walks its own stage's row of the timetable (the
-same `StageRow` the thread runtime walks, so messages follow the same order), GPipe for a call and
+plan's micro-batches and sends each stage the graph inputs it reads. Every rank walks its own
+stage's row of the timetable (the same `StageRow` the thread runtime walks, so messages follow
+the same order; `schedules.message_orders` lists them per pair of ranks), GPipe for a call and
 the plan's schedule for `train_step`. Graph outputs go to the last rank, which returns the model's
 output (a call) or computes the loss (`train_step`); every other rank returns None. Gradients
 are left in each rank's stage parameters' `.grad`, named as in the model. A graph input given to
