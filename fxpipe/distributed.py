@@ -7,17 +7,29 @@
 
 Replicas: a world of `replicas x stages` ranks runs `replicas` copies of the pipeline; rank r
 runs stage `r % stages` of replica `r // stages` (replica k is ranks k*stages .. k*stages +
-stages - 1), each replica on the inputs given to its own stage 0 (its shard of the batch). After
-`train_step`, each stage's replicas average their gradients (one all-reduce over a gloo group of
-that stage's ranks, divided by the replicas), so with equal shards and a mean loss every rank
-holds the whole batch's gradients.
+stages - 1), each replica on the inputs given to its own stage 0 (its shard of the batch; shards
+may differ in size). A `train_step` is the whole batch's: each replica weights its loss by its
+share of the rows (with a mean loss; a sum is a sum), so that after the step each stage's
+replicas add up their gradients (one all-reduce over a gloo group of that stage's ranks) and
+every rank holds the whole batch's gradients, and every last stage returns the whole batch's
+loss.
 
-The flow, in each replica: its stage-0 rank is also the driver: it splits the inputs into the plan's micro-batches and sends
-each stage the graph inputs it reads. Every rank walks its own stage's row of the timetable (the
-same `StageRow` the thread runtime walks, so messages follow the same order), GPipe for a call and
+Tied weights: a parameter several stages hold (an embedding the output layer reads again) is
+loaded by each of their ranks, and each one's backward gives it only its stage's part. The saved
+plan's `shared` entries say which stages hold which; `load` makes a gloo group of the ranks
+holding them in each replica (every rank makes every group, in one order), and after the
+backward each holder's gradient is summed over its group, before the replicas add theirs up.
+Each holder then has the model's gradient, and the same optimizer step keeps the copies equal.
+
+The flow, in each replica: its stage-0 rank is also the driver: it splits the inputs into the
+plan's micro-batches and sends each stage the graph inputs it reads. Every rank walks its own
+stage's row of the timetable (the same `StageRow` the thread runtime walks, so messages follow
+the same order; `schedules.message_orders` lists them per pair of ranks), GPipe for a call and
 the plan's schedule for `train_step`. Graph outputs go to the last rank, which returns the model's
 output (a call) or computes the loss (`train_step`); every other rank returns None. Gradients
-are left in each rank's stage parameters' `.grad`, named as in the model.
+are left in each rank's stage parameters' `.grad`, named as in the model. A graph input given to
+`train_step` with `requires_grad` gets its gradient on stage 0's rank: the stages on other ranks
+reading it send back its gradients once their backwards are done.
 
 Messages go by torch's own engine, over a gloo process group: a message's header (which phase,
 sender, receiver and micro-batch, the values' structure, each tensor's shape and dtype) by
@@ -36,10 +48,9 @@ connection or a timeout, naming it. A rank that cannot load its stage (`PlanFile
 others raise a `DistributedError` naming it. A failed step leaves the stage unusable: close it
 (`with` does), which waits (at most `timeout`) for the news to be taken, and start again.
 
-Not in this slice: the losses of the replicas are not averaged (each replica's last stage
-returns its shard's); a weight shared by two stages gets a partial gradient on each rank (sum them
-yourself); gradients of the graph inputs are not sent back to rank 0; losses returned as
-`(loss_sum, count)`; CUDA stages go through CPU copies (no NCCL).
+Not in this slice: losses returned as `(loss_sum, count)` (refused); gradients across ranks in
+a call (`stage(x)`: each rank's autograd graph ends at what it received; `train_step` is the
+way to gradients); CUDA stages go through CPU copies (no NCCL).
 """
 
 from __future__ import annotations
@@ -56,13 +67,14 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxpipe.passes.errors import FxpipeError, StageError
+from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
 from .pipeline import check_loss, step_inputs
 from .runtime.executor import StageExecutor
 from .runtime.orchestrator import StageRow, _stage_error
-from .saved import load_stage_plan, stage_count
+from .saved import load_stage_plan, shared_tensors, stage_count
 from .schedules import Phase, gpipe, timetable_for
 from .wiring import DRIVER, Flow
 
@@ -107,15 +119,17 @@ def _load(path: str | os.PathLike, timeout: float, group: Any, owned: bool) -> "
     replica, index = divmod(rank, stages)
     loaded, error = None, None
     try:
-        loaded = load_stage_plan(path, index)
+        loaded = load_stage_plan(path, index), shared_tensors(path)
     except Exception as e:
         error = e
     _agree_loaded(rank, error, group, timeout)
     pipeline, gradients = _replica_groups(world // stages, stages, replica, index, timeout)
-    plan, stage = loaded
+    (plan, stage), shared = loaded
+    tied = _tied_groups(_tied_parameters(plan, shared), stage, stages, world // stages,
+                        replica, timeout)
     return DistributedStage(plan, stage, rank, group, timeout, owned, replica=replica,
                             replicas=world // stages, pipeline_group=pipeline,
-                            gradient_group=gradients)
+                            gradient_group=gradients, tied=tied)
 
 
 def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: float) -> None:
@@ -150,6 +164,40 @@ def _replica_groups(replicas: int, stages: int, replica: int, index: int,
     gradients = [dist.new_group([k * stages + i for k in range(replicas)], timeout=wait,
                                 backend="gloo") for i in range(stages)]
     return pipelines[replica], gradients[index]
+
+
+def _tied_parameters(plan: Any, shared: dict[tuple[int, str], dict[int, str]]
+                     ) -> dict[tuple[int, ...], list[dict[int, str]]]:
+    """The parameters needing a gradient that several stages hold (tied weights), by the
+    stages holding them: each one's name in each of those stages. Read off the saved plan's
+    `shared` entries (`saved.shared_tensors`), the same on every rank; buffers are left out."""
+    tied: dict[tuple[int, ...], list[dict[int, str]]] = {}
+    for (first, name), held in sorted(shared.items()):
+        try:       # the plan's skeleton tells parameters from buffers, on any rank
+            parameter = plan.stages[first].module.get_parameter(name)
+        except AttributeError:
+            continue
+        if parameter.requires_grad:
+            tied.setdefault(tuple(sorted(held)), []).append(held)
+    return tied
+
+
+def _tied_groups(tied: dict[tuple[int, ...], list[dict[int, str]]], stage: Any, stages: int,
+                 replicas: int, replica: int, timeout: float
+                 ) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+    """For each set of stages sharing parameters, in one order on every rank, a gloo group of
+    the ranks holding them in each replica (`dist.new_group` is collective); this rank's groups
+    with its parameters in each, in that order."""
+    wait = datetime.timedelta(seconds=timeout)
+    mine = []
+    for holders, parameters in sorted(tied.items()):
+        for k in range(replicas):
+            group = dist.new_group([k * stages + s for s in holders],
+                                   timeout=wait, backend="gloo")
+            if k == replica and stage.index in holders:
+                mine.append((group, [stage.module.get_parameter(held[stage.index])
+                                     for held in parameters]))
+    return mine
 
 
 def _process_group(timeout: float) -> tuple[Any, bool]:
@@ -409,7 +457,8 @@ class DistributedStage:
 
     def __init__(self, plan: Any, stage: Any, rank: int, group: Any, timeout: float,
                  owns_group: bool = False, *, replica: int = 0, replicas: int = 1,
-                 pipeline_group: Any = None, gradient_group: Any = None):
+                 pipeline_group: Any = None, gradient_group: Any = None,
+                 tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None):
         self.plan = plan
         self.stage = stage
         self.rank = rank
@@ -422,6 +471,7 @@ class DistributedStage:
         self.replicas = replicas
         self.pipeline_group = group if pipeline_group is None else pipeline_group
         self.gradient_group = gradient_group
+        self.tied = tied or []      # (group of the ranks holding them, parameters) per holders
         self.base = replica * self.num_stages       # the rank of this replica's stage 0
         self.flow = _flow(plan)
         self.transport = DistributedTransport(
@@ -471,10 +521,17 @@ class DistributedStage:
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
         """Forward and backward of every micro-batch in the plan's schedule, as
         `Pipeline.train_step` does: `inputs` on stage 0, `target` on stage `last` (each not read
-        elsewhere), each replica its own shard of the batch. Returns the loss (of this replica's
-        shard) on stage `last`, None elsewhere; gradients accumulate in this rank's stage
-        parameters' `.grad`, then with replicas each stage's replicas average them (this step's
-        share added to what `.grad` held). The optimizer step is the caller's, on each rank.
+        elsewhere), each replica its own shard of the batch (shards may differ in size).
+
+        Returns, on stage `last` of every replica (None elsewhere), the loss of the whole batch,
+        every replica's shard together: with `reduction="mean"` the replicas' shard losses
+        weighted by their shares of the rows, with `"sum"` their sum. This step's gradients are
+        those of that loss: a parameter several stages share (a tied weight) gets the sum over
+        the ranks of its replica holding it, and each stage's replicas add theirs up, each
+        replica's weighted by its share of the rows (`"mean"`); then they are added to what
+        `.grad` held. An input given with `requires_grad` on stage 0 gets its gradient there too
+        (its rows' share of the whole batch's loss), from every stage reading it. The optimizer
+        step is the caller's, on each rank.
         """
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
@@ -486,6 +543,13 @@ class DistributedStage:
             return microbatch.batch_size(values, self._batch_dims)
 
         seeds, rows_in = self._start(prepare)
+        # This replica's share of the whole batch's loss, so that every gradient (parameters and
+        # inputs alike) is already its part of the whole batch's, and replicas add theirs up.
+        share = 1.0
+        if self.replicas > 1 and reduction == "mean":
+            rows = torch.tensor([float(rows_in)], dtype=torch.float64)
+            self._all_reduce([rows], self.gradient_group, "count the rows with its replicas")
+            share = rows_in / rows.item()
         targets: list[Any] = []
         weights: list[float] = []
 
@@ -495,7 +559,7 @@ class DistributedStage:
             if sum(rows) != rows_in:
                 raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
                                   f"{rows_in}: pass one target row per sample")
-            weights.extend(r / sum(rows) if reduction == "mean" else 1.0 for r in rows)
+            weights.extend(share * r / sum(rows) if reduction == "mean" else 1.0 for r in rows)
 
         self._agree(self.last, prepare_targets)
 
@@ -510,11 +574,17 @@ class DistributedStage:
 
         timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
                                   backward=True)
-        executor = self._run(timetable, chunks, seeds, loss_of, None)
-        self._average_gradients()
+        held = self._hold_gradients()
+        executor = self._run(timetable, chunks, seeds, loss_of, None, training=True)
+        self._reduce_gradients(held)
         if self.index != self.last:
             return None
-        return torch.stack([executor.losses[m] for m in range(self.plan.chunks)]).sum()
+        loss = torch.stack([executor.losses[m] for m in range(self.plan.chunks)]).sum()
+        if self.replicas > 1:
+            total = loss.detach().to("cpu", torch.float64).reshape(1)
+            self._all_reduce([total], self.gradient_group, "add up the loss with its replicas")
+            loss = total[0].to(loss.device, loss.dtype)
+        return loss
 
     def close(self) -> None:
         """End the sending threads, and the process group if `load` started it."""
@@ -530,27 +600,53 @@ class DistributedStage:
 
     # ---- one step
 
-    def _average_gradients(self) -> None:
-        """With replicas, average this stage's parameter gradients over its replicas (one
-        all-reduce of them all, in name order, on the CPU as gloo needs)."""
-        if self.replicas == 1:
+    def _hold_gradients(self) -> dict[torch.nn.Parameter, torch.Tensor | None]:
+        """With gradients to add up across ranks, this stage's parameters' `.grad` taken aside
+        (left None), so that only this step's are added up; `_reduce_gradients` adds them
+        back. Nothing to take aside otherwise."""
+        if self.replicas == 1 and not self.tied:
+            return {}
+        held = {p: p.grad for p in self.parameters()}
+        for p in held:
+            p.grad = None
+        return held
+
+    def _reduce_gradients(self, held: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+        """Add this step's gradients up across ranks, then add back what `.grad` held: first
+        each tied parameter's over the ranks of this replica holding it (a stage that held it
+        but got no gradient adds zeros), then each parameter's over this stage's replicas (their
+        losses were weighted by their shares, so the sum is the whole batch's)."""
+        for group, parameters in self.tied:
+            for p in parameters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._all_reduce([p.grad for p in parameters], group,
+                             "add up the gradients of weights it shares with other stages")
+        if self.replicas > 1:
+            grads = [p.grad for _, p in sorted(self.named_parameters()) if p.grad is not None]
+            self._all_reduce(grads, self.gradient_group,
+                             f"add up stage {self.index}'s gradients with its "
+                             f"{self.replicas - 1} other replicas")
+        for p, before in held.items():
+            if before is not None:
+                p.grad = before if p.grad is None else before.add_(p.grad)
+
+    def _all_reduce(self, tensors: list[torch.Tensor], group: Any, what: str) -> None:
+        """Sum `tensors` in place over `group`'s ranks: one all-reduce of them all, flattened
+        on the CPU as gloo needs."""
+        if not tensors:
             return
-        grads = [p.grad for _, p in sorted(self.named_parameters()) if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.detach().reshape(-1).to("cpu") for g in grads])
+        flat = torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
         try:
-            dist.all_reduce(flat, group=self.gradient_group)
+            dist.all_reduce(flat, group=group)
         except RuntimeError as e:
             raise DistributedError(
-                f"rank {self.rank} could not average stage {self.index}'s gradients with its "
-                f"{self.replicas - 1} other replicas within {self.timeout:g} s ({e}): a replica "
+                f"rank {self.rank} could not {what} within {self.timeout:g} s ({e}): a rank "
                 f"went silent or failed; see the other ranks' output") from None
-        flat /= self.replicas
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     @property
     def _batch_dims(self) -> dict[str, Any]:
@@ -590,11 +686,12 @@ class DistributedStage:
 
     def _run(self, timetable: list, chunks: list[dict[str, Any]], seeds: list[int],
              loss_of: Callable[[int, dict[str, Any]], torch.Tensor] | None,
-             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None
-             ) -> StageExecutor:
-        """Feed the graph inputs (stage 0), walk this stage's row, then finish the step with the
-        pipeline's peers. A failure of the stage is raised as a `StageError` naming this rank;
-        a failure here or a peer's is told to every peer (`DistributedTransport.abort`)."""
+             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None, *,
+             training: bool = False) -> StageExecutor:
+        """Feed the graph inputs (stage 0), walk this stage's row, in `training` return the
+        gradients of the graph inputs to stage 0, then finish the step with the pipeline's
+        peers. A failure of the stage is raised as a `StageError` naming this rank; a failure
+        here or a peer's is told to every peer (`DistributedTransport.abort`)."""
         index = self.index
         executor = StageExecutor(
             self.stage,
@@ -609,10 +706,22 @@ class DistributedStage:
                 for dst, names in self.flow.sends.get(DRIVER, {}).items():
                     self.transport.send(Phase.FORWARD, DRIVER, dst, m,
                                         {n: values[n] for n in names})
+        inputs: dict[int, dict[str, Any]] = {}      # micro-batch -> graph inputs received
+
+        def received(m: int, values: dict[str, Any], out: dict[str, Any]) -> None:
+            if training:
+                inputs[m] = {n: values[n] for n in self.flow.reads.get(index, {}).get(DRIVER, [])}
+            if forwarded is not None:
+                forwarded(m, values, out)
+
         row = StageRow(executor, timetable[index], self.flow, self.transport)
         try:
             with executor.computing():
-                row.walk(forwarded=forwarded)
+                row.walk(forwarded=received)
+            if training and index != 0:
+                self._send_input_grads(inputs)
+            if training and index == 0:
+                self._take_input_grads(chunks)
             self.transport.finish_step()
         except PeerFailedError as e:
             self.transport.abort(e.note, origin=e.origin)
@@ -625,6 +734,35 @@ class DistributedStage:
             self.transport.abort(f"rank {self.rank} failed: {error}")
             raise error from e
         return executor
+
+    # The graph inputs a stage on another rank reads arrive there as leaves of its autograd
+    # graph; after its backwards, their gradients go back to stage 0's rank, which passes them
+    # on to the caller's tensors. A stage reading only inputs that need no gradient sends
+    # nothing, and stage 0's rank, knowing what it sent, expects nothing.
+
+    def _send_input_grads(self, inputs: dict[int, dict[str, Any]]) -> None:
+        """Send stage 0's rank the gradients of the graph inputs this stage received, per
+        micro-batch, where any of them needs one."""
+        for m, values in sorted(inputs.items()):
+            if any(t.requires_grad for t in tensors(values)):
+                self.transport.send(Phase.BACKWARD, self.index, DRIVER, m,
+                                    {n: [t.grad for t in tensors(v)] for n, v in values.items()})
+
+    def _take_input_grads(self, chunks: list[dict[str, Any]]) -> None:
+        """Receive the gradients of the graph inputs sent to stages on other ranks and
+        backpropagate them into the caller's inputs (stage 0's own reached them already)."""
+        for dst, names in self.flow.sends.get(DRIVER, {}).items():
+            if self.transport.rank_of(dst) == self.rank:
+                continue
+            for m, values in enumerate(chunks):
+                sent = {n: values[n] for n in names}
+                if not any(t.requires_grad for t in tensors(sent)):
+                    continue
+                grads = self.transport.receive(Phase.BACKWARD, dst, DRIVER, m)
+                pairs = [(t, g) for n in names for t, g in zip(tensors(sent[n]), grads[n])
+                         if g is not None and t.requires_grad]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     def _stage_error(self, action: Any, error: BaseException) -> StageError:
         """The runtime's `StageError` for `error`, naming this rank and replica too."""

@@ -124,6 +124,18 @@ def load_stage_plan(path: str | os.PathLike, index: int) -> tuple[Any, Stage]:
     return plan, stage
 
 
+def shared_tensors(path: str | os.PathLike) -> dict[tuple[int, str], dict[int, str]]:
+    """The tensors several stages of the plan saved at `path` hold (tied weights), read off
+    plan.json's `shared` entries: each one's first holder `(stage, name)` -> every stage holding
+    it -> a name it has there (a stage holding it under several names: its first)."""
+    holders: dict[tuple[int, str], dict[int, str]] = {}
+    for stage, refs in enumerate(_document(Path(path))["shared"]):
+        for name, (first, first_name) in refs.items():
+            held = holders.setdefault((first, first_name), {first: first_name})
+            held.setdefault(stage, name)
+    return {key: held for key, held in holders.items() if len(held) > 1}
+
+
 def stage_count(path: str | os.PathLike) -> int:
     """How many stages the plan saved at `path` has, read off its plan.json (checked for
     format and versions, no weights read)."""

@@ -2,7 +2,9 @@
 
 A schedule says, for every stage, in which order it runs which micro-batch's forward (`F`) or
 backward (`B`). It is plain data: the runtime executes it, `simulate` predicts its timing from the
-cost model, `validate` proves it cannot deadlock, and tests read it literally.
+cost model, `validate` proves it cannot deadlock, and tests read it literally. `message_orders`
+lists, for each pair of ranks of `fxpipe.distributed`, the messages in the order one sends them
+and in the order the other asks for them; `validate_messages` proves the two agree.
 `str(Action(1, 3, Phase.FORWARD))` is `1F3`: stage 1, forward, micro-batch 3.
 
 GPipe, 3 stages, 4 micro-batches, training (all forwards, then all backwards):
@@ -218,3 +220,114 @@ def validate(timetable: Timetable, chunks: int, reads_from: Mapping[int, Sequenc
                               f"{'forward and backward' if backward else 'forward'} once, "
                               f"on itself:\n{format_timetable(timetable)}")
     simulate(timetable, lambda a: 1.0, reads_from)
+
+
+# --- messages between ranks ------------------------------------------------------------------------
+
+INPUTS = -1     # the sender of graph inputs in `message_orders`' reads (the runtime's DRIVER)
+
+Message = tuple[Phase, int, int, int]    # (phase, sender, receiver, micro-batch)
+
+
+def message_orders(timetable: Timetable, reads_from: Mapping[int, Sequence[int]], *,
+                   backward: bool, input_grads: bool = True
+                   ) -> dict[tuple[int, int], tuple[list[Message], list[Message]]]:
+    """For each pair of ranks (sender, receiver), the messages the sender sends the receiver in
+    the order it sends them, and in the order the receiver asks for them, when every stage `s`
+    runs on rank `s` and walks its row as `fxpipe.distributed` does.
+
+    `reads_from[s]`: the participants stage `s` reads from, in the order it receives them
+    (`INPUTS` for the graph inputs, sent by stage 0's rank). Stage 0's rank first sends every
+    micro-batch's inputs; then a forward of m asks each sender for its values and sends each
+    reader its own; a backward asks each reader for its gradients and sends each stage it read
+    from theirs. With `backward` and `input_grads`, a stage reading graph inputs on another
+    rank sends their gradients back to stage 0's rank after its row, which asks for them after
+    its own. Messages within a rank are left out: they never travel. (Replicas are copies of
+    these ranks at an offset, each with the same pairs.)
+    """
+    read_by: dict[int, list[int]] = {}
+    for s, sources in reads_from.items():
+        for p in sources:
+            read_by.setdefault(p, []).append(s)
+    sent: dict[int, list[Message]] = {}       # by rank, in order
+    asked: dict[int, list[Message]] = {}
+
+    def rank(participant: int) -> int:
+        return 0 if participant == INPUTS else participant
+
+    def send(message: Message) -> None:
+        sent.setdefault(rank(message[1]), []).append(message)
+
+    def ask(message: Message) -> None:
+        asked.setdefault(rank(message[2]), []).append(message)
+
+    chunks = max((a.microbatch + 1 for actions in timetable for a in actions), default=0)
+    for m in range(chunks):
+        for reader in read_by.get(INPUTS, []):
+            send((Phase.FORWARD, INPUTS, reader, m))
+    for s, actions in enumerate(timetable):
+        for _, m, phase in actions:
+            if phase is Phase.FORWARD:
+                for p in reads_from.get(s, []):
+                    ask((Phase.FORWARD, p, s, m))
+                for reader in read_by.get(s, []):
+                    send((Phase.FORWARD, s, reader, m))
+            else:
+                for reader in read_by.get(s, []):
+                    ask((Phase.BACKWARD, reader, s, m))
+                for p in reads_from.get(s, []):
+                    if p != INPUTS:
+                        send((Phase.BACKWARD, s, p, m))
+        if backward and input_grads and s != 0 and INPUTS in reads_from.get(s, []):
+            for m in sorted(a.microbatch for a in actions if a.phase is Phase.FORWARD):
+                send((Phase.BACKWARD, s, INPUTS, m))
+    if backward and input_grads:
+        for reader in read_by.get(INPUTS, []):
+            if reader != 0:
+                for m in range(chunks):
+                    ask((Phase.BACKWARD, reader, INPUTS, m))
+    pairs: dict[tuple[int, int], tuple[list[Message], list[Message]]] = {}
+    for messages, side in ((sent, 0), (asked, 1)):
+        for messages_of_rank in messages.values():
+            for message in messages_of_rank:
+                pair = (rank(message[1]), rank(message[2]))
+                if pair[0] != pair[1]:
+                    pairs.setdefault(pair, ([], []))[side].append(message)
+    return pairs
+
+
+def validate_messages(timetable: Timetable, reads_from: Mapping[int, Sequence[int]], *,
+                      backward: bool, input_grads: bool = True) -> None:
+    """Raise unless, for every pair of ranks, the receiver asks for the sender's messages in
+    the order they are sent (`message_orders`), so that it never has to keep one aside.
+
+    The distributed transport keeps a message asked for later rather than deadlock, so this is
+    a stronger property than it needs. It holds for GPipe and 1F1B on any stage graph unless a
+    later stage reads both the graph inputs and stage 0's values: stage 0's rank sends every
+    micro-batch's inputs first, so that stage keeps them aside until asked (with one
+    micro-batch, only when it asks for stage 0's values before the inputs).
+    """
+    for (p, q), (sent, asked) in sorted(message_orders(
+            timetable, reads_from, backward=backward, input_grads=input_grads).items()):
+        if sent == asked:
+            continue
+        if sorted(sent, key=str) != sorted(asked, key=str):
+            raise FxpipeError(f"rank {p} sends rank {q} other messages than rank {q} asks "
+                              f"for:\n  sent:  {_messages(sent)}\n  asked: {_messages(asked)}")
+        i = next(i for i, (a, b) in enumerate(zip(sent, asked)) if a != b)
+        raise FxpipeError(
+            f"rank {q} asks rank {p} for {_message(asked[i])} where rank {p} sends "
+            f"{_message(sent[i])} (message {i}), which rank {q} must keep aside:\n"
+            f"  sent:  {_messages(sent, i)}\n  asked: {_messages(asked, i)}\n"
+            f"{format_timetable(timetable)}")
+
+
+def _message(message: Message) -> str:
+    phase, sender, receiver, m = message
+    name = {INPUTS: "in"}
+    return f"{name.get(sender, sender)}{phase.value}{m}>{name.get(receiver, receiver)}"
+
+
+def _messages(messages: list[Message], mark: int | None = None) -> str:
+    return " ".join(f"[{_message(x)}]" if i == mark else _message(x)
+                    for i, x in enumerate(messages))

@@ -6,7 +6,13 @@ Loads its stage of the plan at PLAN, runs a call and one `train_step` on the bat
 (x, target; with replicas, each replica its own contiguous shard of the rows), and saves what it
 got to OUT/rank<r>.pt: the output and loss (last stage), its stage's gradients by name. An
 FxpipeError is written to OUT/rank<r>.err instead, and the rank exits 0 (so torchrun lets the
-other ranks write theirs). MODE makes rank 1 fail on purpose:
+other ranks write theirs). MODE changes the step:
+
+    inputgrad  stage 0's inputs are given with `requires_grad`; their gradient is saved too
+    sum        the loss is a sum (`F.mse_loss(..., reduction="sum")`, `reduction="sum"`)
+    twice      two train_steps, gradients not zeroed between them (the second loss saved)
+
+or makes rank 1 fail on purpose:
 
     raise1   rank 1's stage raises in its first forward (its module's forward replaced)
     kill1    rank 1 (the last stage) exits with status 1 while computing its first loss, mid
@@ -14,6 +20,7 @@ other ranks write theirs). MODE makes rank 1 fail on purpose:
              group down, cannot kill it before it writes what it met
 """
 
+import functools
 import os
 import signal
 import sys
@@ -39,14 +46,21 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
         return
     with stage:     # closed however the step ends: a failed rank's peers are told first
         x, target = (t.chunk(stage.replicas)[stage.replica] for t in (x, target))
+        if mode == "inputgrad" and stage.index == 0:
+            x = x.clone().requires_grad_()
         if mode == "raise1" and rank == 1:
             stage.module.forward = _fail
         loss_fn = _exit_now if mode == "kill1" and rank == 1 else F.mse_loss
+        reduction = "sum" if mode == "sum" else "mean"
+        if mode == "sum":
+            loss_fn = functools.partial(F.mse_loss, reduction="sum")
         try:
             with torch.no_grad():
                 output = stage(x if stage.index == 0 else None)
-            loss = stage.train_step(x if stage.index == 0 else None,
-                                    target if stage.index == stage.last else None, loss_fn)
+            for _ in range(2 if mode == "twice" else 1):
+                loss = stage.train_step(x if stage.index == 0 else None,
+                                        target if stage.index == stage.last else None, loss_fn,
+                                        reduction=reduction)
         except fxpipe.FxpipeError as e:
             Path(out, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}")
             if isinstance(e, fxpipe.distributed.DistributedError):
@@ -56,7 +70,9 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
                 os._exit(0)
             return
         grads = {name: p.grad for name, p in stage.named_parameters()}
-    torch.save({"output": output, "loss": loss, "grads": grads}, Path(out, f"rank{rank}.pt"))
+    torch.save({"output": output, "loss": loss, "grads": grads, "x_grad": x.grad},
+               Path(out, f"rank{rank}.pt"))
+
 
 def _fail(*values):
     raise RuntimeError("the test's stage fails here")

@@ -5,6 +5,8 @@ Each test launches `python -m torch.distributed.run` on 127.0.0.1 (gloo) with
 everything it started is killed.
 """
 
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -24,6 +26,7 @@ import fxpipe.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
+EXAMPLE = ROOT / "examples" / "torchrun_train.py"
 LAUNCH_TIMEOUT_S = 50
 
 
@@ -48,16 +51,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run", *,
-           timeout: float = 30, ok: bool = True) -> str:
-    """Run the worker on `processes` ranks in `mode`, each waiting `timeout` s for the others;
-    fail (killing them all) past LAUNCH_TIMEOUT_S. With `ok`, torchrun must exit 0. Returns
-    torchrun's output."""
-    out.mkdir()
+def torchrun(arguments: list[str], processes: int, env: dict[str, str] | None = None
+             ) -> tuple[int, str]:
+    """Run `python -m torch.distributed.run` on 127.0.0.1 with `processes` ranks and the script
+    and arguments given, this checkout first on the path; its exit status and output. Fails
+    the test (killing everything it started) past LAUNCH_TIMEOUT_S."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(WORKER), str(plan), str(data), str(out), mode]
-    env = {**os.environ, "FXPIPE_TIMEOUT": str(timeout), "PYTHONPATH": os.pathsep.join(
+               *arguments]
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -67,18 +69,45 @@ def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run",
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text.decode()[-3000:]}")
+    return proc.returncode, text.decode()
+
+
+def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run", *,
+           timeout: float = 30, ok: bool = True) -> str:
+    """Run the worker on `processes` ranks in `mode`, each waiting `timeout` s for the others;
+    fail (killing them all) past LAUNCH_TIMEOUT_S. With `ok`, torchrun must exit 0. Returns
+    torchrun's output."""
+    out.mkdir()
+    code, text = torchrun([str(WORKER), str(plan), str(data), str(out), mode], processes,
+                          {"FXPIPE_TIMEOUT": str(timeout)})
     if ok:
-        assert proc.returncode == 0, text.decode()[-3000:]
+        assert code == 0, text[-3000:]
     else:
-        assert proc.returncode != 0, text.decode()[-3000:]
-    return text.decode()
+        assert code != 0, text[-3000:]
+    return text
 
 
-def planned(tmp_path: Path, stages: int, schedule: str = "gpipe"):
-    """Plan the model in `stages` stages and save it with a batch; the model, the batch and
-    the single-process pipeline."""
+class Tied(nn.Module):
+    """An embedding whose weight the output layer reads again (tied weights): the first and
+    the last stage hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        h = self.b(torch.relu(self.a(self.emb(ids))))
+        return F.linear(h, self.emb.weight)
+
+
+def planned(tmp_path: Path, stages: int, schedule: str = "gpipe", *, model=None, x=None,
+            target=None):
+    """Plan the model (Branchy unless given, with its batch) in `stages` stages and save it
+    with a batch; the model, the batch and the single-process pipeline."""
     torch.manual_seed(0)
-    model, x, target = Branchy(), torch.randn(8, 8), torch.randn(8, 4)
+    if model is None:
+        model, x, target = Branchy(), torch.randn(8, 8), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=2, training=True,
                           schedule=schedule)
     assert len(pipe.stages) == stages
@@ -87,11 +116,13 @@ def planned(tmp_path: Path, stages: int, schedule: str = "gpipe"):
     return model, x, target, pipe
 
 
-def ran(tmp_path: Path, processes: int, stages: int, schedule: str = "gpipe"):
-    """Plan the model in `stages` stages, save it, run it on `processes` ranks; the model, the
-    batch, the single-process pipeline and the folder holding each rank's results."""
-    model, x, target, pipe = planned(tmp_path, stages, schedule)
-    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", processes)
+def ran(tmp_path: Path, processes: int, stages: int, schedule: str = "gpipe", *,
+        mode: str = "run", **batch):
+    """Plan the model in `stages` stages, save it, run it on `processes` ranks in the worker's
+    `mode`; the model, the batch, the single-process pipeline and the folder holding each
+    rank's results. `batch`: another model and batch for `planned`."""
+    model, x, target, pipe = planned(tmp_path, stages, schedule, **batch)
+    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", processes, mode)
     return model, x, target, pipe, tmp_path / "out"
 
 
@@ -168,20 +199,30 @@ def test_without_torchrun_load_says_how_to_start(tmp_path, monkeypatch):
         fxpipe.distributed.load(tmp_path)
 
 
-def test_two_replicas_of_two_stages_average_to_the_whole_batch_gradients(tmp_path):
-    """Ranks 0, 1 are replica 0 (stages 0, 1), ranks 2, 3 replica 1, each on half of the rows;
-    after the step, every rank's gradients are the model's on the whole batch (mean loss)."""
-    model, x, target, _, out = ran(tmp_path, 4, 2)
+def test_two_replicas_of_two_stages_add_up_to_the_whole_batch(tmp_path):
+    """Ranks 0, 1 are replica 0 (stages 0, 1), ranks 2, 3 replica 1, on 4 and 3 of the 7
+    rows; after the step, both last stages return the whole batch's loss, every rank holds the
+    model's gradients on the whole batch (mean loss: each shard weighted by its rows), and the
+    inputs given with requires_grad on each stage 0 (rank 0 and 2) get their rows' gradients,
+    from both stages reading them."""
+    torch.manual_seed(0)
+    batch = dict(model=Branchy(), x=torch.randn(7, 8), target=torch.randn(7, 4))
+    model, x, target, pipe, out = ran(tmp_path, 4, 2, mode="inputgrad", **batch)
     ranks = results(out, 4)
-    halves = [(x[:4], target[:4]), (x[4:], target[4:])]
+    shards = [(x[:4], target[:4]), (x[4:], target[4:])]
     with torch.no_grad():
-        for replica, (xs, _) in enumerate(halves):
+        for replica, (xs, _) in enumerate(shards):
             assert ranks[2 * replica]["output"] is None
             torch.testing.assert_close(ranks[2 * replica + 1]["output"], model(xs))
-    for replica, (xs, ts) in enumerate(halves):
-        torch.testing.assert_close(ranks[2 * replica + 1]["loss"], F.mse_loss(model(xs), ts))
+    whole = pipe.train_step(x, target, F.mse_loss)
+    torch.testing.assert_close(whole, F.mse_loss(model(x), target))
+    for replica in range(2):
+        assert ranks[2 * replica]["loss"] is None
+        torch.testing.assert_close(ranks[2 * replica + 1]["loss"], whole)
     model.zero_grad()
+    x = x.clone().requires_grad_()
     F.mse_loss(model(x), target).backward()
+    torch.testing.assert_close(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
     expected = dict(model.named_parameters())
     for rank, got in enumerate(ranks):
         assert got["grads"], rank
@@ -189,6 +230,108 @@ def test_two_replicas_of_two_stages_average_to_the_whole_batch_gradients(tmp_pat
             torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
     assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(expected)
     assert ranks[0]["grads"].keys() == ranks[2]["grads"].keys()
+
+
+def test_an_input_with_requires_grad_gets_its_gradient_from_every_stage_reading_it(tmp_path):
+    """Branchy's input is read by stage 0 and by the last stage (and maybe stage 1): on 3 ranks
+    with 1F1B, the input given to rank 0 with requires_grad gets the model's gradient, the
+    other ranks' parts sent back to it."""
+    model, x, target, _, out = ran(tmp_path, 3, 3, "1f1b", mode="inputgrad")
+    ranks = results(out, 3)
+    x = x.clone().requires_grad_()
+    F.mse_loss(model(x), target).backward()
+    torch.testing.assert_close(ranks[0]["x_grad"], x.grad)
+    assert ranks[1]["x_grad"] is None and ranks[2]["x_grad"] is None
+
+
+def tied_batch() -> dict:
+    torch.manual_seed(0)
+    return dict(model=Tied(), x=torch.randint(0, 20, (8, 5)), target=torch.randn(8, 5, 20))
+
+
+def held_by(plan: Path, name: str) -> list[int]:
+    """The stages of the saved plan holding the tensor `name` (first held by stage 0)."""
+    return [0] + [stage for stage, refs in enumerate(json.loads(
+        (plan / "plan.json").read_text())["shared"]) if refs.get(name) == [0, name]]
+
+
+def assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks):
+    """Every rank's gradient of each parameter it holds (a tied weight: on each rank holding
+    it) is the threaded pipeline's and the model's, on the whole batch."""
+    pipe.zero_grad()
+    pipe.train_step(x, target, F.mse_loss)
+    piped = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    model.zero_grad()
+    F.mse_loss(model(x), target).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(piped[name], p.grad, msg=name)
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        assert got["grads"], rank
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+    assert {name for r in ranks for name in r["grads"]} == set(expected)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_weight_tied_across_the_first_and_last_stage_gets_its_whole_gradient(tmp_path, stages):
+    """The embedding's weight is held by stage 0 and the last: each of those ranks ends the
+    step with the sum of both stages' parts, the model's gradient."""
+    model, x, target, pipe, out = ran(tmp_path, stages, stages, **tied_batch())
+    assert held_by(tmp_path / "plan", "emb.weight") == [0, stages - 1]
+    ranks = results(out, stages)
+    torch.testing.assert_close(ranks[-1]["loss"], F.mse_loss(model(x), target))
+    assert "emb.weight" in ranks[0]["grads"] and "emb.weight" in ranks[-1]["grads"]
+    assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks)
+
+
+def test_two_replicas_of_a_tied_weight_get_the_whole_batch_gradient(tmp_path):
+    """2 stages x 2 replicas: the tied weight's parts are added up within each replica (ranks
+    0 and 1, ranks 2 and 3), and the replicas' sums averaged: every rank holds the model's."""
+    model, x, target, pipe, out = ran(tmp_path, 4, 2, **tied_batch())
+    assert held_by(tmp_path / "plan", "emb.weight") == [0, 1]
+    ranks = results(out, 4)
+    for last in (ranks[1], ranks[3]):
+        torch.testing.assert_close(last["loss"], F.mse_loss(model(x), target))
+    assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks)
+
+
+def test_replicas_of_a_summed_loss_add_up_to_the_whole_batch_sum(tmp_path):
+    """With `reduction="sum"` (shards of 4 and 3 rows), both last stages return the sum over
+    the whole batch and every rank holds its gradients: the replicas' are added, not averaged."""
+    torch.manual_seed(0)
+    batch = dict(model=Branchy(), x=torch.randn(7, 8), target=torch.randn(7, 4))
+    model, x, target, pipe, out = ran(tmp_path, 4, 2, mode="sum", **batch)
+    ranks = results(out, 4)
+
+    def summed(output, target):
+        return F.mse_loss(output, target, reduction="sum")
+    whole = pipe.train_step(x, target, summed, reduction="sum")
+    torch.testing.assert_close(whole, summed(model(x), target))
+    for last in (ranks[1], ranks[3]):
+        torch.testing.assert_close(last["loss"], whole)
+    model.zero_grad()
+    summed(model(x), target).backward()
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+    assert {name for r in ranks for name in r["grads"]} == set(expected)
+
+
+def test_gradients_of_two_steps_accumulate_with_tied_weights_and_replicas(tmp_path):
+    """Two steps without zeroing, 2 stages x 2 replicas of the tied model: only each step's
+    gradients are added up across ranks, so every rank holds twice the model's."""
+    model, x, target, _, out = ran(tmp_path, 4, 2, mode="twice", **tied_batch())
+    ranks = results(out, 4)
+    torch.testing.assert_close(ranks[3]["loss"], F.mse_loss(model(x), target))
+    model.zero_grad()
+    F.mse_loss(model(x), target).backward()
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, 2 * expected[name].grad, msg=f"rank {rank}: {name}")
+    assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
 def test_a_world_size_not_a_multiple_of_the_stages_is_refused(tmp_path):
@@ -257,3 +400,31 @@ def test_a_rank_that_cannot_load_its_stage_stops_every_rank(tmp_path):
     first, second = errors(tmp_path / "out", 2)
     assert second.startswith("PlanFileError") and "stage_1.pt" in second
     assert first.startswith("DistributedError: rank 1 could not load its stage (PlanFileError")
+
+
+def test_the_torchrun_example_trains_as_the_model(tmp_path):
+    """examples/torchrun_train.py: plan (in this process), then 3 steps on 2 ranks under
+    torchrun; the losses it prints (6 decimals) are those of the model trained alone with the
+    same optimizer, its tied weight included (a wrong gradient changes the later steps)."""
+    spec = importlib.util.spec_from_file_location("torchrun_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.make_plan(str(tmp_path / "plan"), 2)
+    assert held_by(tmp_path / "plan", "embed.weight") == [0, 1]
+    code, text = torchrun([str(EXAMPLE), "train", str(tmp_path / "plan"), "--steps", "3",
+                           "--lr", "0.5"], 2)
+    assert code == 0, text[-3000:]
+    printed = [float(v) for v in re.findall(r"^step \d loss (\S+)$", text, re.MULTILINE)]
+    torch.manual_seed(0)
+    model = example.TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = []
+    for tokens, targets in example.batches(3):
+        optimizer.zero_grad()
+        loss = example.loss_fn(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert len(printed) == 3, text[-3000:]
+    torch.testing.assert_close(torch.tensor(printed), torch.tensor(expected),
+                               rtol=1e-5, atol=2e-6)

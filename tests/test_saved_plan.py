@@ -221,3 +221,33 @@ def test_saved_costs_of_another_model_are_refused(saved):
                        costs=fxpipe.load_plan(saved))
     with pytest.raises(fxpipe.CostError, match="costs=str"):
         fxpipe.compile(other, ["cpu"] * 2, (torch.randn(12, 8),), costs="plan.json")
+
+
+class TiedEnds(nn.Module):
+    """The first node's weight read again by the last one: stage 0 and the last hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return F.linear(self.b(torch.relu(self.a(self.emb(ids)))), self.emb.weight)
+
+
+def test_shared_tensors_names_every_tensor_several_stages_hold(tmp_path):
+    """`shared_tensors` (read off plan.json) agrees with the stages' own tensors by identity."""
+    from fxpipe.saved import shared_tensors
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(TiedEnds(), ["cpu"] * 3, (torch.randint(0, 20, (8, 5)),), chunks=2)
+    pipe.plan.save(tmp_path / "plan")
+    held: dict[int, dict[int, str]] = {}
+    first: dict[int, tuple[int, str]] = {}
+    for stage in pipe.plan.stages:
+        for name, t in [*stage.module.named_parameters(remove_duplicate=False),
+                        *stage.module.named_buffers(remove_duplicate=False)]:
+            first.setdefault(id(t), (stage.index, name))
+            held.setdefault(id(t), {}).setdefault(stage.index, name)
+    expected = {first[i]: stages for i, stages in held.items() if len(stages) > 1}
+    assert expected == {(0, "emb.weight"): {0: "emb.weight", 2: "emb.weight"}}
+    assert shared_tensors(tmp_path / "plan") == expected

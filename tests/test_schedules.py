@@ -1,8 +1,8 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from fxpipe.schedules import (Action, Phase, format_timetable, gpipe, one_f_one_b, simulate,
-                              timetable_for, validate)
+from fxpipe.schedules import (INPUTS, Action, Phase, format_timetable, gpipe, message_orders,
+                              one_f_one_b, simulate, timetable_for, validate, validate_messages)
 from fxpipe.passes.errors import FxpipeError
 
 
@@ -113,3 +113,57 @@ def test_shared_cores_slow_a_timetable_at_most_to_running_it_on_one_core(k, m, s
         assert end == pytest.approx(alone)
     validate(timetable, m, chain(k), backward=True)
     assert sorted(map(str, (s.action for s in shared))) == sorted(map(str, sum(timetable, [])))
+
+
+@st.composite
+def stage_dags_with_inputs(draw):
+    """A stage DAG (`stage_dags`) whose stages read the graph inputs too: stage 0 and some
+    others, each at a drawn place among its sources."""
+    k, reads = draw(stage_dags())
+    reads_from = {0: [INPUTS], **{s: list(sources) for s, sources in reads.items()}}
+    for s in draw(st.sets(st.integers(1, k - 1), max_size=k - 1)) if k > 1 else ():
+        reads_from[s].insert(draw(st.integers(0, len(reads_from[s]))), INPUTS)
+    return k, reads_from
+
+
+@given(stage_dags_with_inputs(), st.integers(1, 6), st.booleans())
+def test_ranks_ask_for_messages_in_the_order_they_are_sent_unless_inputs_run_ahead(
+        dag, chunks, input_grads):
+    """For GPipe (a call and a step) and 1F1B, every pair of ranks agrees on the order of its
+    messages, except where a later stage reads both the graph inputs and stage 0's values (the
+    inputs are sent first: with one micro-batch, out of order only if asked for second)."""
+    k, reads_from = dag
+
+    def runs_ahead(reads):
+        return INPUTS in reads and 0 in reads and (chunks > 1 or
+                                                   reads.index(0) < reads.index(INPUTS))
+    ahead = any(runs_ahead(reads_from[s]) for s in range(1, k))
+    for timetable, backward in ((gpipe(k, chunks), False), (gpipe(k, chunks, backward=True), True),
+                                (one_f_one_b(k, chunks), True)):
+        if ahead:
+            with pytest.raises(FxpipeError, match=r"asks rank 0 for .* must keep aside"):
+                validate_messages(timetable, reads_from, backward=backward,
+                                  input_grads=input_grads)
+        else:
+            validate_messages(timetable, reads_from, backward=backward, input_grads=input_grads)
+
+
+def test_message_orders_lists_each_pair_of_ranks_literally():
+    """2 stages, 1F1B, 2 micro-batches, stage 1 reading stage 0 and the inputs: rank 0 sends
+    the inputs first; stage 1's gradients go back, then the inputs' gradients."""
+    orders = message_orders(one_f_one_b(2, 2), {0: [INPUTS], 1: [0, INPUTS]}, backward=True)
+    F, B = Phase.FORWARD, Phase.BACKWARD
+    assert orders == {
+        (0, 1): ([(F, INPUTS, 1, 0), (F, INPUTS, 1, 1), (F, 0, 1, 0), (F, 0, 1, 1)],
+                 [(F, 0, 1, 0), (F, INPUTS, 1, 0), (F, 0, 1, 1), (F, INPUTS, 1, 1)]),
+        (1, 0): ([(B, 1, 0, 0), (B, 1, 0, 1), (B, 1, INPUTS, 0), (B, 1, INPUTS, 1)],
+                 [(B, 1, 0, 0), (B, 1, 0, 1), (B, 1, INPUTS, 0), (B, 1, INPUTS, 1)])}
+
+
+def test_a_stage_taking_micro_batches_out_of_order_is_shown_where_the_orders_part():
+    timetable = one_f_one_b(2, 2)
+    timetable[1] = [Action(1, 1, Phase.FORWARD), Action(1, 1, Phase.BACKWARD),
+                    Action(1, 0, Phase.FORWARD), Action(1, 0, Phase.BACKWARD)]
+    with pytest.raises(FxpipeError, match=r"rank 1 asks rank 0 for 0F1>1 where rank 0 sends "
+                                          r"0F0>1 \(message 0\)(.|\n)*asked: \[0F1>1\] 0F0>1"):
+        validate_messages(timetable, {0: [INPUTS], 1: [0]}, backward=True)
