@@ -214,3 +214,68 @@ def test_the_planned_memory_bounds_a_measured_step(recompute):
     # (the weights were there before); the margin covers what the model leaves out: gradients
     # of activations in flight during a backward, the allocator's rounding to pages.
     assert 0.5 * predicted <= measured <= 1.4 * predicted, (measured, predicted)
+
+
+def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_included():
+    from fxpipe.passes.recompute import Recomputed, checkpoint_regions
+    torch.manual_seed(0)
+    model, x, target = Chain().train(), torch.randn(64, 32), torch.randn(64, 32)
+    twin = copy.deepcopy(model)
+    options = dict(chunks=4, schedule="1f1b")
+    plain = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
+    partial = fxpipe.compile(twin, ["cpu"] * 2, (x,), **options)
+    for stage in partial.plan.stages:   # BatchNorm, GELU and the dropout draw, not the Linears
+        names = {n.name for n in stage.module.graph.nodes if n.op != "output" and
+                 not (n.op == "call_module" and isinstance(
+                     stage.module.get_submodule(n.target), nn.Linear))
+                 and n.op != "placeholder" and not n.is_impure()}
+        checkpoint_regions(stage.module, names)
+    assert any(isinstance(m, Recomputed) for s in partial.plan.stages for m in s.module.modules())
+    runs = {}
+    for name, pipe, m in (("plain", plain, model), ("partial", partial, twin)):
+        torch.manual_seed(1)
+        loss = pipe.train_step(x, target, F.mse_loss)
+        runs[name] = (loss, {n: p.grad for n, p in m.named_parameters()},
+                      {n: b.clone() for n, b in m.named_buffers()})
+    (loss, grads, buffers), (loss2, grads2, buffers2) = runs["plain"], runs["partial"]
+    torch.testing.assert_close(loss2, loss)
+    for name in grads:
+        torch.testing.assert_close(grads2[name], grads[name], msg=name)
+    for name in buffers:     # updated once per micro-batch, not again when recomputed
+        torch.testing.assert_close(buffers2[name], buffers[name], msg=name)
+    torch.manual_seed(2)
+    out = plain(x)
+    torch.manual_seed(2)
+    torch.testing.assert_close(partial(x), out)
+
+
+def costed_chain():
+    """a -> cheap -> costly -> cheap2 -> out, each keeping 100 bytes of its own and its output
+    kept by its reader; known forward times."""
+    import torch.fx as fx
+    from fxpipe.passes.cost_model import NodeCost
+
+    def f(x):
+        return torch.relu(torch.relu(x) @ x).exp()
+    gm = fx.symbolic_trace(f)
+    times = {"relu": 1e-6, "matmul": 1e-3, "relu_1": 1e-6, "exp": 2e-6}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            n.meta["cost"] = NodeCost(fwd_s=times[n.name], out_bytes=100, saved_bytes=200)
+            n.meta["output_kept"] = True
+    return gm
+
+
+def test_the_cheapest_runs_are_recomputed_until_the_stage_fits():
+    from fxpipe.passes.recompute import choose_recomputed, stage_memory
+    gm = costed_chain()
+    assert stage_memory(gm, set()).kept_bytes == 800
+    # Recomputing relu_1 and exp: the run keeps its input (matmul's output, counted there) and
+    # its output (leaving the stage), 100 bytes, instead of 400.
+    both = stage_memory(gm, {"relu_1", "exp"})
+    assert (both.kept_bytes, both.transient_bytes) == (400 + 100, 400)
+    assert both.extra_s == pytest.approx(3e-6)
+    choice = choose_recomputed(gm, in_flight=4, fixed_bytes=0, capacity=4 * 500 + 400)
+    assert set(choice.nodes) == {"relu_1", "exp"}          # not the matmul: it costs 1 ms
+    assert choose_recomputed(gm, in_flight=4, fixed_bytes=0, capacity=4 * 800).nodes == ()
+    assert choose_recomputed(gm, in_flight=4, fixed_bytes=0, capacity=100) is None
