@@ -15,6 +15,7 @@ wrote into ops (`arange(..., device=cpu)`) at the stage's own device.
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -34,6 +35,20 @@ class Stage:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     device: torch.device
+
+
+class StageTracer(fx.Tracer):
+    """What rebuilds a stage's graph from its code when a pickled stage is loaded (a GraphModule
+    pickles its code, not its graph, and traces the code again): every Python function the code
+    calls stays one call, as in the graph, rather than being traced through. Without it
+    fxpipe's `seeded` draws were traced through into plain dropout, drawing other numbers, and
+    functions the user kept whole with `torch.fx.wrap` were inlined."""
+
+    def trace(self, root, concrete_args=None):
+        forward = getattr(root, "forward", root)
+        self._autowrap_function_ids |= {id(v) for v in getattr(forward, "__globals__", {}).values()
+                                         if isinstance(v, types.FunctionType)}
+        return super().trace(root, concrete_args)
 
 
 def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
@@ -81,6 +96,7 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
             env[n] = graph.node_copy(n, lambda p: env[p])
         _grad_regions(graph)
         graph.output(tuple(env[n] for n in outputs))
+        graph._tracer_cls = StageTracer
         module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         for name, child in module.named_children():   # its own copy of each op body, to place
             if isinstance(child, fx.GraphModule) and not _has_state(child):

@@ -31,6 +31,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .codegen import StageTracer
+
 
 class Recomputed(nn.Module):
     """Runs `body` keeping only its inputs for the backward, which runs it again first."""
@@ -160,6 +162,7 @@ def checkpoint_regions(gm: fx.GraphModule, names: set[str]) -> fx.GraphModule:
         for n in run:
             env[n] = body.node_copy(n, lambda v: env[v])
         body.output(tuple(env[n] for n in outputs))
+        body._tracer_cls = StageTracer
         name = f"recomputed_{i}"
         gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name=name)))
         for p in inputs:                 # a parameter read inside the run comes before it

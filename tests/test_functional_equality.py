@@ -19,7 +19,7 @@ def chain_of_linears(depth=4, width=16):
 def test_a_node_too_big_for_a_tiny_device_reads_in_bytes_it_can_show():
     devices = [fxpipe.DeviceSpec("cpu", memory_bytes=1000)] * 2
     with pytest.raises(fxpipe.PartitionError,
-                       match=r"node '_0' alone needs 1\.\d KB, more than any device has "
+                       match=r"node '_0' alone needs \d\.\d KB, more than any device has "
                              r"\(at most 1\.0 KB\)"):
         fxpipe.compile(chain_of_linears().eval(), devices, (torch.randn(8, 16),))
 

@@ -75,6 +75,44 @@ def test_a_loaded_plan_trains_as_the_model_does(tmp_path):
     model.load_state_dict(loaded.state_dict())
 
 
+class Drops(nn.Module):
+    """Dropout, a BatchNorm and a function kept whole with torch.fx.wrap."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.norm, self.drop = nn.BatchNorm1d(32), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.b(self.drop(halved(self.norm(self.a(x)))))
+
+
+def halved(h):
+    return h * 0.5
+
+
+torch.fx.wrap("halved")
+
+
+def test_a_loaded_plan_draws_the_random_numbers_the_pipeline_draws(tmp_path):
+    from fxpipe.passes.recompute import checkpoint_regions
+    torch.manual_seed(0)
+    model, x, target = Drops().train(), torch.randn(16, 8), torch.randn(16, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4)
+    stage = pipe.plan.stages[0]         # recomputed runs round-trip too
+    checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
+                                      if n.op == "call_module" and "norm" in n.name})
+    pipe.plan.save(tmp_path / "plan")
+    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
+    code = "".join(s.module.code for s in loaded.plan.stages)
+    assert "halved(" in code and "seeded(" in code and "recomputed_0(" in code   # kept whole
+    for run in (lambda p: p(x), lambda p: p.train_step(x, target, F.mse_loss)):
+        torch.manual_seed(1)
+        expected = run(pipe)
+        torch.manual_seed(1)
+        torch.testing.assert_close(run(loaded), expected)
+
+
 def test_a_saved_plan_runs_in_a_process_without_the_models_code(tmp_path):
     model, x = example()
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
