@@ -95,6 +95,12 @@ def _planning(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
     parser.add_argument("--stages", default=None, help="number of stages to use, or auto")
     parser.add_argument("--train", action="store_true", help="plan for training (train_step)")
+    parser.add_argument("--recompute", choices=["never", "always", "auto"], default="never",
+                        help="recompute activations in training (default: never)")
+    parser.add_argument("--optimizer", default="adam",
+                        help="the optimizer whose state each training stage holds (default: adam)")
+    parser.add_argument("--memory", type=float, default=None, metavar="BYTES",
+                        help="each device's memory, e.g. 8e9 (default: a GPU's own, CPU unbounded)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -111,10 +117,14 @@ def _plan(args: argparse.Namespace) -> int:
     model = _model(args.model, args.kwargs).train(args.train)
     inputs = _random_inputs(args.input, args.dtype)
     options = {"chunks": _count(args.chunks, "--chunks"), "training": args.train,
-               "progress": False if args.quiet else None}
+               "progress": False if args.quiet else None, "recompute": args.recompute,
+               "optimizer": args.optimizer}
     if args.stages is not None:
         options["num_stages"] = _count(args.stages, "--stages")
-    pipe = fxpipe.compile(model, args.devices.split(","), inputs, **options)
+    devices = args.devices.split(",")
+    if args.memory is not None:
+        devices = [fxpipe.DeviceSpec(d, memory_bytes=args.memory) for d in devices]
+    pipe = fxpipe.compile(model, devices, inputs, **options)
     if args.name == "plan":
         print(pipe.plan)
     if args.explain:

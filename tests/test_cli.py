@@ -75,6 +75,7 @@ def test_plan_explains_its_cuts(command, capsys):
     (["plan", "torch.nn:ReLU", "--input", "4x4", "--kwargs", "{oops"], "is not JSON"),
     (["plan", "torch.nn:ReLU", "--input", "4x4", "--devices", "gpu7"], "'gpu7' is not a device"),
     (["show", "/nonexistent/plan"], "no saved plan"),
+    (["plan", *LAYER, "--memory", "1000"], "more than any device has (at most 1.0 KB)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
@@ -163,3 +164,10 @@ def test_plan_on_zoo_models_saves_a_plan_that_reloads_to_the_same_partition(name
     assert dict(fxpipe.load_plan(tmp_path).partition.stage_of) == \
         document["partition"]["stage_of"]
     assert main(["run", str(tmp_path), "--input", "4x3x32x32", "--repeats", "1"]) == 0
+
+
+def test_plan_for_training_shows_each_stages_memory_and_recomputation(capsys):
+    assert main(["plan", *LAYER, "--train", "--chunks", "2", "--recompute", "always",
+                 "--optimizer", "sgd", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute='always'" in out and out.count("recomputes its forward") == 2
