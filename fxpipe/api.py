@@ -21,8 +21,7 @@ from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs, measuremen
 from fxpipe.passes.codegen import Stage, split_stages
 from fxpipe.passes.compare import difference, output_name
 from fxpipe.passes.cost_model import (DRIVER, OPTIMIZER_STATE, DeviceSpec, Link, LinkFn, Memory,
-                                      NodeCost, cost_graph,
-                               default_link)
+                                      NodeCost, cost_graph, default_link, lower_bound_s)
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from fxpipe.passes.functionalize import functionalize
@@ -251,11 +250,12 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
     chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s)
     config = chosen.config
     specs = chosen.partition.devices
-    costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
+    costed = costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs])
     part, recomputed = chosen.partition, ((),) * len(stages)
     if training and o["recompute"] == "auto":
-        part, recomputed = _recompute_less(part, stages, config, o["optimizer_state"])
+        part, recomputed = _recompute_less(part, stages, config, o["optimizer_state"],
+                                           lower_bound_s(costed.step, specs))
     verified = "yes" if o["verify"] else "skipped (verify=False)"
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
@@ -404,7 +404,8 @@ class _Costs:
 
 
 def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Config,
-                    optimizer_state: float) -> tuple[Partition, tuple[tuple[str, ...], ...]]:
+                    optimizer_state: float, bound_s: float
+                    ) -> tuple[Partition, tuple[tuple[str, ...], ...]]:
     """Where the partitioner has a stage recompute its whole forward to fit, recompute only its
     cheapest nodes per byte when that fits (`fxpipe.passes.recompute`): the stages rewritten in
     place, the partition repriced, and the nodes each stage recomputes."""
@@ -429,9 +430,11 @@ def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Con
         recomputed.append(choice.nodes)
     if costs == list(part.stages):
         return part, tuple(recomputed)
+    # The partitioner's optimum was over stages recomputing whole: the bound left is compute's.
     bottleneck = max(c.time_s for c in costs)
-    return replace(part, stages=tuple(costs), bottleneck_s=bottleneck,
-                   optimal=bottleneck <= part.lower_bound_s * (1 + 1e-9)), tuple(recomputed)
+    bound = min(bound_s, bottleneck)
+    return replace(part, stages=tuple(costs), bottleneck_s=bottleneck, lower_bound_s=bound,
+                   optimal=bottleneck <= bound * (1 + 1e-9)), tuple(recomputed)
 
 
 def stage_param_bytes(stage: Stage) -> int:

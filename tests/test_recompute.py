@@ -185,9 +185,16 @@ torch.manual_seed(0)
 model, x = Chain().train(), torch.randn(2048, 32)
 options = dict(chunks=4, optimizer="sgd", verify=False, repeats=1)
 cap = float("inf")
-if {recompute!r} == "auto":      # between what the stages need keeping and recomputing
+if {recompute!r} == "auto":      # the first cap, in steps of 0.95, that "never" cannot meet
     free = fxpipe.compile(model, ["cpu"] * 2, (x,), **options).plan.partition.stages
-    cap = max((c.memory_kept_bytes + c.memory_recomputing_bytes) / 2 for c in free)
+    cap = max(c.memory_kept_bytes for c in free)
+    while True:
+        cap *= 0.95
+        try:
+            fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2, (x,),
+                           **options)
+        except fxpipe.PartitionError:
+            break
 pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2, (x,),
                       recompute={recompute!r}, **options)
 assert {recompute!r} != "auto" or any(pipe.plan.stage_recompute + pipe.plan.stage_recomputed)
@@ -212,8 +219,9 @@ def test_the_planned_memory_bounds_a_measured_step(recompute):
     measured, predicted = json.loads(out.stdout.strip().splitlines()[-1])
     # The step's gradients and activations, resident at its peak, against the plan's stages
     # (the weights were there before); the margin covers what the model leaves out: gradients
-    # of activations in flight during a backward, the allocator's rounding to pages.
-    assert 0.5 * predicted <= measured <= 1.4 * predicted, (measured, predicted)
+    # of activations in flight during a backward, the allocator's rounding to pages. (Measured
+    # here: 1.09x "never", 0.84x "always", 1.06x to 1.10x "auto".)
+    assert 0.5 * predicted <= measured <= 1.5 * predicted, (measured, predicted)
 
 
 def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_included():
