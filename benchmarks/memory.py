@@ -81,6 +81,17 @@ def measure(name: str, recompute: str, cap: float, chunks: int) -> dict:
                         c.recompute, c.recompute_s) for c in stages]}
 
 
+def least_cap_never_meets(name: str, cap: float, chunks: int) -> float:
+    """The first memory per device, in steps of 5% down from `cap`, that no plan keeping every
+    activation fits."""
+    while True:
+        cap *= 0.95
+        try:
+            compiled(name, "never", cap, chunks)
+        except fxpipe.PartitionError:
+            return cap
+
+
 def in_own_process(*args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--measure", json.dumps(args)],
                          capture_output=True, text=True, check=True)
@@ -99,7 +110,7 @@ def main() -> None:
     stage_rows, rows = [], []
     for name in MODELS:
         never = in_own_process(name, "never", float("inf"), args.chunks)
-        cap = 0.75 * max(kept for kept, *_ in never["stages"])
+        cap = least_cap_never_meets(name, max(kept for kept, *_ in never["stages"]), args.chunks)
         plans = {"never": never,
                  "always": in_own_process(name, "always", float("inf"), args.chunks),
                  "auto": in_own_process(name, "auto", cap, args.chunks)}

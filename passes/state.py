@@ -27,7 +27,10 @@ from torch import nn
 @contextlib.contextmanager
 def unchanged_state(module: nn.Module) -> Iterator[None]:
     """Inside, run `module` freely: after, its parameters and buffers are the same tensors as
-    before (an attribute reassigned in forward is put back) and the buffers hold their values."""
+    before (an attribute reassigned in forward is put back) and the buffers hold their values.
+    Only a buffer whose value changed is written back: a write bumps its version, and autograd
+    refuses a backward through a node that saved it before (BatchNorm's running statistics,
+    kept by a node that was not recomputed)."""
     saved = [(owner, name, b, b.detach().clone()) for owner in module.modules()
              for name, b in owner._buffers.items() if b is not None]
     params = [(owner, name, p) for owner in module.modules()
@@ -38,7 +41,8 @@ def unchanged_state(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for owner, name, buffer, value in saved:
                 owner._buffers[name] = buffer
-                buffer.copy_(value)
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
         for owner, name, p in params:
             owner._parameters[name] = p
 

@@ -224,20 +224,35 @@ def test_the_planned_memory_bounds_a_measured_step(recompute):
     assert 0.5 * predicted <= measured <= 1.5 * predicted, (measured, predicted)
 
 
-def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_included():
+def all_but_linears(stage):
+    """BatchNorm, GELU and the dropout draw, not the Linears."""
+    return {n.name for n in stage.module.graph.nodes if n.op != "output" and
+            not (n.op == "call_module" and isinstance(stage.module.get_submodule(n.target),
+                                                      nn.Linear))
+            and n.op != "placeholder" and not n.is_impure()}
+
+
+def last_batchnorm(stage):
+    """One BatchNorm recomputed, the other kept (its saved running statistics must stay valid
+    while the recomputed one's are put back)."""
+    norms = [n.name for n in stage.module.graph.nodes if n.op == "call_module" and
+             isinstance(stage.module.get_submodule(n.target), nn.BatchNorm1d)]
+    return set(norms[-1:])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recomputed, stages", [(all_but_linears, 2), (last_batchnorm, 1)])
+def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_included(
+        schedule, recomputed, stages):
     from fxpipe.passes.recompute import Recomputed, checkpoint_regions
     torch.manual_seed(0)
     model, x, target = Chain().train(), torch.randn(64, 32), torch.randn(64, 32)
     twin = copy.deepcopy(model)
-    options = dict(chunks=4, schedule="1f1b")
+    options = dict(chunks=4, schedule=schedule)
     plain = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
-    partial = fxpipe.compile(twin, ["cpu"] * 2, (x,), **options)
-    for stage in partial.plan.stages:   # BatchNorm, GELU and the dropout draw, not the Linears
-        names = {n.name for n in stage.module.graph.nodes if n.op != "output" and
-                 not (n.op == "call_module" and isinstance(
-                     stage.module.get_submodule(n.target), nn.Linear))
-                 and n.op != "placeholder" and not n.is_impure()}
-        checkpoint_regions(stage.module, names)
+    partial = fxpipe.compile(twin, ["cpu"] * stages, (x,), **options)
+    for stage in partial.plan.stages:
+        checkpoint_regions(stage.module, recomputed(stage))
     assert any(isinstance(m, Recomputed) for s in partial.plan.stages for m in s.module.modules())
     runs = {}
     for name, pipe, m in (("plain", plain, model), ("partial", partial, twin)):
