@@ -4,7 +4,8 @@
 
 For a CNN (a chain of convolutions) and a transformer (nn.TransformerEncoder), each on 2 CPU
 stages with GPipe and SGD, fxpipe plans three ways: recompute="never", "always", and "auto" under
-a memory cap per device that "never" cannot meet (3/4 of the fullest stage it plans). For each,
+a memory cap per device that "never" cannot meet (the first, in steps of 5% down from the fullest
+stage it plans). For each,
 the first table prints every stage's predicted peak (parameters, gradients, what autograd keeps
 per micro-batch in flight) and what it chose; the second, per plan, the memory the first
 `train_step` added to the process at its peak, measured (resident high-water mark, in a process
@@ -78,7 +79,11 @@ def measure(name: str, recompute: str, cap: float, chunks: int) -> dict:
     return {"measured": peak,
             "predicted": sum(c.memory_bytes - w for c, w in zip(stages, state)),
             "stages": [(c.memory_kept_bytes, c.memory_recomputing_bytes, c.memory_bytes,
-                        c.recompute, c.recompute_s) for c in stages]}
+                        "whole" if whole else f"{len(nodes)} nodes" if nodes else "keep",
+                        c.recompute_s)
+                       for c, whole, nodes in zip(stages, pipe.plan.stage_recompute,
+                                                  pipe.plan.stage_recomputed or
+                                                  ((),) * len(stages))]}
 
 
 def least_cap_never_meets(name: str, cap: float, chunks: int) -> float:
@@ -129,10 +134,9 @@ def main() -> None:
                     for how, (_, _, pipe) in pipes.items()})
         times = side_by_side(fns, args.repeats)
         for how, found in plans.items():
-            for s, (kept, recomputing, need, recompute, extra_s) in enumerate(found["stages"]):
+            for s, (kept, recomputing, need, recomputes, extra_s) in enumerate(found["stages"]):
                 stage_rows.append((name, how, s, format_bytes(kept), format_bytes(recomputing),
-                                   format_bytes(need), "recompute" if recompute else "keep",
-                                   f"{extra_s * 1e3:.2f}"))
+                                   format_bytes(need), recomputes, f"{extra_s * 1e3:.2f}"))
             measured, predicted = found["measured"], found["predicted"]
             rows.append((name, how, format_bytes(cap) if how == "auto" else "none",
                          format_bytes(predicted), format_bytes(measured),
@@ -140,7 +144,8 @@ def main() -> None:
                          f"{times['model'] * 1e3:.1f}", f"{times['model'] / times[how]:.2f}x",
                          f"{(times[how] - times['never']) * 1e3:+.1f}"))
     print(tabulate(stage_rows, headers=["model", "recompute", "stage", "keeping",
-                                        "recomputing", "planned", "chosen", "+ms/micro-batch"]))
+                                        "recomputing", "planned", "recomputes",
+                                        "+ms/micro-batch"]))
     print()
     print(tabulate(rows, headers=["model", "recompute", "cap/device", "predicted step peak",
                                   "measured", "measured/predicted", "step ms", "model ms",
