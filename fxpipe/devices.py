@@ -92,6 +92,13 @@ def tune_cpu_allocator(*, keep_bytes: int = 1 << 30) -> bool:
     process (the same as setting MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_), so fxpipe
     never calls it by itself. Returns False where the C library is not glibc.
     """
+    return set_malloc_thresholds(mmap_bytes=32 << 20, trim_bytes=keep_bytes)
+
+
+def set_malloc_thresholds(*, mmap_bytes: int, trim_bytes: int) -> bool:
+    """glibc's `mallopt`: blocks above `mmap_bytes` get a mapping of their own (returned to the
+    system when freed), and free memory above `trim_bytes` at the heap's top is returned.
+    False where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
@@ -100,7 +107,8 @@ def tune_cpu_allocator(*, keep_bytes: int = 1 << 30) -> bool:
     if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, keep_bytes))
+    return bool(mallopt(m_mmap_threshold, mmap_bytes)) and bool(mallopt(m_trim_threshold,
+                                                                          trim_bytes))
 
 
 def measure_links(devices: Sequence[DeviceSpec], *, repeats: int = 20) -> LinkFn:

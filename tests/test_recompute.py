@@ -26,6 +26,25 @@ class Net(nn.Module):
         return self.c(g)
 
 
+def step(pipe, model, x, target):
+    """One train_step from seed 1: its loss, and the model's gradients and buffers after it."""
+    torch.manual_seed(1)
+    loss = pipe.train_step(x, target, F.mse_loss)
+    return (loss, {n: p.grad for n, p in model.named_parameters()},
+            {n: b.clone() for n, b in model.named_buffers()})
+
+
+def assert_same_step(first, second):
+    """Loss, every gradient, every buffer (BatchNorm's statistics updated once per
+    micro-batch, not again where recomputed) equal."""
+    (loss, grads, buffers), (loss2, grads2, buffers2) = first, second
+    torch.testing.assert_close(loss2, loss)
+    for name in grads:
+        torch.testing.assert_close(grads2[name], grads[name], msg=name)
+    for name in buffers:
+        torch.testing.assert_close(buffers2[name], buffers[name], msg=name)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_recomputing_gives_the_same_step_dropout_and_batchnorm_included(schedule):
     torch.manual_seed(0)
@@ -36,17 +55,9 @@ def test_recomputing_gives_the_same_step_dropout_and_batchnorm_included(schedule
         pipe = fxpipe.compile(m, ["cpu"] * 3, (x,), chunks=4, schedule=schedule,
                               recompute=recompute)
         assert pipe.plan.recompute == recompute
-        torch.manual_seed(1)
-        loss = pipe.train_step(x, target, F.mse_loss)
-        runs[recompute] = (loss, {n: p.grad for n, p in m.named_parameters()},
-                           {n: b.clone() for n, b in m.named_buffers()})
-    (loss, grads, buffers), (loss2, grads2, buffers2) = runs["never"], runs["always"]
-    torch.testing.assert_close(loss2, loss)
-    for name in grads:
-        torch.testing.assert_close(grads2[name], grads[name], msg=name)
-    for name in buffers:     # BatchNorm's running statistics updated once per micro-batch
-        torch.testing.assert_close(buffers2[name], buffers[name], msg=name)
-    assert buffers["norm.num_batches_tracked"].item() == 4
+        runs[recompute] = step(pipe, m, x, target)
+    assert_same_step(runs["never"], runs["always"])
+    assert runs["never"][2]["norm.num_batches_tracked"].item() == 4
 
 
 def test_a_recomputing_stage_keeps_only_its_inputs_until_its_backward():
@@ -138,18 +149,7 @@ def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(s
                   zip(auto.plan.stage_recompute, auto.plan.stage_recomputed)]
     assert recomputes == [c.memory_kept_bytes > cap for c in stages] and any(recomputes)
     never = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
-    runs = {}
-    for name, pipe, m in (("never", never, model), ("auto", auto, twin)):
-        torch.manual_seed(1)
-        loss = pipe.train_step(x, target, F.mse_loss)
-        runs[name] = (loss, {n: p.grad for n, p in m.named_parameters()},
-                      {n: b.clone() for n, b in m.named_buffers()})
-    (loss, grads, buffers), (loss2, grads2, buffers2) = runs["never"], runs["auto"]
-    torch.testing.assert_close(loss2, loss)
-    for name in grads:
-        torch.testing.assert_close(grads2[name], grads[name], msg=name)
-    for name in buffers:
-        torch.testing.assert_close(buffers2[name], buffers[name], msg=name)
+    assert_same_step(step(never, model, x, target), step(auto, twin, x, target))
 
 
 def test_a_model_that_fits_nowhere_is_told_the_memory_that_would_do():
@@ -254,18 +254,7 @@ def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_inclu
     for stage in partial.plan.stages:
         checkpoint_regions(stage.module, recomputed(stage))
     assert any(isinstance(m, Recomputed) for s in partial.plan.stages for m in s.module.modules())
-    runs = {}
-    for name, pipe, m in (("plain", plain, model), ("partial", partial, twin)):
-        torch.manual_seed(1)
-        loss = pipe.train_step(x, target, F.mse_loss)
-        runs[name] = (loss, {n: p.grad for n, p in m.named_parameters()},
-                      {n: b.clone() for n, b in m.named_buffers()})
-    (loss, grads, buffers), (loss2, grads2, buffers2) = runs["plain"], runs["partial"]
-    torch.testing.assert_close(loss2, loss)
-    for name in grads:
-        torch.testing.assert_close(grads2[name], grads[name], msg=name)
-    for name in buffers:     # updated once per micro-batch, not again when recomputed
-        torch.testing.assert_close(buffers2[name], buffers[name], msg=name)
+    assert_same_step(step(plain, model, x, target), step(partial, twin, x, target))
     torch.manual_seed(2)
     out = plain(x)
     torch.manual_seed(2)

@@ -11,26 +11,18 @@ of its own that measures, not in one that times.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 from pathlib import Path
 from typing import Any, Callable
+
+from fxpipe.devices import set_malloc_thresholds
 
 _STATUS = Path("/proc/self/status")
 
 
 def return_freed_memory() -> bool:
     """Make glibc return freed blocks to the system at once; False where that is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 64 << 10)) and bool(mallopt(m_trim_threshold, 0))
+    return set_malloc_thresholds(mmap_bytes=64 << 10, trim_bytes=0)
 
 
 def can_measure() -> bool:
