@@ -29,7 +29,9 @@ the plan's schedule for `train_step`. Graph outputs go to the last rank, which r
 output (a call) or computes the loss (`train_step`); every other rank returns None. Gradients
 are left in each rank's stage parameters' `.grad`, named as in the model. A graph input given to
 `train_step` with `requires_grad` gets its gradient on stage 0's rank: the stages on other ranks
-reading it send back its gradients once their backwards are done.
+reading it send back its gradients once their backwards are done. A `loss_fn` returning
+`(loss_sum, count)` gives the mean over every replica's counts (one all-reduce per step tells
+every rank the whole count, by which this step's gradients are scaled).
 
 Messages go by torch's own engine, over a gloo process group: a message's header (which phase,
 sender, receiver and micro-batch, the values' structure, each tensor's shape and dtype) by
@@ -48,8 +50,7 @@ connection or a timeout, naming it. A rank that cannot load its stage (`PlanFile
 others raise a `DistributedError` naming it. A failed step leaves the stage unusable: close it
 (`with` does), which waits (at most `timeout`) for the news to be taken, and start again.
 
-Not in this slice: losses returned as `(loss_sum, count)` (refused); gradients across ranks in
-a call (`stage(x)`: each rank's autograd graph ends at what it received; `train_step` is the
+Not in this slice: gradients across ranks in a call (`stage(x)`: each rank's autograd graph ends at what it received; `train_step` is the
 way to gradients); CUDA stages go through CPU copies (no NCCL).
 """
 
@@ -60,7 +61,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -532,13 +533,21 @@ class DistributedStage:
         `.grad` held. An input given with `requires_grad` on stage 0 gets its gradient there too
         (its rows' share of the whole batch's loss), from every stage reading it. The optimizer
         step is the caller's, on each rank.
+
+        A `loss_fn` returning `(loss_sum, count)` (a loss averaged over something other than
+        rows, as for `Pipeline.train_step`) makes the step's loss `sum(loss_sums) / sum(counts)`
+        over every micro-batch of every replica, and the gradients (parameters and inputs)
+        those of that mean; `reduction` is then not used. Every rank learns the whole count in
+        one all-reduce at the end of each step.
         """
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
         chunks: list[dict[str, Any]] = []
+        leaves: list[torch.Tensor] = []      # the caller's inputs that take a gradient
 
         def prepare() -> int:
             values = step_inputs(self.plan.signature, inputs)
+            leaves.extend(t for t in tensors(values) if t.requires_grad and t.is_leaf)
             chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
             return microbatch.batch_size(values, self._batch_dims)
 
@@ -563,20 +572,29 @@ class DistributedStage:
 
         self._agree(self.last, prepare_targets)
 
+        counts: dict[int, float] = {}
+
         def loss_of(m: int, values: dict[str, Any]) -> torch.Tensor:
             output = self.plan.signature.rebuild_outputs(values)
             loss = loss_fn(output, targets[m])
-            if isinstance(loss, tuple):
-                raise FxpipeError("loss_fn returned a (loss_sum, count) pair: fxpipe.distributed "
-                                  "does not take those yet; return a 0-d loss")
-            check_loss(loss, output)
-            return loss * weights[m]
+            if isinstance(loss, tuple) and len(loss) == 2:
+                loss, counts[m] = loss[0], float(loss[1])
+            elif counts:
+                raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
+                                  "for another: return the same for every micro-batch")
+            check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
+            return loss if counts else loss * weights[m]
 
         timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
                                   backward=True)
-        held = self._hold_gradients()
+        held = self._hold_gradients(leaves)
         executor = self._run(timetable, chunks, seeds, loss_of, None, training=True)
-        self._reduce_gradients(held)
+        # The whole count, when the losses were (loss_sum, count) pairs: every gradient of this
+        # step is scaled by one over it, known only now, on every rank.
+        whole = torch.tensor([sum(counts.values()), float(bool(counts))], dtype=torch.float64)
+        self._all_reduce([whole], None, "learn the whole batch's count from the last stages")
+        scale = 1 / whole[0].item() if whole[1] > 0 and whole[0] > 0 else 1.0
+        self._reduce_gradients(held, scale)
         if self.index != self.last:
             return None
         loss = torch.stack([executor.losses[m] for m in range(self.plan.chunks)]).sum()
@@ -584,7 +602,7 @@ class DistributedStage:
             total = loss.detach().to("cpu", torch.float64).reshape(1)
             self._all_reduce([total], self.gradient_group, "add up the loss with its replicas")
             loss = total[0].to(loss.device, loss.dtype)
-        return loss
+        return loss * scale
 
     def close(self) -> None:
         """End the sending threads, and the process group if `load` started it."""
@@ -600,22 +618,24 @@ class DistributedStage:
 
     # ---- one step
 
-    def _hold_gradients(self) -> dict[torch.nn.Parameter, torch.Tensor | None]:
-        """With gradients to add up across ranks, this stage's parameters' `.grad` taken aside
-        (left None), so that only this step's are added up; `_reduce_gradients` adds them
-        back. Nothing to take aside otherwise."""
-        if self.replicas == 1 and not self.tied:
-            return {}
-        held = {p: p.grad for p in self.parameters()}
+    def _hold_gradients(self, leaves: Sequence[torch.Tensor] = ()
+                        ) -> dict[torch.Tensor, torch.Tensor | None]:
+        """This stage's parameters' `.grad`, and the caller's inputs' (`leaves`), taken aside
+        (left None), so that only this step's gradients are added up across ranks and scaled;
+        `_reduce_gradients` adds them back."""
+        held = {p: p.grad for p in [*self.parameters(), *leaves]}
         for p in held:
             p.grad = None
         return held
 
-    def _reduce_gradients(self, held: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+    def _reduce_gradients(self, held: dict[torch.Tensor, torch.Tensor | None],
+                          scale: float = 1.0) -> None:
         """Add this step's gradients up across ranks, then add back what `.grad` held: first
         each tied parameter's over the ranks of this replica holding it (a stage that held it
         but got no gradient adds zeros), then each parameter's over this stage's replicas (their
-        losses were weighted by their shares, so the sum is the whole batch's)."""
+        losses were weighted by their shares, so the sum is the whole batch's); this step's
+        gradients are then multiplied by `scale` (one over the whole count of a step whose
+        losses were `(loss_sum, count)` pairs)."""
         for group, parameters in self.tied:
             for p in parameters:
                 if p.grad is None:
@@ -628,6 +648,8 @@ class DistributedStage:
                              f"add up stage {self.index}'s gradients with its "
                              f"{self.replicas - 1} other replicas")
         for p, before in held.items():
+            if scale != 1.0 and p.grad is not None:
+                p.grad.mul_(scale)
             if before is not None:
                 p.grad = before if p.grad is None else before.add_(p.grad)
 

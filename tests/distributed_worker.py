@@ -54,6 +54,9 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
         reduction = "sum" if mode == "sum" else "mean"
         if mode == "sum":
             loss_fn = functools.partial(F.mse_loss, reduction="sum")
+        if mode == "count":
+            loss_fn = positive_targets_mean
+            x = x.clone().requires_grad_() if stage.index == 0 else x
         try:
             with torch.no_grad():
                 output = stage(x if stage.index == 0 else None)
@@ -72,6 +75,12 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
         grads = {name: p.grad for name, p in stage.named_parameters()}
     torch.save({"output": output, "loss": loss, "grads": grads, "x_grad": x.grad},
                Path(out, f"rank{rank}.pt"))
+
+
+def positive_targets_mean(output, target):
+    """A loss averaged over the positive targets only, as (loss_sum, count)."""
+    kept = target > 0
+    return F.mse_loss(output[kept], target[kept], reduction="sum"), kept.sum()
 
 
 def _fail(*values):

@@ -319,6 +319,28 @@ def test_replicas_of_a_summed_loss_add_up_to_the_whole_batch_sum(tmp_path):
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
+def test_losses_as_sum_and_count_give_the_whole_batch_mean_on_every_replica(tmp_path):
+    """A loss averaged over the positive targets, returned as (loss_sum, count), on 2 stages x
+    2 replicas with shards of 4 and 3 rows: the loss, every gradient and the input's gradient
+    are those of the whole batch's mean over its positive targets."""
+    torch.manual_seed(0)
+    batch = dict(model=Branchy(), x=torch.randn(7, 8), target=torch.randn(7, 4))
+    model, x, target, _, out = ran(tmp_path, 4, 2, mode="count", **batch)
+    ranks = results(out, 4)
+    x = x.clone().requires_grad_()
+    kept = target > 0
+    expected_loss = F.mse_loss(model(x)[kept], target[kept])
+    model.zero_grad()
+    expected_loss.backward()
+    for last in (ranks[1], ranks[3]):
+        torch.testing.assert_close(last["loss"], expected_loss.detach())
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+    torch.testing.assert_close(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
+
+
 def test_gradients_of_two_steps_accumulate_with_tied_weights_and_replicas(tmp_path):
     """Two steps without zeroing, 2 stages x 2 replicas of the tied model: only each step's
     gradients are added up across ranks, so every rank holds twice the model's."""
