@@ -265,32 +265,51 @@ def least_memory_bytes(graph: CostGraph, num_stages: int, memory: Memory) -> flo
 
 def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: float) -> bool:
     """Whether cutting the topological order greedily, each stage as long as it fits
-    `capacity`, needs at most `num_stages` stages (memory only grows as a stage grows)."""
-    s, members, received = 0, set(), {}
-    held = [0, 0, 0]                      # params, values produced, saved
+    `capacity`, needs at most `num_stages` stages. A stage's sums grow node by node, in
+    O(edges) in all: what it received, and what it sends (a member read by a node not in it
+    yet, or returned)."""
+    s = 0
+    members: set[int] = set()
+    received: set[int] = set()
+    outside: dict[int, int] = {}        # member -> its readers not in the stage yet
+    sums = (0, 0, 0, 0, 0)              # params, produced, saved, received, sent
 
-    def fits(params: int, produced: int, saved: int, inbound: dict, stage: set) -> bool:
-        nbytes = sum(graph.out_bytes[p] for p in inbound)
-        sent = sum(graph.out_bytes[m] for m in stage       # read later, as far as known
-                   if graph.to_output[m] or any(j not in stage for j in graph.succs[m]))
-        return memory.choose(s, capacity, params, produced + nbytes, saved, nbytes,
+    def grown(i: int) -> tuple[int, int, int, int, int]:
+        params, produced, saved, inbound, sent = sums
+        for p in graph.preds[i]:
+            if p in members:
+                if outside[p] == 1 and not graph.to_output[p]:
+                    sent -= graph.out_bytes[p]
+            elif p not in received:
+                inbound += graph.out_bytes[p]
+        if graph.succs[i] or graph.to_output[i]:
+            sent += graph.out_bytes[i]
+        return (params + graph.param_bytes[i], produced + graph.out_bytes[i],
+                saved + graph.saved_bytes[i], inbound, sent)
+
+    def fits(held: tuple[int, int, int, int, int]) -> bool:
+        params, produced, saved, inbound, sent = held
+        return memory.choose(s, capacity, params, produced + inbound, saved, inbound,
                              sent) is not None
 
     for i in graph.compute_nodes:
-        inbound = {**received, **{p: None for p in graph.preds[i] if p not in members}}
-        grown = [held[0] + graph.param_bytes[i], held[1] + graph.out_bytes[i],
-                 held[2] + graph.saved_bytes[i]]
-        if not fits(*grown, inbound, members | {i}):
+        held = grown(i)
+        if not fits(held):
             if not members:
                 return False
             s += 1
             if s >= num_stages:
                 return False
-            members, received = set(), {}
-            inbound = {p: None for p in graph.preds[i]}
-            grown = [graph.param_bytes[i], graph.out_bytes[i], graph.saved_bytes[i]]
-            if not fits(*grown, inbound, {i}):
+            members, received, outside, sums = set(), set(), {}, (0, 0, 0, 0, 0)
+            held = grown(i)
+            if not fits(held):
                 return False
+        for p in graph.preds[i]:
+            if p in members:
+                outside[p] -= 1
+            else:
+                received.add(p)
         members.add(i)
-        received, held = inbound, grown
+        outside[i] = len(graph.succs[i])
+        sums = held
     return True
