@@ -31,7 +31,8 @@ are left in each rank's stage parameters' `.grad`, named as in the model. A grap
 `train_step` with `requires_grad` gets its gradient on stage 0's rank: the stages on other ranks
 reading it send back its gradients once their backwards are done. A `loss_fn` returning
 `(loss_sum, count)` gives the mean over every replica's counts (one all-reduce per step tells
-every rank the whole count, by which this step's gradients are scaled).
+every rank the whole count, by which this step's gradients are scaled). `stage.last_run` is
+this rank's row of the latest step, timed on its own clock (a `Run`, as `pipe.last_run`).
 
 Messages go by torch's own engine, over a gloo process group: a message's header (which phase,
 sender, receiver and micro-batch, the values' structure, each tensor's shape and dtype) by
@@ -60,6 +61,7 @@ import datetime
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
@@ -74,7 +76,8 @@ from fxpipe.passes.randomness import microbatch_seeds
 from . import microbatch
 from .pipeline import check_loss, step_inputs
 from .runtime.executor import StageExecutor
-from .runtime.orchestrator import StageRow, _stage_error
+from .runtime.orchestrator import Run, StageRow, _stage_error
+from .schedules import Slot
 from .saved import load_stage_plan, shared_tensors, stage_count
 from .schedules import Phase, gpipe, timetable_for
 from .wiring import DRIVER, Flow
@@ -478,6 +481,9 @@ class DistributedStage:
         self.transport = DistributedTransport(
             rank, stage.device, group=group, timeout=timeout, base=self.base,
             peers=list(range(self.base, self.base + self.num_stages)))
+        # This rank's actions in the latest call or train_step, seconds from its own start
+        # (each rank's clock: compare a stage's times with the plan's, not ranks' starts).
+        self.last_run: Run | None = None
 
     @property
     def index(self) -> int:
@@ -737,24 +743,37 @@ class DistributedStage:
                 forwarded(m, values, out)
 
         row = StageRow(executor, timetable[index], self.flow, self.transport)
+        record = self.last_run = Run(num_stages=self.num_stages)
+        start = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - start
+
+        def done(action: Any, began: float) -> None:
+            record.slots.append(Slot(action, began, clock()))
         try:
             with executor.computing():
-                row.walk(forwarded=received)
+                row.walk(forwarded=received, clock=clock, done=done)
             if training and index != 0:
                 self._send_input_grads(inputs)
             if training and index == 0:
                 self._take_input_grads(chunks)
             self.transport.finish_step()
         except PeerFailedError as e:
+            record.error = str(e)
             self.transport.abort(e.note, origin=e.origin)
             raise
         except DistributedError as e:
+            record.error = str(e)
             self.transport.abort(f"rank {self.rank} stopped: {e}")
             raise
         except Exception as e:
             error = self._stage_error(row.action, e)
+            record.error = str(error)
             self.transport.abort(f"rank {self.rank} failed: {error}")
             raise error from e
+        finally:
+            record.wall_s = clock()
         return executor
 
     # The graph inputs a stage on another rank reads arrive there as leaves of its autograd

@@ -73,7 +73,10 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
                 os._exit(0)
             return
         grads = {name: p.grad for name, p in stage.named_parameters()}
-    torch.save({"output": output, "loss": loss, "grads": grads, "x_grad": x.grad},
+    run = stage.last_run
+    torch.save({"output": output, "loss": loss, "grads": grads, "x_grad": x.grad,
+                "run": ([(s.action.stage, s.action.microbatch, s.action.phase.name, s.start_s,
+                          s.end_s) for s in run.slots], run.wall_s, run.error)},
                Path(out, f"rank{rank}.pt"))
 
 

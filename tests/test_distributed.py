@@ -168,6 +168,19 @@ def test_a_gpipe_train_step_equals_the_pipeline_and_the_model(two_ranks):
     assert_trains_as_the_model(*two_ranks[:4], two_ranks[4], 2)
 
 
+def test_each_rank_records_its_row_of_the_timetable_with_its_times(two_ranks):
+    from fxpipe.schedules import timetable_for
+    *_, out = two_ranks
+    timetable = timetable_for("gpipe", 2, 2, backward=True)     # the last step, a train_step
+    for rank, got in enumerate(results(out, 2)):
+        slots, wall_s, error = got["run"]
+        assert [(s, m, phase) for s, m, phase, _, _ in slots] == \
+            [(a.stage, a.microbatch, a.phase.name) for a in timetable[rank]]
+        assert all(0 <= start <= end <= wall_s for *_, start, end in slots) and error is None
+        ends = [end for *_, end in slots]
+        assert ends == sorted(ends)        # one row, in order
+
+
 def test_three_ranks_with_1f1b_equal_the_model(tmp_path):
     model, x, target, pipe, out = ran(tmp_path, 3, 3, schedule="1f1b")
     assert pipe.schedule == "1f1b"
