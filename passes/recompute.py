@@ -22,9 +22,11 @@ never recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -34,15 +36,31 @@ from torch.utils.checkpoint import checkpoint
 from .codegen import StageTracer
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """On this thread, `Recomputed` runs keep only their inputs: the runtime enters it for a
+    forward whose backward it will run (`train_step`), and puts back around that backward the
+    buffers a recomputed run writes again."""
+    before, _local.on = getattr(_local, "on", False), True
+    try:
+        yield
+    finally:
+        _local.on = before
+
+
 class Recomputed(nn.Module):
-    """Runs `body` keeping only its inputs for the backward, which runs it again first."""
+    """Runs `body` keeping only its inputs for the backward, which runs it again first (inside
+    `recomputing()`; elsewhere, a plain call whose backward is the caller's, it runs as is)."""
 
     def __init__(self, body: fx.GraphModule):
         super().__init__()
         self.body = body
 
     def forward(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not (torch.is_grad_enabled() and getattr(_local, "on", False)):
             return self.body(*args)
         return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=False)
 

@@ -34,7 +34,7 @@ import torch.fx as fx
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
-from fxpipe.passes.recompute import Recomputed
+from fxpipe.passes.recompute import Recomputed, recomputing
 from fxpipe.passes.state import unchanged_state
 
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
@@ -114,7 +114,8 @@ class StageExecutor:
                 out, loss = self._run(m, values)
             self._saved[m] = _Saved(dict(values), {})
             return {k: _needing_grad(v) for k, v in out.items()}
-        out, loss = self._run(m, values)
+        with recomputing() if keep and self._regions else contextlib.nullcontext():
+            out, loss = self._run(m, values)
         if keep:
             self._saved[m] = _Saved(dict(values), out, loss)
         return out
