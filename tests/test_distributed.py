@@ -102,15 +102,18 @@ class Tied(nn.Module):
 
 
 def planned(tmp_path: Path, stages: int, schedule: str = "gpipe", *, model=None, x=None,
-            target=None):
+            target=None, recompute="never", edit=None):
     """Plan the model (Branchy unless given, with its batch) in `stages` stages and save it
-    with a batch; the model, the batch and the single-process pipeline."""
+    with a batch (`edit(pipe)` first, when given); the model, the batch and the single-process
+    pipeline."""
     torch.manual_seed(0)
     if model is None:
         model, x, target = Branchy(), torch.randn(8, 8), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=2, training=True,
-                          schedule=schedule)
+                          schedule=schedule, recompute=recompute)
     assert len(pipe.stages) == stages
+    if edit is not None:
+        edit(pipe)
     pipe.plan.save(tmp_path / "plan")
     torch.save({"x": x, "target": target}, tmp_path / "data.pt")
     return model, x, target, pipe
@@ -179,6 +182,22 @@ def test_each_rank_records_its_row_of_the_timetable_with_its_times(two_ranks):
         assert all(0 <= start <= end <= wall_s for *_, start, end in slots) and error is None
         ends = [end for *_, end in slots]
         assert ends == sorted(ends)        # one row, in order
+
+
+def recompute_relus(pipe):
+    """Every stage recomputes its ReLUs, as runs under torch.utils.checkpoint."""
+    from fxpipe.passes.recompute import checkpoint_regions
+    for stage in pipe.plan.stages:
+        checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
+                                          if "relu" in n.name})
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute="always"), dict(edit=recompute_relus)])
+def test_recomputing_stages_train_as_the_model(tmp_path, recompute):
+    model, x, target, pipe, out = ran(tmp_path, 2, 2, "1f1b", **recompute)
+    assert any(pipe.plan.stage_recompute) or "recomputed_0" in pipe.plan.stages[0].module.code \
+        + pipe.plan.stages[1].module.code
+    assert_trains_as_the_model(model, x, target, pipe, out, 2)
 
 
 def test_three_ranks_with_1f1b_equal_the_model(tmp_path):
