@@ -60,6 +60,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from fxpipe.passes.cost_model import Link
 from fxpipe.passes.errors import FxpipeError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
@@ -77,9 +79,8 @@ from . import microbatch
 from .pipeline import check_loss, step_inputs
 from .runtime.executor import StageExecutor
 from .runtime.orchestrator import Run, StageRow, _stage_error
-from .schedules import Slot
 from .saved import load_stage_plan, shared_tensors, stage_count
-from .schedules import Phase, gpipe, timetable_for
+from .schedules import Phase, Slot, gpipe, timetable_for
 from .wiring import DRIVER, Flow
 
 __all__ = ["DistributedError", "DistributedStage", "DistributedTransport", "PeerFailedError",
@@ -110,6 +111,69 @@ def load(path: str | os.PathLike, *, timeout: float = 60.0) -> "DistributedStage
         if owned:    # a process group left behind at exit can abort the process (SIGABRT)
             dist.destroy_process_group()
         raise
+
+
+def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
+    """What one message between two ranks on this host costs, sent as `fxpipe.distributed`
+    sends it (its header by `send_object_list`, then its tensor by `send`, over gloo): latency
+    and bandwidth from ping-pongs of 64 KB and 16 MB messages between two processes started
+    here (a few seconds). Plan with it so the plan prices values as they will travel:
+
+        link = fxpipe.distributed.measure_link()
+        fxpipe.plan(model, ["cpu"] * 4, (x,), link=lambda src, dst: link).save("plan/")
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as folder:
+        init = f"file://{os.path.join(folder, 'rendezvous')}"
+        processes = [context.Process(target=_ping_pong, args=(rank, init, repeats, timeout,
+                                                               results), daemon=True)
+                     for rank in range(2)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout + 30)
+        codes = [process.exitcode for process in processes]
+        if codes != [0, 0] or results.empty():
+            for process in processes:
+                process.kill()
+            raise DistributedError(f"measuring a gloo link between two processes failed (exit "
+                                   f"codes {codes}): check that this host allows local gloo")
+    one_way = results.get()
+    small, large = sorted(one_way)
+    bandwidth = (large - small) / max(one_way[large] - one_way[small], 1e-9)
+    return Link(latency_s=max(one_way[small] - small / bandwidth, 0.0), bytes_per_s=bandwidth)
+
+
+def _ping_pong(rank: int, init: str, repeats: int, timeout: float, results: Any) -> None:
+    """One of `measure_link`'s two processes: the median one-way time of a message, by size."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        one_way = {}
+        for nbytes in (64 << 10, 16 << 20):
+            x = torch.zeros(nbytes // 4)
+            header = ("data", (0, 0, 1, 0), {"x": _TensorMeta(tuple(x.shape), x.dtype, False)})
+            times = []
+            for _ in range(repeats + 1):        # the first one warms up
+                start = time.perf_counter()
+                for sender in (0, 1):
+                    if rank == sender:
+                        dist.send_object_list([header], dst=1 - rank)
+                        dist.send(x, dst=1 - rank)
+                    else:
+                        dist.recv_object_list([None], src=1 - rank)
+                        dist.recv(x, src=1 - rank)
+                times.append((time.perf_counter() - start) / 2)
+            one_way[nbytes] = statistics.median(times[1:])
+        if rank == 0:
+            results.put(one_way)
+    finally:
+        dist.destroy_process_group()
 
 
 def _load(path: str | os.PathLike, timeout: float, group: Any, owned: bool) -> "DistributedStage":

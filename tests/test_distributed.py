@@ -482,3 +482,18 @@ def test_the_torchrun_example_trains_as_the_model(tmp_path):
     assert len(printed) == 3, text[-3000:]
     torch.testing.assert_close(torch.tensor(printed), torch.tensor(expected),
                                rtol=1e-5, atol=2e-6)
+
+
+def test_a_measured_gloo_link_prices_messages_as_they_travel():
+    link = fxpipe.distributed.measure_link(repeats=3)
+    assert 0 < link.latency_s < 1 and 1e6 < link.bytes_per_s < float("inf")
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(8, 8)
+    plain = fxpipe.plan(model, ["cpu"] * 2, (x,), verify=False)
+    priced = fxpipe.plan(model, ["cpu"] * 2, (x,), verify=False, costs=plain,
+                         link=lambda src, dst: link)
+    # Every stage sends or receives at least one message, each now at gloo's latency.
+    for cost in priced.partition.stages:
+        assert cost.comm_s >= link.latency_s
+    assert min(c.comm_s for c in priced.partition.stages) > \
+        max(c.comm_s for c in plain.partition.stages)
