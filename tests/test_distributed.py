@@ -497,3 +497,35 @@ def test_a_measured_gloo_link_prices_messages_as_they_travel():
         assert cost.comm_s >= link.latency_s
     assert min(c.comm_s for c in priced.partition.stages) > \
         max(c.comm_s for c in plain.partition.stages)
+
+
+HEADERS = [("done",), ("abort", 1, "x" * 5000), ("data", (0, 0, 1, 3), {"h": [1, 2.5, None]})]
+
+
+def _echo_headers(rank, init, results):
+    import torch.distributed as dist
+    from fxpipe.distributed import _recv_header, _send_header
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        for header in HEADERS:          # short ones in one send, a long one in two
+            if rank == 0:
+                _send_header(header, 1, None)
+            else:
+                results.put(_recv_header(0, None))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_headers_of_any_length_arrive_as_sent(tmp_path):
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    processes = [context.Process(target=_echo_headers,
+                                 args=(rank, f"file://{tmp_path / 'init'}", results))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [process.exitcode for process in processes] == [0, 0]
+    assert [results.get() for _ in HEADERS] == HEADERS
