@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.testing.memory import can_measure
 
 
 class Net(nn.Module):
@@ -204,8 +205,7 @@ print(json.dumps([peak, sum(c.memory_bytes - w for c, w in zip(stages, weights))
 """
 
 
-@pytest.mark.skipif(not __import__("fxpipe.testing.memory").testing.memory.can_measure(),
-                    reason="needs Linux's /proc counters")
+@pytest.mark.skipif(not can_measure(), reason="needs Linux's /proc counters")
 @pytest.mark.parametrize("recompute", ["never", "always", "auto"])
 def test_the_planned_memory_bounds_a_measured_step(recompute):
     import json
