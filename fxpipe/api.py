@@ -38,7 +38,7 @@ from .devices import DeviceLike, measure_links, parse_devices
 from .pipeline import Pipeline
 from .reference import copied, run_per_microbatch, unchanged
 from .progress import Progress
-from .report import Measurement, Plan, make_plan
+from .report import Measurement, Plan, make_plan, stage_param_bytes
 from .wiring import Wiring
 from .schedules import SCHEDULES, ScheduleName
 
@@ -410,12 +410,13 @@ def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Con
     cheapest nodes per byte when that fits (`fxpipe.passes.recompute`): the stages rewritten in
     place, the partition repriced, and the nodes each stage recomputes."""
     peaks = search.in_flight(True, config.schedule, config.chunks, len(stages))
+    memory = Memory(in_flight=tuple(peaks), training=True, optimizer_state=optimizer_state)
     costs, recomputed = list(part.stages), []
     for s, (stage, cost, device) in enumerate(zip(stages, part.stages, part.devices)):
         choice = None
-        if cost.recompute:
-            fixed = math.ceil(stage_param_bytes(stage) * (2 + optimizer_state)) + \
-                peaks[s] * (cost.received_bytes + cost.sent_bytes)   # as `Memory.need` has it
+        if cost.recompute:      # what the stage holds recomputing, but its saved activations
+            fixed = memory.need(s, stage_param_bytes(stage), 0, 0, cost.received_bytes,
+                                cost.sent_bytes, recompute=True)
             choice = choose_recomputed(stage.module, in_flight=peaks[s], fixed_bytes=fixed,
                                        capacity=device.memory_bytes, speed=device.speed)
         if choice is None or choice.extra_s >= cost.recompute_s:
@@ -435,12 +436,6 @@ def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Con
     bound = min(bound_s, bottleneck)
     return replace(part, stages=tuple(costs), bottleneck_s=bottleneck, lower_bound_s=bound,
                    optimal=bottleneck <= bound * (1 + 1e-9)), tuple(recomputed)
-
-
-def stage_param_bytes(stage: Stage) -> int:
-    """The bytes of a stage's parameters and buffers."""
-    return sum(t.numel() * t.element_size() for t in
-               list(stage.module.parameters()) + list(stage.module.buffers()))
 
 
 def optimizer_state_factor(optimizer: str | float | type) -> float:

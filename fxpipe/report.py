@@ -224,14 +224,18 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
     for stage in stages:
         names = [n.name for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
         spans.append((names[0], names[-1]) if names else ("", ""))
-    param_bytes = tuple(
-        sum(t.numel() * t.element_size() for t in list(s.module.parameters()) + list(s.module.buffers()))
-        for s in stages)
+    param_bytes = tuple(stage_param_bytes(s) for s in stages)
     saved_bytes = tuple(sum(n.meta["cost"].saved_bytes for n in s.module.graph.nodes
                             if n.op not in ("placeholder", "output", "get_attr")
                             and "cost" in n.meta) for s in stages)
     return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
                 stage_modules(stages), stages=tuple(stages), stage_saved_bytes=saved_bytes, **run)
+
+
+def stage_param_bytes(stage: Stage) -> int:
+    """The bytes of a stage's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in
+               list(stage.module.parameters()) + list(stage.module.buffers()))
 
 
 def stage_modules(stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:
