@@ -63,7 +63,9 @@ def make_plan(path: str, stages: int) -> None:
     torch.manual_seed(0)
     model = TinyLM()
     tokens, _ = batches(1)[0]
-    plan = fxpipe.plan(model, ["cpu"] * stages, (tokens,), chunks=2, training=True)
+    # link="gloo": values between stages priced as messages between processes (measured here)
+    plan = fxpipe.plan(model, ["cpu"] * stages, (tokens,), chunks=2, training=True,
+                       link="gloo")
     plan.save(path)
     print(f"saved to {path}:\n{plan}")
 

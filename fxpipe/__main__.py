@@ -99,6 +99,10 @@ def _planning(parser: argparse.ArgumentParser) -> None:
                         help="recompute activations in training (default: never)")
     parser.add_argument("--optimizer", default="adam",
                         help="the optimizer whose state each training stage holds (default: adam)")
+    parser.add_argument("--link", choices=["default", "measure", "gloo"], default="default",
+                        help="price transfers as hand-offs between threads (default), as copies "
+                             "measured here (measure), or as messages between processes, for "
+                             "a run under torchrun (gloo)")
     parser.add_argument("--memory", type=float, default=None, metavar="BYTES",
                         help="each device's memory, e.g. 8e9 (default: a GPU's own, CPU unbounded)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -118,7 +122,7 @@ def _plan(args: argparse.Namespace) -> int:
     inputs = _random_inputs(args.input, args.dtype)
     options = {"chunks": _count(args.chunks, "--chunks"), "training": args.train,
                "progress": False if args.quiet else None, "recompute": args.recompute,
-               "optimizer": args.optimizer}
+               "optimizer": args.optimizer, "link": args.link}
     if args.stages is not None:
         options["num_stages"] = _count(args.stages, "--stages")
     devices = args.devices.split(",")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -52,7 +53,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             num_stages: int | Literal["auto"] | None = None,
             schedule: ScheduleName | Literal["auto"] = "gpipe", training: bool | None = None,
             threads_per_stage: int | None = None,
-            link: LinkFn | Literal["default", "measure"] = "default", repeats: int = 5,
+            link: LinkFn | Literal["default", "measure", "gloo"] = "default", repeats: int = 5,
             batch_dims: BatchDims = 0, verify: bool = True,
             verify_tolerance: float | None = None, costs: Plan | None = None,
             progress: bool | None = None,
@@ -74,8 +75,11 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `training` (default: `model.training`) also measures backward costs and balances stages on
     forward plus backward time. `threads_per_stage` sets each CPU stage's intra-op threads
     (default: the cores shared evenly among the CPU stages). `link` prices transfers between
-    devices: "default" (typical figures by device kind), "measure" (timed here, see
-    `fxpipe.devices.measure_links`) or your own `(src, dst) -> Link` function.
+    devices: "default" (typical figures by device kind, stages as threads of one process),
+    "measure" (timed here, see `fxpipe.devices.measure_links`), "gloo" (a message between two
+    processes on this host, as `fxpipe.distributed` sends it, for every value: plan so for a
+    run under torchrun; see `fxpipe.distributed.measure_link`) or your own `(src, dst) -> Link`
+    function. The plan records which (`plan.link`).
 
     With `verify`, the pipeline's output on the example is checked against the model run once
     per micro-batch (see `fxpipe.reference`), in either mode, and the model's outputs on
@@ -149,12 +153,16 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
         raise CostError(f"costs={type(costs).__name__}: pass a plan made by this version of "
                         f"fxpipe (pipe.plan, fxpipe.plan(...) or fxpipe.load_plan(path)), whose "
                         f"measured costs are reused")
+    link_name = link if isinstance(link, str) else "yours"
     if link == "measure":
         link = measure_links(specs)
     elif link == "default":
         link = default_link
+    elif link == "gloo":
+        link = _gloo_link()
     elif not callable(link):
-        raise CostError(f"link={link!r}: use 'default', 'measure' or a (src, dst) -> Link function")
+        raise CostError(f"link={link!r}: use 'default', 'measure', 'gloo' or a (src, dst) -> Link "
+                        f"function")
     link = _checked_link(link, specs)
     if num_stages is not None and num_stages != "auto" and (
             not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs)):
@@ -166,7 +174,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
                          training=training, threads_per_stage=threads_per_stage, link=link,
                          repeats=repeats, verify=verify, verify_tolerance=verify_tolerance,
-                         costs=costs, recompute=recompute,
+                         costs=costs, recompute=recompute, link_name=link_name,
                          optimizer_state=optimizer_state),
                      dict(capture=capture, leaf_modules=tuple(leaf_modules),
                           concrete_args=concrete_args,   # stages: a graph fine enough for them
@@ -279,7 +287,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe) -> Pipeline:
                         reason=reason, considered=considered,
                         calibration=costs.calibration[config.chunks, specs[0].kind,
                                                       config.num_stages > 1],
-                        spread=measurement_spread(gm))
+                        spread=measurement_spread(gm), link=o["link_name"])
     return pipe
 
 
@@ -579,6 +587,14 @@ def _time_unpipelined(model: nn.Module, recipe: _Recipe, training: bool,
 def _sync_all() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+@functools.cache
+def _gloo_link() -> LinkFn:
+    """Every value priced as one message between two gloo processes, measured once a process."""
+    from .distributed import measure_link
+    measured = measure_link()
+    return lambda src, dst: measured
 
 
 def _checked_link(link: LinkFn, specs: Sequence[DeviceSpec]) -> LinkFn:

@@ -36,24 +36,32 @@ this rank's row of the latest step, timed on its own clock (a `Run`, as `pipe.la
 
 Messages go by torch's own engine, over a gloo process group: a message's header (which phase,
 sender, receiver and micro-batch, the values' structure, each tensor's shape and dtype), pickled
-into one fixed-size byte tensor (`_send_header`: one `send` where `send_object_list` takes two
-and costs 2.5x the time), then each tensor by `send`. Gloo's `send` waits for the receiver's `recv`, and
-two stages sending to each other at once (1F1B) would wait for ever, so each rank sends from one
-thread per peer, in the order its stage produced the messages; a receiver takes a peer's messages
-in that order, keeping those it needs later. Every wait ends after `timeout` seconds with a
-`DistributedError` naming the rank that went silent.
+into one fixed-size byte tensor (one send where `send_object_list` takes two and 2.5x the time),
+then each tensor. Gloo's `send` waits for the receiver's `recv`, so two stages sending to each
+other at once (1F1B) would wait for ever: every send is posted (`isend`) on the rank's own
+thread, in the order its stage produced the messages, and waited for when the step ends, so a
+rank holds what it sent until then. A receiver takes a peer's messages in that order, keeping
+those it needs later, and posts the receive of a peer's next header as soon as it took one.
+Every wait ends after `timeout` seconds with a `DistributedError` naming the rank that went
+silent. No thread is started.
 
 Failures end every rank: a stage that raises gives its rank a `StageError` naming the rank and
-stage, and it sends its peers an abort header in place of its unsent messages; a rank receiving
-one raises `PeerFailedError` (a `DistributedError`) naming the rank that failed first and relays
-it. A rank that finished its row still hears it: the step ends with a "done" header from every
-peer to every peer, read in order behind their messages. A peer that dies is met as a closed
-connection or a timeout, naming it. A rank that cannot load its stage (`PlanFileError`) makes the
-others raise a `DistributedError` naming it. A failed step leaves the stage unusable: close it
-(`with` does), which waits (at most `timeout`) for the news to be taken, and start again.
+stage, and it sends every peer an abort header behind what it sent before; a rank receiving one
+raises `PeerFailedError` (a `DistributedError`) naming the rank that failed first, and tells
+every peer in turn. A rank that finished its row still hears it: the step ends with a "done"
+header from every peer to every peer, read in order behind their messages. A peer that dies is
+met as a closed connection or a timeout, naming it. A rank that cannot load its stage
+(`PlanFileError`) makes the others raise a `DistributedError` naming it. A failed step leaves
+the stage unusable: close it (`with` does), which reads each peer's messages up to its news of
+the failure, so every rank's sends are taken and every rank ends without waiting for a timeout,
+and start again.
 
-Not in this slice: gradients across ranks in a call (`stage(x)`: each rank's autograd graph ends at what it received; `train_step` is the
-way to gradients); CUDA stages go through CPU copies (no NCCL).
+A plan balances and predicts with what it was told values cost: plan for a run here with
+`link="gloo"` (`measure_link`), or `load` warns on rank 0.
+
+Not in this slice: gradients across ranks in a call (`stage(x)`: each rank's autograd graph
+ends at what it received; `train_step` is the way to gradients); CUDA stages go through CPU
+copies (no NCCL).
 """
 
 from __future__ import annotations
@@ -61,10 +69,9 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue
 import statistics
-import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
@@ -79,6 +86,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
 from .pipeline import check_loss, step_inputs
+from .report import LINKS
 from .runtime.executor import StageExecutor
 from .runtime.orchestrator import Run, StageRow, _stage_error
 from .saved import load_stage_plan, shared_tensors, stage_count
@@ -117,7 +125,7 @@ def load(path: str | os.PathLike, *, timeout: float = 60.0) -> "DistributedStage
 
 def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
     """What one message between two ranks on this host costs, sent as `fxpipe.distributed`
-    sends it (its header by `_send_header`, then its tensor by `send`, over gloo): latency
+    sends it (a `DistributedTransport`'s message: its header, then its tensor, over gloo): latency
     and bandwidth from ping-pongs of 64 KB and 16 MB messages between two processes started
     here (a few seconds). Plan with it so the plan prices values as they will travel:
 
@@ -151,26 +159,26 @@ def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
 
 
 def _ping_pong(rank: int, init: str, repeats: int, timeout: float, results: Any) -> None:
-    """One of `measure_link`'s two processes: the median one-way time of a message, by size."""
+    """One of `measure_link`'s two processes: the median one-way time of a message, by size,
+    each going from one stage to the other through a `DistributedTransport`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=timeout))
+    transport = DistributedTransport(rank, torch.device("cpu"), timeout=timeout, peers=[0, 1])
     try:
         one_way = {}
         for nbytes in (64 << 10, 16 << 20):
             x = torch.zeros(nbytes // 4)
-            header = ("data", (0, 0, 1, 0), {"x": _TensorMeta(tuple(x.shape), x.dtype, False)})
             times = []
-            for _ in range(repeats + 1):        # the first one warms up
+            for m in range(repeats + 1):        # the first one warms up
                 start = time.perf_counter()
-                for sender in (0, 1):
+                for phase, sender in ((Phase.FORWARD, 0), (Phase.BACKWARD, 1)):
                     if rank == sender:
-                        _send_header(header, 1 - rank, None)
-                        dist.send(x, dst=1 - rank)
+                        transport.send(phase, sender, 1 - sender, m, {"x": x})
                     else:
-                        _recv_header(1 - rank, None)
-                        dist.recv(x, src=1 - rank)
+                        transport.receive(phase, sender, 1 - sender, m)
                 times.append((time.perf_counter() - start) / 2)
+            transport.finish_step()
             one_way[nbytes] = statistics.median(times[1:])
         if rank == 0:
             results.put(one_way)
@@ -195,6 +203,11 @@ def _load(path: str | os.PathLike, timeout: float, group: Any, owned: bool) -> "
     _agree_loaded(rank, error, group, timeout)
     pipeline, gradients = _replica_groups(world // stages, stages, replica, index, timeout)
     (plan, stage), shared = loaded
+    if rank == 0 and stages > 1 and plan.link != "gloo":
+        warnings.warn(f"the plan at {str(path)!r} priced the values its stages exchange as "
+                      f"{LINKS[plan.link]}, not as messages between processes, so it balanced "
+                      f"and predicted with transfers too cheap: plan with "
+                      f"fxpipe.plan(..., link='gloo') for a run under torchrun", stacklevel=3)
     tied = _tied_groups(_tied_parameters(plan, shared), stage, stages, world // stages,
                         replica, timeout)
     return DistributedStage(plan, stage, rank, group, timeout, owned, replica=replica,
@@ -323,10 +336,20 @@ class DistributedTransport:
     driver (`DRIVER`, which sends the graph inputs) is rank `base`, the replica's first.
 
     A message between participants on one rank stays in this process. One to another rank is
-    queued for that peer's sending thread; `receive` takes a peer's messages in the order they
-    were sent, keeping those not asked for yet. `finish_step` tells every peer of the pipeline
-    that this rank is done and waits until each peer said the same; `abort` tells them it
-    failed instead, so a peer waiting for this rank ends at once with a `PeerFailedError`.
+    posted at once, its header and its tensors by `isend`, on the caller's thread: gloo's `send`
+    waits for the receiver's `recv`, so two stages sending to each other (1F1B) would each wait
+    for ever, where posted sends do not wait at all. A rank keeps what it posted until the step
+    ends (gloo says a send is done only when waited for), so its sent tensors live to the end of
+    the step. `receive` takes a peer's messages in the order they were posted, keeping those not
+    asked for yet; having taken one, it posts the receive of that peer's next header at once
+    (after its tensors' receives: gloo matches receives in the order they are posted), so the
+    next header is in when the next message is asked for. `finish_step` tells every peer of the
+    pipeline that this rank is done, waits until each peer said the same, then until each took
+    what this rank sent; `abort` tells them it failed instead, behind what it sent before, so a
+    peer waiting for this rank ends at once with a `PeerFailedError`, and tells every peer but
+    the rank that failed first in turn. Closing after a failure reads every peer's messages up
+    to its own news of the failure, so that every rank's sends are taken and no rank waits for
+    a timeout; nothing is left running (no thread is started) but what a lost peer never took.
     """
 
     def __init__(self, rank: int, device: torch.device, *, group: Any = None,
@@ -339,10 +362,10 @@ class DistributedTransport:
         self.peers = [p for p in (peers or []) if p != rank]
         self.kept: dict[Key, dict[str, Any]] = {}     # received (or local), not asked for yet
         self.done: set[int] = set()                   # peers that finished this step
-        self.failed: set[int] = set()                 # ranks known to have failed
-        self.outboxes: dict[int, queue.SimpleQueue] = {}
-        self.senders: dict[int, threading.Thread] = {}
-        self.failures: list[BaseException] = []
+        self.lost: set[int] = set()                   # peers met as gone or silent
+        self.told: set[int] = set()                   # peers whose news of a failure came
+        self.posted: dict[int, list[tuple[Any, torch.Tensor]]] = {}   # peer -> sends this step
+        self.headers: dict[int, tuple[Any, torch.Tensor]] = {}        # peer -> its next header
         self.abort_note: tuple[int, str] | None = None
 
     def rank_of(self, participant: int) -> int:
@@ -350,7 +373,6 @@ class DistributedTransport:
 
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
-        self._raise_failure()
         key = (phase, sender, receiver, microbatch)
         peer = self.rank_of(receiver)
         if peer == self.rank:
@@ -359,8 +381,8 @@ class DistributedTransport:
         payload: list[torch.Tensor] = []
         structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload))
                      for name, v in values.items()}
-        self._outbox(peer).put((("data", (phase.value, sender, receiver, microbatch),
-                                 structure), payload))
+        self._post(peer, ("data", (phase.value, sender, receiver, microbatch), structure),
+                   payload)
 
     def receive(self, phase: Phase, sender: int, receiver: int,
                 microbatch: int) -> dict[str, Any]:
@@ -376,150 +398,153 @@ class DistributedTransport:
     def finish_step(self) -> None:
         """Tell every peer this rank is done, wait until each peer is done (or failed: raised),
         then until every peer took what this rank sent (a step's tensors may change after it,
-        by the optimizer); raises what a sending thread met."""
+        by the optimizer)."""
         for peer in self.peers:
-            self._outbox(peer).put((_DONE, []))
+            self._post(peer, _DONE)
         for peer in self.peers:
             while peer not in self.done:
                 self._take(peer)
         self.done.clear()
-        marks = []
-        for outbox in self.outboxes.values():
-            mark = threading.Event()
-            outbox.put(mark)
-            marks.append(mark)
-        for mark in marks:
-            while not mark.wait(0.05):
-                self._raise_failure()
-        self._raise_failure()
+        self.finish_sends()
 
     def abort(self, note: str, origin: int | None = None) -> None:
-        """Stop sending; tell every peer not known to have failed that this step failed
-        (`note` says why, `origin` which rank failed first: this one unless given), in place of
-        the messages not sent yet."""
-        if self.abort_note is None:
-            self.abort_note = (self.rank if origin is None else origin, note)
+        """Tell every peer still there that this step failed (`note` says why, `origin` which
+        rank failed first: this one unless given), behind what this rank sent it before."""
+        if self.abort_note is not None:
+            return
+        self.abort_note = (self.rank if origin is None else origin, note)
         for peer in self.peers:
-            self._outbox(peer).put(None)
+            if peer not in self.lost:
+                try:
+                    self._post(peer, ("abort", *self.abort_note))
+                except DistributedError:     # the peer is gone: nothing more to tell it
+                    pass
 
     def close(self) -> None:
-        """End the sending threads, once they sent what was queued (after `abort`, the news of
-        the failure: each ends when its peer took it, left, or at the timeout)."""
-        for outbox in self.outboxes.values():
-            outbox.put(None)
-        for thread in self.senders.values():
-            thread.join(self.timeout)
-
-    # ---- sending thread, one per peer
-
-    def _outbox(self, peer: int) -> queue.SimpleQueue:
-        if peer not in self.outboxes:
-            self.outboxes[peer] = queue.SimpleQueue()
-            self.senders[peer] = threading.Thread(target=self._send_loop, args=(peer,),
-                                                  name=f"fxpipe-send-{peer}", daemon=True)
-            self.senders[peer].start()
-        return self.outboxes[peer]
-
-    def _send_loop(self, peer: int) -> None:
-        """Send the queued messages to `peer` in order, or once aborted, the abort alone; a
-        failure is kept for the main thread."""
-        outbox = self.outboxes[peer]
-        while True:
-            item = outbox.get()
-            if self.abort_note is not None:
-                self._send_abort(peer)
-                return
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            header, payload = item
-            try:
-                _send_header(header, peer, self.group)
-                for t in payload:
-                    dist.send(t, dst=peer, group=self.group)
-            except BaseException as e:    # the main thread raises it
-                self.failures.append(DistributedError(
-                    f"rank {self.rank} lost rank {peer}: it went silent for {self.timeout:g} s "
-                    f"or failed ({type(e).__name__}: {e}); see its output"))
-                return
-
-    def _send_abort(self, peer: int) -> None:
-        """Tell `peer` the step failed, unless it is known to have failed itself."""
-        origin, note = self.abort_note
-        if peer in self.failed:
+        """After `abort`: take every peer's messages up to its news of the failure (each peer
+        tells every other), then wait until each took what this rank sent, so no rank is left
+        waiting; a lost peer is skipped, and every wait ends at the timeout."""
+        if self.abort_note is None:
             return
-        try:
-            _send_header(("abort", origin, note), peer, self.group)
-        except BaseException:     # the peer is gone or failed too: nothing more to tell it
-            pass
+        for peer in self.peers:
+            while peer not in self.lost | self.told:
+                try:
+                    self._take(peer)
+                except DistributedError:     # its news (PeerFailedError), or lost
+                    pass
+        self.kept.clear()
+        self.finish_sends(failed=True)
 
-    def _raise_failure(self) -> None:
-        if self.failures:
-            raise self.failures[0]
+    def finish_sends(self, *, failed: bool = False) -> None:
+        """Wait until each peer took what this rank posted to it; after a failure, each peer
+        still there, and a peer lost now is let go."""
+        for peer, posted in self.posted.items():
+            for work, _ in posted:
+                if failed and peer in self.lost:
+                    break
+                try:
+                    self._wait(work, peer)
+                except DistributedError:
+                    if not failed:
+                        raise
+        self.posted.clear()
 
-    # ---- receiving, on the caller's thread
+    # ---- sending
+
+    def _post(self, peer: int, header: Any, payload: Sequence[torch.Tensor] = ()) -> None:
+        """Post the sends of `header` and `payload` to `peer`, kept until the step ends."""
+        posted = self.posted.setdefault(peer, [])
+        for t in (*_header_tensors(header), *payload):
+            try:
+                posted.append((dist.isend(t, dst=peer, group=self.group), t))
+            except RuntimeError as e:
+                raise self._lost(peer, e) from None
+
+    # ---- receiving
 
     def _take(self, peer: int) -> None:
         """Receive `peer`'s next message and keep it; raise if it is a failure."""
         try:
-            header = _recv_header(peer, self.group)
+            header = self._header(peer)
             if header[0] == "data":
                 _, (phase, sender, receiver, m), structure = header
-                received = iter([self._recv(meta, peer) for meta in _metas(structure.values())])
+                received = [self._post_recv(meta, peer) for meta in _metas(structure.values())]
+                self.headers[peer] = _post_header_recv(peer, self.group)   # a header follows
+                for work, _ in received:
+                    self._wait(work, peer)
         except (RuntimeError, OSError) as e:
-            self.failed.add(peer)
-            raise DistributedError(
-                f"rank {self.rank} waited for rank {peer} and lost it: rank {peer} went silent "
-                f"for {self.timeout:g} s or failed ({type(e).__name__}: {e}); see its "
-                f"output") from None
+            raise self._lost(peer, e) from None
         if header[0] == "done":
             self.done.add(peer)
             return
         if header[0] == "abort":
             _, origin, note = header
-            self.failed.update({peer, origin})
+            self.told.add(peer)
             raise PeerFailedError(f"{note}\n  so rank {self.rank} stopped its step too (told by "
                                   f"rank {peer})", note, origin)
+        tensors_in = iter(self._arrived(meta, t) for (_, t), meta
+                          in zip(received, _metas(structure.values())))
 
         def fill(v):
-            return next(received) if isinstance(v, _TensorMeta) else v
+            return next(tensors_in) if isinstance(v, _TensorMeta) else v
         self.kept[Phase(phase), sender, receiver, m] = {
             name: fx.node.map_aggregate(v, fill) for name, v in structure.items()}
 
-    def _recv(self, meta: _TensorMeta, peer: int) -> torch.Tensor:
-        """One tensor of `meta`'s shape from `peer`, on this rank's device."""
+    def _header(self, peer: int) -> Any:
+        """`peer`'s next header: its receive posted already, or now."""
+        work, first = self.headers.pop(peer, None) or _post_header_recv(peer, self.group)
+        self._wait(work, peer)
+        return _header_of(first, peer, self.group)
+
+    def _post_recv(self, meta: _TensorMeta, peer: int) -> tuple[Any, torch.Tensor]:
+        """The receive of one tensor of `meta`'s shape from `peer`, posted."""
         t = torch.empty(meta.shape, dtype=meta.dtype)
-        if t.numel() > 0:
-            dist.recv(t, src=peer, group=self.group)
+        return (dist.irecv(t, src=peer, group=self.group) if t.numel() > 0 else None), t
+
+    def _arrived(self, meta: _TensorMeta, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.device)
         return t.requires_grad_(True) if meta.requires_grad else t
 
+    def _wait(self, work: Any, peer: int) -> None:
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._lost(peer, e) from None
 
-HEADER_BYTES = 1024    # a header's first send: its length (8 bytes) and, when it fits, itself
+    def _lost(self, peer: int, error: BaseException) -> DistributedError:
+        self.lost.add(peer)
+        return DistributedError(
+            f"rank {self.rank} waited for rank {peer} and lost it: rank {peer} went silent for "
+            f"{self.timeout:g} s or failed ({type(error).__name__}: {error}); see its output")
 
 
-def _send_header(header: Any, peer: int, group: Any) -> None:
-    """`header`, pickled, to `peer`: one send of `HEADER_BYTES` holding its length and the
-    pickle, or, for a longer pickle, the length alone and then the pickle by a second send.
+HEADER_BYTES = 1024    # a header's first message: its length (8 bytes) and, when it fits, itself
+
+
+def _header_tensors(header: Any) -> list[torch.Tensor]:
+    """What `header`, pickled, goes as: one tensor of `HEADER_BYTES` holding its length and
+    the pickle, or, for a longer pickle, the length alone and then the pickle in a second.
     (`send_object_list` sends the length and the pickle apart every time: 2.5x the time of one
     fixed-size send here, on messages of 64 KB.)"""
     data = pickle.dumps(header)
     first = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     first[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-    fits = len(data) <= HEADER_BYTES - 8
-    if fits:
+    if len(data) <= HEADER_BYTES - 8:
         first[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.send(first, dst=peer, group=group)
-    if not fits:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=peer, group=group)
+        return [first]
+    return [first, torch.frombuffer(bytearray(data), dtype=torch.uint8)]
 
 
-def _recv_header(peer: int, group: Any) -> Any:
-    """The next header `_send_header` sent from `peer`."""
+def _post_header_recv(peer: int, group: Any) -> tuple[Any, torch.Tensor]:
+    """The receive of `peer`'s next header's first tensor, posted."""
     first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-    dist.recv(first, src=peer, group=group)
+    return dist.irecv(first, src=peer, group=group), first
+
+
+def _header_of(first: torch.Tensor, peer: int, group: Any) -> Any:
+    """The header whose first tensor is `first`, receiving the rest of a long one from `peer`."""
     length = int.from_bytes(first[:8].numpy().tobytes(), "little")
     if length <= HEADER_BYTES - 8:
         return pickle.loads(first[8:8 + length].numpy().tobytes())

@@ -30,6 +30,13 @@ class Measurement:
     calibration: tuple[float, float]
 
 
+# What `Plan.link` says transfers were priced as.
+LINKS = {"default": "hand-offs between threads of one process (link='default')",
+         "measure": "copies measured on this machine (link='measure')",
+         "gloo": "messages between processes over gloo (link='gloo')",
+         "yours": "your link function"}
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a model was split: how it was captured, the partition, and what each stage holds.
@@ -67,6 +74,7 @@ class Plan:
     recompute: str = "never"                  # the option: "never", "always" or "auto"
     stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
     stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
+    link: str = "default"      # what transfers were priced as: "default", "measure", "gloo", "yours"
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
     measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
@@ -121,7 +129,7 @@ class Plan:
             f"captured by {self.capture}",
             self.table(),
             f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
-            f"{p.lower_bound_s * 1e3:.3f} ms ({proof})",
+            f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as {LINKS[self.link]}",
             *self._measurement(),
             *self._activations(),
             *self._comparison(),

@@ -208,6 +208,7 @@ def _description(plan: Any) -> dict[str, Any]:
                     "training": plan.capture.training, "reason": plan.capture.reason},
         "devices": [dataclasses.asdict(d) for d in part.devices],
         "chunks": plan.chunks, "schedule": plan.schedule, "threads": list(plan.threads),
+        "link": plan.link,
         "partition": {"stage_of": dict(part.stage_of), "bottleneck_s": part.bottleneck_s,
                       "lower_bound_s": part.lower_bound_s, "optimal": part.optimal,
                       "method": str(part.method or ""),

@@ -66,11 +66,6 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
                                         reduction=reduction)
         except fxpipe.FxpipeError as e:
             Path(out, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}")
-            if isinstance(e, fxpipe.distributed.DistributedError):
-                # Told of another rank's failure: a send to it may still be blocked in gloo;
-                # ending the process now spares the interpreter's exit from tearing the process
-                # group down under it. (The failed rank itself closes, so its news is taken.)
-                os._exit(0)
             return
         grads = {name: p.grad for name, p in stage.named_parameters()}
     run = stage.last_run

@@ -171,3 +171,9 @@ def test_plan_for_training_shows_each_stages_memory_and_recomputation(capsys):
                  "--optimizer", "sgd", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "recompute='always'" in out and out.count("recomputes its forward") == 2
+
+
+def test_plan_for_a_run_under_torchrun_prices_values_as_gloo_messages(tmp_path, capsys):
+    assert main(["plan", *LAYER, "--link", "gloo", "--quiet", "--save", str(tmp_path)]) == 0
+    assert "values priced as messages between processes over gloo" in capsys.readouterr().out
+    assert fxpipe.load_plan(tmp_path).link == "gloo"

@@ -6,6 +6,7 @@ everything it started is killed.
 """
 
 import importlib.util
+import io
 import json
 import os
 import re
@@ -125,7 +126,8 @@ def ran(tmp_path: Path, processes: int, stages: int, schedule: str = "gpipe", *,
     `mode`; the model, the batch, the single-process pipeline and the folder holding each
     rank's results. `batch`: another model and batch for `planned`."""
     model, x, target, pipe = planned(tmp_path, stages, schedule, **batch)
-    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", processes, mode)
+    output = launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", processes, mode)
+    (tmp_path / "out" / "torchrun.txt").write_text(output)
     return model, x, target, pipe, tmp_path / "out"
 
 
@@ -150,6 +152,14 @@ def test_inference_on_the_last_rank_equals_the_model(two_ranks):
     assert first["output"] is None
     with torch.no_grad():
         torch.testing.assert_close(last["output"], model(x))
+
+
+def test_a_plan_priced_for_threads_is_run_with_a_warning_saying_how_to_price_it(two_ranks):
+    """The test's plans price values as hand-offs between threads (the default link): rank 0,
+    alone, warns that a run under torchrun should be planned with link='gloo'."""
+    output = (two_ranks[4] / "torchrun.txt").read_text()
+    assert output.count("plan with fxpipe.plan(..., link='gloo') for a run under torchrun") == 1
+    assert "hand-offs between threads of one process (link='default')" in output
 
 
 def assert_trains_as_the_model(model, x, target, pipe, out, processes):
@@ -411,8 +421,8 @@ def test_a_failing_stage_ends_every_rank_at_once_naming_it(tmp_path):
         assert message.startswith("PeerFailedError: rank 1 failed: rank 1: stage 1"), message
         assert "went silent" not in message
     assert issubclass(fxpipe.distributed.PeerFailedError, fxpipe.distributed.DistributedError)
-    # three startups, and at most one timeout: closing, ranks 0 and 2 may each wait for the
-    # other to take the news it relays (each ends when the other process exits or at 10 s)
+    # Closing, each rank reads the others' news instead of waiting for its 10 s timeout; the
+    # bound catches a rank that waits for it anyway (three startups take about 4 s here).
     assert time.monotonic() - start < 40
 
 
@@ -484,7 +494,7 @@ def test_the_torchrun_example_trains_as_the_model(tmp_path):
                                rtol=1e-5, atol=2e-6)
 
 
-def test_a_measured_gloo_link_prices_messages_as_they_travel():
+def test_a_measured_gloo_link_prices_messages_as_they_travel(tmp_path):
     link = fxpipe.distributed.measure_link(repeats=3)
     assert 0 < link.latency_s < 1 and 1e6 < link.bytes_per_s < float("inf")
     torch.manual_seed(0)
@@ -497,30 +507,67 @@ def test_a_measured_gloo_link_prices_messages_as_they_travel():
         assert cost.comm_s >= link.latency_s
     assert min(c.comm_s for c in priced.partition.stages) > \
         max(c.comm_s for c in plain.partition.stages)
+    # link="gloo" measures it once, and the plan (and its file) says what it priced with.
+    gloo = fxpipe.plan(model, ["cpu"] * 2, (x,), verify=False, costs=plain, link="gloo")
+    assert (plain.link, priced.link, gloo.link) == ("default", "yours", "gloo")
+    assert "values priced as messages between processes over gloo" in str(gloo)
+    for cost in gloo.partition.stages:
+        assert cost.comm_s > max(c.comm_s for c in plain.partition.stages)
+    gloo.save(tmp_path / "plan")
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["link"] == "gloo"
+    assert fxpipe.load_plan(tmp_path / "plan").link == "gloo"
 
 
-HEADERS = [("done",), ("abort", 1, "x" * 5000), ("data", (0, 0, 1, 3), {"h": [1, 2.5, None]})]
+MESSAGES = [{"h": torch.arange(6.0).reshape(2, 3)},                      # a short header
+            {"t": [torch.ones(4), None, 2.5], "long": list(range(2000))},    # a long one
+            {"empty": torch.zeros(0, 3), "i": torch.tensor([7], dtype=torch.int64)}]
 
 
-def _echo_headers(rank, init, results):
+def _exchange(rank, init, results):
+    """Rank 0 sends MESSAGES and then fails; rank 1 asks for them last first, then waits for
+    a fourth: the failure must reach it."""
     import torch.distributed as dist
-    from fxpipe.distributed import _recv_header, _send_header
+    from fxpipe.distributed import DistributedTransport, PeerFailedError
+    from fxpipe.schedules import Phase
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    transport = DistributedTransport(rank, torch.device("cpu"), timeout=30, peers=[0, 1])
     try:
-        for header in HEADERS:          # short ones in one send, a long one in two
-            if rank == 0:
-                _send_header(header, 1, None)
-            else:
-                results.put(_recv_header(0, None))
+        for step in range(2):
+            for m, values in enumerate(MESSAGES):
+                if rank == 0:
+                    transport.send(Phase.FORWARD, 0, 1, m, values)
+                else:
+                    values = transport.receive(Phase.FORWARD, 0, 1, len(MESSAGES) - 1 - m)
+                    results.put(_saved(values))
+            if step == 0:
+                transport.finish_step()
+        if rank == 0:
+            transport.abort("rank 0 failed: on purpose")
+        else:
+            try:
+                transport.receive(Phase.FORWARD, 0, 1, len(MESSAGES))
+            except PeerFailedError as e:
+                results.put(str(e))
+        transport.close()
     finally:
         dist.destroy_process_group()
 
 
-def test_headers_of_any_length_arrive_as_sent(tmp_path):
+def _saved(values):
+    """`values` as bytes: tensors put in a queue by a process that exits are lost."""
+    buffer = io.BytesIO()
+    torch.save(values, buffer)
+    return buffer.getvalue()
+
+
+def test_messages_arrive_as_sent_in_any_order_asked_then_a_failure(tmp_path):
+    """Messages through `DistributedTransport` between two gloo processes, whatever the length
+    of their headers (one send, or two past `HEADER_BYTES`) and however the receiver orders its
+    asks; in a second step the sender fails, and the receiver hears it behind the messages."""
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    processes = [context.Process(target=_echo_headers,
+    processes = [context.Process(target=_exchange,
                                  args=(rank, f"file://{tmp_path / 'init'}", results))
                  for rank in range(2)]
     for process in processes:
@@ -528,4 +575,8 @@ def test_headers_of_any_length_arrive_as_sent(tmp_path):
     for process in processes:
         process.join(60)
     assert [process.exitcode for process in processes] == [0, 0]
-    assert [results.get() for _ in HEADERS] == HEADERS
+    for _ in range(2):
+        received = [torch.load(io.BytesIO(results.get()), weights_only=False) for _ in MESSAGES]
+        torch.testing.assert_close(received[::-1], MESSAGES)
+    told = results.get()
+    assert told.startswith("rank 0 failed: on purpose") and "told by rank 0" in told
