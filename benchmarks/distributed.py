@@ -1,7 +1,7 @@
 """One plan, four runtimes: fxpipe over torch.distributed, fxpipe's threads, torch's pipelining
 and the model in one process, side by side on this machine's CPU.
 
-    python benchmarks/distributed.py [--channels 48] [--batch 64] [--repeats 5]
+    python benchmarks/distributed.py [--channels 48] [--batch 64] [--repeats 5] [--rounds 3]
 
 The chain of 8 Conv2d+ReLU layers of `benchmarks/pipeline_throughput.py`, planned by fxpipe on 2
 CPU stages of one thread each; for 1, 2, 4, 8 and 16 micro-batches, inference throughput of:
@@ -10,7 +10,11 @@ CPU stages of one thread each; for 1, 2, 4, 8 and 16 micro-batches, inference th
 - `fxpipe.distributed`: the saved plan in 2 torchrun processes (gloo on 127.0.0.1);
 - torch.distributed.pipelining's `ScheduleGPipe` on the same 2 stages
   (`fxpipe.torch_pipelining.pipeline_stages`), 2 torchrun processes.
-"x 1 thread" is samples/s over the model's with one thread; "% of ideal" divides it by the GPipe
+Every process runs with `fxpipe.tune_cpu_allocator()` (glibc keeps freed activations: without
+it every process page-faults its activations in anew, 35-70% of a step here, more in some
+processes than in others). Each runtime is timed in `--rounds` rounds, the three in turn, and its median shown (the
+processes' timings move by 20% from one launch to the next here). "x 1 thread" is samples/s
+over the model's with one thread; "% of ideal" divides it by the GPipe
 bound k*m/(m+k-1) for k = 2 stages and m micro-batches. Run it alone: two cores are easily shared
 into noise.
 """
@@ -20,9 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,10 +62,13 @@ def worker(kind: str, plan: str, data: str, repeats: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    fxpipe.tune_cpu_allocator()
     x = torch.load(data)["x"]
     if kind == "fxpipe":
-        import fxpipe.distributed
-        stage = fxpipe.distributed.load(plan)
+        from fxpipe import distributed
+        with warnings.catch_warnings():     # planned for threads on purpose: the same plan for all
+            warnings.simplefilter("ignore")
+            stage = distributed.load(plan)
         rank, last = stage.rank, stage.last
 
         def call():
@@ -67,11 +76,11 @@ def worker(kind: str, plan: str, data: str, repeats: str, out: str) -> None:
                 stage(x if rank == 0 else None)
     else:
         from torch.distributed.pipelining import ScheduleGPipe
-        import fxpipe.torch_pipelining
+        from fxpipe.torch_pipelining import pipeline_stages
         dist.init_process_group("gloo")
         rank, last = dist.get_rank(), dist.get_world_size() - 1
         chunks = fxpipe.load_plan(plan).chunks
-        schedule = ScheduleGPipe(fxpipe.torch_pipelining.pipeline_stages(plan)[0],
+        schedule = ScheduleGPipe(pipeline_stages(plan)[0],
                                  n_microbatches=chunks)
 
         def call():
@@ -91,7 +100,10 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=48)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the three runtimes in turn; the median round is shown")
     options = parser.parse_args()
+    fxpipe.tune_cpu_allocator()
     torch.manual_seed(0)
     model = build(options.channels).eval()
     x = torch.randn(options.batch, 3, 32, 32)
@@ -109,9 +121,12 @@ def main() -> None:
                                   threads_per_stage=1, progress=False)
             plan = Path(scratch, f"plan-{chunks}")
             pipe.plan.save(plan)
-            timings = {"fxpipe threads": median_s(lambda: pipe(x), options.repeats),
-                       "fxpipe.distributed": launched("fxpipe", plan, data, options.repeats),
-                       "torch pipelining": launched("torch", plan, data, options.repeats)}
+            runs = {"fxpipe threads": lambda: median_s(lambda: pipe(x), options.repeats),
+                    "fxpipe.distributed": lambda: launched("fxpipe", plan, data, options.repeats),
+                    "torch pipelining": lambda: launched("torch", plan, data, options.repeats)}
+            rounds = [{label: run() for label, run in runs.items()}
+                      for _ in range(options.rounds)]       # interleaved: drift hits all alike
+            timings = {label: statistics.median(r[label] for r in rounds) for label in runs}
             ideal = STAGES * chunks / (chunks + STAGES - 1)
             for label, seconds in timings.items():
                 rows.append((chunks, label, options.batch / seconds, one / seconds,

@@ -72,6 +72,7 @@ def make_plan(path: str, stages: int) -> None:
 
 def train(path: str, steps: int, lr: float) -> None:
     import fxpipe.distributed
+    fxpipe.tune_cpu_allocator()      # keep freed activations (CPU stages; whole process)
     with fxpipe.distributed.load(path) as stage:
         optimizer = torch.optim.SGD(stage.parameters(), lr=lr)
         first, last = stage.index == 0, stage.index == stage.last
