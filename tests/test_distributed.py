@@ -210,12 +210,16 @@ def test_recomputing_stages_train_as_the_model(tmp_path, recompute):
     assert_trains_as_the_model(model, x, target, pipe, out, 2)
 
 
-def test_three_ranks_with_1f1b_equal_the_model(tmp_path):
-    model, x, target, pipe, out = ran(tmp_path, 3, 3, schedule="1f1b")
+@pytest.mark.parametrize("stages", [3, 4])
+def test_three_and_four_ranks_with_1f1b_equal_the_model(tmp_path, stages):
+    model, x, target, pipe, out = ran(tmp_path, stages, stages, schedule="1f1b")
     assert pipe.schedule == "1f1b"
     with torch.no_grad():
-        torch.testing.assert_close(results(out, 3)[-1]["output"], model(x))
-    assert_trains_as_the_model(model, x, target, pipe, out, 3)
+        torch.testing.assert_close(results(out, stages)[-1]["output"], model(x))
+    assert_trains_as_the_model(model, x, target, pipe, out, stages)
+    # some stage reads from one not just before it (the driver is -1): a value skips stages
+    reads = pipe.plan.wiring.training.reads
+    assert any(src != dst - 1 for dst, senders in reads.items() for src in senders)
 
 
 def test_a_world_size_unlike_the_plan_is_refused_on_every_rank(tmp_path):
