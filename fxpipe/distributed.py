@@ -731,7 +731,8 @@ class DistributedStage:
         return loss * scale
 
     def close(self) -> None:
-        """End the sending threads, and the process group if `load` started it."""
+        """After a failed step, take the other ranks' news of it (see `DistributedTransport.close`);
+        then end the process group if `load` started it."""
         self.transport.close()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
