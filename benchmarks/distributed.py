@@ -4,7 +4,8 @@ and the model in one process, side by side on this machine's CPU.
     python benchmarks/distributed.py [--channels 48] [--batch 64] [--repeats 5] [--rounds 3]
 
 The chain of 8 Conv2d+ReLU layers of `benchmarks/pipeline_throughput.py`, planned by fxpipe on 2
-CPU stages of one thread each; for 1, 2, 4, 8 and 16 micro-batches, inference throughput of:
+CPU stages of one thread each with `link="gloo"` (values priced as messages between processes);
+for 1, 2, 4, 8 and 16 micro-batches, inference throughput of:
 - the model in one process, whole batch, 1 thread and all cores' threads;
 - fxpipe's threaded `Pipeline` (two stage threads in this process);
 - `fxpipe.distributed`: the saved plan in 2 torchrun processes (gloo on 127.0.0.1);
@@ -15,7 +16,8 @@ it every process page-faults its activations in anew, 35-70% of a step here, mor
 processes than in others). Each runtime is timed in `--rounds` rounds, the three in turn, and its median shown (the
 processes' timings move by 20% from one launch to the next here). "x 1 thread" is samples/s
 over the model's with one thread; "% of ideal" divides it by the GPipe
-bound k*m/(m+k-1) for k = 2 stages and m micro-batches. Run it alone: two cores are easily shared
+bound k*m/(m+k-1) for k = 2 stages and m micro-batches; "plan says" is the samples/s the plan
+predicts for a run under torchrun. Run it alone: two cores are easily shared
 into noise.
 """
 
@@ -118,7 +120,7 @@ def main() -> None:
         every = median_s(lambda: model(x), options.repeats)
         for chunks in (1, 2, 4, 8, 16):
             pipe = fxpipe.compile(model, ["cpu"] * STAGES, (x,), chunks=chunks,
-                                  threads_per_stage=1, progress=False)
+                                  threads_per_stage=1, progress=False, link="gloo")
             plan = Path(scratch, f"plan-{chunks}")
             pipe.plan.save(plan)
             runs = {"fxpipe threads": lambda: median_s(lambda: pipe(x), options.repeats),
@@ -128,13 +130,14 @@ def main() -> None:
                       for _ in range(options.rounds)]       # interleaved: drift hits all alike
             timings = {label: statistics.median(r[label] for r in rounds) for label in runs}
             ideal = STAGES * chunks / (chunks + STAGES - 1)
+            predicted = {"fxpipe.distributed": options.batch / pipe.plan.predicted_step_s}
             for label, seconds in timings.items():
-                rows.append((chunks, label, options.batch / seconds, one / seconds,
-                             every / seconds, 100 * one / seconds / ideal))
+                rows.append((chunks, label, options.batch / seconds, predicted.get(label, ""),
+                             one / seconds, every / seconds, 100 * one / seconds / ideal))
     print(f"inference, batch {options.batch}, {STAGES} stages x 1 thread, {cores} cores; model: "
           f"{options.batch / one:.1f} samples/s on 1 thread, {options.batch / every:.1f} on "
           f"{cores}")
-    print(tabulate(rows, headers=["chunks", "runtime", "samples/s", "x 1 thread",
+    print(tabulate(rows, headers=["chunks", "runtime", "samples/s", "plan says", "x 1 thread",
                                   f"x {cores} threads", "% of ideal"], floatfmt=".2f"))
 
 
