@@ -66,6 +66,7 @@ copies (no NCCL).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import pickle
@@ -328,9 +329,6 @@ class PeerFailedError(DistributedError):
         self.origin = origin
 
 
-_DONE = ("done",)     # a peer's header: it finished the step and sends nothing more in it
-
-
 class DistributedTransport:
     """The `Transport` between processes: participant i (stage i) is rank `base + i`, and the
     driver (`DRIVER`, which sends the graph inputs) is rank `base`, the replica's first.
@@ -338,18 +336,21 @@ class DistributedTransport:
     A message between participants on one rank stays in this process. One to another rank is
     posted at once, its header and its tensors by `isend`, on the caller's thread: gloo's `send`
     waits for the receiver's `recv`, so two stages sending to each other (1F1B) would each wait
-    for ever, where posted sends do not wait at all. A rank keeps what it posted until the step
-    ends (gloo says a send is done only when waited for), so its sent tensors live to the end of
-    the step. `receive` takes a peer's messages in the order they were posted, keeping those not
-    asked for yet; having taken one, it posts the receive of that peer's next header at once
-    (after its tensors' receives: gloo matches receives in the order they are posted), so the
-    next header is in when the next message is asked for. `finish_step` tells every peer of the
-    pipeline that this rank is done, waits until each peer said the same, then until each took
-    what this rank sent; `abort` tells them it failed instead, behind what it sent before, so a
-    peer waiting for this rank ends at once with a `PeerFailedError`, and tells every peer but
-    the rank that failed first in turn. Closing after a failure reads every peer's messages up
-    to its own news of the failure, so that every rank's sends are taken and no rank waits for
-    a timeout; nothing is left running (no thread is started) but what a lost peer never took.
+    for ever, where posted sends do not wait at all. Gloo tells a send done only when waited
+    for, so a rank keeps what it posted until the peer says it took it: every header carries
+    how many messages its sender has taken from its receiver (`acked`), and the messages it
+    counts are let go (in 1F1B, a forward's outputs when its backward's gradients come back);
+    the rest when the step ends. `receive` takes a peer's messages in the order they were
+    posted, keeping those not asked for yet; having taken one, it posts the receive of that
+    peer's next header at once (after its tensors' receives: gloo matches receives in the order
+    they are posted), so the next header is in when the next message is asked for.
+    `finish_step` tells every peer of the pipeline that this rank is done, waits until each
+    peer said the same, then until each took what this rank sent; `abort` tells them it failed
+    instead, behind what it sent before, so a peer waiting for this rank ends at once with a
+    `PeerFailedError`, and tells every other peer in turn. Closing after a failure reads every
+    peer's messages up to its own news of the failure, so that every rank's sends are taken and
+    no rank waits for a timeout; nothing is left running (no thread is started) but what a lost
+    peer never took.
     """
 
     def __init__(self, rank: int, device: torch.device, *, group: Any = None,
@@ -364,7 +365,11 @@ class DistributedTransport:
         self.done: set[int] = set()                   # peers that finished this step
         self.lost: set[int] = set()                   # peers met as gone or silent
         self.told: set[int] = set()                   # peers whose news of a failure came
-        self.posted: dict[int, list[tuple[Any, torch.Tensor]]] = {}   # peer -> sends this step
+        # Per peer: the messages posted to it and not let go yet, each its sends and tensors;
+        # how many were let go; how many this rank took from it (what its headers ack).
+        self.posted: dict[int, collections.deque[list[tuple[Any, torch.Tensor]]]] = {}
+        self.released: collections.Counter[int] = collections.Counter()
+        self.taken: collections.Counter[int] = collections.Counter()
         self.headers: dict[int, tuple[Any, torch.Tensor]] = {}        # peer -> its next header
         self.abort_note: tuple[int, str] | None = None
 
@@ -381,7 +386,7 @@ class DistributedTransport:
         payload: list[torch.Tensor] = []
         structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload))
                      for name, v in values.items()}
-        self._post(peer, ("data", (phase.value, sender, receiver, microbatch), structure),
+        self._post(peer, "data", ((phase.value, sender, receiver, microbatch), structure),
                    payload)
 
     def receive(self, phase: Phase, sender: int, receiver: int,
@@ -400,7 +405,7 @@ class DistributedTransport:
         then until every peer took what this rank sent (a step's tensors may change after it,
         by the optimizer)."""
         for peer in self.peers:
-            self._post(peer, _DONE)
+            self._post(peer, "done")
         for peer in self.peers:
             while peer not in self.done:
                 self._take(peer)
@@ -416,7 +421,7 @@ class DistributedTransport:
         for peer in self.peers:
             if peer not in self.lost:
                 try:
-                    self._post(peer, ("abort", *self.abort_note))
+                    self._post(peer, "abort", self.abort_note)
                 except DistributedError:     # the peer is gone: nothing more to tell it
                     pass
 
@@ -438,47 +443,60 @@ class DistributedTransport:
     def finish_sends(self, *, failed: bool = False) -> None:
         """Wait until each peer took what this rank posted to it; after a failure, each peer
         still there, and a peer lost now is let go."""
-        for peer, posted in self.posted.items():
-            for work, _ in posted:
-                if failed and peer in self.lost:
-                    break
-                try:
-                    self._wait(work, peer)
-                except DistributedError:
-                    if not failed:
-                        raise
+        for peer in self.posted:
+            if failed and peer in self.lost:
+                continue
+            try:
+                self._release(peer, self.released[peer] + len(self.posted[peer]))
+            except DistributedError:
+                if not failed:
+                    raise
         self.posted.clear()
 
     # ---- sending
 
-    def _post(self, peer: int, header: Any, payload: Sequence[torch.Tensor] = ()) -> None:
-        """Post the sends of `header` and `payload` to `peer`, kept until the step ends."""
-        posted = self.posted.setdefault(peer, [])
-        for t in (*_header_tensors(header), *payload):
+    def _post(self, peer: int, kind: str, body: Any = (),
+              payload: Sequence[torch.Tensor] = ()) -> None:
+        """Post the sends of a `kind` message ("data", "done" or "abort") to `peer`: its
+        header (the kind, the messages taken from `peer` so far, `body`), then `payload`."""
+        sends = []
+        for t in (*_header_tensors((kind, self.taken[peer], body)), *payload):
             try:
-                posted.append((dist.isend(t, dst=peer, group=self.group), t))
+                sends.append((dist.isend(t, dst=peer, group=self.group), t))
             except RuntimeError as e:
                 raise self._lost(peer, e) from None
+        self.posted.setdefault(peer, collections.deque()).append(sends)
+
+    def _release(self, peer: int, acked: int) -> None:
+        """Let go of the messages to `peer` up to the `acked`-th, which it took: their sends
+        are done (a wait returns at once) and their tensors free."""
+        posted = self.posted.get(peer, ())
+        while posted and self.released[peer] < acked:
+            for work, _ in posted.popleft():
+                self._wait(work, peer)
+            self.released[peer] += 1
 
     # ---- receiving
 
     def _take(self, peer: int) -> None:
         """Receive `peer`'s next message and keep it; raise if it is a failure."""
         try:
-            header = self._header(peer)
-            if header[0] == "data":
-                _, (phase, sender, receiver, m), structure = header
+            kind, acked, body = self._header(peer)
+            if kind == "data":
+                (phase, sender, receiver, m), structure = body
                 received = [self._post_recv(meta, peer) for meta in _metas(structure.values())]
                 self.headers[peer] = _post_header_recv(peer, self.group)   # a header follows
                 for work, _ in received:
                     self._wait(work, peer)
         except (RuntimeError, OSError) as e:
             raise self._lost(peer, e) from None
-        if header[0] == "done":
+        self.taken[peer] += 1
+        self._release(peer, acked)
+        if kind == "done":
             self.done.add(peer)
             return
-        if header[0] == "abort":
-            _, origin, note = header
+        if kind == "abort":
+            origin, note = body
             self.told.add(peer)
             raise PeerFailedError(f"{note}\n  so rank {self.rank} stopped its step too (told by "
                                   f"rank {peer})", note, origin)

@@ -527,9 +527,10 @@ MESSAGES = [{"h": torch.arange(6.0).reshape(2, 3)},                      # a sho
             {"empty": torch.zeros(0, 3), "i": torch.tensor([7], dtype=torch.int64)}]
 
 
-def _exchange(rank, init, results):
-    """Rank 0 sends MESSAGES and then fails; rank 1 asks for them last first, then waits for
-    a fourth: the failure must reach it."""
+def _exchange(rank, init, results, held):
+    """Rank 0 sends MESSAGES in two steps and then fails; rank 1 asks for them last first,
+    answers in the second step, then waits for more: the failure must reach it. Rank 0 puts in
+    `held` how many messages it holds before and after the answer (which acks all three)."""
     import torch.distributed as dist
     from fxpipe.distributed import DistributedTransport, PeerFailedError
     from fxpipe.schedules import Phase
@@ -546,8 +547,12 @@ def _exchange(rank, init, results):
             if step == 0:
                 transport.finish_step()
         if rank == 0:
+            held.put(len(transport.posted[1]))
+            transport.receive(Phase.BACKWARD, 1, 0, 0)
+            held.put(len(transport.posted[1]))
             transport.abort("rank 0 failed: on purpose")
         else:
+            transport.send(Phase.BACKWARD, 1, 0, 0, {"answer": torch.ones(2)})
             try:
                 transport.receive(Phase.FORWARD, 0, 1, len(MESSAGES))
             except PeerFailedError as e:
@@ -567,12 +572,13 @@ def _saved(values):
 def test_messages_arrive_as_sent_in_any_order_asked_then_a_failure(tmp_path):
     """Messages through `DistributedTransport` between two gloo processes, whatever the length
     of their headers (one send, or two past `HEADER_BYTES`) and however the receiver orders its
-    asks; in a second step the sender fails, and the receiver hears it behind the messages."""
+    asks; the sender holds its messages until a header from the receiver acks them; in a
+    second step the sender fails, and the receiver hears it behind the messages."""
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results, held = context.SimpleQueue(), context.SimpleQueue()
     processes = [context.Process(target=_exchange,
-                                 args=(rank, f"file://{tmp_path / 'init'}", results))
+                                 args=(rank, f"file://{tmp_path / 'init'}", results, held))
                  for rank in range(2)]
     for process in processes:
         process.start()
@@ -584,3 +590,5 @@ def test_messages_arrive_as_sent_in_any_order_asked_then_a_failure(tmp_path):
         torch.testing.assert_close(received[::-1], MESSAGES)
     told = results.get()
     assert told.startswith("rank 0 failed: on purpose") and "told by rank 0" in told
+    # the sender held the second step's three messages until the answer acked them
+    assert [held.get(), held.get()] == [len(MESSAGES), 0]
