@@ -1,7 +1,7 @@
 """One plan, four runtimes: fxpipe over torch.distributed, fxpipe's threads, torch's pipelining
 and the model in one process, side by side on this machine's CPU.
 
-    python benchmarks/distributed.py [--train] [--channels 48] [--batch 64] [--repeats 5] [--rounds 3]
+    python benchmarks/distributed.py [--train] [--chunks 1 2 4 8 16] [--channels 48] [--batch 64] [--repeats 5] [--rounds 3]
 
 The chain of 8 Conv2d+ReLU layers of `benchmarks/pipeline_throughput.py`, planned by fxpipe on 2
 CPU stages of one thread each with `link="gloo"` (values priced as messages between processes);
@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the three runtimes in turn; the median round is shown")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                        help="the micro-batch counts to run (default: 1 2 4 8 16)")
     parser.add_argument("--train", action="store_true",
                         help="time training steps (forward, backward; GPipe) instead of calls")
     options = parser.parse_args()
@@ -137,7 +139,7 @@ def main() -> None:
         one = median_s(model_step, options.repeats)
         torch.set_num_threads(cores)
         every = median_s(model_step, options.repeats)
-        for chunks in (1, 2, 4, 8, 16):
+        for chunks in options.chunks:
             pipe = fxpipe.compile(model, ["cpu"] * STAGES, (x,), chunks=chunks,
                                   threads_per_stage=1, progress=False, link="gloo",
                                   training=options.train)
