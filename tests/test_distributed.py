@@ -482,6 +482,7 @@ def test_the_torchrun_example_trains_as_the_model(tmp_path):
     code, text = torchrun([str(EXAMPLE), "train", str(tmp_path / "plan"), "--steps", "3",
                            "--lr", "0.5"], 2)
     assert code == 0, text[-3000:]
+    assert "link='gloo') for a run under torchrun" not in text    # planned with link="gloo"
     printed = [float(v) for v in re.findall(r"^step \d loss (\S+)$", text, re.MULTILINE)]
     torch.manual_seed(0)
     model = example.TinyLM()
