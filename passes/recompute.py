@@ -149,13 +149,14 @@ def choose_recomputed(gm: fx.GraphModule, *, in_flight: int, fixed_bytes: int,
 
 def _runs(gm: fx.GraphModule, names: set[str]) -> list[list[fx.Node]]:
     """Maximal runs of consecutive recomputed nodes, in graph order (parameter reads neither
-    break a run nor join it)."""
+    break a run nor join it; the stage's inputs and output, which compute nothing, are never
+    in one)."""
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             continue
-        if n.name in names:
+        if n.name in names and n.op in ("call_function", "call_method", "call_module"):
             current.append(n)
         elif current:
             runs.append(current)

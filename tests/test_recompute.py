@@ -266,6 +266,23 @@ def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_inclu
     assert_same_step(*calls)
 
 
+def test_a_stage_input_named_for_recomputation_stays_an_input():
+    """Inputs compute nothing, so a run never takes one in: a stage reading `relu` from
+    another keeps it as its input when every node named like it is to be recomputed."""
+    import torch.fx as fx
+    from fxpipe.passes.recompute import checkpoint_regions
+
+    def f(relu, x):
+        return torch.relu(relu + x) * 2
+    gm = fx.symbolic_trace(f)
+    relu, x = torch.randn(3, 4), torch.randn(3, 4)
+    expected = gm(relu, x)
+    checkpoint_regions(gm, {n.name for n in gm.graph.nodes if "relu" in n.name})
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["relu", "x"]
+    assert "recomputed_0" in gm.code
+    torch.testing.assert_close(gm(relu, x), expected)
+
+
 def costed_chain():
     """a -> cheap -> costly -> cheap2 -> out, each keeping 100 bytes of its own and its output
     kept by its reader; known forward times."""
