@@ -5,6 +5,7 @@ import _thread
 import copy
 import io
 import pickle
+import signal
 import threading
 import time
 
@@ -278,6 +279,15 @@ class InterruptsCaller(nn.Module):
         return self.lin(x)
 
 
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt here even where the tests were started with SIGINT
+    ignored (a background job of a shell), where `_thread.interrupt_main` does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def interrupted_pipeline(schedule="gpipe"):
     model = nn.Sequential(nn.Linear(4, 4), InterruptsCaller(), nn.Linear(4, 4), nn.Linear(4, 1))
     x = torch.randn(16, 4)
@@ -287,7 +297,7 @@ def interrupted_pipeline(schedule="gpipe"):
     return pipe, model[1], x
 
 
-def test_ctrl_c_during_a_call_stops_every_stage_within_a_microbatch():
+def test_ctrl_c_during_a_call_stops_every_stage_within_a_microbatch(ctrl_c):
     pipe, interrupter, x = interrupted_pipeline()
     with pytest.raises(KeyboardInterrupt):
         pipe(x)
@@ -297,7 +307,7 @@ def test_ctrl_c_during_a_call_stops_every_stage_within_a_microbatch():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_ctrl_c_during_train_step_leaves_no_stage_writing_grad(schedule):
+def test_ctrl_c_during_train_step_leaves_no_stage_writing_grad(schedule, ctrl_c):
     pipe, interrupter, x = interrupted_pipeline(schedule)
     with pytest.raises(KeyboardInterrupt):
         pipe.train_step(x, torch.randn(16, 1), F.mse_loss)
