@@ -39,8 +39,9 @@ sender, receiver and micro-batch, the values' structure, each tensor's shape and
 into one fixed-size byte tensor (one send where `send_object_list` takes two and 2.5x the time),
 then each tensor. Gloo's `send` waits for the receiver's `recv`, so two stages sending to each
 other at once (1F1B) would wait for ever: every send is posted (`isend`) on the rank's own
-thread, in the order its stage produced the messages, and waited for when the step ends, so a
-rank holds what it sent until then. A receiver takes a peer's messages in that order, keeping
+thread, in the order its stage produced the messages, and let go when the peer's next header
+says it took it (each header counts the messages its sender took), or when the step ends. A
+receiver takes a peer's messages in that order, keeping
 those it needs later, and posts the receive of a peer's next header as soon as it took one.
 Every wait ends after `timeout` seconds with a `DistributedError` naming the rank that went
 silent. No thread is started.
