@@ -45,7 +45,9 @@ def per_microbatch(model, x, chunks, seed):
 
 
 def fxpipe_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("fxpipe-stage") and t.is_alive()]
+    """The runtime's threads that have not ended. (Not filtered by `is_alive()`, which a join
+    that Ctrl-C interrupted can make say False while the thread still runs.)"""
+    return [t for t in threading.enumerate() if t.name.startswith(("fxpipe-stage", "fxpipe-stream"))]
 
 
 # --- item 9: one seed, one result -----------------------------------------------------------------
@@ -319,6 +321,77 @@ def test_ctrl_c_during_train_step_leaves_no_stage_writing_grad(schedule, ctrl_c)
     interrupter.pipe = None                                     # and the pipeline still works
     loss = pipe.train_step(x, torch.randn(16, 1), F.mse_loss)
     assert loss.isfinite()
+
+
+class PressesCtrlC:
+    """A forward hook that, on its second call, presses Ctrl-C (a real SIGINT to the caller's
+    thread) `presses` times, 0.3 s apart, so that a second press lands while the caller waits for
+    the stages to stop; then its stage stays busy 0.5 s more, longer than any other."""
+
+    def __init__(self, presses: int):
+        self.presses = presses
+        self.calls = 0
+
+    def __call__(self, module, inputs, output):
+        self.calls += 1
+        if self.calls == 2:
+            for press in range(self.presses):
+                time.sleep(0.3 if press else 0.0)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.5)
+
+
+def slow_pipeline(presses: int = 1, schedule: str = "gpipe"):
+    """Two stages of Linear layers, each layer's forward slowed by a hook sleeping 0.2 s; the
+    first layer's (on stage 0, whose thread the caller waits for first) presses Ctrl-C."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    x = torch.randn(16, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, schedule=schedule)
+    model[0].register_forward_hook(PressesCtrlC(presses))
+    for layer in model:
+        layer.register_forward_hook(lambda module, inputs, output: time.sleep(0.2))
+    return pipe, x
+
+
+def grads_of(pipe):
+    return [None if p.grad is None else p.grad.clone() for p in pipe.parameters()]
+
+
+def assert_no_grad_written_after(pipe, caught):
+    time.sleep(0.5)
+    for before, after in zip(caught, grads_of(pipe)):
+        assert (before is None) == (after is None)
+        if before is not None:
+            torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ctrl_c_during_a_slow_train_step_returns_after_every_stage_stopped(schedule, ctrl_c):
+    pipe, x = slow_pipeline(schedule=schedule)
+    try:
+        pipe.train_step(x, torch.randn(16, 8), F.mse_loss)
+    except KeyboardInterrupt:
+        alive, caught = fxpipe_threads(), grads_of(pipe)
+    else:
+        pytest.fail("Ctrl-C did not reach the caller")
+    assert alive == []
+    assert_no_grad_written_after(pipe, caught)
+    assert pipe.last_run.failed and "KeyboardInterrupt" in pipe.last_run.error
+
+
+def test_ctrl_c_twice_during_a_slow_stream_returns_after_every_stage_stopped(ctrl_c):
+    pipe, x = slow_pipeline(presses=2)
+    try:
+        for _ in pipe.stream(x[i:i + 1] for i in range(16)):
+            pass
+    except KeyboardInterrupt:
+        alive, caught = fxpipe_threads(), grads_of(pipe)
+    else:
+        pytest.fail("Ctrl-C did not reach the caller")
+    assert alive == []
+    assert_no_grad_written_after(pipe, caught)
+    assert pipe.last_run.failed and "KeyboardInterrupt" in pipe.last_run.error
 
 
 # --- item 13: whatever a stage raises -------------------------------------------------------------

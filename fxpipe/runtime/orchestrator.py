@@ -132,9 +132,7 @@ class _Stream:
 
     def run(self, items: Iterator[dict[str, Any]]
             ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        threads = [threading.Thread(target=self.work, args=(stage.index,),
-                                    name=f"fxpipe-stream-{stage.index}", daemon=True)
-                   for stage in self.rt.stages]
+        threads = [_Worker(self.work, stage.index, "fxpipe-stream") for stage in self.rt.stages]
         record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
         start = time.perf_counter()
         inside: collections.deque[dict[str, Any]] = collections.deque()
@@ -253,10 +251,8 @@ class _Execution:
         """Drive the run on the caller's thread; its outputs or losses, or the first error."""
         # One stage runs on the caller's thread (see the module's docstring).
         here = len(self.rt.stages) == 1
-        threads = [] if here else [
-            threading.Thread(target=self.work, args=(stage.index,),
-                             name=f"fxpipe-stage-{stage.index}", daemon=True)
-            for stage in self.rt.stages]
+        threads = [] if here else [_Worker(self.work, stage.index, "fxpipe-stage")
+                                   for stage in self.rt.stages]
         self.rt.last_run = self.record
         self.start = time.perf_counter()
         for executor in self.executors:
@@ -269,8 +265,7 @@ class _Execution:
                         self.work(0)
                 outputs = self.collect()
                 for t in threads:      # a signal must reach this thread while it waits
-                    while t.is_alive():
-                        t.join(POLL_S)
+                    t.wait()
         except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
             self.record.error = f"{type(e).__name__} in the caller's thread"
             raise
@@ -417,8 +412,31 @@ def receive_values(flow: Flow, transport: Transport, receiver: int, m: int) -> d
     return values
 
 
+class _Worker(threading.Thread):
+    """A stage's thread, which says when its work is over (`done`): waiting for it never calls
+    `Thread.join` while it runs. (On Python before 3.13, a join that Ctrl-C interrupts can mark
+    the thread it waits for as stopped: `is_alive()` then says False, and a later join returns
+    at once, while the stage still computes and may still write `.grad`.)"""
+
+    def __init__(self, work: Callable[[int], None], index: int, name: str):
+        super().__init__(target=work, args=(index,), name=f"{name}-{index}", daemon=True)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Until the thread has ended; a signal reaches the waiting thread meanwhile."""
+        while self.is_alive():
+            if self.done.wait(POLL_S):
+                self.join()        # its work is over: it only has to exit
+
+
 @contextlib.contextmanager
-def _workers(threads: Sequence[threading.Thread], abort: Callable[[], None]) -> Iterator[None]:
+def _workers(threads: Sequence[_Worker], abort: Callable[[], None]) -> Iterator[None]:
     """Start `threads`; if the caller's block raises, `abort` the run; join them all, always."""
     try:
         for t in threads:
@@ -451,13 +469,13 @@ def _kept_thread_count():
         torch.set_num_threads(before)
 
 
-def _join(threads: Sequence[threading.Thread]) -> None:
+def _join(threads: Sequence[_Worker]) -> None:
     """Wait for every thread, through a second Ctrl-C too: no stage may outlive its run."""
     interrupted: BaseException | None = None
     for t in threads:
         while t.is_alive():
             try:
-                t.join(POLL_S)
+                t.wait()
             except KeyboardInterrupt as e:
                 interrupted = e
     if interrupted is not None:
