@@ -10,12 +10,14 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.cost_model import default_link
-from fxpipe.passes.errors import FxpipeError, InputError, StageError
+from fxpipe.passes.errors import FxpipeError, InputError, ModelChangedError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
+from fxpipe.passes.trace import _HOOKS
 
 from . import microbatch
 from .report import Plan
@@ -50,6 +52,8 @@ class Pipeline(nn.Module):
         self._model: weakref.ref | None = None     # the model compiled, to notice it changed
         self._model_parts: dict[str, weakref.ref] = {}
         self._model_members: list[Any] = []
+        self._uncalled: tuple[Plan | None, list[tuple[str, nn.Module]]] = (None, [])
+        self._hook_ids_seen = -1                    # see _check_hooks
         self._recipe = None                        # how to compile it again in the other mode
         self._modes: dict[bool, dict[str, Any]] = {}
 
@@ -77,8 +81,9 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_model()
         model = self._as_is()
-        if model is not None:
+        if model is not None:      # the model's own forward: every hook fires
             return self._run_as_is(model, args, kwargs)
+        self._check_hooks()
         values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
         outputs, _ = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks,
@@ -130,6 +135,7 @@ class Pipeline(nn.Module):
         naming its stage and the item's index. Item m draws from its own seed, taken from the
         caller's generator as it is fed, as `pipe(x)` does for its one micro-batch."""
         self._check_model()
+        self._check_hooks()
         limit = max_in_flight if max_in_flight is not None else 2 * len(self._stages)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise FxpipeError(f"max_in_flight={max_in_flight!r}: use a number of items >= 1")
@@ -175,6 +181,7 @@ class Pipeline(nn.Module):
         if reduction not in ("mean", "sum"):
             raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
         self._check_model()
+        self._check_hooks()
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
         if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
@@ -317,9 +324,34 @@ class Pipeline(nn.Module):
                     self._changed(name)
 
     def _changed(self, name: str) -> None:
-        raise FxpipeError(f"the model's {name!r} was replaced after compile, and the pipeline "
-                          f"still runs the old one: compile the model again (to change "
-                          f"weights in place instead, assign to .data or use load_state_dict)")
+        raise ModelChangedError(f"the model's {name!r} was replaced after compile, and the "
+                                f"pipeline still runs the old one: compile the model again (to "
+                                f"change weights in place instead, assign to .data or use "
+                                f"load_state_dict)")
+
+    def _check_hooks(self) -> None:
+        """Refuse to run when a module of the model that no stage calls got a hook after compile:
+        the model itself, or a module fx traced through (export, every module), whose operations
+        the stages run without calling it, so the hook would never fire. Hooks on the modules
+        stages call (kept whole: compile keeps a hooked module so) and on their submodules fire
+        once per micro-batch.
+
+        Registering any hook (on a module, a tensor, ...) takes an id from one counter,
+        `RemovableHandle.next_id`: while it stands still there is nothing to look at, and the
+        check costs one comparison; otherwise it reads four hook dicts per uncalled module."""
+        registered = RemovableHandle.next_id
+        if registered == self._hook_ids_seen and self._uncalled[0] is self.plan:
+            return
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        if self._uncalled[0] is not self.plan:     # a plan of its own per mode
+            self._uncalled = (self.plan, _uncalled_modules(model, self._stages))
+        for name, module in self._uncalled[1]:
+            if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                    or module._backward_pre_hooks):
+                raise ModelChangedError(_never_fires(model, name, module))
+        self._hook_ids_seen = registered
 
     def _apply(self, fn, recurse=True):
         raise FxpipeError("a Pipeline places each stage on its own device: pass the devices to "
@@ -377,6 +409,27 @@ def _members(model: nn.Module) -> list[Any]:
                 seen.add(id(m))
                 todo.append(m)
     return found
+
+
+def _uncalled_modules(model: nn.Module, stages: Sequence[Stage]) -> list[tuple[str, nn.Module]]:
+    """The model's modules that no stage calls, by name: the model itself and those traced
+    through. A stage holds the modules it calls, and they call their own submodules."""
+    called = {id(m) for stage in stages for m in stage.module.modules()}
+    return [(name, m) for name, m in model.named_modules() if id(m) not in called]
+
+
+def _never_fires(model: nn.Module, name: str, module: nn.Module) -> str:
+    """Why a hook registered after compile on `module` (at `name`, uncalled) never fires, and
+    the fix."""
+    kind = next(kind for attr, kind in _HOOKS.items() if getattr(module, attr))
+    if not name:
+        return (f"the model ({type(model).__name__}) got a {kind} after compile, and a pipeline "
+                f"never calls the model: it runs the model's graph in stages. Register the hook "
+                f"on the pipeline instead (pipe.register_forward_hook(...), as on the model)")
+    return (f"module {name!r} ({type(module).__name__}) got a {kind} after compile, and no stage "
+            f"calls that module: the stages run its operations, spread among them, so the hook "
+            f"would never fire. Compile the model again with the hook registered: fxpipe then "
+            f"keeps the module whole, and its hooks fire once per micro-batch")
 
 
 def _parts(model: nn.Module) -> list[tuple[str, Any]]:

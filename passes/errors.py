@@ -31,6 +31,11 @@ class CostError(FxpipeError):
     """A node failed while its cost was measured, or a node has no cost."""
 
 
+class ModelChangedError(FxpipeError):
+    """The model changed after compile in a way the pipeline cannot follow (a module, parameter or
+    buffer replaced; a hook on a module no stage calls): compile it again."""
+
+
 class StageError(FxpipeError):
     """A stage failed while the pipeline ran; names the stage, the micro-batch and the node."""
 

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import fxpipe
 from fxpipe.passes.trace import trace
@@ -179,6 +180,113 @@ def test_global_module_hooks_do_not_break_compile():
     finally:
         handle.remove()
     assert "Linear" in calls
+
+
+# ---- hooks registered after compile -----------------------------------------------------
+
+def register(module, kind, calls):
+    """A hook of `kind` on `module` that records each call (the rows it saw, for forward ones)."""
+    if kind == "forward hook":
+        return module.register_forward_hook(lambda m, inputs, out: calls.append(len(inputs[0])))
+    if kind == "forward pre-hook":
+        return module.register_forward_pre_hook(lambda m, inputs: calls.append(len(inputs[0])))
+    if kind == "backward hook":
+        return module.register_full_backward_hook(lambda m, gin, gout: calls.append(len(gout[0])))
+    return module.register_full_backward_pre_hook(lambda m, gout: calls.append(len(gout[0])))
+
+
+HOOK_KINDS = ["forward hook", "forward pre-hook", "backward hook", "backward pre-hook"]
+CALLS = {
+    "call": lambda pipe, x: pipe(x).square().sum().backward(),
+    "train_step": lambda pipe, x: pipe.train_step(x, torch.randn(len(x), 2), F.mse_loss),
+    "stream": lambda pipe, x: list(pipe.stream(x.split(4))),
+}
+
+
+@pytest.fixture(scope="module")
+def tower_pipe():
+    torch.manual_seed(0)
+    model = Tower()
+    return model, fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(16, 8),),
+                                 chunks=4)
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("kind", HOOK_KINDS)
+def test_a_hook_added_after_compile_to_a_module_traced_through_is_refused(tower_pipe, kind, call):
+    model, pipe = tower_pipe
+    assert "blocks.2" not in pipe.plan.capture.leaves        # fx traced through it
+    calls = []
+    handle = register(model.blocks[2], kind, calls)
+    try:
+        with pytest.raises(fxpipe.ModelChangedError,
+                           match=rf"module 'blocks.2' \(Block\) got a {kind} after compile.*"
+                                 rf"never fire. Compile the model again"):
+            CALLS[call](pipe, torch.randn(16, 8))
+    finally:
+        handle.remove()
+    assert calls == []
+    CALLS[call](pipe, torch.randn(16, 8))        # without the hook it runs again
+
+
+@pytest.mark.parametrize("kind", HOOK_KINDS)
+def test_compiled_again_a_hook_added_after_compile_fires_per_microbatch(kind):
+    torch.manual_seed(0)
+    model, x = Tower(), torch.randn(16, 8)
+    calls = []
+    register(model.blocks[2], kind, calls)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4)
+    calls.clear()
+    pipe.train_step(x, torch.randn(16, 2), F.mse_loss)
+    assert calls == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("kind", HOOK_KINDS)
+def test_a_hook_added_after_compile_to_a_leaf_module_fires_per_microbatch(tower_pipe, kind):
+    model, pipe = tower_pipe
+    calls = []
+    handle = register(model.blocks[2].up, kind, calls)    # a call_module node of a stage
+    try:
+        pipe(torch.randn(16, 8)).square().sum().backward()
+        assert calls == [4, 4, 4, 4]
+        calls.clear()
+        list(pipe.stream(torch.randn(16, 8).split(8)))
+        assert calls == ([8, 8] if kind.startswith("forward") else [])
+    finally:
+        handle.remove()
+
+
+def test_a_hook_added_after_compile_to_the_model_itself_is_refused(tower_pipe):
+    model, pipe = tower_pipe
+    handle = model.register_forward_hook(lambda m, inputs, output: output * 2)
+    try:
+        with pytest.raises(fxpipe.ModelChangedError, match=r"the model \(Tower\) got a forward "
+                                                           r"hook after compile.*on the pipeline"):
+            pipe.train_step(torch.randn(16, 8), torch.randn(16, 2), F.mse_loss)
+    finally:
+        handle.remove()
+
+
+def test_a_hook_added_after_compile_to_an_exported_models_module_is_refused():
+    model, x = Tower().eval(), torch.randn(16, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_inputs=(x,), chunks=4, capture="export")
+    model.head.register_forward_hook(lambda m, inputs, output: output * 2)
+    with pytest.raises(fxpipe.ModelChangedError, match=r"module 'head' \(Linear\) got a forward"):
+        pipe(x)
+
+
+def test_a_global_module_hook_added_after_compile_sees_the_modules_the_stages_call(tower_pipe):
+    model, pipe = tower_pipe
+    x, seen = torch.randn(16, 8), []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, inputs, output: seen.append(m))
+    try:
+        out = pipe(x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(out, model(x))
+    leaves = [m for m in model.modules() if not list(m.children())]   # each micro-batch's
+    assert sorted(map(id, seen)) == sorted([id(pipe)] + [id(m) for m in leaves for _ in range(4)])
 
 
 class Recorder(nn.Module):
