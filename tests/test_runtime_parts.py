@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.runtime import Aborted, Runtime, StageExecutor, ThreadTransport
-from fxpipe.runtime.orchestrator import _workers
+from fxpipe.runtime.orchestrator import _Worker, _workers
 from fxpipe.schedules import Phase, gpipe, one_f_one_b
 from fxpipe.wiring import Wiring
 from fxpipe.passes.codegen import split_stages
@@ -151,7 +151,7 @@ def test_the_orchestrator_joins_its_workers_when_a_stage_raises(training):
 
 def test_the_workers_context_aborts_and_joins_when_the_callers_block_raises():
     stop = threading.Event()
-    threads = [threading.Thread(target=stop.wait, name=f"fxpipe-stage-{i}") for i in range(3)]
+    threads = [_Worker(lambda index: stop.wait(), i, "fxpipe-stage") for i in range(3)]
     before = threading.enumerate()
 
     with pytest.raises(KeyError):
