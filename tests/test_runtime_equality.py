@@ -47,7 +47,8 @@ def per_microbatch(model, x, chunks, seed):
 def fxpipe_threads():
     """The runtime's threads that have not ended. (Not filtered by `is_alive()`, which a join
     that Ctrl-C interrupted can make say False while the thread still runs.)"""
-    return [t for t in threading.enumerate() if t.name.startswith(("fxpipe-stage", "fxpipe-stream"))]
+    return [t for t in threading.enumerate()
+            if t.name.startswith(("fxpipe-stage", "fxpipe-stream"))]
 
 
 # --- item 9: one seed, one result -----------------------------------------------------------------
