@@ -14,6 +14,11 @@ replicas add up their gradients (one all-reduce over a gloo group of that stage'
 every rank holds the whole batch's gradients, and every last stage returns the whole batch's
 loss.
 
+Placement: a plan's devices are those of the host it was planned on. Each rank loads its stage
+on `load(path, device=...)`, by default (`rank_device`) a stage planned on a GPU on the rank's
+own GPU, `cuda:LOCAL_RANK` under torchrun, made the current device, so that replicas on one host
+do not share GPUs; a stage planned on the CPU stays there.
+
 Tied weights: a parameter several stages hold (an embedding the output layer reads again) is
 loaded by each of their ranks, and each one's backward gives it only its stage's part. The saved
 plan's `shared` entries say which stages hold which; `load` makes a gloo group of the ranks
@@ -202,9 +207,9 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
         local = os.environ.get("LOCAL_RANK")
         device = torch.device("cuda", int(local)) if (
             planned.type == "cuda" and local is not None) else planned
-    name = device.name if isinstance(device, DeviceSpec) else device
-    if torch.device(name).type == "cuda":
-        torch.cuda.set_device(torch.device(name))
+    chosen = torch.device(device.name if isinstance(device, DeviceSpec) else device)
+    if chosen.type == "cuda" and chosen.index is not None:
+        torch.cuda.set_device(chosen)
     return device
 
 

@@ -9,9 +9,9 @@ A saved plan is a directory:
 - `plan.json`: what a person (or a tool) reads: the versions it was saved with, the capture, the
   devices, chunks, schedule and threads, the partition with its bound and proof, the stage
   wiring, every node's measured costs per kind of device, a SHA-256 of every other file and
-  one of its own content (`sha256`, over the rest of the document). It describes what runs but
-  is not what runs is read from (that is `plan.pt` and the stage files), so an edited plan.json
-  is refused at load rather than believed: plan again, or save the plan again, to change it.
+  one of its own content (`sha256`, over the rest of the document). It describes what runs,
+  which is read from `plan.pt` and the stage files, so an edit would not take effect: an edited
+  plan.json is refused at load rather than believed; to change a plan, plan and save it again.
 - `stage_<s>.py`: stage `s`'s generated code, to read (`print(pipe.stages[s].code)`).
 - `stage_<s>.pt`: stage `s`'s own tensors (torch's format, loaded with `weights_only=True`):
   parameters, buffers persistent or not, and the tensor constants the graph reads; a tensor
@@ -26,8 +26,8 @@ the fxpipe and torch versions against those running, and says what differs.
 
 A plan's devices are those it was planned for; `load_plan(path, devices=[...])` (one per stage)
 and `load_stage(path, index, device=...)` put the stages on others: each stage's tensors are
-loaded there, and the devices its code names (`arange(8, device=cpu)` in an export graph) become
-its new one. A stage whose planned memory exceeds its new device's (a GPU's own, or
+loaded there, and the devices its code names (`full_like(h, 2.0, device=cpu)` in an export
+graph) become its new one. A stage whose planned memory exceeds its new device's (a GPU's own, or
 `DeviceSpec(memory_bytes=...)`) is refused by name, as are stages sharing a tensor (a tied
 weight) put on different devices. A stage's code is traced again as it loads (torch pickles a
 GraphModule's code, not its graph): an op reading only constants (`arange(8)`) then runs once,
