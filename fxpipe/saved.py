@@ -27,9 +27,9 @@ the fxpipe and torch versions against those running, and says what differs.
 A plan's devices are those it was planned for; `load_plan(path, devices=[...])` (one per stage)
 and `load_stage(path, index, device=...)` put the stages on others: each stage's tensors are
 loaded there, and the devices its code names (`full_like(h, 2.0, device=cpu)` in an export
-graph) become its new one. A stage whose planned memory exceeds its new device's (a GPU's own, or
-`DeviceSpec(memory_bytes=...)`) is refused by name, as are stages sharing a tensor (a tied
-weight) put on different devices. A stage's code is traced again as it loads (torch pickles a
+graph) become its new one. Stages whose planned memory exceeds their new device's (a GPU's own,
+or `DeviceSpec(memory_bytes=...)`; stages put on one device share it) are refused by name, as
+are stages sharing a tensor (a tied weight) put on different devices. A stage's code is traced again as it loads (torch pickles a
 GraphModule's code, not its graph): an op reading only constants (`arange(8)`) then runs once,
 at load, and its result is a tensor constant of the loaded stage, on the stage's device.
 """
@@ -346,14 +346,22 @@ def _load_skeleton(root: Path) -> Any:
 
 
 def _moved(plan: Any, specs: dict[int, DeviceSpec], root: Path) -> Any:
-    """`plan` with stage `s` on `specs[s]` (not filled yet), once each fits its new device."""
+    """`plan` with stage `s` on `specs[s]` (not filled yet), once the stages put on each device
+    fit its memory together."""
+    sharing: dict[str, list[int]] = {}
     for s, spec in specs.items():
-        need = plan.partition.stages[s].memory_bytes
-        if need > spec.memory_bytes:
-            raise DeviceError(f"stage {s} of the plan at {str(root)!r} needs "
-                              f"{format_bytes(need)} (planned) but {spec.name} has "
-                              f"{format_bytes(spec.memory_bytes)}: give it a device with more "
-                              f"memory, or plan the model again for these devices")
+        sharing.setdefault(spec.name, []).append(s)
+    for name, stages in sharing.items():
+        need = sum(plan.partition.stages[s].memory_bytes for s in stages)
+        memory = min(specs[s].memory_bytes for s in stages)
+        if need > memory:
+            which = (f"stage {stages[0]}" if len(stages) == 1 else
+                     f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}")
+            raise DeviceError(f"{which} of the plan at {str(root)!r} need"
+                              f"{'s' if len(stages) == 1 else ''} {format_bytes(need)} (planned) "
+                              f"but {name} has {format_bytes(memory)}: give "
+                              f"{'it' if len(stages) == 1 else 'them'} a device with more memory, "
+                              f"or plan the model again for these devices")
     stages = tuple(dataclasses.replace(stage, device=torch.device(specs[s].name))
                    if s in specs else stage for s, stage in enumerate(plan.stages))
     devices = tuple(specs.get(s, d) for s, d in enumerate(plan.partition.devices))

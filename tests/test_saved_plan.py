@@ -385,11 +385,16 @@ def test_a_stage_too_big_for_its_new_device_is_refused_by_name(tmp_path):
     model, x = example()
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
     plan.save(tmp_path / "plan")
-    small = fxpipe.DeviceSpec("cpu", memory_bytes=plan.partition.stages[1].memory_bytes - 1)
+    need = [cost.memory_bytes for cost in plan.partition.stages]
+    small = fxpipe.DeviceSpec("cpu", memory_bytes=need[1] - 1)
     with pytest.raises(fxpipe.DeviceError, match="stage 1 of the plan .* needs .* but cpu has"):
-        fxpipe.load_plan(tmp_path / "plan", devices=["cpu", small])
-    with pytest.raises(fxpipe.DeviceError, match="stage 1 of the plan"):
         load_stage(tmp_path / "plan", 1, device=small)
+    # Stages put on one device share its memory.
+    shared = fxpipe.DeviceSpec("cpu", memory_bytes=sum(need) - 1)
+    with pytest.raises(fxpipe.DeviceError, match="stages 0 and 1 of the plan .* need "):
+        fxpipe.load_plan(tmp_path / "plan", devices=[shared, shared])
+    roomy = fxpipe.DeviceSpec("cpu", memory_bytes=sum(need))
+    fxpipe.load_plan(tmp_path / "plan", devices=[roomy, roomy])
     with pytest.raises(fxpipe.DeviceError, match="names 1 devices for the 2 stages"):
         fxpipe.load_plan(tmp_path / "plan", devices=["cpu"])
 
