@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -223,6 +224,42 @@ def test_an_edited_plan_json_is_refused_as_changed(saved, edit):
                                                    ".*describes the plan that runs.*Save the "
                                                    "plan again.*or restore"):
         fxpipe.load_plan(saved)
+
+
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    model, x = example()
+    path = tmp_path_factory.mktemp("saved") / "plan"
+    fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2).save(path)
+    return path
+
+
+def leaves(value, path=()):
+    """Every (path, value) of a JSON document's scalars."""
+    if isinstance(value, dict):
+        return [leaf for key, v in value.items() for leaf in leaves(v, (*path, key))]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in leaves(v, (*path, i))]
+    return [(path, value)]
+
+
+@given(data=st.data())
+def test_any_value_changed_in_plan_json_is_refused(saved_once, data):
+    text = (saved_once / "plan.json").read_text()
+    document = json.loads(text)
+    path, value = data.draw(st.sampled_from(leaves(document)))
+    changed = data.draw(st.one_of(st.integers(), st.text(max_size=3), st.booleans(), st.none())
+                        .filter(lambda v: v != value or type(v) is not type(value)))
+    owner = document
+    for key in path[:-1]:
+        owner = owner[key]
+    owner[path[-1]] = changed
+    try:
+        (saved_once / "plan.json").write_text(json.dumps(document))
+        with pytest.raises(fxpipe.PlanFileError):
+            fxpipe.load_plan(saved_once)
+    finally:
+        (saved_once / "plan.json").write_text(text)
 
 
 def test_plan_json_laid_out_anew_still_loads(saved):
