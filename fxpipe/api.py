@@ -127,6 +127,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
                          f"keyword example inputs as a dict (name -> value), positional ones in "
                          f"example_inputs")
     example_kwargs = dict(example_kwargs or {})
+    _refuse_meta(model, (example_inputs, example_kwargs))
     if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1, "
                          f"or 'auto' to let the plan choose")
@@ -193,6 +194,26 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
         recipe.progress.finish()
     pipe._recipe = recipe
     return pipe
+
+
+def _refuse_meta(model: nn.Module, inputs: Any) -> None:
+    """Refuse a model with parameters or buffers on the meta device (built under
+    `torch.device("meta")`), or example inputs there: they hold no values to measure, run or
+    check against."""
+    on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+               if t.is_meta]
+    if on_meta:
+        more = f" (and {len(on_meta) - 1} more tensors)" if len(on_meta) > 1 else ""
+        raise DeviceError(
+            f"the model's {on_meta[0]!r}{more} is on the meta device: it has a shape but no "
+            f"values, and fxpipe plans from the model run on real ones (planning from meta is "
+            f"not supported yet). Materialise the model first: "
+            f"model.load_state_dict(state_dict, assign=True) with its weights, or "
+            f"model.to_empty(device='cpu') then load or initialise them")
+    if any(t.is_meta for t in tensors(inputs)):
+        raise DeviceError("an example input is on the meta device: it has a shape but no values, "
+                          "and fxpipe measures and checks the model on real ones; pass real "
+                          "example inputs (e.g. torch.randn(shape)) of the batch's shape")
 
 
 def plan(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,

@@ -14,6 +14,11 @@ replicas add up their gradients (one all-reduce over a gloo group of that stage'
 every rank holds the whole batch's gradients, and every last stage returns the whole batch's
 loss.
 
+Placement: a plan's devices are those of the host it was planned on. Each rank loads its stage
+on `load(path, device=...)`, by default (`rank_device`) a stage planned on a GPU on the rank's
+own GPU, `cuda:LOCAL_RANK` under torchrun, made the current device, so that replicas on one host
+do not share GPUs; a stage planned on the CPU stays there.
+
 Tied weights: a parameter several stages hold (an embedding the output layer reads again) is
 loaded by each of their ranks, and each one's backward gives it only its stage's part. The saved
 plan's `shared` entries say which stages hold which; `load` makes a gloo group of the ranks
@@ -81,17 +86,18 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxpipe.passes.cost_model import Link
+from fxpipe.passes.cost_model import DeviceSpec, Link
 from fxpipe.passes.errors import FxpipeError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
 from .pipeline import check_loss, step_inputs
+from .devices import DeviceLike
 from .report import LINKS
 from .runtime.executor import StageExecutor
 from .runtime.orchestrator import Run, StageRow, _stage_error
-from .saved import load_stage_plan, shared_tensors, stage_count
+from .saved import load_stage_plan, planned_device, shared_tensors, stage_count
 from .schedules import Phase, Slot, gpipe, timetable_for
 from .wiring import DRIVER, Flow
 
@@ -107,18 +113,21 @@ class WorldSizeError(DistributedError):
     """The number of processes differs from the plan's number of stages."""
 
 
-def load(path: str | os.PathLike, *, timeout: float = 60.0) -> "DistributedStage":
+def load(path: str | os.PathLike, *, device: DeviceLike | None = None,
+         timeout: float = 60.0) -> "DistributedStage":
     """This process's stage of the plan saved at `path`, its weights only.
 
     The world is `replicas x stages` processes: rank r runs stage `r % stages` of replica
-    `r // stages` (one process per stage is one replica). Joins the default process group,
+    `r // stages` (one process per stage is one replica). The stage runs on `device`; by default
+    (see `rank_device`) a stage planned on a GPU runs on this process's own GPU, `cuda:LOCAL_RANK`
+    under torchrun, and one planned on the CPU on the CPU. Joins the default process group,
     initialised here from torchrun's environment (env://, gloo) unless the caller did; `timeout`
     (seconds) bounds every wait for another rank. A rank that cannot load its stage makes every
     rank raise: itself its error, the others a `DistributedError` naming it.
     """
     group, owned = _process_group(timeout)
     try:
-        return _load(path, timeout, group, owned)
+        return _load(path, device, timeout, group, owned)
     except BaseException:
         if owned:    # a process group left behind at exit can abort the process (SIGABRT)
             dist.destroy_process_group()
@@ -188,7 +197,24 @@ def _ping_pong(rank: int, init: str, repeats: int, timeout: float, results: Any)
         dist.destroy_process_group()
 
 
-def _load(path: str | os.PathLike, timeout: float, group: Any, owned: bool) -> "DistributedStage":
+def rank_device(planned: torch.device, device: DeviceLike | None = None) -> DeviceLike:
+    """Where this process runs a stage planned for `planned`: `device` when given; otherwise,
+    for a stage planned on a GPU, this process's own GPU under torchrun (`cuda:LOCAL_RANK`: a
+    plan's devices are those of the host it was planned on, and replicas on one host must not
+    share a GPU), else `planned`. A CUDA device chosen becomes the current one
+    (`torch.cuda.set_device`), so that what runs without naming a device runs there too."""
+    if device is None:
+        local = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local)) if (
+            planned.type == "cuda" and local is not None) else planned
+    chosen = torch.device(device.name if isinstance(device, DeviceSpec) else device)
+    if chosen.type == "cuda" and chosen.index is not None:
+        torch.cuda.set_device(chosen)
+    return device
+
+
+def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, group: Any,
+          owned: bool) -> "DistributedStage":
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = stage_count(path)
     if world % stages:
@@ -199,7 +225,8 @@ def _load(path: str | os.PathLike, timeout: float, group: Any, owned: bool) -> "
     replica, index = divmod(rank, stages)
     loaded, error = None, None
     try:
-        loaded = load_stage_plan(path, index), shared_tensors(path)
+        here = rank_device(planned_device(path, index), device)
+        loaded = load_stage_plan(path, index, device=here), shared_tensors(path)
     except Exception as e:
         error = e
     _agree_loaded(rank, error, group, timeout)

@@ -8,17 +8,30 @@ A saved plan is a directory:
 
 - `plan.json`: what a person (or a tool) reads: the versions it was saved with, the capture, the
   devices, chunks, schedule and threads, the partition with its bound and proof, the stage
-  wiring, every node's measured costs per kind of device, and a SHA-256 of every other file.
+  wiring, every node's measured costs per kind of device, a SHA-256 of every other file and
+  one of its own content (`sha256`, over the rest of the document). It describes what runs,
+  which is read from `plan.pt` and the stage files, so an edit would not take effect: an edited
+  plan.json is refused at load rather than believed; to change a plan, plan and save it again.
 - `stage_<s>.py`: stage `s`'s generated code, to read (`print(pipe.stages[s].code)`).
-- `stage_<s>.pt`: stage `s`'s own weights (torch's format, loaded with `weights_only=True`); a
-  tensor several stages share is saved once, with the first stage holding it.
+- `stage_<s>.pt`: stage `s`'s own tensors (torch's format, loaded with `weights_only=True`):
+  parameters, buffers persistent or not, and the tensor constants the graph reads; a tensor
+  several stages share is saved once, with the first stage holding it.
 - `plan.pt`: the plan itself (stages as GraphModules with their tensors left out, the calling
   convention), pickled by `torch.save`. Loading it unpickles Python objects: load only plans you
   trust, as with any pickle. A stage that calls a module class from outside torch (a leaf module
   kept whole) needs that class importable where the plan is loaded; everything else is torch's.
 
-Loading checks every file against `plan.json` (missing, changed) and the fxpipe and torch versions
-against those running, and says what differs.
+Loading checks every file against `plan.json` (missing, changed), plan.json against itself, and
+the fxpipe and torch versions against those running, and says what differs.
+
+A plan's devices are those it was planned for; `load_plan(path, devices=[...])` (one per stage)
+and `load_stage(path, index, device=...)` put the stages on others: each stage's tensors are
+loaded there, and the devices its code names (`full_like(h, 2.0, device=cpu)` in an export
+graph) become its new one. Stages whose planned memory exceeds their new device's (a GPU's own,
+or `DeviceSpec(memory_bytes=...)`; stages put on one device share it) are refused by name, as
+are stages sharing a tensor (a tied weight) put on different devices. A stage's code is traced again as it loads (torch pickles a
+GraphModule's code, not its graph): an op reading only constants (`arange(8)`) then runs once,
+at load, and its result is a tensor constant of the loaded stage, on the stage's device.
 """
 
 from __future__ import annotations
@@ -31,15 +44,18 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from fxpipe.passes.codegen import Stage
-from fxpipe.passes.errors import FxpipeError
+from fxpipe.passes.codegen import Stage, place
+from fxpipe.passes.cost_model import DeviceSpec, format_bytes
+from fxpipe.passes.errors import DeviceError, FxpipeError
 
-FORMAT = 1
+from .devices import DeviceLike, parse_devices
+
+FORMAT = 2
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
 
 
@@ -82,19 +98,38 @@ def save(plan: Any, path: str | os.PathLike) -> Path:
         files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE, plan)
     document = {"format": FORMAT, **versions(), "summary": str(plan).splitlines()[0],
                 **_description(plan), "shared": shared, "files": files}
-    (root / PLAN_FILE).write_text(json.dumps(_finite(document), indent=1, default=str) + "\n")
+    document = json.loads(json.dumps(_finite(document), default=str))     # as read back
+    document = {**document, "sha256": _content_digest(document)}
+    (root / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
     return root
 
 
-def load_plan(path: str | os.PathLike, model: nn.Module | None = None) -> Any:
+def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
+              devices: Sequence[DeviceLike] | None = None) -> Any:
     """The plan saved at `path`, every stage with its weights on its device.
 
     With `model`, the stages take that model's current weights instead of the saved ones (a
     plan made once, run with weights trained since); a model whose parameters and buffers do not
-    match the plan's by name, shape and dtype is refused, naming what differs.
+    match the plan's by name, shape and dtype is refused, naming what differs. With `devices`
+    (one per stage: "cuda:0", a torch.device or a DeviceSpec), stage `s` runs on `devices[s]`
+    instead of the device it was planned for (see the module docstring).
     """
     root, document = _checked(path, None)
     plan = _load_skeleton(root)
+    if devices is not None:
+        specs = parse_devices(devices)
+        if len(specs) != len(plan.stages):
+            raise DeviceError(f"devices= names {len(specs)} devices for the {len(plan.stages)} "
+                              f"stages of the plan at {str(root)!r}: give one per stage")
+        plan = _moved(plan, dict(enumerate(specs)), root)
+        for stage in plan.stages:
+            for name, (first, _) in document["shared"][stage.index].items():
+                if plan.stages[first].device != stage.device:
+                    raise DeviceError(
+                        f"stages {first} and {stage.index} of the plan at {str(root)!r} share "
+                        f"{name!r} (a tied tensor), but devices= puts them on "
+                        f"{plan.stages[first].device} and {stage.device}: a tensor lives on "
+                        f"one device; give those stages the same one")
     loaded: dict[tuple[int, str], torch.Tensor] = {}
     for stage in plan.stages:
         _fill(root, stage, document["shared"][stage.index], loaded)
@@ -103,22 +138,25 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None) -> Any:
     return plan
 
 
-def load_stage(path: str | os.PathLike, index: int) -> Stage:
+def load_stage(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None) -> Stage:
     """Stage `index` of the plan saved at `path`, with its own weights only (a process running
-    one stage loads nothing else). A tensor it shares with an earlier stage is read from that
-    stage's file."""
-    return load_stage_plan(path, index)[1]
+    one stage loads nothing else), on `device` when given (else the one it was planned for). A
+    tensor it shares with an earlier stage is read from that stage's file."""
+    return load_stage_plan(path, index, device=device)[1]
 
 
-def load_stage_plan(path: str | os.PathLike, index: int) -> tuple[Any, Stage]:
+def load_stage_plan(path: str | os.PathLike, index: int, *,
+                    device: DeviceLike | None = None) -> tuple[Any, Stage]:
     """The plan saved at `path` without weights (its wiring, calling convention, chunks and
     schedule: what a process running one stage needs to know of the others), and its stage
-    `index` with that stage's own weights (see `load_stage`)."""
+    `index` with that stage's own weights, on `device` when given (see `load_stage`)."""
     root, document = _checked(path, index)
     plan = _load_skeleton(root)
     if not 0 <= index < len(plan.stages):
         raise FxpipeError(f"the plan at {str(root)!r} has stages 0 to {len(plan.stages) - 1}, "
                           f"not {index}")
+    if device is not None:
+        plan = _moved(plan, {index: parse_devices(device)[0]}, root)
     stage = plan.stages[index]
     _fill(root, stage, document["shared"][index], {})
     return plan, stage
@@ -140,6 +178,12 @@ def stage_count(path: str | os.PathLike) -> int:
     """How many stages the plan saved at `path` has, read off its plan.json (checked for
     format and versions, no weights read)."""
     return len(_document(Path(path))["stages"])
+
+
+def planned_device(path: str | os.PathLike, index: int) -> torch.device:
+    """The device stage `index` of the plan saved at `path` was planned for, read off its
+    plan.json."""
+    return torch.device(_document(Path(path))["stages"][index]["device"])
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -222,6 +266,13 @@ def _description(plan: Any) -> dict[str, Any]:
     }
 
 
+def _content_digest(document: dict[str, Any]) -> str:
+    """The SHA-256 of a plan.json document's content (as JSON reads it back), its own `sha256`
+    entry left out: indifferent to how the file is laid out, changed by any edit of a value."""
+    content = {key: value for key, value in document.items() if key != "sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def _finite(value: Any) -> Any:
     """`value` with every infinite or NaN float written as a string ("inf"): JSON has none."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -279,6 +330,12 @@ def _document(root: Path) -> dict[str, Any]:
     if differ:
         raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions: "
                             f"{'; '.join(differ)}. Plan the model again with these versions")
+    if document.get("sha256") != _content_digest(document):
+        raise PlanFileError(f"{root / PLAN_FILE} changed since the plan was saved (its content no "
+                            f"longer matches its sha256): plan.json describes the plan that runs, "
+                            f"which is read from {PICKLE_FILE} and the stage files, so an edit "
+                            f"would not take effect. Save the plan again to change it "
+                            f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
     return document
 
 
@@ -288,10 +345,36 @@ def _load_skeleton(root: Path) -> Any:
         return torch.load(root / PICKLE_FILE, weights_only=False)
 
 
+def _moved(plan: Any, specs: dict[int, DeviceSpec], root: Path) -> Any:
+    """`plan` with stage `s` on `specs[s]` (not filled yet), once the stages put on each device
+    fit its memory together."""
+    sharing: dict[str, list[int]] = {}
+    for s, spec in specs.items():
+        sharing.setdefault(spec.name, []).append(s)
+    for name, stages in sharing.items():
+        need = sum(plan.partition.stages[s].memory_bytes for s in stages)
+        memory = min(specs[s].memory_bytes for s in stages)
+        if need > memory:
+            which = (f"stage {stages[0]}" if len(stages) == 1 else
+                     f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}")
+            raise DeviceError(f"{which} of the plan at {str(root)!r} need"
+                              f"{'s' if len(stages) == 1 else ''} {format_bytes(need)} (planned) "
+                              f"but {name} has {format_bytes(memory)}: give "
+                              f"{'it' if len(stages) == 1 else 'them'} a device with more memory, "
+                              f"or plan the model again for these devices")
+    stages = tuple(dataclasses.replace(stage, device=torch.device(specs[s].name))
+                   if s in specs else stage for s, stage in enumerate(plan.stages))
+    devices = tuple(specs.get(s, d) for s, d in enumerate(plan.partition.devices))
+    return dataclasses.replace(plan, stages=stages,
+                               partition=dataclasses.replace(plan.partition, devices=devices))
+
+
 def _fill(root: Path, stage: Stage, refs: dict[str, list], loaded: dict[tuple[int, str],
                                                                         torch.Tensor]) -> None:
-    """Put stage's weights, read from its file (and shared ones from their holder's, or from
-    `loaded` when that stage was filled already), in place of its stand-ins."""
+    """Put stage's tensors, read from its file (and shared ones from their holder's, or from
+    `loaded` when that stage was filled already), in place of its stand-ins, then place the
+    stage on its device (tensor constants its code made as it loaded, devices its code names).
+    """
     files: dict[int, dict[str, torch.Tensor]] = {}
 
     def weights(s: int) -> dict[str, torch.Tensor]:
@@ -303,8 +386,8 @@ def _fill(root: Path, stage: Stage, refs: dict[str, list], loaded: dict[tuple[in
     for path, owner in stage.module.named_modules(remove_duplicate=False):
         for table in (owner._parameters, owner._buffers):
             for name, stand_in in list(table.items()):
-                if stand_in is None:
-                    continue
+                if stand_in is None or stand_in.device.type != "meta":
+                    continue             # not saved: a constant the code made as it loaded
                 qualified = ".".join(filter(None, (path, name)))
                 holder = tuple(refs.get(qualified, (stage.index, qualified)))
                 if holder not in loaded:
@@ -312,6 +395,7 @@ def _fill(root: Path, stage: Stage, refs: dict[str, list], loaded: dict[tuple[in
                     loaded[holder] = (nn.Parameter(value, stand_in.requires_grad)
                                       if isinstance(stand_in, nn.Parameter) else value)
                 table[name] = loaded[holder]
+    place(stage.module, stage.device)
 
 
 def _take_weights(plan: Any, model: nn.Module, root: Path) -> None:

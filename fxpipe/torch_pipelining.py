@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.errors import FxpipeError
 
-from .saved import load_stage_plan, stage_count
+from .devices import DeviceLike
+from .distributed import rank_device
+from .saved import load_stage_plan, planned_device, stage_count
 from .wiring import DRIVER
 
 __all__ = ["NotAChainError", "chain_module", "check_chain", "pipeline_stages"]
@@ -82,11 +83,13 @@ def chain_module(plan, index: int) -> nn.Module:
     return _Link(stage, takes)
 
 
-def pipeline_stages(path: str | os.PathLike, *, device: str | torch.device = "cpu",
+def pipeline_stages(path: str | os.PathLike, *, device: DeviceLike | None = None,
                     group: dist.ProcessGroup | None = None) -> list:
     """This rank's `PipelineStage`s of the chain plan saved at `path` (rank r of w holds stages
     r, r + w, ...), each loaded with its own weights only; the default process group must be
-    initialised (torchrun, then `dist.init_process_group`)."""
+    initialised (torchrun, then `dist.init_process_group`). Each stage, its weights and the
+    devices its code names, is put on `device`, by default as `fxpipe.distributed.load` does
+    (`rank_device`: `cuda:LOCAL_RANK` for a stage planned on a GPU, else its planned device)."""
     from torch.distributed.pipelining import PipelineStage
 
     if not dist.is_initialized():
@@ -99,7 +102,8 @@ def pipeline_stages(path: str | os.PathLike, *, device: str | torch.device = "cp
                           f"{world} processes: start {count} (or a divisor of it) with torchrun")
     stages = []
     for index in range(rank, count, world):
-        plan, _ = load_stage_plan(path, index)
-        stages.append(PipelineStage(chain_module(plan, index), index, count,
-                                    torch.device(device), group=group))
+        plan, stage = load_stage_plan(path, index,
+                                      device=rank_device(planned_device(path, index), device))
+        stages.append(PipelineStage(chain_module(plan, index), index, count, stage.device,
+                                    group=group))
     return stages

@@ -42,7 +42,11 @@ class StageTracer(fx.Tracer):
     pickles its code, not its graph, and traces the code again): every Python function the code
     calls stays one call, as in the graph, rather than being traced through. Without it
     fxpipe's `seeded` draws were traced through into plain dropout, drawing other numbers, and
-    functions the user kept whole with `torch.fx.wrap` were inlined."""
+    functions the user kept whole with `torch.fx.wrap` were inlined. Buffers are read as graph
+    values too: a loaded stage's tensors are empty stand-ins while its code is traced, so an op
+    combining a buffer with a constant (`arange(8) * self.offset`) must stay a node, not run."""
+
+    proxy_buffer_attributes = True
 
     def trace(self, root, concrete_args=None):
         forward = getattr(root, "forward", root)

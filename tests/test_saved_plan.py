@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -113,9 +114,9 @@ def test_a_loaded_plan_draws_the_random_numbers_the_pipeline_draws(tmp_path):
         torch.testing.assert_close(run(loaded), expected)
 
 
-def test_a_saved_plan_runs_in_a_process_without_the_models_code(tmp_path):
-    model, x = example()
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
+def loads_in_a_fresh_process(pipe, model, x, tmp_path) -> None:
+    """Save `pipe`'s plan, load it in a new Python process (without the model's code) and
+    check there that the loaded pipeline's output on `x` is the model's."""
     pipe.plan.save(tmp_path / "plan")
     torch.save({"x": x, "y": model(x).detach()}, tmp_path / "io.pt")
     script = textwrap.dedent(f"""
@@ -131,6 +132,37 @@ def test_a_saved_plan_runs_in_a_process_without_the_models_code(tmp_path):
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": root}, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "same"
+
+
+def test_a_saved_plan_runs_in_a_process_without_the_models_code(tmp_path):
+    model, x = example()
+    loads_in_a_fresh_process(fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2), model, x,
+                             tmp_path)
+
+
+class Rotary(nn.Module):
+    """Tensors that are no parameters: a constant computed in forward, a plain tensor attribute
+    (an export constant), a non-persistent buffer (as rotary embeddings keep `inv_freq`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.rand(8) + 0.5, persistent=False)
+        self.offset = torch.linspace(-1.0, 1.0, 8)
+
+    def forward(self, x):
+        positions = torch.arange(8, dtype=torch.float32)
+        h = torch.relu(self.a(x)) + positions * self.offset
+        return self.b(h * self.inv_freq)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_plan_with_tensor_constants_and_non_persistent_buffers_loads_in_a_fresh_process(
+        capture, tmp_path):
+    torch.manual_seed(0)
+    model, x = Rotary().eval(), torch.randn(6, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, capture=capture)
+    loads_in_a_fresh_process(pipe, model, x, tmp_path)
 
 
 def test_an_exported_plan_round_trips(tmp_path):
@@ -176,6 +208,66 @@ def test_a_missing_file_is_named(saved):
         fxpipe.load_plan(saved)
     with pytest.raises(fxpipe.PlanFileError, match="no saved plan"):
         fxpipe.load_plan(saved.parent / "elsewhere")
+
+
+@pytest.mark.parametrize("edit", ["rename a node", "move a node to another stage"])
+def test_an_edited_plan_json_is_refused_as_changed(saved, edit):
+    document = json.loads((saved / "plan.json").read_text())
+    stage_of = document["partition"]["stage_of"]
+    first = next(iter(stage_of))
+    if edit == "rename a node":
+        stage_of["renamed"] = stage_of.pop(first)
+    else:
+        stage_of[first] = 1 - stage_of[first]
+    (saved / "plan.json").write_text(json.dumps(document, indent=1))
+    with pytest.raises(fxpipe.PlanFileError, match="plan.json changed since the plan was saved"
+                                                   ".*describes the plan that runs.*Save the "
+                                                   "plan again.*or restore"):
+        fxpipe.load_plan(saved)
+
+
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    model, x = example()
+    path = tmp_path_factory.mktemp("saved") / "plan"
+    fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2).save(path)
+    return path
+
+
+def leaves(value, path=()):
+    """Every (path, value) of a JSON document's scalars."""
+    if isinstance(value, dict):
+        return [leaf for key, v in value.items() for leaf in leaves(v, (*path, key))]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in leaves(v, (*path, i))]
+    return [(path, value)]
+
+
+@given(data=st.data())
+def test_any_value_changed_in_plan_json_is_refused(saved_once, data):
+    text = (saved_once / "plan.json").read_text()
+    document = json.loads(text)
+    path, value = data.draw(st.sampled_from(leaves(document)))
+    changed = data.draw(st.one_of(st.integers(), st.text(max_size=3), st.booleans(), st.none())
+                        .filter(lambda v: v != value or type(v) is not type(value)))
+    owner = document
+    for key in path[:-1]:
+        owner = owner[key]
+    owner[path[-1]] = changed
+    try:
+        (saved_once / "plan.json").write_text(json.dumps(document))
+        with pytest.raises(fxpipe.PlanFileError):
+            fxpipe.load_plan(saved_once)
+    finally:
+        (saved_once / "plan.json").write_text(text)
+
+
+def test_plan_json_laid_out_anew_still_loads(saved):
+    document = json.loads((saved / "plan.json").read_text())
+    (saved / "plan.json").write_text(json.dumps(document, indent=4))
+    model, x = example()
+    with torch.no_grad():
+        torch.testing.assert_close(fxpipe.Pipeline(fxpipe.load_plan(saved))(x), model(x))
 
 
 def test_a_changed_file_is_named(saved):
@@ -289,3 +381,71 @@ def test_shared_tensors_names_every_tensor_several_stages_hold(tmp_path):
     expected = {first[i]: stages for i, stages in held.items() if len(stages) > 1}
     assert expected == {(0, "emb.weight"): {0: "emb.weight", 2: "emb.weight"}}
     assert shared_tensors(tmp_path / "plan") == expected
+
+
+class Filled(nn.Module):
+    """An export graph names the example's device in an op reading a value (`full_like`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h * torch.full_like(h, 2.0, device=h.device))
+
+
+def test_a_plan_loads_on_the_devices_given(tmp_path):
+    torch.manual_seed(0)
+    model, x = Filled().eval(), torch.randn(6, 8)
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, capture="export")
+    # As a plan made on another device would, the stages' code names that device.
+    for stage in plan.stages:
+        for n in stage.module.graph.nodes:
+            n.kwargs = {k: torch.device("meta") if isinstance(v, torch.device) else v
+                        for k, v in n.kwargs.items()}
+        stage.module.recompile()
+    plan.save(tmp_path / "plan")
+    assert "device = device(type='meta')" in "".join(
+        (tmp_path / "plan" / f"stage_{s}.py").read_text() for s in range(2))
+    roomy = fxpipe.DeviceSpec("cpu", memory_bytes=1e12)
+    loaded = fxpipe.load_plan(tmp_path / "plan", devices=["cpu", roomy])
+    assert loaded.partition.devices == (fxpipe.DeviceSpec("cpu"), roomy)
+    assert "meta" not in "".join(stage.module.code for stage in loaded.stages)
+    with torch.no_grad():
+        torch.testing.assert_close(fxpipe.Pipeline(loaded)(x), model(x))
+    stage = load_stage(tmp_path / "plan", 1, device="cpu")
+    assert "meta" not in stage.module.code and stage.device == torch.device("cpu")
+
+
+def test_a_stage_too_big_for_its_new_device_is_refused_by_name(tmp_path):
+    model, x = example()
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
+    plan.save(tmp_path / "plan")
+    need = [cost.memory_bytes for cost in plan.partition.stages]
+    small = fxpipe.DeviceSpec("cpu", memory_bytes=need[1] - 1)
+    with pytest.raises(fxpipe.DeviceError, match="stage 1 of the plan .* needs .* but cpu has"):
+        load_stage(tmp_path / "plan", 1, device=small)
+    # Stages put on one device share its memory.
+    shared = fxpipe.DeviceSpec("cpu", memory_bytes=sum(need) - 1)
+    with pytest.raises(fxpipe.DeviceError, match="stages 0 and 1 of the plan .* need "):
+        fxpipe.load_plan(tmp_path / "plan", devices=[shared, shared])
+    roomy = fxpipe.DeviceSpec("cpu", memory_bytes=sum(need))
+    fxpipe.load_plan(tmp_path / "plan", devices=[roomy, roomy])
+    with pytest.raises(fxpipe.DeviceError, match="names 1 devices for the 2 stages"):
+        fxpipe.load_plan(tmp_path / "plan", devices=["cpu"])
+
+
+
+def test_a_rank_runs_a_gpu_stage_on_its_local_gpu(monkeypatch):
+    from fxpipe.distributed import rank_device
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device(torch.device("cuda:0")) == torch.device("cuda:3")
+    assert chosen == [torch.device("cuda:3")]
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")
+    assert rank_device(torch.device("cuda:0"), "cpu") == "cpu"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert rank_device(torch.device("cuda:1")) == torch.device("cuda:1")
+    assert chosen == [torch.device("cuda:3"), torch.device("cuda:1")]
