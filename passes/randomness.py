@@ -61,6 +61,11 @@ def microbatch_seed(seed: int | None) -> Iterator[None]:
         _local.seed = previous
 
 
+def current_seed() -> int | None:
+    """This thread's micro-batch seed (None outside a pipeline run)."""
+    return getattr(_local, "seed", None)
+
+
 @dataclass(frozen=True)
 class RngState:
     """A micro-batch's generator states after its latest draw: CPU, and each CUDA device used."""
@@ -86,7 +91,7 @@ def seeded(state: RngState | None, op: Callable, *args: Any, **kwargs: Any) -> t
     """`op(*args, **kwargs)` drawing from `state` (None: the micro-batch's seed); returns the
     result and the state after it. Outside a pipeline run, `op` draws as usual."""
     if state is None:
-        seed = getattr(_local, "seed", None)
+        seed = current_seed()
         if seed is None:
             return op(*args, **kwargs), None
         state = RngState.from_seed(seed)

@@ -283,6 +283,38 @@ def test_a_stage_input_named_for_recomputation_stays_an_input():
     torch.testing.assert_close(gm(relu, x), expected)
 
 
+def test_a_run_drawing_first_recomputes_the_same_dropout_on_another_thread():
+    """A GPU's backward runs on autograd's thread for that device, where no micro-batch seed is
+    set: a recomputed run whose first draw starts from the seed carries the seed along."""
+    import threading
+    import torch.fx as fx
+    from fxpipe.passes.randomness import microbatch_seed, seed_random_ops
+    from fxpipe.passes.recompute import checkpoint_regions, recomputing
+
+    def f(x):
+        return torch.sin(F.dropout(x, 0.5, True) * 2)
+    plain = seed_random_ops(fx.symbolic_trace(f))
+    regions = checkpoint_regions(copy.deepcopy(plain), {
+        n.name for n in plain.graph.nodes if n.op == "call_function"})
+    assert "recomputed_0" in regions.code
+    x = torch.randn(64, 8)
+
+    def on_another_thread(work):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+
+    def gradient(gm, run_backward):
+        leaf = x.clone().requires_grad_()
+        with microbatch_seed(7), recomputing():
+            out = gm(leaf)
+        run_backward(lambda: out.sum().backward())
+        return leaf.grad
+    expected = gradient(plain, lambda work: work())
+    assert (expected == 0).any() and (expected != 0).any()     # dropout dropped some, not all
+    torch.testing.assert_close(gradient(regions, on_another_thread), expected)
+
+
 def costed_chain():
     """a -> cheap -> costly -> cheap2 -> out, each keeping 100 bytes of its own and its output
     kept by its reader; known forward times."""

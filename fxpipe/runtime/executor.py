@@ -74,7 +74,7 @@ class StageExecutor:
         self.losses: dict[int, torch.Tensor] = {}    # micro-batch -> its loss, detached
         self._saved: dict[int, _Saved] = {}
         # Runs of nodes recomputed in the backward (`fxpipe.passes.recompute`) write the buffers
-        # again there and draw from the micro-batch's seed again.
+        # again there (and draw from the micro-batch's seed again, which each run carries).
         self._regions = any(isinstance(m, Recomputed) for m in stage.module.modules())
         self._grad_enabled = torch.is_grad_enabled() or bool(self.backward_for)
         self._autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
@@ -147,9 +147,8 @@ class StageExecutor:
         saved = self._saved.pop(m)
         if not self.recompute and not self._regions:
             return self._backward(saved, grads)
-        if not self.recompute:
-            with unchanged_state(self.stage.module), \
-                    microbatch_seed(self.seeds[m] if self.seeds is not None else None):
+        if not self.recompute:    # each recomputed run carries its micro-batch seed
+            with unchanged_state(self.stage.module):
                 return self._backward(saved, grads)
         # Buffers the forward writes (BatchNorm's running statistics) are put back once the
         # backward is done (autograd checks them until then): the first forward updated them.
