@@ -88,6 +88,10 @@ class StageExecutor:
             for kind, dtype in self._autocast:
                 context.enter_context(torch.autocast(kind, dtype=dtype))
             if self.stream is not None:
+                # The stage's GPU current first: leaving the stream then restores only that
+                # GPU's stream, where restoring the thread's previous device (GPU 0 on a new
+                # thread) would start a context there, on a GPU the plan may not use.
+                context.enter_context(torch.cuda.device(self.stream.device))
                 context.enter_context(torch.cuda.stream(self.stream))
             yield
 
