@@ -61,6 +61,28 @@ def test_recomputing_gives_the_same_step_dropout_and_batchnorm_included(schedule
     assert runs["never"][2]["norm.num_batches_tracked"].item() == 4
 
 
+@pytest.mark.parametrize("recompute", ["always", "runs"])
+def test_a_recomputing_step_reads_no_tensor_on_the_host(recompute, host_reads):
+    """Putting the buffers back after a recomputed backward compares nothing on the host (on a
+    GPU each comparison would wait for it), and the step is unchanged."""
+    from fxpipe.passes.recompute import checkpoint_regions
+    torch.manual_seed(0)
+    model, x, target = Net().train(), torch.randn(16, 8), torch.randn(16, 8)
+    twin = copy.deepcopy(model)
+    plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4)
+    pipe = fxpipe.compile(twin, ["cpu"] * 2, (x,), chunks=4,
+                          recompute="always" if recompute == "always" else "never")
+    if recompute == "runs":
+        for stage in pipe.plan.stages:
+            checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
+                                              if n.op == "call_module"})
+    expected = step(plain, model, x, target)
+    host_reads.clear()
+    got = step(pipe, twin, x, target)
+    assert host_reads == []
+    assert_same_step(expected, got)
+
+
 def test_a_recomputing_stage_keeps_only_its_inputs_until_its_backward():
     from fxpipe.runtime import StageExecutor
     from fxpipe.passes.codegen import split_stages
