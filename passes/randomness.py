@@ -7,6 +7,12 @@ order instead: each call draws one base seed from the caller's default CPU gener
 micro-batch `m` runs as if `torch.manual_seed(seeds[m])` had been called just before the model ran
 on that micro-batch alone. That is the contract the runtime keeps and the reference runs check.
 
+Each device draws from its own generator, as in torch: the CPU's state, and each GPU's, start
+from the seed and follow the micro-batch's draws on that device (`RngState`). So a pipeline of
+CPU stages, or of stages on one GPU, draws what the model draws there, while a plan over two
+GPUs draws on the second GPU from the seed again, as the model placed by hand over those GPUs
+after `torch.manual_seed` would: other numbers than on one GPU.
+
 How: `seed_random_ops` rewrites every node that draws random numbers into a call of `seeded`,
 which takes the generator state left by the previous draw and returns the op's result and the
 state after it:

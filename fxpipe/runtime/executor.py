@@ -16,8 +16,9 @@ tensors stay attached to autograd, so `pipe(x).sum().backward()` works as for th
 Random draws follow the seeds the caller's `Pipeline` drew, one per micro-batch (see
 `fxpipe.passes.randomness`): micro-batch m's forward runs under `microbatch_seed(seeds[m])`.
 
-On a GPU the stage computes on its own CUDA stream, which first waits for the caller's stream
-(its inputs, the latest optimizer step), and which the caller's stream waits for at the end.
+On a GPU the stage computes on its own CUDA stream, with its GPU current on the thread, which
+first waits for the caller's stream (its inputs, the latest optimizer step), and which the
+caller's stream waits for at the end.
 The caller's thread-local modes (grad mode, autocast) are captured when the executor is made, on
 the caller's thread, and entered again wherever the stage computes (`computing()`).
 """
