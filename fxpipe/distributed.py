@@ -669,7 +669,8 @@ class DistributedStage:
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
         """Forward and backward of every micro-batch in the plan's schedule, as
         `Pipeline.train_step` does: `inputs` on stage 0, `target` on stage `last` (each not read
-        elsewhere), each replica its own shard of the batch (shards may differ in size).
+        elsewhere, and moved to its stage's device), each replica its own shard of the batch
+        (shards may differ in size).
 
         Returns, on stage `last` of every replica (None elsewhere), the loss of the whole batch,
         every replica's shard together: with `reduction="mean"` the replicas' shard losses
