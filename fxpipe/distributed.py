@@ -92,6 +92,7 @@ from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
+from .microbatch import on_device
 from .pipeline import check_loss, step_inputs
 from .devices import DeviceLike
 from .report import LINKS
@@ -408,8 +409,9 @@ class DistributedTransport:
              values: dict[str, Any]) -> None:
         key = (phase, sender, receiver, microbatch)
         peer = self.rank_of(receiver)
-        if peer == self.rank:
-            self.kept[key] = values
+        if peer == self.rank:     # the driver's inputs to stage 0, moved onto its device
+            self.kept[key] = {name: on_device(v, self.device)
+                              for name, v in values.items()}
             return
         payload: list[torch.Tensor] = []
         structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload))
@@ -694,7 +696,8 @@ class DistributedStage:
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
         """Forward and backward of every micro-batch in the plan's schedule, as
         `Pipeline.train_step` does: `inputs` on stage 0, `target` on stage `last` (each not read
-        elsewhere), each replica its own shard of the batch (shards may differ in size).
+        elsewhere, and moved to its stage's device), each replica its own shard of the batch
+        (shards may differ in size).
 
         Returns, on stage `last` of every replica (None elsewhere), the loss of the whole batch,
         every replica's shard together: with `reduction="mean"` the replicas' shard losses
@@ -735,7 +738,8 @@ class DistributedStage:
         weights: list[float] = []
 
         def prepare_targets() -> None:
-            targets.extend(microbatch.split(target, self.plan.chunks))
+            targets.extend(on_device(t, self.stage.device)
+                           for t in microbatch.split(target, self.plan.chunks))
             rows = [microbatch.batch_size(t) for t in targets]
             if sum(rows) != rows_in:
                 raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
@@ -744,13 +748,13 @@ class DistributedStage:
 
         self._agree(self.last, prepare_targets)
 
-        counts: dict[int, float] = {}
+        counts: dict[int, torch.Tensor] = {}    # kept on their device: no sync per micro-batch
 
         def loss_of(m: int, values: dict[str, Any]) -> torch.Tensor:
             output = self.plan.signature.rebuild_outputs(values)
             loss = loss_fn(output, targets[m])
             if isinstance(loss, tuple) and len(loss) == 2:
-                loss, counts[m] = loss[0], float(loss[1])
+                loss, counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
             elif counts:
                 raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
                                   "for another: return the same for every micro-batch")
@@ -763,7 +767,8 @@ class DistributedStage:
         executor = self._run(timetable, chunks, seeds, loss_of, None, training=True)
         # The whole count, when the losses were (loss_sum, count) pairs: every gradient of this
         # step is scaled by one over it, known only now, on every rank.
-        whole = torch.tensor([sum(counts.values()), float(bool(counts))], dtype=torch.float64)
+        whole = torch.tensor([float(sum(c.to("cpu", torch.float64) for c in counts.values())),
+                              float(bool(counts))], dtype=torch.float64)
         self._all_reduce([whole], None, "learn the whole batch's count from the last stages")
         scale = 1 / whole[0].item() if whole[1] > 0 and whole[0] > 0 else 1.0
         self._reduce_gradients(held, scale)
@@ -967,7 +972,8 @@ class DistributedStage:
                 if not any(t.requires_grad for t in tensors(sent)):
                     continue
                 grads = self.transport.receive(Phase.BACKWARD, dst, DRIVER, m)
-                pairs = [(t, g) for n in names for t, g in zip(tensors(sent[n]), grads[n])
+                pairs = [(t, g.to(t.device)) for n in names
+                         for t, g in zip(tensors(sent[n]), grads[n])
                          if g is not None and t.requires_grad]
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

@@ -103,6 +103,12 @@ def merge(outputs: Sequence[Any], dims: Sequence[int | None] | None = None) -> A
     return pytree.tree_unflatten(merged, spec)
 
 
+def on_device(value: Any, device: torch.device) -> Any:
+    """`value` (a pytree) with its tensors on `device`, where a stage computes with them (a
+    move keeps the tensor's autograd history: gradients reach the caller's tensor)."""
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+
+
 def _leaf_dims(inputs: Any, dims: Dims) -> list[int | None]:
     """`dims` broadcast to one entry per leaf of `inputs`."""
     spec = pytree.tree_structure(inputs)

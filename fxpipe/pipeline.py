@@ -188,21 +188,23 @@ class Pipeline(nn.Module):
             raise InputError(f"train_step needs a target with one row per sample (dimension 0 "
                              f"the batch), split into micro-batches with the inputs and given "
                              f"to loss_fn(output, target); got {target!r:.80}")
-        targets = microbatch.split(target, self.chunks)
+        # The loss runs on the last stage, with the output there: the target joins it.
+        targets = [microbatch.on_device(t, self._stages[-1].device)
+                   for t in microbatch.split(target, self.chunks)]
         rows = [microbatch.batch_size(c) for c in targets]
         if sum(rows) != microbatch.batch_size(values, self._batch_dims):
             raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
                               f"{microbatch.batch_size(values, self._batch_dims)}: pass one "
                               f"target row per sample")
         weights = [r / sum(rows) if reduction == "mean" else 1.0 for r in rows]
-        counts: dict[int, float] = {}
+        counts: dict[int, torch.Tensor] = {}    # kept on their device: no sync per micro-batch
         grads = _DeferredScale([*self.parameters(), *tensors(values)])
 
         def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
             output = self._signature.rebuild_outputs(graph_values)
             loss = loss_fn(output, targets[m])
             if isinstance(loss, tuple) and len(loss) == 2:
-                loss, counts[m] = loss[0], float(loss[1])
+                loss, counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
                 if m == 0:
                     grads.start()   # no backward ran yet: the last stage's comes first
             elif counts:
@@ -216,9 +218,11 @@ class Pipeline(nn.Module):
             losses, _ = self._runtime.run(timetable, chunks, loss_of=loss_of,
                                           seeds=microbatch_seeds(self.chunks))
         finally:
-            grads.finish(1 / sum(counts.values()) if sum(counts.values()) else 0.0)
+            whole = _whole_count(counts)
+            if whole is not None:
+                grads.finish(torch.where(whole > 0, whole.reciprocal(), 0.0))
         loss = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
-        return loss / sum(counts.values()) if counts else loss
+        return loss / whole.to(loss.device, loss.dtype) if whole is not None else loss
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`).
@@ -492,15 +496,26 @@ class _DeferredScale:
         for t in self.leaves:
             t.grad = None
 
-    def finish(self, scale: float) -> None:
+    def finish(self, scale: torch.Tensor) -> None:
+        """Scale what accumulated since `start()` by `scale` (a 0-d tensor, read where each
+        gradient lives, so the host waits for none) and add back what was there before."""
         if self.before is None:
             return
         for t, before in zip(self.leaves, self.before):
             new = t.grad
             if new is not None:
-                new.mul_(scale)
+                new.mul_(scale.to(new.device))
             if before is not None and new is not None:
                 t.grad = before.add_(new)
             elif before is not None:
                 t.grad = before
         self.before = None
+
+
+def _whole_count(counts: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The sum of the micro-batches' counts of (loss_sum, count) losses, as a float64 tensor on
+    the device of the first (None without counts): summed there, never read on the host."""
+    if not counts:
+        return None
+    first = next(iter(counts.values()))
+    return torch.stack([c.to(first.device, torch.float64) for c in counts.values()]).sum()

@@ -116,7 +116,7 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
     dependency on another stage). Raises if the timetable deadlocks, showing where.
 
     `duration_s` is an action's time with the cores it asks for. With `cores`, stage `s` asks
-    for `demand[s]` of them (its intra-op threads; 0 for a stage off the CPU): while the
+    for `demand[s]` of them (its intra-op threads; a GPU stage's launching thread): while the
     running actions ask for more than there are, they share them, each progressing at
     `cores / asked` of its speed (processor sharing, as the OS time-slices threads).
     """

@@ -94,8 +94,9 @@ def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
 
 
 def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
-    """The cores each stage's device asks for: a CPU stage's intra-op threads, none off the CPU."""
-    return [(d.threads or 1) if d.name.startswith("cpu") else 0 for d in devices]
+    """The cores each stage's device asks for: a CPU stage's intra-op threads; a GPU stage one,
+    for the thread that launches its kernels (starved of a core, it leaves its GPU idle)."""
+    return [(d.threads or 1) if d.name.startswith("cpu") else 1 for d in devices]
 
 
 def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
@@ -170,11 +171,13 @@ def chunk_options(rows: int, max_stages: int) -> list[int]:
 
 def stage_threads(devices: Sequence[DeviceSpec], num_stages: int, cores: int,
                   fixed: int | None) -> int:
-    """The intra-op threads of each CPU stage among the first `num_stages` devices."""
+    """The intra-op threads of each CPU stage among the first `num_stages` devices: the cores
+    left once each GPU stage has one for its launching thread, shared out."""
     if fixed is not None:
         return fixed
     cpu_stages = sum(d.name.startswith("cpu") for d in devices[:num_stages])
-    return max(1, cores // max(1, cpu_stages))
+    gpu_stages = min(num_stages, len(devices)) - cpu_stages
+    return max(1, (cores - gpu_stages) // max(1, cpu_stages))
 
 
 Measure = Callable[[int, int], Costed]    # (chunks, threads) -> the graph costed so

@@ -7,6 +7,12 @@ order instead: each call draws one base seed from the caller's default CPU gener
 micro-batch `m` runs as if `torch.manual_seed(seeds[m])` had been called just before the model ran
 on that micro-batch alone. That is the contract the runtime keeps and the reference runs check.
 
+Each device draws from its own generator, as in torch: the CPU's state, and each GPU's, start
+from the seed and follow the micro-batch's draws on that device (`RngState`). So a pipeline of
+CPU stages, or of stages on one GPU, draws what the model draws there, while a plan over two
+GPUs draws on the second GPU from the seed again, as the model placed by hand over those GPUs
+after `torch.manual_seed` would: other numbers than on one GPU.
+
 How: `seed_random_ops` rewrites every node that draws random numbers into a call of `seeded`,
 which takes the generator state left by the previous draw and returns the op's result and the
 state after it:
@@ -61,6 +67,11 @@ def microbatch_seed(seed: int | None) -> Iterator[None]:
         _local.seed = previous
 
 
+def current_seed() -> int | None:
+    """This thread's micro-batch seed (None outside a pipeline run)."""
+    return getattr(_local, "seed", None)
+
+
 @dataclass(frozen=True)
 class RngState:
     """A micro-batch's generator states after its latest draw: CPU, and each CUDA device used."""
@@ -86,7 +97,7 @@ def seeded(state: RngState | None, op: Callable, *args: Any, **kwargs: Any) -> t
     """`op(*args, **kwargs)` drawing from `state` (None: the micro-batch's seed); returns the
     result and the state after it. Outside a pipeline run, `op` draws as usual."""
     if state is None:
-        seed = getattr(_local, "seed", None)
+        seed = current_seed()
         if seed is None:
             return op(*args, **kwargs), None
         state = RngState.from_seed(seed)

@@ -15,14 +15,16 @@ The generated code reads as before, with the runs called by name:
     gelu = recomputed_0[0]
 
 Recomputation draws the same random numbers (the generator state is a graph value, see
-`fxpipe.passes.randomness`, and the runtime sets the micro-batch's seed around the backward) and
-the runtime puts back the buffers a recomputed run writes again. Nodes with side effects are
+`fxpipe.passes.randomness`, and a run carries the micro-batch seed it was first run under to
+whichever thread recomputes it) and the runtime puts back the buffers a recomputed run writes
+again. Nodes with side effects are
 never recomputed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .codegen import StageTracer
+from .randomness import current_seed, microbatch_seed
 
 
 _local = threading.local()
@@ -62,7 +65,16 @@ class Recomputed(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not (torch.is_grad_enabled() and getattr(_local, "on", False)):
             return self.body(*args)
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=False)
+        # The run takes this thread's micro-batch seed along: autograd may recompute it on
+        # another thread (a GPU's backward runs on autograd's thread for that device).
+        return checkpoint(functools.partial(_seeded_run, self.body, current_seed()), *args,
+                          use_reentrant=False, preserve_rng_state=False)
+
+
+def _seeded_run(body: fx.GraphModule, seed: int | None, *args: Any) -> Any:
+    """`body(*args)` drawing from micro-batch seed `seed`, on whatever thread runs it."""
+    with microbatch_seed(seed):
+        return body(*args)
 
 
 @dataclass(frozen=True)

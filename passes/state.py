@@ -28,9 +28,10 @@ from torch import nn
 def unchanged_state(module: nn.Module) -> Iterator[None]:
     """Inside, run `module` freely: after, its parameters and buffers are the same tensors as
     before (an attribute reassigned in forward is put back) and the buffers hold their values.
-    Only a buffer whose value changed is written back: a write bumps its version, and autograd
-    refuses a backward through a node that saved it before (BatchNorm's running statistics,
-    kept by a node that was not recomputed)."""
+    Every buffer's value is written back through `.data`, unread: comparing it first would make
+    the host wait for a GPU, and a write through `.data` leaves the buffer's version as it is
+    (a plain write bumps it, and autograd would refuse a backward through a node that saved the
+    buffer before: BatchNorm's running statistics, kept by a node that was not recomputed)."""
     saved = [(owner, name, b, b.detach().clone()) for owner in module.modules()
              for name, b in owner._buffers.items() if b is not None]
     params = [(owner, name, p) for owner in module.modules()
@@ -41,8 +42,7 @@ def unchanged_state(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for owner, name, buffer, value in saved:
                 owner._buffers[name] = buffer
-                if not torch.equal(buffer, value):
-                    buffer.copy_(value)
+                buffer.data.copy_(value)
         for owner, name, p in params:
             owner._parameters[name] = p
 

@@ -61,6 +61,28 @@ def test_recomputing_gives_the_same_step_dropout_and_batchnorm_included(schedule
     assert runs["never"][2]["norm.num_batches_tracked"].item() == 4
 
 
+@pytest.mark.parametrize("recompute", ["always", "runs"])
+def test_a_recomputing_step_reads_no_tensor_on_the_host(recompute, host_reads):
+    """Putting the buffers back after a recomputed backward compares nothing on the host (on a
+    GPU each comparison would wait for it), and the step is unchanged."""
+    from fxpipe.passes.recompute import checkpoint_regions
+    torch.manual_seed(0)
+    model, x, target = Net().train(), torch.randn(16, 8), torch.randn(16, 8)
+    twin = copy.deepcopy(model)
+    plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4)
+    pipe = fxpipe.compile(twin, ["cpu"] * 2, (x,), chunks=4,
+                          recompute="always" if recompute == "always" else "never")
+    if recompute == "runs":
+        for stage in pipe.plan.stages:
+            checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
+                                              if n.op == "call_module"})
+    expected = step(plain, model, x, target)
+    host_reads.clear()
+    got = step(pipe, twin, x, target)
+    assert host_reads == []
+    assert_same_step(expected, got)
+
+
 def test_a_recomputing_stage_keeps_only_its_inputs_until_its_backward():
     from fxpipe.runtime import StageExecutor
     from fxpipe.passes.codegen import split_stages
@@ -281,6 +303,38 @@ def test_a_stage_input_named_for_recomputation_stays_an_input():
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["relu", "x"]
     assert "recomputed_0" in gm.code
     torch.testing.assert_close(gm(relu, x), expected)
+
+
+def test_a_run_drawing_first_recomputes_the_same_dropout_on_another_thread():
+    """A GPU's backward runs on autograd's thread for that device, where no micro-batch seed is
+    set: a recomputed run whose first draw starts from the seed carries the seed along."""
+    import threading
+    import torch.fx as fx
+    from fxpipe.passes.randomness import microbatch_seed, seed_random_ops
+    from fxpipe.passes.recompute import checkpoint_regions, recomputing
+
+    def f(x):
+        return torch.sin(F.dropout(x, 0.5, True) * 2)
+    plain = seed_random_ops(fx.symbolic_trace(f))
+    regions = checkpoint_regions(copy.deepcopy(plain), {
+        n.name for n in plain.graph.nodes if n.op == "call_function"})
+    assert "recomputed_0" in regions.code
+    x = torch.randn(64, 8)
+
+    def on_another_thread(work):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+
+    def gradient(gm, run_backward):
+        leaf = x.clone().requires_grad_()
+        with microbatch_seed(7), recomputing():
+            out = gm(leaf)
+        run_backward(lambda: out.sum().backward())
+        return leaf.grad
+    expected = gradient(plain, lambda work: work())
+    assert (expected == 0).any() and (expected != 0).any()     # dropout dropped some, not all
+    torch.testing.assert_close(gradient(regions, on_another_thread), expected)
 
 
 def costed_chain():

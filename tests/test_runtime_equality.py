@@ -258,6 +258,19 @@ def test_a_loss_fn_returning_sum_and_count_gives_the_whole_batchs_mean_and_gradi
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_step_with_sum_and_count_losses_reads_no_tensor_on_the_host(host_reads):
+    """Reading a count on the host (`float(count)`) would wait for the GPU once per micro-batch:
+    the counts stay tensors, summed on their device, and the gradients are scaled there."""
+    model = TinyLM()
+    ids, target = padded_batch()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), chunks=4)
+    host_reads.clear()
+    loss = pipe.train_step(ids, target, token_loss_sum)
+    assert host_reads == []
+    expected = F.cross_entropy(model(ids).flatten(0, 1), target.flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, expected.detach())
+
+
 # --- item 12: Ctrl-C ------------------------------------------------------------------------------
 
 class InterruptsCaller(nn.Module):

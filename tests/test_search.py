@@ -161,3 +161,12 @@ def test_one_device_with_auto_stages_is_the_model_as_is():
                           threads_per_stage=torch.get_num_threads())
     assert pipe.plan.runs_as_is and len(pipe.stages) == 1 and pipe.chunks == 1
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_gpu_stage_keeps_a_core_for_the_thread_that_launches_its_kernels():
+    """In a mixed plan the CPU stages share the cores left once each GPU stage's launching
+    thread has one, and the prediction counts that thread among the cores asked for."""
+    devices = [CPU, CPU, DeviceSpec("cuda:0")]
+    assert search.stage_threads(devices, 3, cores=8, fixed=None) == 3
+    assert search.stage_threads(devices, 2, cores=8, fixed=None) == 4
+    assert search.cpu_demand([DeviceSpec("cpu", threads=3), DeviceSpec("cuda:0")]) == [3, 1]

@@ -125,3 +125,20 @@ def test_an_exception_in_the_consumers_loop_leaves_no_worker():
             if i == 3:
                 raise KeyboardInterrupt     # as Ctrl-C would, in the consumer's code
     assert not ours()
+
+
+def test_a_stream_orders_against_the_callers_streams_as_a_call_does(monkeypatch):
+    """Each stage waits for the caller's queued work before the first item, and the caller's
+    later work waits for every stage when the stream ends, both on the caller's thread (on a
+    CPU these do nothing; on a GPU they order the streams: tests/gpu)."""
+    from fxpipe.runtime.executor import StageExecutor
+    _, pipe = compiled(2)
+    calls = []
+    for name in ("wait_for_caller", "make_caller_wait"):
+        monkeypatch.setattr(StageExecutor, name, lambda self, _name=name: calls.append(
+            (_name, self.stage.index, threading.current_thread() is threading.main_thread())))
+    flowing = pipe.stream(torch.randn(1, 8) for _ in range(3))
+    next(flowing)
+    assert calls == [("wait_for_caller", 0, True), ("wait_for_caller", 1, True)]
+    list(flowing)
+    assert calls[2:] == [("make_caller_wait", 0, True), ("make_caller_wait", 1, True)]

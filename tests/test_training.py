@@ -267,3 +267,19 @@ def test_generated_models_train_with_the_models_gradients(case, num_stages, chun
         else:   # stages may use other intra-op thread counts: other summation orders
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"{name}: {m}")
+
+
+def test_each_microbatchs_target_goes_to_the_last_stages_device(monkeypatch):
+    """The loss runs on the last stage, so each micro-batch's target is moved to that stage's
+    device (on a CPU the move changes nothing; a CPU target with GPU stages: tests/gpu)."""
+    import fxpipe.microbatch
+    torch.manual_seed(0)
+    model, x, target = Net(), torch.randn(16, 8), torch.randn(16, 5)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4)
+    moved = []
+    on_device = fxpipe.microbatch.on_device
+    monkeypatch.setattr(fxpipe.microbatch, "on_device", lambda value, device: moved.append(
+        (value, device)) or on_device(value, device))
+    pipe.train_step(x, target, F.mse_loss)
+    assert [device for _, device in moved] == [pipe.stage_info[-1].device] * 4
+    assert all(torch.equal(value, part) for (value, _), part in zip(moved, target.chunk(4)))

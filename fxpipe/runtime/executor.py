@@ -16,8 +16,9 @@ tensors stay attached to autograd, so `pipe(x).sum().backward()` works as for th
 Random draws follow the seeds the caller's `Pipeline` drew, one per micro-batch (see
 `fxpipe.passes.randomness`): micro-batch m's forward runs under `microbatch_seed(seeds[m])`.
 
-On a GPU the stage computes on its own CUDA stream, which first waits for the caller's stream
-(its inputs, the latest optimizer step), and which the caller's stream waits for at the end.
+On a GPU the stage computes on its own CUDA stream, with its GPU current on the thread, which
+first waits for the caller's stream (its inputs, the latest optimizer step), and which the
+caller's stream waits for at the end.
 The caller's thread-local modes (grad mode, autocast) are captured when the executor is made, on
 the caller's thread, and entered again wherever the stage computes (`computing()`).
 """
@@ -74,7 +75,7 @@ class StageExecutor:
         self.losses: dict[int, torch.Tensor] = {}    # micro-batch -> its loss, detached
         self._saved: dict[int, _Saved] = {}
         # Runs of nodes recomputed in the backward (`fxpipe.passes.recompute`) write the buffers
-        # again there and draw from the micro-batch's seed again.
+        # again there (and draw from the micro-batch's seed again, which each run carries).
         self._regions = any(isinstance(m, Recomputed) for m in stage.module.modules())
         self._grad_enabled = torch.is_grad_enabled() or bool(self.backward_for)
         self._autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
@@ -88,6 +89,10 @@ class StageExecutor:
             for kind, dtype in self._autocast:
                 context.enter_context(torch.autocast(kind, dtype=dtype))
             if self.stream is not None:
+                # The stage's GPU current first: leaving the stream then restores only that
+                # GPU's stream, where restoring the thread's previous device (GPU 0 on a new
+                # thread) would start a context there, on a GPU the plan may not use.
+                context.enter_context(torch.cuda.device(self.stream.device))
                 context.enter_context(torch.cuda.stream(self.stream))
             yield
 
@@ -147,9 +152,8 @@ class StageExecutor:
         saved = self._saved.pop(m)
         if not self.recompute and not self._regions:
             return self._backward(saved, grads)
-        if not self.recompute:
-            with unchanged_state(self.stage.module), \
-                    microbatch_seed(self.seeds[m] if self.seeds is not None else None):
+        if not self.recompute:    # each recomputed run carries its micro-batch seed
+            with unchanged_state(self.stage.module):
                 return self._backward(saved, grads)
         # Buffers the forward writes (BatchNorm's running statistics) are put back once the
         # backward is done (autograd checks them until then): the first forward updated them.

@@ -109,7 +109,13 @@ class _Stream:
     than `max_in_flight` are inside, yields outputs in order, and ends the stream with an `END`
     message that each stage passes on before it stops. Closing the generator early (the
     consumer stopped), an item that fails to come (the iterable raised) or a stage that fails
-    aborts the stream; every worker is joined before the generator returns."""
+    aborts the stream; every worker is joined before the generator returns.
+
+    On GPUs the stream orders against the caller's streams as a call does: the stages start
+    after the caller's queued work, each item's inputs are read after the caller's stream made
+    them (the transport's events, recorded as it is fed), each output is handed back with the
+    caller's stream waiting for it and marked as used there, and the caller's later work waits
+    for the stages when the stream ends."""
 
     def __init__(self, runtime: Runtime, max_in_flight: int, seed: Callable[[], int | None]):
         self.rt = runtime
@@ -137,6 +143,8 @@ class _Stream:
         start = time.perf_counter()
         inside: collections.deque[dict[str, Any]] = collections.deque()
         fed = 0
+        for executor in self.executors:    # the caller's latest work on the parameters
+            executor.wait_for_caller()
         try:
             with _workers(threads, self.abort):
                 ended = False
@@ -164,6 +172,8 @@ class _Stream:
             record.error = f"{type(e).__name__} in the caller's thread"
             raise
         finally:
+            for executor in self.executors:
+                executor.make_caller_wait()
             record.wall_s = time.perf_counter() - start
         if self.errors:
             error = self.errors[0]

@@ -9,10 +9,13 @@ orchestrator asks of a transport, so one on `torch.distributed` can take the pla
 per micro-batch from each of its senders, in micro-batch order, so the queue's order is all the
 synchronisation there is (each message names its micro-batch, and a receiver checks it).
 
-On a GPU a message carries a CUDA event recorded on the sender's current stream (its stage's
-stream) after its work, and the receiver's stream waits on it before using the tensors (see `_to`
-for how copies between devices are kept safe). A receiver on no device (the caller's thread)
-waits for the event itself.
+On a GPU a message carries CUDA events recorded after the sender's work: on its current stream
+(a stage's stream; on the caller's thread, the caller's stream) on its own device and on every GPU
+its tensors live on. The receiver's stream waits on them before using the tensors, and no host
+thread waits: a worker runs ahead of its GPU (see `_to` for how copies between devices are kept
+safe). The caller's thread, which receives the graph outputs, makes its own current streams wait
+and marks the tensors as used there, so the allocator gives their memory back to a stage only
+after the caller's work on them; a message holding CPU tensors is waited for on the host.
 
 `abort()` puts an abort token in every queue, and every wait has a timeout after which it looks
 at the run's abort flag: a waiting thread leaves within `POLL_S` of an abort, by `Aborted`, and
@@ -28,6 +31,8 @@ from typing import Any, Iterable, Mapping, Protocol
 
 import torch
 import torch.fx as fx
+
+from fxpipe.passes.graph_values import tensors
 
 from ..schedules import Phase
 
@@ -60,7 +65,7 @@ class Transport(Protocol):
 class _Message:
     microbatch: int
     values: dict[str, Any]
-    ready: Any = None          # a CUDA event the receiver waits on, if the sender used a GPU
+    ready: list[torch.cuda.Event]    # CUDA events the receiver waits on (none off the GPU)
 
 
 class ThreadTransport:
@@ -78,9 +83,11 @@ class ThreadTransport:
 
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
-        device = self.devices[sender]
-        ready = (torch.cuda.current_stream(device).record_event()
-                 if device is not None and device.type == "cuda" else None)
+        sender_device = self.devices[sender]
+        gpus = {t.device for t in tensors(values) if t.is_cuda}
+        if sender_device is not None and sender_device.type == "cuda":
+            gpus.add(sender_device)
+        ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
         self.channels[phase, sender, receiver].put(_Message(microbatch, values, ready))
 
     def receive(self, phase: Phase, sender: int, receiver: int,
@@ -90,9 +97,9 @@ class ThreadTransport:
             f"{phase.name.lower()} message {sender} -> {receiver}: micro-batch "
             f"{message.microbatch} came where {microbatch} was expected")
         device = self.devices[receiver]
-        _wait(message, device)
         if device is None:
-            return message.values
+            return _handed_over(message)
+        _wait(message, device)
         return {name: _to(value, device) for name, value in message.values.items()}
 
     def abort(self) -> None:
@@ -113,23 +120,41 @@ class ThreadTransport:
         raise Aborted
 
 
-def _wait(message: _Message, device: torch.device | None) -> None:
+def _wait(message: _Message, device: torch.device) -> None:
     """Order the receiver's work after the sender's: on its stream, or on this thread."""
-    if message.ready is None:
-        return
-    if device is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).wait_event(message.ready)
-    else:
-        message.ready.synchronize()
+    for event in message.ready:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(event)
+        else:
+            event.synchronize()
+
+
+def _handed_over(message: _Message) -> dict[str, Any]:
+    """The values of a message to the caller's thread, ready for the caller's current streams.
+
+    Tensors on GPUs: each of their GPUs' current stream waits for the sender, and each tensor is
+    marked as used by it (its memory is the sender's stream's, which may run on). A CPU tensor
+    is read by the host: the host waits."""
+    found = tensors(message.values)
+    if not all(t.is_cuda for t in found):
+        _wait(message, torch.device("cpu"))
+        return message.values
+    for gpu in {t.device for t in found}:
+        _wait(message, gpu)
+    for t in found:
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return message.values
 
 
 def _to(value: Any, device: torch.device) -> Any:
     """`value`'s tensors on `device`, safe to use on this thread's current stream.
 
     A tensor another stage made on this GPU is marked as used by this stream, so the allocator
-    does not hand its memory back to the sender first. A copy to the GPU is queued on this stream;
-    one from another GPU is waited for (correct first: its source may be freed once this returns);
-    one to the CPU is synchronous, since CPU ops do not wait for streams."""
+    does not hand its memory back to the sender first. A copy to the GPU is queued on this stream.
+    A copy from another GPU runs on this thread's current stream of the source GPU, after this
+    stream's work and before its later work (torch orders both ways); its source is marked as
+    used by that stream, so the sender's allocator keeps it until the copy is done, and nobody
+    waits on the host. A copy to the CPU is synchronous, since CPU ops do not wait for streams."""
     def move(v):
         if not isinstance(v, torch.Tensor):
             return v
@@ -139,6 +164,6 @@ def _to(value: Any, device: torch.device) -> Any:
             return v
         moved = v.to(device, non_blocking=device.type == "cuda")
         if device.type == "cuda" and v.device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+            v.record_stream(torch.cuda.current_stream(v.device))
         return moved
     return fx.node.map_aggregate(value, move)
