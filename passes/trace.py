@@ -13,10 +13,17 @@ Front-ends, in order (`capture="auto"`):
 
 A submodule with a hook (forward, forward pre-, backward, backward pre-) stays whole under fx, so
 its hook runs each time a stage calls it; export runs hooks once, at capture, so it refuses them.
-Python side effects in forward (`self.seen.append(x)`, `self.calls += 1`) would not happen in a
-pipeline, which runs tensor operations only: each front-end runs on a snapshot of every module's
-plain attributes, restored afterwards, and a forward that filled a list, dict or set, or stored a
-number or a tensor, is refused by name.
+Hugging Face's output-recording hooks do not count (`_records_outputs`): what they record is the
+model's output, and the capture records it so. Python side effects in forward
+(`self.seen.append(x)`, `self.calls += 1`) would not happen in a pipeline, which runs tensor
+operations only: each front-end runs on a snapshot of every module's plain attributes, restored
+afterwards, and a forward that filled a list, dict or set, or stored a number or a tensor, is
+refused by name where a second run on the example does it again (`_unsettled`); what forward
+fills on first use and then keeps (a cache, a setting) is only undone.
+
+fx traces a forward wrapped by `*args, **kwargs` decorators (transformers 5's) through them, with
+forward's own parameters (`_fx_forward`). A model whose forward takes `use_cache` is
+captured with `use_cache=False` (`without_cache`): no front-end returns a key/value cache.
 
 A graph must also be fine enough for the stages asked: an fx graph that keeps a big module
 whole (torch.nn's own `TransformerEncoder`, whose fast path fx cannot follow) gives way to export.
@@ -310,10 +317,10 @@ class _Tracer(fx.Tracer):
         A forward wrapped by a `*args, **kwargs` decorator (Hugging Face's `can_return_tuple`,
         output capture) whose own parameters end in `**kwargs` is one fx cannot take apart
         (it rewrites the code object of the wrapper, which has too few names): it is traced
-        through `through_decorators(root_fn)`, which calls the decorated forward itself.
+        through `_fx_forward(root_fn)`, which calls the decorated forward itself.
         """
-        if is_module and _needs_call_through(root_fn):
-            root_fn = through_decorators(root_fn)
+        if is_module:
+            root_fn = _fx_forward(root_fn)
         return super().create_args_for_root(root_fn, is_module, concrete_args)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
@@ -354,22 +361,20 @@ class _GradContexts:
             self.depth = max(0, self.depth - 1)
 
 
-def _needs_call_through(forward) -> bool:
-    inner = inspect.unwrap(forward)
-    flags = inner.__code__.co_flags
-    return (inner is not forward and flags & inspect.CO_VARKEYWORDS
-            and not flags & inspect.CO_VARARGS)
+def _fx_forward(forward):
+    """The function fx traces for a module class's `forward`: `forward` itself, or, where a
+    `*args, **kwargs` decorator wraps a function whose own parameters end in `**kwargs`, a
+    function with that function's parameters but no `**kwargs`, calling `forward` (its
+    decorators included) by keyword.
 
-
-def through_decorators(forward):
-    """A function with the parameters of the function `forward` decorates, but no `**kwargs`,
-    that calls `forward` itself (its decorators included) by keyword.
-
-    fx reads a traced function's parameters off its code object, so this one is compiled from
+    fx reads a traced function's parameters off its code object, so that one is compiled from
     a `def`; the graph then takes the named parameters only, and an input forward would take
     through `**kwargs` (`output_attentions=True`) is refused by name, not dropped.
     """
     inner = inspect.unwrap(forward)
+    flags = inner.__code__.co_flags
+    if inner is forward or not flags & inspect.CO_VARKEYWORDS or flags & inspect.CO_VARARGS:
+        return forward
     params = [p for p in inspect.signature(inner).parameters.values()
               if p.kind is not p.VAR_KEYWORD]
     positional = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
@@ -407,8 +412,8 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     for node in graph.find_nodes(op="placeholder"):   # an input fixed to a value defaults to it
         name = node.target.removesuffix("_1")
-        if node.args and name != node.target and not isinstance(concrete.get(name, ()),
-                                                                (tuple, list, dict)):
+        if (node.args and name != node.target and name in concrete
+                and not isinstance(concrete[name], (tuple, list, dict))):
             node.args = (concrete[name],)
     gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
     out_spec = None
@@ -416,10 +421,8 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
         mismatch, out_spec = _mismatch(model, gm, args, kwargs)
         if mismatch:
             raise _TraceFailure(f"the traced graph does not reproduce the model: {mismatch}", None)
-    forward = type(model).forward
-    if _needs_call_through(forward):
-        forward = through_decorators(forward)
-    gm.meta["signature"] = traced_signature(gm, forward.__get__(model), concrete, out_spec)
+    forward = _fx_forward(type(model).forward).__get__(model)
+    gm.meta["signature"] = traced_signature(gm, forward, concrete, out_spec)
     return gm
 
 

@@ -174,6 +174,7 @@ class ScaledInput(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:A model attribute")   # export's, about the cached bias
+@pytest.mark.filterwarnings("ignore:The tensor attributes")
 @pytest.mark.parametrize("capture", ["auto", "export"])
 @pytest.mark.parametrize("ran_before", [False, True])
 def test_a_per_device_cache_filled_in_eval_mode_does_not_block_capture(capture, ran_before):
