@@ -405,17 +405,19 @@ def _fx_trace(model, leaves, concrete, args, kwargs):
 
 def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
     tracer = _Tracer(leaves)
-    try:   # what tracing left in the model's attributes (proxies) must not reach its check run
-        with attributes_restored(model) if args or kwargs else contextlib.nullcontext():
+    # What tracing left in the model's attributes (proxies in a cache) must not reach the check
+    # run below; the graph module takes the constants fx stored on the model first.
+    with attributes_restored(model) if args or kwargs else contextlib.nullcontext():
+        try:
             graph = tracer.trace(model, concrete_args=concrete or None)
-    except Exception as e:  # fx raises many kinds; each becomes a reported failure
-        raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
-    for node in graph.find_nodes(op="placeholder"):   # an input fixed to a value defaults to it
-        name = node.target.removesuffix("_1")
-        if (node.args and name != node.target and name in concrete
-                and not isinstance(concrete[name], (tuple, list, dict))):
-            node.args = (concrete[name],)
-    gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
+        except Exception as e:  # fx raises many kinds; each becomes a reported failure
+            raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
+        for node in graph.find_nodes(op="placeholder"):   # an input fixed to a value defaults to it
+            name = node.target.removesuffix("_1")
+            if (node.args and name != node.target and name in concrete
+                    and not isinstance(concrete[name], (tuple, list, dict))):
+                node.args = (concrete[name],)
+        gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
     out_spec = None
     if args or kwargs:
         mismatch, out_spec = _mismatch(model, gm, args, kwargs)

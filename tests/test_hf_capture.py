@@ -276,3 +276,22 @@ def test_a_cache_filled_by_tracing_is_not_left_in_the_model():
     gm = trace(model, (x,))
     assert all(block.attention_bias_cache == {} for block in model.blocks)
     torch.testing.assert_close(gm(x), model(x))
+
+
+class ScaledByConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def test_a_tensor_made_in_forward_stays_in_the_fx_graph_and_out_of_the_model():
+    """fx stores such a tensor on the model while tracing; the graph keeps it, the model not."""
+    model = ScaledByConstant()
+    x = torch.randn(2, 4)
+    gm = trace(model, (x,))
+    assert gm.meta["capture"].method == "fx"
+    assert set(vars(model)) == set(vars(ScaledByConstant()))
+    torch.testing.assert_close(gm(x), model(x))
