@@ -32,7 +32,7 @@ from fxpipe.passes.partition import Partition
 from fxpipe.passes.recompute import checkpoint_regions, choose_recomputed
 from fxpipe.passes.signature import Signature, signature_of
 from fxpipe.passes.state import unchanged_state
-from fxpipe.passes.trace import CaptureMode, trace
+from fxpipe.passes.trace import CaptureMode, trace, without_cache
 
 from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices
@@ -126,7 +126,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
         raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}: pass the model's "
                          f"keyword example inputs as a dict (name -> value), positional ones in "
                          f"example_inputs")
-    example_kwargs = dict(example_kwargs or {})
+    example_kwargs = without_cache(model, example_inputs, example_kwargs)   # what it is run with
     _refuse_meta(model, (example_inputs, example_kwargs))
     if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1, "

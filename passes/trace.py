@@ -13,10 +13,17 @@ Front-ends, in order (`capture="auto"`):
 
 A submodule with a hook (forward, forward pre-, backward, backward pre-) stays whole under fx, so
 its hook runs each time a stage calls it; export runs hooks once, at capture, so it refuses them.
-Python side effects in forward (`self.seen.append(x)`, `self.calls += 1`) would not happen in a
-pipeline, which runs tensor operations only: each front-end runs on a snapshot of every module's
-plain attributes, restored afterwards, and a forward that filled a list, dict or set, or stored a
-number or a tensor, is refused by name.
+Hugging Face's output-recording hooks do not count (`_records_outputs`): what they record is the
+model's output, and the capture records it so. Python side effects in forward
+(`self.seen.append(x)`, `self.calls += 1`) would not happen in a pipeline, which runs tensor
+operations only: each front-end runs on a snapshot of every module's plain attributes, restored
+afterwards, and a forward that filled a list, dict or set, or stored a number or a tensor, is
+refused by name where a second run on the example does it again (`_unsettled`); what forward
+fills on first use and then keeps (a cache, a setting) is only undone.
+
+fx traces a forward wrapped by `*args, **kwargs` decorators (transformers 5's) through them, with
+forward's own parameters (`_fx_forward`). A model whose forward takes `use_cache` is
+captured with `use_cache=False` (`without_cache`): no front-end returns a key/value cache.
 
 A graph must also be fine enough for the stages asked: an fx graph that keeps a big module
 whole (torch.nn's own `TransformerEncoder`, whose fast path fx cannot follow) gives way to export.
@@ -58,7 +65,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .compare import difference
+from .compare import difference, equal
 from .errors import TraceError
 from .signature import exported_signature, plain_varargs, traced_signature
 from .state import unchanged_state
@@ -82,6 +89,8 @@ class Capture:
 
     `reason` says why this front-end and not an earlier one: their failures, or an fx graph too
     coarse to balance the stages asked (see `trace`); the plan prints it.
+
+    `uncached` is True when the model was captured with `use_cache=False` (see `without_cache`).
     """
 
     method: str
@@ -89,11 +98,14 @@ class Capture:
     failures: tuple[str, ...] = field(default=(), compare=False)
     training: bool | None = None
     reason: str = field(default="", compare=False)
+    uncached: bool = False
 
     def __str__(self) -> str:
         text = self.method
         if self.training is not None:
             text += f" in {'train' if self.training else 'eval'} mode"
+        if self.uncached:
+            text += " without the key/value cache (use_cache=False)"
         if self.leaves:
             text += f" (kept whole: {', '.join(self.leaves)})"
         if self.reason:
@@ -122,9 +134,14 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     """
     if capture not in CAPTURE_MODES:
         raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
-    example_kwargs = dict(example_kwargs or {})
+    example_kwargs = without_cache(model, example_inputs, example_kwargs)
+    uncached = example_kwargs.get("use_cache") is False
     concrete = _default_concrete_args(model, example_inputs, example_kwargs)
     concrete.update(concrete_args or {})
+    example = (tuple(example_inputs), example_kwargs)
+    fx_kwargs = dict(example_kwargs)       # fx fixes use_cache, which forward branches on
+    if uncached:
+        concrete["use_cache"] = fx_kwargs.pop("use_cache")
     hooked = _hooked_modules(model)
     leaves = list(leaf_modules) + [name for name in hooked if name not in leaf_modules]
     named_leaves = tuple(l for l in leaves if isinstance(l, str))
@@ -134,18 +151,19 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
 
     if capture in ("auto", "fx"):
         gm, failure = _without_side_effects(
-            model, _fx_trace, model, leaves, concrete, example_inputs, example_kwargs)
+            model, example, _fx_trace, model, leaves, concrete, example_inputs, fx_kwargs)
         if gm is not None:
-            gm.meta["capture"] = Capture("fx", named_leaves)
+            gm.meta["capture"] = Capture("fx", named_leaves, uncached=uncached)
         else:
             failures.append(f"torch.fx: {failure}\n    {_FIX['fx']}")
         if gm is None and capture == "auto" and failure.culprit:   # a submodule to keep whole
             gm, auto_leaves, error = _without_side_effects(
-                model, _fx_trace_with_auto_leaves, model, leaves, concrete, example_inputs,
-                example_kwargs)
+                model, example, _fx_trace_with_auto_leaves, model, leaves, concrete, example_inputs,
+                fx_kwargs)
             if gm is not None:
                 gm.meta["capture"] = Capture("fx+leaves", (*named_leaves, *auto_leaves),
-                                             tuple(failures), reason=_because(failures))
+                                             tuple(failures), reason=_because(failures),
+                                             uncached=uncached)
             else:
                 failures.append(f"torch.fx with automatic leaf modules: {error}\n    {_FIX['fx']}")
         if gm is not None:
@@ -161,10 +179,15 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
             "whole so their hooks run on every micro-batch; or remove the hooks before compiling")
     elif capture in ("auto", "export"):
         gm, failure = _without_side_effects(
-            model, _export, model, example_inputs, example_kwargs, batch_dims)
+            model, example, _export, model, example_inputs, example_kwargs, batch_dims)
         if gm is not None:
             gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training,
-                                         reason=why_coarse or _because(failures))
+                                         reason=why_coarse or _because(failures),
+                                         uncached=uncached)
+            if uncached:   # the pipeline's callers leave it out, as the model's do
+                signature = gm.meta["signature"]
+                gm.meta["signature"] = replace(signature,
+                                               defaults={**signature.defaults, "use_cache": False})
             return gm
         failures.append(f"torch.export: {failure}\n    {_FIX['export']}")
     if coarse is not None:   # still a faithful graph: the partitioner says what it can do with it
@@ -175,6 +198,35 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
         return coarse
     raise TraceError(f"could not capture {type(model).__name__} as a graph:\n  - " +
                      "\n  - ".join(failures))
+
+
+def without_cache(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None) -> dict:
+    """`kwargs` (a copy), with `use_cache=False` where `model`'s forward takes `use_cache` and
+    the example leaves it out: Hugging Face's default.
+
+    A pipeline computes the model's outputs on whole sequences. The key/value cache that a
+    generation loop carries from one call to the next (`use_cache=True`, a `DynamicCache` in
+    the output) is not a tensor any front-end can return nor one micro-batches can merge, so
+    the pipeline is captured without it (`past_key_values` is then None) and an example that
+    asks for it is refused.
+    """
+    kwargs = dict(kwargs or {})
+    try:
+        signature = inspect.signature(model.forward)
+        given = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" not in signature.parameters:
+        return kwargs
+    if "use_cache" not in given:
+        kwargs["use_cache"] = False
+    elif given["use_cache"] is not False:
+        raise TraceError(
+            f"use_cache={given['use_cache']!r}: a pipeline runs {type(model).__name__} on whole "
+            f"sequences and does not return the key/value cache that generation carries from one "
+            f"call to the next. Fix: leave use_cache out of the example (it is then False), and "
+            f"generate with the model itself")
+    return kwargs
 
 
 def _because(failures: Iterable[str]) -> str:
@@ -259,6 +311,18 @@ class _Tracer(fx.Tracer):
         with torch.enable_grad(), self.grad_contexts:
             return super().trace(root, concrete_args)
 
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """fx's placeholders for `root_fn`'s parameters, and a function taking them.
+
+        A forward wrapped by a `*args, **kwargs` decorator (Hugging Face's `can_return_tuple`,
+        output capture) whose own parameters end in `**kwargs` is one fx cannot take apart
+        (it rewrites the code object of the wrapper, which has too few names): it is traced
+        through `_fx_forward(root_fn)`, which calls the decorated forward itself.
+        """
+        if is_module:
+            root_fn = _fx_forward(root_fn)
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind not in ("placeholder", "output", "get_attr"):
@@ -297,6 +361,35 @@ class _GradContexts:
             self.depth = max(0, self.depth - 1)
 
 
+def _fx_forward(forward):
+    """The function fx traces for a module class's `forward`: `forward` itself, or, where a
+    `*args, **kwargs` decorator wraps a function whose own parameters end in `**kwargs`, a
+    function with that function's parameters but no `**kwargs`, calling `forward` (its
+    decorators included) by keyword.
+
+    fx reads a traced function's parameters off its code object, so that one is compiled from
+    a `def`; the graph then takes the named parameters only, and an input forward would take
+    through `**kwargs` (`output_attentions=True`) is refused by name, not dropped.
+    """
+    inner = inspect.unwrap(forward)
+    flags = inner.__code__.co_flags
+    if inner is forward or not flags & inspect.CO_VARKEYWORDS or flags & inspect.CO_VARARGS:
+        return forward
+    params = [p for p in inspect.signature(inner).parameters.values()
+              if p.kind is not p.VAR_KEYWORD]
+    positional = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    declared = ", ".join(positional + (["*", *keyword_only] if keyword_only else []))
+    passed = ", ".join([positional[0]] + [f"{name}={name}" for name in
+                                          positional[1:] + keyword_only])
+    namespace = {"_decorated": forward}
+    exec(f"def {inner.__name__}({declared}):\n    return _decorated({passed})\n", namespace)
+    function = namespace[inner.__name__]
+    function.__defaults__, function.__kwdefaults__ = inner.__defaults__, inner.__kwdefaults__
+    function.__qualname__ = inner.__qualname__
+    return function
+
+
 class _TraceFailure(Exception):
     def __init__(self, message: str, culprit: str | None):
         super().__init__(message)
@@ -312,17 +405,26 @@ def _fx_trace(model, leaves, concrete, args, kwargs):
 
 def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
     tracer = _Tracer(leaves)
-    try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    except Exception as e:  # fx raises many kinds; each becomes a reported failure
-        raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
-    gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
+    # What tracing left in the model's attributes (proxies in a cache) must not reach the check
+    # run below; the graph module takes the constants fx stored on the model first.
+    with attributes_restored(model) if args or kwargs else contextlib.nullcontext():
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        except Exception as e:  # fx raises many kinds; each becomes a reported failure
+            raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
+        for node in graph.find_nodes(op="placeholder"):   # an input fixed to a value defaults to it
+            name = node.target.removesuffix("_1")
+            if (node.args and name != node.target and name in concrete
+                    and not isinstance(concrete[name], (tuple, list, dict))):
+                node.args = (concrete[name],)
+        gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
     out_spec = None
     if args or kwargs:
         mismatch, out_spec = _mismatch(model, gm, args, kwargs)
         if mismatch:
             raise _TraceFailure(f"the traced graph does not reproduce the model: {mismatch}", None)
-    gm.meta["signature"] = traced_signature(gm, model.forward, concrete, out_spec)
+    forward = _fx_forward(type(model).forward).__get__(model)
+    gm.meta["signature"] = traced_signature(gm, forward, concrete, out_spec)
     return gm
 
 
@@ -356,7 +458,7 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
                             "example_kwargs", None)
     inference = _InferenceModeWatch()
     try:
-        with _quiet(), inference:
+        with _quiet(), inference, attributes_restored(model):   # nothing export left there
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
                                           dynamic_shapes=_free_batch(model, args, kwargs, batch_dims))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
@@ -553,10 +655,12 @@ def _hooked_modules(model: nn.Module) -> dict[str, str]:
 
     A hook on the model itself would never run (the pipeline runs the graph in stages, never
     the model), so it is refused: the pipeline, an nn.Module, takes forward hooks itself.
+    Output-recording hooks (`_records_outputs`) do not count.
     """
     hooked = {}
     for name, module in model.named_modules():
-        kind = next((kind for attr, kind in _HOOKS.items() if getattr(module, attr, None)), None)
+        kind = next((kind for attr, kind in _HOOKS.items()
+                     if not all(map(_records_outputs, getattr(module, attr, {}).values()))), None)
         if kind and not name:
             raise TraceError(
                 f"the model ({type(model).__name__}) has a {kind}, which a pipeline never runs: "
@@ -568,6 +672,16 @@ def _hooked_modules(model: nn.Module) -> dict[str, str]:
     return hooked
 
 
+def _records_outputs(hook: Any) -> bool:
+    """Whether `hook` is Hugging Face's output-recording forward hook. transformers installs one
+    on each module at the first call asking for hidden states or attentions; it only appends
+    the module's output to the collector of the model call under way (inactive otherwise),
+    which the model's forward returns. A capture runs it with the model: what it recorded
+    becomes the graph's outputs, as the model returns them."""
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__name__", None) == "output_capturing_hook")
+
+
 _STATE = ("_parameters", "_buffers", "_modules")
 
 
@@ -576,7 +690,7 @@ def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[st
     of the lists, dicts and sets among them, as objects: what a forward's Python could change."""
     return [(m, {k: v for k, v in vars(m).items() if k not in _STATE},
              {k: copy.copy(v) for k, v in vars(m).items()
-              if k not in _STATE and type(v) in (list, dict, set)})
+              if k not in _STATE and isinstance(v, (list, dict, set))})
             for m in model.modules()]
 
 
@@ -621,13 +735,16 @@ def attributes_restored(model: nn.Module):
         _restore_attributes(snapshot)
 
 
-def _without_side_effects(model: nn.Module, front_end, *args):
+def _without_side_effects(model: nn.Module, example: tuple[tuple, Mapping[str, Any]],
+                          front_end, *args):
     """`front_end(*args)`, leaving `model`'s attributes as they were.
 
     A TraceError names the first public attribute that forward filled (a list, dict or set), or
-    set to a tensor (or a tracer's stand-in for one) or a number: what a pipeline would not do
-    per call. Other changes (private attributes, settings a library caches on first use) are
-    only undone.
+    set to a tensor (or a tracer's stand-in for one) or a number, and that a second run on the
+    `example` (args, kwargs) changes again (see `_unsettled`): what a pipeline would not do per
+    call (`self.seen.append(x)`, `self.calls += 1`). Other changes are only undone: private
+    attributes, and what forward fills on first use and then keeps, a cache or a setting (a
+    dict of tensors filled once per device, a size computed from the input's).
     """
     snapshot = _snapshot(model)
     try:
@@ -635,8 +752,47 @@ def _without_side_effects(model: nn.Module, front_end, *args):
     finally:
         changed = [(m, name) for m, name, value in _restore_attributes(snapshot)
                    if not name.startswith("_") and _per_call(value)]
+        changed = _unsettled(model, example, changed)
         if changed:
             raise _side_effect_error(model, *changed[0])
+
+
+def _unsettled(model: nn.Module, example: tuple[tuple, Mapping[str, Any]],
+               changed: list[tuple[nn.Module, str]]) -> list[tuple[nn.Module, str]]:
+    """Those of the `changed` (module, attribute name) that forward changes on every call: run
+    eagerly on the example twice, the second run leaves them other than the first left them
+    (a list grown, a number counted on, a new tensor stored), or the model cannot run so.
+    Without an example, all of them. Everything is restored afterwards."""
+    args, kwargs = example
+    if not changed or not (args or kwargs):
+        return changed
+    snapshot = _snapshot(model)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), unchanged_state(model):
+            model(*_copied(args), **_copied(kwargs))
+            first = [_held(module, name) for module, name in changed]
+            model(*_copied(args), **_copied(kwargs))
+            return [c for c, before in zip(changed, first) if not _settled(before, _held(*c))]
+    except Exception:  # the model's own failure is reported by the front-ends
+        return changed
+    finally:
+        _restore_attributes(snapshot)
+
+
+def _held(module: nn.Module, name: str) -> tuple[Any, Any]:
+    """An attribute's value (None when absent), and a copy of its contents if a container."""
+    value = vars(module).get(name)
+    return value, copy.copy(value) if isinstance(value, (list, dict, set)) else None
+
+
+def _settled(before: tuple[Any, Any], now: tuple[Any, Any]) -> bool:
+    """Whether an attribute holds what it held (`_held`): the same object with the same contents,
+    or a new value equal to the old that holds no tensor (a size or setting computed again)."""
+    (value, contents), (new, _) = before, now
+    if new is value:
+        return contents is None or _same_contents(new, contents)
+    return not any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in pytree.tree_leaves(new)) \
+        and equal(new, value)
 
 
 def _per_call(value: Any) -> bool:

@@ -11,7 +11,7 @@ from torch import nn
 
 from fxpipe.passes.compare import equal, output_name, same_structure
 from fxpipe.passes.randomness import microbatch_seeds
-from fxpipe.passes.trace import trace
+from fxpipe.passes.trace import trace, without_cache
 
 from .. import microbatch
 from ..api import compile
@@ -34,13 +34,14 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
     the call must equal the reference's; with `backward`, both are back-propagated from the sum
     of their outputs and every parameter's gradient is compared. On a mismatch the message
     names the first stage whose outputs differ from the model's values for the same nodes.
+    A model whose forward takes `use_cache` runs with `use_cache=False`, as the pipeline does.
     Returns the pipeline; the model's buffers are left as the pipeline's call left them.
 
     `chunks` defaults to as many micro-batches as the batch allows, up to 4. A model with fewer
     operations than `devices` runs on as many stages as it has operations (compile itself
     refuses more stages than nodes), so one strategy can feed models of any size.
     """
-    example_kwargs = dict(example_kwargs or {})
+    example_kwargs = without_cache(model, example_inputs, example_kwargs)   # as compile runs it
     if chunks is None:
         rows = [t.shape[0] for t in pytree.tree_leaves((example_inputs, example_kwargs))
                 if isinstance(t, torch.Tensor) and t.dim() > 0]
