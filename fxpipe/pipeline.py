@@ -17,7 +17,7 @@ from fxpipe.passes.cost_model import default_link
 from fxpipe.passes.errors import FxpipeError, InputError, ModelChangedError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
-from fxpipe.passes.trace import _HOOKS
+from fxpipe.passes.trace import hook_kind
 
 from . import microbatch
 from .report import Plan
@@ -342,7 +342,7 @@ class Pipeline(nn.Module):
 
         Registering any hook (on a module, a tensor, ...) takes an id from one counter,
         `RemovableHandle.next_id`: while it stands still there is nothing to look at, and the
-        check costs one comparison; otherwise it reads four hook dicts per uncalled module."""
+        check costs one comparison; otherwise it reads the hook dicts of each uncalled module (output-recording hooks, which transformers installs at a first call, do not count)."""
         registered = RemovableHandle.next_id
         if registered == self._hook_ids_seen and self._uncalled[0] is self.plan:
             return
@@ -352,9 +352,9 @@ class Pipeline(nn.Module):
         if self._uncalled[0] is not self.plan:     # a plan of its own per mode
             self._uncalled = (self.plan, _uncalled_modules(model, self._stages))
         for name, module in self._uncalled[1]:
-            if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                    or module._backward_pre_hooks):
-                raise ModelChangedError(_never_fires(model, name, module))
+            kind = hook_kind(module)
+            if kind is not None:
+                raise ModelChangedError(_never_fires(model, name, module, kind))
         self._hook_ids_seen = registered
 
     def _apply(self, fn, recurse=True):
@@ -422,10 +422,9 @@ def _uncalled_modules(model: nn.Module, stages: Sequence[Stage]) -> list[tuple[s
     return [(name, m) for name, m in model.named_modules() if id(m) not in called]
 
 
-def _never_fires(model: nn.Module, name: str, module: nn.Module) -> str:
-    """Why a hook registered after compile on `module` (at `name`, uncalled) never fires, and
-    the fix."""
-    kind = next(kind for attr, kind in _HOOKS.items() if getattr(module, attr))
+def _never_fires(model: nn.Module, name: str, module: nn.Module, kind: str) -> str:
+    """Why a `kind` of hook registered after compile on `module` (at `name`, uncalled) never
+    fires, and the fix."""
     if not name:
         return (f"the model ({type(model).__name__}) got a {kind} after compile, and a pipeline "
                 f"never calls the model: it runs the model's graph in stages. Register the hook "

@@ -659,8 +659,7 @@ def _hooked_modules(model: nn.Module) -> dict[str, str]:
     """
     hooked = {}
     for name, module in model.named_modules():
-        kind = next((kind for attr, kind in _HOOKS.items()
-                     if not all(map(_records_outputs, getattr(module, attr, {}).values()))), None)
+        kind = hook_kind(module)
         if kind and not name:
             raise TraceError(
                 f"the model ({type(model).__name__}) has a {kind}, which a pipeline never runs: "
@@ -670,6 +669,13 @@ def _hooked_modules(model: nn.Module) -> dict[str, str]:
         if kind:
             hooked[name] = kind
     return hooked
+
+
+def hook_kind(module: nn.Module) -> str | None:
+    """The kind of `module`'s first hook ("forward hook", ...), or None where it has none but
+    output-recording ones (`_records_outputs`)."""
+    return next((kind for attr, kind in _HOOKS.items()
+                 if not all(map(_records_outputs, getattr(module, attr, {}).values()))), None)
 
 
 def _records_outputs(hook: Any) -> bool:
