@@ -342,7 +342,8 @@ class Pipeline(nn.Module):
 
         Registering any hook (on a module, a tensor, ...) takes an id from one counter,
         `RemovableHandle.next_id`: while it stands still there is nothing to look at, and the
-        check costs one comparison; otherwise it reads the hook dicts of each uncalled module (output-recording hooks, which transformers installs at a first call, do not count)."""
+        check costs one comparison; otherwise it reads the hook dicts of each uncalled module
+        (output-recording hooks, which transformers installs at a first call, do not count)."""
         registered = RemovableHandle.next_id
         if registered == self._hook_ids_seen and self._uncalled[0] is self.plan:
             return
