@@ -274,9 +274,10 @@ class Pipeline(nn.Module):
         if self._recipe is not None and mode != self.training and mode not in self._modes:
             self._check_model()
             self._modes[self.training] = self._mode_state()
-            other = self._recipe.build_for_mode(mode)
+            other = self._recipe.build_for_mode(mode, self.module)
             self._modes[mode] = self._modes[self.training] if other is None else other._mode_state()
         if mode in self._modes:
+            _carry_values(self.module, self._modes[mode]["module"])
             for name, value in self._modes[mode].items():
                 setattr(self, name, value)
         super().train(mode)
@@ -334,6 +335,19 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
+
+
+def _carry_values(source: nn.Module, target: nn.Module) -> None:
+    """`target`'s tensors given `source`'s values where the two hold other tensors under one
+    name (the modes' stages placed a copy of it on different devices), so the mode switched to
+    computes with what the other trained."""
+    held = dict([*source.named_parameters(remove_duplicate=False),
+                 *source.named_buffers(remove_duplicate=False)])
+    with torch.no_grad():
+        for name, t in [*target.named_parameters(remove_duplicate=False),
+                        *target.named_buffers(remove_duplicate=False)]:
+            if name in held and held[name] is not t:
+                t.copy_(held[name])
 
 
 def _gathered(stages: Sequence[Stage]) -> nn.Module:

@@ -83,6 +83,18 @@ class Runtime:
         self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
                         for s in stages]
         self.last_run: Run | None = None    # the latest run's record, failed or not
+        self._in_order = False
+
+    @contextlib.contextmanager
+    def in_order(self) -> Iterator[None]:
+        """Inside, a forward-only run takes its stages one after another on the caller's
+        thread, each stage's micro-batches in order (no worker threads: a message waits in its
+        queue until its reader's turn): how compile checks a pipeline's stages."""
+        self._in_order = True
+        try:
+            yield
+        finally:
+            self._in_order = False
 
     def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]], *,
             loss_of: LossFn | None = None,
@@ -251,8 +263,10 @@ class _Execution:
 
     def run(self) -> tuple[list[Any], Run]:
         """Drive the run on the caller's thread; its outputs or losses, or the first error."""
-        # One stage runs on the caller's thread (see the module's docstring).
-        here = len(self.rt.stages) == 1
+        # One stage runs on the caller's thread (see the module's docstring), and every stage
+        # does in order (`Runtime.in_order`: no backward waits for a later stage there).
+        here = len(self.rt.stages) == 1 or self.rt._in_order
+        assert not (self.rt._in_order and self.loss_of is not None), "in order: forwards only"
         threads = [] if here else [
             threading.Thread(target=self.work, args=(stage.index,),
                              name=f"fxpipe-stage-{stage.index}", daemon=True)
@@ -266,7 +280,8 @@ class _Execution:
                 self.feed()
                 if here:
                     with _kept_thread_count():
-                        self.work(0)
+                        for stage in self.rt.stages:
+                            self.work(stage.index)
                 outputs = self.collect()
                 for t in threads:      # a signal must reach this thread while it waits
                     while t.is_alive():
