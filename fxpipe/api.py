@@ -538,7 +538,7 @@ def _on_worker_thread(fn: Callable[[], None]) -> None:
 
 
 def _calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
-               device: torch.device, repeats: int = 3) -> tuple[float, float]:
+               device: torch.device | None = None, repeats: int = 3) -> tuple[float, float]:
     """Scale the nodes' measured costs so that they add up to the graph's own time, measured
     here in the same conditions (thread, threads, micro-batch); returns the factors applied to
     forward and backward times.
@@ -546,13 +546,14 @@ def _calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], train
     Timing each node alone misses what runs between nodes (the dispatch of the next op, autograd's
     engine walking the whole graph, gradients accumulated across nodes), and adds what timing a
     node costs: the graph run whole measures what a stage will see. The median of `repeats` runs
-    after a warm-up, on `device` (a copy placed there where `gm` is elsewhere), timed as the
-    nodes were (`start_timer`: CUDA events on a GPU); buffers and random generators are left as
-    they were.
+    after a warm-up, on `device` (default: where `gm`'s parameters are; a copy placed there
+    where `gm` is elsewhere), timed as the nodes were (`start_timer`: CUDA events on a GPU);
+    buffers and random generators are left as they were.
     """
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     node_fwd_s = sum(n.meta["cost"].fwd_s for n in nodes)
     node_bwd_s = sum(n.meta["cost"].bwd_s for n in nodes)
+    device = device or next((t.device for t in gm.parameters()), torch.device("cpu"))
     measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, *pytree.tree_map(
         lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
