@@ -32,9 +32,10 @@ class Pipeline(nn.Module):
     GraphModule (`print(pipe.stages[1].code)`), `pipe.plan` says how the model was split, and
     `pipe.last_run` records what ran when in the latest call.
 
-    The pipeline holds the model's own parameters (not copies), under the model's names:
-    `pipe.state_dict()` loads into the original model. Stages are placed on their devices by
-    `compile`; moving the whole pipeline with `.to()` is refused.
+    The pipeline holds, under the model's names, the model's own parameters and buffers where
+    its stages are on their devices, and copies placed on the stages' devices otherwise (the
+    model keeps its own): `pipe.state_dict()` loads into the original model. Stages are placed
+    on their devices by `compile`; moving the whole pipeline with `.to()` is refused.
     """
 
     def __init__(self, plan: Plan, module: nn.Module | None = None):

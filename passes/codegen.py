@@ -131,9 +131,8 @@ def place(gm: fx.GraphModule, device: str | torch.device,
             continue
         changed = False
         for n in module.graph.nodes:
-            args, kwargs = _on_device(n, device)
-            if (args, kwargs) != (n.args, n.kwargs):
-                n.args, n.kwargs = args, kwargs
+            if _named_devices(n):
+                n.args, n.kwargs = _map_devices(n, lambda _: device)
                 changed = True
         if changed:
             module.recompile()
@@ -146,8 +145,8 @@ def placed_copy(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModul
     whose tensors it holds, stay as they are."""
     device = torch.device(device)
     if all(t.device == device for t in [*gm.parameters(), *gm.buffers()]) and all(
-            _on_device(n, device) == (n.args, n.kwargs)
-            for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes):
+            named == device for m in gm.modules() if isinstance(m, fx.GraphModule)
+            for n in m.graph.nodes for named in _named_devices(n)):
         return gm
     copied = _own_op_bodies(fx.GraphModule(gm, copy.deepcopy(gm.graph),
                                            class_name=type(gm).__name__))
@@ -212,16 +211,24 @@ def _placed_tensor(t: torch.Tensor, device: torch.device, placed: Placed) -> tor
     return placed[key][1]
 
 
-def _on_device(n: fx.Node, device: torch.device) -> tuple[tuple, dict]:
-    """`n`'s args and kwargs with every device they name replaced by `device`: a torch.device
-    anywhere, a string given as `device=`, or as the device of a `.to(...)` call."""
+def _map_devices(n: fx.Node, fn: Callable[[torch.device], object]) -> tuple[tuple, dict]:
+    """`n`'s args and kwargs with `fn(device)` for every device they name: a torch.device
+    anywhere, or a string given as `device=` or as the device of a `.to(...)` call."""
     args, kwargs = fx.node.map_aggregate(
-        (n.args, n.kwargs), lambda v: device if isinstance(v, torch.device) else v)
-    if isinstance(kwargs.get("device"), str):
-        kwargs = {**kwargs, "device": device}
+        (n.args, n.kwargs), lambda v: fn(v) if isinstance(v, torch.device) else v)
+    if isinstance(kwargs.get("device"), str) and _names_device(kwargs["device"]):
+        kwargs = {**kwargs, "device": fn(torch.device(kwargs["device"]))}
     if n.op == "call_method" and n.target == "to":
-        args = tuple(device if isinstance(a, str) and _names_device(a) else a for a in args)
+        args = tuple(fn(torch.device(a)) if isinstance(a, str) and _names_device(a) else a
+                     for a in args)
     return args, kwargs
+
+
+def _named_devices(n: fx.Node) -> list[torch.device]:
+    """The devices `n`'s args and kwargs name (see `_map_devices`)."""
+    named: list[torch.device] = []
+    _map_devices(n, named.append)
+    return named
 
 
 def _names_device(text: str) -> bool:
