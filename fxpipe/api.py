@@ -37,7 +37,7 @@ from fxpipe.passes.trace import CaptureMode, trace
 
 from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices, shared_memory, synchronize
-from .pipeline import Pipeline
+from .pipeline import Pipeline, carry_values
 from .reference import copied, run_per_microbatch, unchanged
 from .progress import Progress
 from .report import Measurement, Plan, make_plan, stage_param_bytes
@@ -235,9 +235,9 @@ class _Recipe:
         """The pipeline of the model in `mode` (`model.train(mode)`), or None when the graph
         captured in that mode is the one already built (a graph that does not read the mode).
 
-        `held`: the tensors the other mode's pipeline holds, by the model's names. Its stages
-        share the copies placed for the other mode, which training may have changed since: the
-        new stages are checked against the model computing with those values."""
+        `held`: the tensors the other mode's pipeline holds, by the model's names, which
+        training may have changed since compile: the new stages share its copies, or are given
+        their values, and are checked against the model computing with those values."""
         model = self.model
         flags = {m: m.training for m in model.modules()}
         try:
@@ -245,7 +245,7 @@ class _Recipe:
             gm = self.trace(model)
             if self.traced_code.get(not mode) == gm.code:
                 return None
-            return _build(model, gm, self, reference_model=_holding(model, held))
+            return _build(model, gm, self, held=held)
         finally:
             for m, flag in flags.items():
                 m.training = flag
@@ -279,9 +279,10 @@ def _holding(model: nn.Module, held: nn.Module) -> nn.Module:
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe,
-           reference_model: nn.Module | None = None) -> Pipeline:
-    """The passes after capture, on `model` in its current mode, then the checks: against
-    `reference_model` (default: `model`), run before anything is placed."""
+           held: nn.Module | None = None) -> Pipeline:
+    """The passes after capture, on `model` in its current mode, then the checks. With `held`
+    (the other mode's pipeline's tensors), the stages compute with its values, and the model it
+    is checked against too (`_holding`)."""
     o = recipe.options
     training = model.training if o["training"] is None else o["training"]
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
@@ -297,11 +298,13 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe,
     costed = costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     # The model's last runs: from here on, stages hold copies of its tensors placed on their
     # devices, and the pipeline is checked against what the model computed here.
-    reference = _reference(reference_model or model, recipe, config.chunks, o["verify"],
-                           o["verify_tolerance"])
+    reference = _reference(model if held is None else _holding(model, held), recipe,
+                           config.chunks, o["verify"], o["verify_tolerance"])
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs],
                           placed=recipe.placed)
     held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own
+    if held is not None:
+        carry_values(held, gm)
     part, recomputed = chosen.partition, ((),) * len(stages)
     if training and o["recompute"] == "auto":
         part, recomputed = _recompute_less(part, stages, config, o["optimizer_state"],

@@ -278,7 +278,7 @@ class Pipeline(nn.Module):
             other = self._recipe.build_for_mode(mode, self.module)
             self._modes[mode] = self._modes[self.training] if other is None else other._mode_state()
         if mode in self._modes:
-            _carry_values(self.module, self._modes[mode]["module"])
+            carry_values(self.module, self._modes[mode]["module"])
             for name, value in self._modes[mode].items():
                 setattr(self, name, value)
         super().train(mode)
@@ -338,10 +338,10 @@ class Pipeline(nn.Module):
         return f"Pipeline(\n{self.plan}\n)"
 
 
-def _carry_values(source: nn.Module, target: nn.Module) -> None:
+def carry_values(source: nn.Module, target: nn.Module) -> None:
     """`target`'s tensors given `source`'s values where the two hold other tensors under one
-    name (the modes' stages placed a copy of it on different devices), so the mode switched to
-    computes with what the other trained."""
+    name (the two modes' stages placed copies of it on different devices), so the mode switched
+    to computes with what the other one trained."""
     held = dict([*source.named_parameters(remove_duplicate=False),
                  *source.named_buffers(remove_duplicate=False)])
     with torch.no_grad():

@@ -148,8 +148,7 @@ def placed_copy(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModul
             named == device for m in gm.modules() if isinstance(m, fx.GraphModule)
             for n in m.graph.nodes for named in _named_devices(n)):
         return gm
-    copied = _own_op_bodies(fx.GraphModule(gm, copy.deepcopy(gm.graph),
-                                           class_name=type(gm).__name__))
+    copied = _own_op_bodies(fx.GraphModule(gm, _copy_of(gm.graph), class_name=type(gm).__name__))
     copied.meta = dict(gm.meta)
     return place(copied, device)
 
@@ -185,7 +184,7 @@ def _replace_tensors(module: nn.Module, replacement: Callable[[torch.Tensor], to
     result = module
     if not same and not root:
         if isinstance(module, fx.GraphModule):     # its own graph (and class), to rewrite
-            result = fx.GraphModule(module, copy.deepcopy(module.graph),
+            result = fx.GraphModule(module, _copy_of(module.graph),
                                     class_name=type(module).__name__)
         else:
             result = type(module).__new__(type(module))
@@ -237,6 +236,16 @@ def _names_device(text: str) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _copy_of(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph`: the same node names, order and meta (shallow copies), and the same
+    code generator, which no pass changes (deep-copying an export graph's pytree specs warns)."""
+    copied = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied._codegen = graph._codegen
+    output, old = copied.graph_copy(graph, {}, return_output_node=True)
+    copied.output(output, type_expr=old.type).meta = dict(old.meta)
+    return copied
 
 
 def _own_op_bodies(module: fx.GraphModule) -> fx.GraphModule:

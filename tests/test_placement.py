@@ -6,6 +6,7 @@ patched where what matters is which device they name.
 """
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -113,6 +114,23 @@ def test_stages_on_another_device_hold_copies_and_the_model_keeps_its_own():
     assert gm.get_parameter("second.weight") is held.weight
     assert gm.get_parameter("pre.weight") is model.pre.weight
     assert_untouched(model, before)
+
+
+def test_a_mode_switch_computes_with_the_values_the_pipeline_holds():
+    from fxpipe.api import _holding
+    from fxpipe.pipeline import carry_values
+
+    model, x = Tied(), torch.randn(4, 8)
+    held = copy.deepcopy(model)          # other tensors under the model's names, as copies are
+    with torch.no_grad():
+        held.first.weight.add_(1.0)      # trained since: tied, both names see it
+    before = state(model)
+    torch.testing.assert_close(_holding(model, held)(x), held(x))   # the reference's model
+    assert _holding(model, model) is model
+    assert_untouched(model, before)
+    other_mode = copy.deepcopy(model)    # the other mode's copies, placed elsewhere
+    carry_values(held, other_mode)
+    torch.testing.assert_close(other_mode(x), held(x))
 
 
 def test_measuring_on_another_device_measures_a_copy():
