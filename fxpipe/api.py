@@ -296,8 +296,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe,
     config = chosen.config
     specs = chosen.partition.devices
     costed = costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
-    # The model's last runs: from here on, stages hold copies of its tensors placed on their
-    # devices, and the pipeline is checked against what the model computed here.
+    # The model's last runs, before any stage is placed (a stage holds copies of the tensors
+    # that are not on its device): the pipeline is checked against what the model computes here.
     reference = _reference(model if held is None else _holding(model, held), recipe,
                            config.chunks, o["verify"], o["verify_tolerance"])
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs],

@@ -87,7 +87,7 @@ def _check(name: str) -> None:
         raise DeviceError(f"device {name!r} is not supported: fxpipe runs stages on 'cpu' and "
                           f"'cuda:N' devices")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = device.index if device.index is not None else 0
+    index = device.index or 0
     if index >= count:
         have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
         raise DeviceError(f"device {name!r} does not exist on this machine ({have}): "
