@@ -56,7 +56,7 @@ MODELS = {"cnn": cnn, "transformer": transformer}
 def compiled(name: str, recompute: str, cap: float, chunks: int):
     torch.manual_seed(0)
     model, x = MODELS[name]()
-    devices = [DeviceSpec("cpu", memory_bytes=cap)] * STAGES
+    devices = [DeviceSpec("cpu", memory_bytes=cap * STAGES)] * STAGES    # cap per stage
     pipe = fxpipe.compile(model.train(), devices, (x,), chunks=chunks, training=True,
                           optimizer="sgd", recompute=recompute)
     return model, x, pipe

@@ -104,7 +104,8 @@ def _planning(parser: argparse.ArgumentParser) -> None:
                              "measured here (measure), or as messages between processes, for "
                              "a run under torchrun (gloo)")
     parser.add_argument("--memory", type=float, default=None, metavar="BYTES",
-                        help="each device's memory, e.g. 8e9 (default: a GPU's own, CPU unbounded)")
+                        help="each device's memory, e.g. 8e9, shared by the stages on it "
+                             "(default: a GPU's free memory, CPU unbounded)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 

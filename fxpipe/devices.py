@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import queue
 import statistics
 import threading
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -33,20 +35,45 @@ def parse_devices(devices: Sequence[DeviceLike] | DeviceLike) -> list[DeviceSpec
 
 
 def _parse(device: DeviceLike) -> DeviceSpec:
-    if isinstance(device, DeviceSpec):
-        _check(device.name)
-        _check_spec(device)
-        return device
+    """A DeviceSpec named `cpu` or `cuda:N` ("cuda" is the current GPU); a GPU's memory is
+    what it has free (`gpu_memory_bytes`) unless the DeviceSpec gives `memory_bytes`."""
+    spec = device if isinstance(device, DeviceSpec) else None
+    name = spec.name if spec is not None else device
     try:
-        parsed = torch.device(device)
+        parsed = torch.device(name)
     except (RuntimeError, TypeError) as e:
-        raise DeviceError(f"{device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
-    if parsed.type == "cuda" and parsed.index is None:
-        parsed = torch.device("cuda", 0)
+        raise DeviceError(f"{name!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
     _check(str(parsed))
-    if parsed.type == "cuda":     # the partitioner keeps each stage within its GPU's memory
-        return DeviceSpec(str(parsed), memory_bytes=torch.cuda.get_device_properties(parsed).total_memory)
-    return DeviceSpec(str(parsed))
+    if parsed.type == "cuda" and parsed.index is None:
+        parsed = torch.device("cuda", torch.cuda.current_device())
+    spec = replace(spec, name=str(parsed)) if spec is not None else DeviceSpec(str(parsed))
+    _check_spec(spec)
+    if parsed.type == "cuda" and spec.memory_bytes == math.inf:
+        spec = replace(spec, memory_bytes=gpu_memory_bytes(parsed))
+    return spec
+
+
+GPU_MARGIN = 0.1    # of a GPU's free memory, left for CUDA's workspaces and fragmentation
+
+
+def gpu_memory_bytes(device: torch.device) -> float:
+    """What a GPU can hold for stages: its free memory (`torch.cuda.mem_get_info`, plus what
+    this process's allocator keeps cached unused), less a margin (`GPU_MARGIN`)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return (free + cached) * (1 - GPU_MARGIN)
+
+
+def shared_memory(devices: Sequence[DeviceSpec]) -> list[DeviceSpec]:
+    """`devices` with each device's memory shared evenly among the stages placed on it (by
+    name; the least `memory_bytes` given for it), so that the partitioner, which keeps each
+    stage within its own device's memory, keeps the stages on one device within that device's."""
+    budget: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for d in devices:
+        budget[d.name] = min(budget.get(d.name, math.inf), d.memory_bytes)
+        count[d.name] = count.get(d.name, 0) + 1
+    return [replace(d, memory_bytes=budget[d.name] / count[d.name]) for d in devices]
 
 
 def _check(name: str) -> None:
@@ -72,7 +99,8 @@ def _check_spec(spec: DeviceSpec) -> None:
                                    ("memory_bytes", spec.memory_bytes, "8e9 or 8 << 30")):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise DeviceError(f"{spec}: {option}={value!r} must be a number > 0 (e.g. {example}; "
-                              f"memory_bytes=math.inf for no limit)")
+                              f"memory_bytes=math.inf, the default, for no limit on a CPU and a "
+                              f"GPU's free memory on a GPU)")
     if spec.threads is not None and (not isinstance(spec.threads, int)
                                      or isinstance(spec.threads, bool) or spec.threads < 1):
         raise DeviceError(f"{spec}: threads={spec.threads!r} must be a number of intra-op threads "
@@ -157,10 +185,10 @@ def _copy_link(src: torch.device, dst: torch.device, repeats: int) -> Link:
         x = torch.empty(nbytes // 4, device=src)
         times = []
         for _ in range(repeats):
-            _sync(src, dst)
+            synchronize(src, dst)
             start = time.perf_counter()
             x.to(dst)
-            _sync(src, dst)
+            synchronize(src, dst)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
     small, large = 64 << 10, 16 << 20
@@ -169,7 +197,9 @@ def _copy_link(src: torch.device, dst: torch.device, repeats: int) -> Link:
     return Link(latency_s=max(t_small - small / bandwidth, 0.0), bytes_per_s=bandwidth)
 
 
-def _sync(*devices: torch.device) -> None:
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the work queued on each GPU among `devices` (each the one named, not the
+    current one)."""
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

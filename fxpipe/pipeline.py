@@ -34,9 +34,10 @@ class Pipeline(nn.Module):
     GraphModule (`print(pipe.stages[1].code)`), `pipe.plan` says how the model was split, and
     `pipe.last_run` records what ran when in the latest call.
 
-    The pipeline holds the model's own parameters (not copies), under the model's names:
-    `pipe.state_dict()` loads into the original model. Stages are placed on their devices by
-    `compile`; moving the whole pipeline with `.to()` is refused.
+    The pipeline holds, under the model's names, the model's own parameters and buffers where
+    its stages are on their devices, and copies placed on the stages' devices otherwise (the
+    model keeps its own): `pipe.state_dict()` loads into the original model. Stages are placed
+    on their devices by `compile`; moving the whole pipeline with `.to()` is refused.
     """
 
     def __init__(self, plan: Plan, module: nn.Module | None = None):
@@ -285,9 +286,10 @@ class Pipeline(nn.Module):
         if self._recipe is not None and mode != self.training and mode not in self._modes:
             self._check_model()
             self._modes[self.training] = self._mode_state()
-            other = self._recipe.build_for_mode(mode)
+            other = self._recipe.build_for_mode(mode, self.module)
             self._modes[mode] = self._modes[self.training] if other is None else other._mode_state()
         if mode in self._modes:
+            carry_values(self.module, self._modes[mode]["module"])
             for name, value in self._modes[mode].items():
                 setattr(self, name, value)
         super().train(mode)
@@ -373,6 +375,19 @@ class Pipeline(nn.Module):
         return f"Pipeline(\n{self.plan}\n)"
 
 
+def carry_values(source: nn.Module, target: nn.Module) -> None:
+    """`target`'s tensors given `source`'s values where the two hold other tensors under one
+    name (the two modes' stages placed copies of it on different devices), so the mode switched
+    to computes with what the other one trained."""
+    held = dict([*source.named_parameters(remove_duplicate=False),
+                 *source.named_buffers(remove_duplicate=False)])
+    with torch.no_grad():
+        for name, t in [*target.named_parameters(remove_duplicate=False),
+                        *target.named_buffers(remove_duplicate=False)]:
+            if name in held and held[name] is not t:
+                t.copy_(held[name])
+
+
 def _gathered(stages: Sequence[Stage]) -> nn.Module:
     """One module holding every stage's parameters and buffers under their own names (the
     model's: stages keep the names of what they hold), each once."""
@@ -418,9 +433,11 @@ def _members(model: nn.Module) -> list[Any]:
 
 def _uncalled_modules(model: nn.Module, stages: Sequence[Stage]) -> list[tuple[str, nn.Module]]:
     """The model's modules that no stage calls, by name: the model itself and those traced
-    through. A stage holds the modules it calls, and they call their own submodules."""
-    called = {id(m) for stage in stages for m in stage.module.modules()}
-    return [(name, m) for name, m in model.named_modules() if id(m) not in called]
+    through. A stage holds the modules it calls, and they call their own submodules; a stage
+    placed away from a module's tensors holds a shallow copy of it, which shares its hooks (so
+    modules are known by their hook dicts)."""
+    called = {id(m._forward_hooks) for stage in stages for m in stage.module.modules()}
+    return [(name, m) for name, m in model.named_modules() if id(m._forward_hooks) not in called]
 
 
 def _never_fires(model: nn.Module, name: str, module: nn.Module, kind: str) -> str:

@@ -3,7 +3,8 @@
 `CostInterpreter` runs the graph on example inputs like `torch.fx.passes.shape_prop.ShapeProp`
 does, timing each node's call. The graph runs `warmup + repeats` times, from fresh copies of the
 inputs each time, and each node keeps the median of its repeats, so one noisy run does not decide
-a stage boundary. On CUDA the device is synchronised around every node.
+a stage boundary. On CUDA each node is timed by CUDA events around it (`start_timer`): the GPU's
+time, not the host's.
 
 The graph's parameters and buffers are left as they were (`fxpipe.passes.state.unchanged_state`):
 buffers the model updates while running (BatchNorm statistics, counters) are restored afterwards,
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .codegen import place
+from .codegen import placed_copy
 from .cost_model import NodeCost
 from .errors import CostError
 from .graph_values import PlainInterpreter, attr_value, plain, tensors
@@ -49,21 +50,15 @@ class CostInterpreter(PlainInterpreter):
         self.saved_values: dict[fx.Node, set[fx.Node]] = {}
         self.watch: StateWatch | None = None     # set for a run that finds the state written
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def run_node(self, n: fx.Node) -> Any:
-        self.sync()
-        start = time.perf_counter()
+        elapsed_s = start_timer(self.device)
         try:
             if self.watch is not None:
                 with self.watch.watching(n, tensors([self.env[p] for p in n.all_input_nodes])):
                     result = super().run_node(n)
             else:
                 result = super().run_node(n)
-            self.sync()
-            self.times_s.setdefault(n, []).append(time.perf_counter() - start)
+            self.times_s.setdefault(n, []).append(elapsed_s())
             if self.backward and n.op.startswith("call"):
                 self.backward_s.setdefault(n, []).append(self._time_backward(n))
         except Exception as e:
@@ -123,11 +118,29 @@ class CostInterpreter(PlainInterpreter):
         if not outputs or not wanted:
             return 0.0
         grads = [torch.ones_like(t) for t in outputs]
-        self.sync()
-        start = time.perf_counter()
+        elapsed_s = start_timer(self.device)
         torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
-        self.sync()
-        return time.perf_counter() - start
+        return elapsed_s()
+
+
+def start_timer(device: torch.device) -> Callable[[], float]:
+    """Start timing the work done on `device` from now on; the function returned waits for that
+    work and says its seconds. On a GPU, CUDA events on the device's current stream time the
+    GPU's own work, not the host's launches (which run ahead of it); elsewhere, the host's clock.
+    """
+    if device.type != "cuda":
+        start = time.perf_counter()
+        return lambda: time.perf_counter() - start
+    stream = torch.cuda.current_stream(device)
+    begin = torch.cuda.Event(enable_timing=True)
+    begin.record(stream)
+
+    def elapsed_s() -> float:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+    return elapsed_s
 
 
 UNSTEADY = 0.25     # a measurement whose time-weighted spread is above this is taken again
@@ -143,8 +156,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
     see `fxpipe.passes.state`), so that the partitioner keeps them in one stage.
 
-    `device` is where to measure (default: where `gm`'s parameters are); `gm` and the inputs are
-    moved there. Inputs are given as the model takes them, positionally and by keyword. With
+    `device` is where to measure (default: where `gm`'s parameters are): elsewhere, the graph
+    runs on a copy placed there (`fxpipe.passes.codegen.placed_copy`, dropped after), so `gm`'s
+    tensors never move; the inputs are copied there. Inputs are given as the model takes them, positionally and by keyword. With
     `backward`, each node's backward is timed too (`bwd_s`), from its own inputs.
 
     Noise: the repeats are whole runs of the graph, so a node's repeats are spread over the
@@ -157,23 +171,29 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     `progress(done, total)` is called as each node of a run is measured.
     """
     device = torch.device(device) if device is not None else _device_of(gm)
-    place(gm, device)
+    measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
-    interpreter = CostInterpreter(gm, device, backward=backward, progress=progress)
+    interpreter = CostInterpreter(measured, device, backward=backward, progress=progress)
     generators = [device] if device.type == "cuda" else []
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
-    with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=generators):
+    with unchanged_state(measured), torch.no_grad(), torch.random.fork_rng(devices=generators):
         for run in range(warmup + limit):
-            interpreter.watch = StateWatch(gm) if run == 0 else None
+            interpreter.watch = StateWatch(measured) if run == 0 else None
             fresh = [_to_device(_clone(v), device) for v in inputs]
             interpreter.run(*fresh)
             if run == 0:
                 interpreter.watch.mark()
             if run + 1 >= warmup + repeats:
-                _write_costs(gm, interpreter, warmup)
-                if measurement_spread(gm) <= UNSTEADY:
+                _write_costs(measured, interpreter, warmup)
+                if measurement_spread(measured) <= UNSTEADY:
                     break
+    if measured is not gm:     # the copy's nodes are `gm`'s, in order
+        for n, copied in zip(gm.graph.nodes, measured.graph.nodes):
+            n.meta.update({key: copied.meta[key] for key in _WRITTEN if key in copied.meta})
     return gm
+
+
+_WRITTEN = ("cost", "shapes", "output_kept", "state")    # what measuring writes on a node
 
 
 def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) -> None:

@@ -8,8 +8,10 @@ that later stages or the graph's output need. Nodes keep their names, order and 
 A `get_attr` node (how export graphs read parameters) is copied into every stage that reads it
 on its parameter's device, so those stages hold the parameters they use; a stage on another
 device receives it from the parameter's home stage. Higher-order ops' bodies
-(sub-GraphModules) go with the stage that calls them, and `place` points the devices that export
-wrote into ops (`arange(..., device=cpu)`) at the stage's own device.
+(sub-GraphModules) go with the stage that calls them, and `place` points the devices written
+into ops (`arange(..., device=cpu)`) at the stage's own device. No tensor is ever moved: a stage
+holds the model's own parameters and buffers where they already are on its device, and copies
+placed there otherwise (`place`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import copy
 import types
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from .errors import DeviceError, PartitionError
 from .graph_values import attr_value
@@ -57,7 +60,7 @@ class StageTracer(fx.Tracer):
 
 def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
                  devices: Sequence[str | torch.device], *,
-                 send_parameters: bool = False) -> list[Stage]:
+                 send_parameters: bool = False, placed: Placed | None = None) -> list[Stage]:
     """Split `gm` into `len(devices)` stages, stage `s` holding the nodes with `stage_of[n] == s`.
 
     Every node but placeholders and the output needs a stage, and no node may read a value of a
@@ -66,8 +69,8 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
     each stage that reads it on the device of the parameter's home, the first stage using the
     parameter; stages on other devices receive it from the home stage, like any value, so its
     gradients flow back to the one Parameter (`send_parameters` sends it to every other stage,
-    even on the same device). Parameters and buffers move to their home stage's device; a
-    submodule called by stages on different devices is an error.
+    even on the same device). Each stage is `place`d on its device (`placed`: the copies made so
+    far, shared across calls); a submodule called by stages on different devices is an error.
     """
     devices = [torch.device(d) for d in devices]
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -101,37 +104,161 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
         _grad_regions(graph)
         graph.output(tuple(env[n] for n in outputs))
         graph._tracer_cls = StageTracer
-        module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
-        for name, child in module.named_children():   # its own copy of each op body, to place
-            if isinstance(child, fx.GraphModule) and not _has_state(child):
-                setattr(module, name, copy.deepcopy(child))
+        module = _own_op_bodies(fx.GraphModule(gm, graph, class_name=f"Stage{s}"))
         stages.append(Stage(s, module, tuple(p.name for p in inputs), tuple(n.name for n in outputs),
                             device))
-    _move(stages)
+    _move(stages, {} if placed is None else placed)
     return stages
 
 
-def place(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
-    """Move `gm`'s parameters and buffers to `device`, and make its ops create tensors there.
+Placed = dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+"""Copies made by `place`: (id of the tensor, device) -> (the tensor, its copy on that device)."""
 
-    An export graph names the example's device in ops that create tensors (`arange(8,
-    device=cpu)`, `to(mask, cpu)`), in its own graph and in its op bodies; each becomes `device`.
-    Modifies `gm` and returns it.
+
+def place(gm: fx.GraphModule, device: str | torch.device,
+          placed: Placed | None = None) -> fx.GraphModule:
+    """Make `gm` run on `device`, moving no tensor: modifies `gm` and returns it.
+
+    A parameter or buffer already on `device` stays itself; one elsewhere is replaced in `gm` by
+    a copy on `device` (a Parameter stays a Parameter), and every module on the way to it by a
+    shallow copy of its own, so a module that `gm` shares with the model keeps the model's
+    tensors. `placed` remembers the copies (pass the same dict to several calls), so a tensor
+    read by several modules or stages, or placed again, has one copy there: tied weights stay
+    tied. Ops that name a device (`arange(8, device=cpu)` in an export graph, `x.to("cuda:1")`,
+    `zeros(3, device="cpu")` in an fx graph), in `gm`'s graph and its op bodies, name `device`.
     """
     device = torch.device(device)
-    gm.to(device)
+    placed = {} if placed is None else placed
+    _replace_tensors(gm, lambda t: _placed_tensor(t, device, placed), {id(gm): gm})
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         changed = False
         for n in module.graph.nodes:
-            if any(isinstance(v, torch.device) for v in _leaves((n.args, n.kwargs))):
-                n.args, n.kwargs = fx.node.map_aggregate(
-                    (n.args, n.kwargs), lambda v: device if isinstance(v, torch.device) else v)
+            if _named_devices(n):
+                n.args, n.kwargs = _map_devices(n, lambda _: device)
                 changed = True
         if changed:
             module.recompile()
     return gm
+
+
+def placed_copy(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
+    """`gm` itself where it runs on `device` as it is; otherwise a copy of it (its own graph,
+    same node names and meta) `place`d there, for a pass to run and drop: `gm`, and the model
+    whose tensors it holds, stay as they are."""
+    device = torch.device(device)
+    if all(t.device == device for t in [*gm.parameters(), *gm.buffers()]) and all(
+            named == device for m in gm.modules() if isinstance(m, fx.GraphModule)
+            for n in m.graph.nodes for named in _named_devices(n)):
+        return gm
+    copied = _own_op_bodies(fx.GraphModule(gm, _copy_of(gm.graph), class_name=type(gm).__name__))
+    copied.meta = dict(gm.meta)
+    return place(copied, device)
+
+
+def held_by_stages(gm: fx.GraphModule, stages: Sequence[Stage]) -> fx.GraphModule:
+    """`gm` holding, under each name, the tensor the stages hold under it (a copy where a stage
+    was placed away from the tensor): what the pipeline's parameters and buffers are, under the
+    model's names. Modifies `gm` (as `place` does: the model keeps its own) and returns it."""
+    held = {name: t for stage in stages
+            for name, t in [*stage.module.named_parameters(remove_duplicate=False),
+                            *stage.module.named_buffers(remove_duplicate=False)]}
+    by_id = {id(t): held[name] for name, t in [*gm.named_parameters(remove_duplicate=False),
+                                                *gm.named_buffers(remove_duplicate=False)]
+             if name in held}
+    return _replace_tensors(gm, lambda t: by_id.get(id(t), t), {id(gm): gm})
+
+
+def _replace_tensors(module: nn.Module, replacement: Callable[[torch.Tensor], torch.Tensor],
+                     done: dict[int, nn.Module]) -> nn.Module:
+    """`module` holding `replacement(t)` for each of its tensors `t`: itself, modified in place
+    when it is the root (`done` starts with it), or else a shallow copy where any of its tensors
+    (or its children's) is replaced. `done` maps each module seen to its result (shared modules
+    stay shared)."""
+    root = id(module) in done
+    children = {name: done[id(c)] if id(c) in done else _replace_tensors(c, replacement, done)
+                for name, c in module._modules.items() if c is not None}
+    tensors = {table: {name: replacement(t)
+                       for name, t in getattr(module, table).items() if t is not None}
+               for table in ("_parameters", "_buffers")}
+    same = all(children[k] is module._modules[k] for k in children) and all(
+        t is getattr(module, table)[name] for table, new in tensors.items()
+        for name, t in new.items())
+    result = module
+    if not same and not root:
+        if isinstance(module, fx.GraphModule):     # its own graph (and class), to rewrite
+            result = fx.GraphModule(module, _copy_of(module.graph),
+                                    class_name=type(module).__name__)
+        else:
+            result = type(module).__new__(type(module))
+            result.__dict__.update(module.__dict__)
+    if not same:       # new dicts: the original module keeps its own
+        result.__dict__["_modules"] = {**result._modules, **children}
+        for table, new in tensors.items():
+            result.__dict__[table] = {**getattr(result, table), **new}
+    done[id(module)] = result
+    return result
+
+
+def _placed_tensor(t: torch.Tensor, device: torch.device, placed: Placed) -> torch.Tensor:
+    """`t` if it is on `device`, else its one copy there."""
+    if t.device == device:
+        return t
+    key = (id(t), device)
+    if key not in placed:
+        moved = t.detach().to(device)
+        moved = (nn.Parameter(moved, requires_grad=t.requires_grad)
+                 if isinstance(t, nn.Parameter) else moved.requires_grad_(t.requires_grad))
+        placed[key] = (t, moved)      # `t` kept alive: its id names no other tensor
+    return placed[key][1]
+
+
+def _map_devices(n: fx.Node, fn: Callable[[torch.device], object]) -> tuple[tuple, dict]:
+    """`n`'s args and kwargs with `fn(device)` for every device they name: a torch.device
+    anywhere, or a string given as `device=` or as the device of a `.to(...)` call."""
+    args, kwargs = fx.node.map_aggregate(
+        (n.args, n.kwargs), lambda v: fn(v) if isinstance(v, torch.device) else v)
+    if isinstance(kwargs.get("device"), str) and _names_device(kwargs["device"]):
+        kwargs = {**kwargs, "device": fn(torch.device(kwargs["device"]))}
+    if n.op == "call_method" and n.target == "to":
+        args = tuple(fn(torch.device(a)) if isinstance(a, str) and _names_device(a) else a
+                     for a in args)
+    return args, kwargs
+
+
+def _named_devices(n: fx.Node) -> list[torch.device]:
+    """The devices `n`'s args and kwargs name (see `_map_devices`)."""
+    named: list[torch.device] = []
+    _map_devices(n, named.append)
+    return named
+
+
+def _names_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _copy_of(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph`: the same node names, order and meta (shallow copies), and the same
+    code generator, which no pass changes (deep-copying an export graph's pytree specs warns)."""
+    copied = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied._codegen = graph._codegen
+    output, old = copied.graph_copy(graph, {}, return_output_node=True)
+    copied.output(output, type_expr=old.type).meta = dict(old.meta)
+    return copied
+
+
+def _own_op_bodies(module: fx.GraphModule) -> fx.GraphModule:
+    """`module` with its own copy of each op body (a stateless child GraphModule), which
+    `place` may rewrite; returns it."""
+    for name, child in module.named_children():
+        if isinstance(child, fx.GraphModule) and not _has_state(child):
+            setattr(module, name, copy.deepcopy(child))
+    return module
 
 
 def _grad_regions(graph: fx.Graph) -> None:
@@ -195,12 +322,6 @@ def _has_state(module: torch.nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def _leaves(value) -> list:
-    found: list = []
-    fx.node.map_aggregate(value, lambda v: found.append(v))
-    return found
-
-
 def _check(nodes: Sequence[fx.Node], stage_of: Mapping[str, int], num_stages: int) -> None:
     for n in nodes:
         if n.name not in stage_of and n.op == "get_attr":
@@ -217,8 +338,8 @@ def _check(nodes: Sequence[fx.Node], stage_of: Mapping[str, int], num_stages: in
                     f"stage {stage_of[p.name]}: stages may only pass values forward")
 
 
-def _move(stages: Sequence[Stage]) -> None:
-    """Move every stage's parameters and buffers to its device, refusing to split a shared one."""
+def _move(stages: Sequence[Stage], placed: Placed) -> None:
+    """Place every stage on its device (copies in `placed`), refusing to split a shared module."""
     home: dict[int, Stage] = {}
     for stage in stages:
         for name, t in list(stage.module.named_parameters()) + list(stage.module.named_buffers()):
@@ -229,4 +350,4 @@ def _move(stages: Sequence[Stage]) -> None:
                     f"{stage.index} on {stage.device}, inside a submodule both call: a parameter "
                     f"lives on one device; place those stages on the same device")
     for stage in stages:
-        place(stage.module, stage.device)
+        place(stage.module, stage.device, placed)

@@ -877,8 +877,10 @@ def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple,
     `fxpipe.passes.compare`.
     """
     given = _copied((args, kwargs))
+    # `manual_seed` seeds every GPU's generator too: each one there is is forked.
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             with unchanged_state(model):
                 torch.manual_seed(0)
                 expected = model(*given[0], **given[1])

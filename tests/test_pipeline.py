@@ -107,7 +107,7 @@ def test_state_dict_uses_the_models_names_and_loads_back():
 @pytest.mark.parametrize("devices, message", [
     ([], "no devices"),
     (["banana"], "not a device"),
-    (["cuda:7"], "does not exist"),
+    ([f"cuda:{torch.cuda.device_count()}"], "does not exist"),   # one past the last GPU here
     (["meta"], "not supported"),
 ])
 def test_bad_devices_are_refused(devices, message):

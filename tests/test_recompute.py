@@ -147,7 +147,8 @@ class Chain(nn.Module):
 
 
 def capped(cap):
-    return [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2
+    """Two stages on the CPU, `cap` each (they share the device's memory_bytes)."""
+    return [fxpipe.DeviceSpec("cpu", memory_bytes=2 * cap)] * 2
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

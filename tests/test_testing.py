@@ -11,9 +11,9 @@ from fxpipe.testing import assert_pipeline_matches, models
 from fxpipe.passes.codegen import split_stages
 
 
-def sabotage_last_stage(gm, stage_of, devices):
+def sabotage_last_stage(gm, stage_of, devices, **options):
     """A broken codegen: the last stage adds 1 to everything it outputs."""
-    stages = split_stages(gm, stage_of, devices)
+    stages = split_stages(gm, stage_of, devices, **options)
     last = stages[-1].module
     (output,) = [n for n in last.graph.nodes if n.op == "output"]
     with last.graph.inserting_before(output):

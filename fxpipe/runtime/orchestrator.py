@@ -23,7 +23,9 @@ aborted: a flag every worker checks between actions, and the transport's abort, 
 waiting thread. All workers stop within one action, `_workers` joins them whatever happens, and
 the caller gets the first `StageError`, naming the stage, the micro-batch and the statement that
 failed (or its own `KeyboardInterrupt`). The driver waits with timeouts, so a signal reaches it
-while it waits. `Run` records the actions that finished, for a failed run too.
+while it waits. `Run` records the actions that finished, for a failed run too. A GPU stage's
+actions are recorded as the GPU ran them (CUDA events on its stream, read once the run's work is
+done), not as the host launched them.
 """
 
 from __future__ import annotations
@@ -83,6 +85,18 @@ class Runtime:
         self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
                         for s in stages]
         self.last_run: Run | None = None    # the latest run's record, failed or not
+        self._in_order = False
+
+    @contextlib.contextmanager
+    def in_order(self) -> Iterator[None]:
+        """Inside, a forward-only run takes its stages one after another on the caller's
+        thread, each stage's micro-batches in order (no worker threads: a message waits in its
+        queue until its reader's turn): how compile checks a pipeline's stages."""
+        self._in_order = True
+        try:
+            yield
+        finally:
+            self._in_order = False
 
     def run(self, timetable: Timetable, inputs: Sequence[dict[str, Any]], *,
             loss_of: LossFn | None = None,
@@ -234,6 +248,11 @@ class _Execution:
         self.errors: list[StageError] = []
         self.record = Run(num_stages=len(runtime.stages))
         self.start = 0.0
+        # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
+        # there as the run starts: (seconds at that start, its event) per stage; (action, event
+        # before, event after) per action done.
+        self.origins: dict[int, tuple[float, torch.cuda.Event]] = {}
+        self.gpu_slots: list[tuple[Action, torch.cuda.Event, torch.cuda.Event]] = []
 
     def executor(self, stage: Stage) -> StageExecutor:
         """`stage`'s executor for this run, made on the caller's thread to capture its modes."""
@@ -259,23 +278,30 @@ class _Execution:
 
     def run(self) -> tuple[list[Any], Run]:
         """Drive the run on the caller's thread; its outputs or losses, or the first error."""
-        # One stage runs on the caller's thread (see the module's docstring).
-        here = len(self.rt.stages) == 1
+        # One stage runs on the caller's thread (see the module's docstring), and every stage
+        # does in order (`Runtime.in_order`: no backward waits for a later stage there).
+        here = len(self.rt.stages) == 1 or self.rt._in_order
+        assert not (self.rt._in_order and self.loss_of is not None), "in order: forwards only"
         threads = [] if here else [_Worker(self.work, stage.index, "fxpipe-stage")
                                    for stage in self.rt.stages]
         self.rt.last_run = self.record
         self.start = time.perf_counter()
         for executor in self.executors:
             executor.wait_for_caller()
+            if executor.stream is not None:
+                self.origins[executor.stage.index] = (self.clock(), _event(executor.stream))
         try:
             with _workers(threads, self.abort):
                 self.feed()
                 if here:
                     with _kept_thread_count():
-                        self.work(0)
+                        for stage in self.rt.stages:
+                            self.work(stage.index)
                 outputs = self.collect()
                 for t in threads:      # a signal must reach this thread while it waits
                     t.wait()
+                if not self.errors:
+                    self.time_gpu_slots()
         except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
             self.record.error = f"{type(e).__name__} in the caller's thread"
             raise
@@ -316,11 +342,15 @@ class _Execution:
         """Run stage `index`'s row of the timetable; a failure is kept and aborts the run."""
         executor = self.executors[index]
         row = StageRow(executor, self.timetable[index], self.wiring, self.transport)
+        stream = executor.stream
+        clock, done = (self.clock, self.done) if stream is None else (
+            lambda: _event(stream),
+            lambda action, began: self.gpu_slots.append((action, began, _event(stream))))
         try:
             if self.rt.threads[index] and executor.stage.device.type == "cpu":
                 set_thread_count(self.rt.threads[index])
             with executor.computing():
-                row.walk(stopping=self.stopping.is_set, clock=self.clock, done=self.done)
+                row.walk(stopping=self.stopping.is_set, clock=clock, done=done)
         except Aborted:
             return
         except BaseException as e:   # whatever it is, the run must end
@@ -339,6 +369,15 @@ class _Execution:
     def done(self, action: Action, began: float) -> None:
         """Record `action`, which began at `began` (its inputs arrived) and just finished."""
         self.record.slots.append(Slot(action, began, self.clock()))
+
+    def time_gpu_slots(self) -> None:
+        """The GPU stages' slots, read off their events once the GPU has done that work: the
+        time each action took on the GPU, where the host only launched it."""
+        for action, began, ended in self.gpu_slots:
+            start_s, origin = self.origins[action.stage]
+            ended.synchronize()
+            self.record.slots.append(Slot(action, start_s + origin.elapsed_time(began) / 1e3,
+                                          start_s + origin.elapsed_time(ended) / 1e3))
 
     def receive(self, receiver: int, m: int) -> dict[str, Any]:
         """Micro-batch m's forward values from every sender of `receiver`."""
@@ -490,6 +529,11 @@ def _join(threads: Sequence[_Worker]) -> None:
                 interrupted = e
     if interrupted is not None:
         raise interrupted
+
+
+def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A timing event recorded on `stream` now."""
+    return stream.record_event(torch.cuda.Event(enable_timing=True))
 
 
 def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
