@@ -18,8 +18,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# Each benchmark runs as a module from the repository root, where it imports `benchmarks` and
+# `examples` as packages.
+BENCHMARKS := $(sort $(basename $(notdir $(filter-out %/__init__.py,$(wildcard benchmarks/*.py)))))
+
 bench: $(VENV)/.installed
-	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	for b in $(BENCHMARKS); do echo "== benchmarks.$$b"; $(PY) -m benchmarks.$$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

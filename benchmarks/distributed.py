@@ -1,7 +1,7 @@
 """One plan, four runtimes: fxpipe over torch.distributed, fxpipe's threads, torch's pipelining
 and the model in one process, side by side on this machine's CPU.
 
-    python benchmarks/distributed.py [--train] [--chunks 1 2 4 8 16] [--channels 48] [--batch 64] [--repeats 5] [--rounds 3]
+    python -m benchmarks.distributed [--train] [--chunks 1 2 4 8 16] [--channels 48] [--batch 64] [--repeats 5] [--rounds 3]
 
 The chain of 8 Conv2d+ReLU layers of `benchmarks/pipeline_throughput.py`, planned by fxpipe on 2
 CPU stages of one thread each with `link="gloo"` (values priced as messages between processes);
@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import fxpipe  # noqa: E402
-from benchmarks.pipeline_throughput import build, median_s  # noqa: E402
+import fxpipe
+from benchmarks.pipeline_throughput import build, median_s
 
+ROOT = Path(__file__).resolve().parents[1]
 STAGES = 2
 
 
@@ -53,10 +52,9 @@ def launched(kind: str, plan: Path, data: Path, repeats: int, train: bool) -> fl
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                    str(STAGES), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   __file__, "--worker", kind, str(plan), str(data), str(repeats), out,
-                   "train" if train else "infer"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=600,
+                   "-m", "benchmarks.distributed", "--worker", kind, str(plan), str(data),
+                   str(repeats), out, "train" if train else "infer"]
+        subprocess.run(command, cwd=ROOT, check=True, timeout=600,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return float(Path(out, "seconds").read_text())
 

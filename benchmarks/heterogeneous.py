@@ -1,7 +1,7 @@
 """Devices of two speeds: does the faster one get more work, and do the stages take what the plan
 says?
 
-    python benchmarks/heterogeneous.py [--devices cpu/2,cpu/1] [--repeats 7]
+    python -m benchmarks.heterogeneous [--devices cpu/2,cpu/1] [--repeats 7]
 
 Each device is `cpu/N` (a CPU stage with N intra-op threads) or `cuda:N`. fxpipe measures every
 node on each distinct kind of device (a CPU kind per thread count, each GPU), partitions on those
@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
 import torch
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fxpipe  # noqa: E402
-from benchmarks.predict import models  # noqa: E402
-from fxpipe.schedules import Phase  # noqa: E402
+import fxpipe
+from benchmarks.predict import models
+from fxpipe.schedules import Phase
 
 
 def parse(text: str) -> list[fxpipe.DeviceSpec]:

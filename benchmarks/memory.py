@@ -1,6 +1,6 @@
 """Training memory: the plan's prediction against a measured run, and what recomputing costs.
 
-    python benchmarks/memory.py [--repeats 5] [--chunks 4]
+    python -m benchmarks.memory [--repeats 5] [--chunks 4]
 
 For a CNN (a chain of convolutions) and a transformer (nn.TransformerEncoder), each on 2 CPU
 stages with GPipe and SGD, fxpipe plans three ways: recompute="never", "always", and "auto" under
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
@@ -29,10 +28,9 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fxpipe  # noqa: E402
-from benchmarks.pipeline_throughput import side_by_side  # noqa: E402
-from fxpipe.passes.cost_model import DeviceSpec, format_bytes  # noqa: E402
+import fxpipe
+from benchmarks.pipeline_throughput import side_by_side
+from fxpipe.passes.cost_model import DeviceSpec, format_bytes
 
 STAGES = 2
 
@@ -98,8 +96,8 @@ def least_cap_never_meets(name: str, cap: float, chunks: int) -> float:
 
 
 def in_own_process(*args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--measure", json.dumps(args)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--measure",
+                          json.dumps(args)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

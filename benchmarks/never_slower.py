@@ -1,6 +1,6 @@
 """Is a pipeline ever slower than the model? The plan's own choice, measured against the model.
 
-    python benchmarks/never_slower.py [--repeats 7] [--stages 2] [--training]
+    python -m benchmarks.never_slower [--repeats 7] [--stages 2] [--training]
 
 For each model (the residual MLP of the planner issue, the quickstart's branching CNN, a chain of
 convolutions, the zoo's ViT, ResNet-50 and DenseNet at "small" size), fxpipe compiles with every choice left
@@ -14,19 +14,16 @@ predicted. Run it alone: two cores are easily shared into noise.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 from tabulate import tabulate
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fxpipe  # noqa: E402
-from benchmarks.pipeline_throughput import build as conv_chain  # noqa: E402
-from benchmarks.pipeline_throughput import side_by_side  # noqa: E402
-from benchmarks.predict import models as predict_models  # noqa: E402
-from examples.zoo import build as zoo  # noqa: E402
+import fxpipe
+from benchmarks.pipeline_throughput import build as conv_chain
+from benchmarks.pipeline_throughput import side_by_side
+from benchmarks.predict import models as predict_models
+from examples.zoo import build as zoo
 
 
 def models():

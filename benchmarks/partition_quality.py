@@ -1,6 +1,6 @@
 """Partition quality on the zoo's real architectures: fxpipe against the peers' split policies.
 
-    python benchmarks/partition_quality.py [--size tiny] [--stages 2 4 8] [--repeats 5]
+    python -m benchmarks.partition_quality [--size tiny] [--stages 2 4 8] [--repeats 5]
 
 Each zoo model (ResNet-50, Inception, DenseNet, MobileNet, U-Net, ViT and Swin transformers) is
 traced and its nodes timed on this CPU (`annotate_costs`); the stages are planned for k GPUs
@@ -26,20 +26,17 @@ the costs it was planned on. The ratios are then to the optimum of the second me
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from tabulate import tabulate
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from examples.zoo import ZOO, build  # noqa: E402
-from fxpipe.passes.annotate_costs import annotate_costs  # noqa: E402
-from fxpipe.passes.cost_model import CostGraph, DeviceSpec, cost_graph  # noqa: E402
-from fxpipe.passes.partition import evaluate, partition  # noqa: E402
-from fxpipe.passes.trace import trace  # noqa: E402
+from examples.zoo import ZOO, build
+from fxpipe.passes.annotate_costs import annotate_costs
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec, cost_graph
+from fxpipe.passes.partition import evaluate, partition
+from fxpipe.passes.trace import trace
 
 PEERS = ("nodes", "params", "time")
 

@@ -1,6 +1,6 @@
 """How long `fxpipe.passes.partition` takes on synthetic DNN-shaped graphs, and how good the result is.
 
-    python benchmarks/partition_speed.py [--nodes 1000 10000 50000] [--stages 2 4 8 16]
+    python -m benchmarks.partition_speed [--nodes 1000 10000 50000] [--stages 2 4 8 16]
 
 Graphs come from `fxpipe.testing.synthetic_graph` (chains, residual and inception blocks,
 U-Net skips; one graph per size, seed 0); devices are `cuda:0 .. cuda:k-1` with default links.
@@ -12,17 +12,14 @@ method found and proved it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tabulate import tabulate
 
-from tabulate import tabulate  # noqa: E402
-
-from fxpipe.testing import synthetic_graph  # noqa: E402
-from fxpipe.passes.cost_model import DeviceSpec  # noqa: E402
-from fxpipe.passes.partition import Method, Partition, partition  # noqa: E402
+from fxpipe.testing import synthetic_graph
+from fxpipe.passes.cost_model import DeviceSpec
+from fxpipe.passes.partition import Method, Partition, partition
 
 
 def timed(graph, devices, repeats: int) -> tuple[float, Partition]:

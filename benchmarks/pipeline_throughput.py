@@ -1,7 +1,7 @@
 """Pipeline throughput on this CPU: fxpipe against one thread, the GPipe bound and
 torch.distributed.pipelining, for inference and training, with the cost model's prediction.
 
-    python benchmarks/pipeline_throughput.py [--channels 48] [--batch 64] [--repeats 5]
+    python -m benchmarks.pipeline_throughput [--channels 48] [--batch 64] [--repeats 5]
 
 A chain of 8 Conv2d+ReLU layers (32x32 images) whose forward takes ~100-200 ms on one thread,
 split into 2 stages of one thread each. Speed-ups are samples/s relative to the same model run
@@ -21,7 +21,6 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -31,8 +30,7 @@ from tabulate import tabulate
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fxpipe  # noqa: E402
+import fxpipe
 
 STAGES = 2
 

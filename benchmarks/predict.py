@@ -1,7 +1,7 @@
 """Does the plan predict the run? Predicted against measured time per step, side by side with the
 model itself, on this machine's CPU cores.
 
-    python benchmarks/predict.py [--repeats 7] [--training] [--models "residual MLP" vit]
+    python -m benchmarks.predict [--repeats 7] [--training] [--models "residual MLP" vit]
 
 For each model (the residual MLP of the planner issue: 8 blocks of LayerNorm, Linear 1024->2048,
 GELU, Linear 2048->1024, batch 256; the quickstart's branching CNN; the zoo's ViT at "small"
@@ -18,18 +18,15 @@ cores are easily shared into noise.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 from tabulate import tabulate
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fxpipe  # noqa: E402
-from benchmarks.pipeline_throughput import side_by_side  # noqa: E402
-from examples.quickstart import BranchyCNN  # noqa: E402
-from examples.zoo import build as zoo  # noqa: E402
+import fxpipe
+from benchmarks.pipeline_throughput import side_by_side
+from examples.quickstart import BranchyCNN
+from examples.zoo import build as zoo
 
 
 class Block(nn.Module):

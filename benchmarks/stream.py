@@ -1,6 +1,6 @@
 """Streaming one sample at a time: `pipe.stream` on 2 stages against the model called per sample.
 
-    python benchmarks/stream.py [--items 200] [--models "branching CNN" vit]
+    python -m benchmarks.stream [--items 200] [--models "branching CNN" vit]
 
 For each model (the quickstart's branching CNN, the zoo's ViT at "small" size), at batch 1, side
 by side in one run: the model called on one sample after another with 1 thread and with all
@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fxpipe  # noqa: E402
-from benchmarks.predict import BranchyCNN  # noqa: E402
-from examples.zoo import build as zoo  # noqa: E402
+import fxpipe
+from benchmarks.predict import BranchyCNN
+from examples.zoo import build as zoo
 
 
 def models():

@@ -1,6 +1,6 @@
 """Every real architecture through `fxpipe.compile`: how it was captured, split, and if it matches.
 
-    python benchmarks/zoo.py [--size small] [--stages 4] [--chunks 4] [--batch 8]
+    python -m benchmarks.zoo [--size small] [--stages 4] [--chunks 4] [--batch 8]
                              [--capture auto] [--models resnet50 llama ...]
 
 The zoo's vision models (examples/zoo) and, when `transformers` is installed, Hugging Face
@@ -17,20 +17,17 @@ pipeline's output equals the model's (largest absolute difference).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.utils._pytree as pytree
+from tabulate import tabulate
 
-import torch  # noqa: E402
-import torch.utils._pytree as pytree  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-import fxpipe  # noqa: E402
-from examples.zoo import ZOO, build  # noqa: E402
-from examples.zoo.hf import HF_MODELS, build_hf  # noqa: E402
+import fxpipe
+from examples.zoo import ZOO, build
+from examples.zoo.hf import HF_MODELS, build_hf
 
 def largest_difference(actual, expected) -> float:
     pairs = zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected))

@@ -55,14 +55,12 @@ def _free_port() -> int:
 def torchrun(arguments: list[str], processes: int, env: dict[str, str] | None = None
              ) -> tuple[int, str]:
     """Run `python -m torch.distributed.run` on 127.0.0.1 with `processes` ranks and the script
-    and arguments given, this checkout first on the path; its exit status and output. Fails
+    and arguments given; its exit status and output. Fails
     the test (killing everything it started) past LAUNCH_TIMEOUT_S."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                *arguments]
-    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)

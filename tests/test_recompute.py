@@ -199,8 +199,7 @@ def test_a_model_that_fits_nowhere_is_told_the_memory_that_would_do():
 
 
 MEASURE = """
-import json, sys, torch, torch.nn.functional as F
-sys.path.insert(0, {tests!r})
+import json, torch, torch.nn.functional as F
 import fxpipe
 from fxpipe.testing.memory import peak_bytes, return_freed_memory
 from test_recompute import Chain
@@ -235,9 +234,11 @@ def test_the_planned_memory_bounds_a_measured_step(recompute):
     import os
     import subprocess
     import sys
-    script = MEASURE.format(tests=os.path.dirname(__file__), recompute=recompute)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300)
+    # Run from this file's folder: `python -c` puts the working directory first on the path,
+    # so the script imports this module's Chain.
+    out = subprocess.run([sys.executable, "-c", MEASURE.format(recompute=recompute)],
+                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     measured, predicted = json.loads(out.stdout.strip().splitlines()[-1])
     # The step's gradients and activations, resident at its peak, against the plan's stages

@@ -127,9 +127,8 @@ def loads_in_a_fresh_process(pipe, model, x, tmp_path) -> None:
             torch.testing.assert_close(pipe(io["x"]), io["y"])
         print("same")
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fxpipe.__file__)))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+                          cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "same"
 

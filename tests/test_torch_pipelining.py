@@ -31,9 +31,7 @@ def launch(args: list[str], processes: int) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(port),
                str(WORKER), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=60)

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.fx as fx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # allow plain `pytest` as well as `python -m pytest`
-    sys.path.insert(0, str(ROOT))
-
-from examples.zoo import SIZES, ZOO, ZooCase, build  # noqa: E402
-from examples.zoo import dynamic  # noqa: E402
+from examples.zoo import SIZES, ZOO, ZooCase, build
+from examples.zoo import dynamic
 
 BATCH = 4
 NAMES = sorted(ZOO)

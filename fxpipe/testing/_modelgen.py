@@ -30,8 +30,10 @@ same model (same weights, via the printed seed) and example inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Literal, NamedTuple
+import operator
+from typing import Any, Callable, Literal, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -55,22 +57,6 @@ _CONSTANTS = (0.5, 2.0, 1.0, 0.1)
 
 _OUTPUT_KINDS = ("tensor", "tuple", "dict")
 
-# Op kinds, simplest first: ``sampled_from`` shrinks towards the front.
-_UNARY = ("relu", "linear", "tanh", "sigmoid", "gelu", "softmax", "layer_norm",
-          "matmul", "add_const", "mul_const", "add_buffer", "mul_buffer", "mean",
-          "reshape_mean", "split", "chunk", "conv", "dropout", "train_branch",
-          "frozen_linear", "running_mean")
-_BINARY = ("add", "mul", "sub", "cat")
-_KIND_ORDER = ("relu", "linear", "add", "mul", "cat") + tuple(
-    k for k in _UNARY + _BINARY if k not in ("relu", "linear", "add", "mul", "cat"))
-_NEEDS_CONSTANTS = frozenset({"add_const", "mul_const", "reshape_mean", "conv"})
-_NEEDS_BUFFERS = frozenset({"add_buffer", "mul_buffer"})
-_ATTR_PREFIX = {"linear": "linear", "layer_norm": "norm", "conv": "conv",
-                "matmul": "w", "add_buffer": "buf", "mul_buffer": "buf",
-                "frozen_linear": "frozen", "running_mean": "stat"}
-# The idioms behind the options of `models`, each the kinds it allows.
-_IDIOMS = {"dropout": {"dropout"}, "training_branches": {"train_branch"},
-           "grad_regions": {"frozen_linear"}, "buffer_updates": {"running_mean"}}
 _MOMENTUM = 0.1
 
 
@@ -121,158 +107,285 @@ class GraphSpec:
 
 
 # --------------------------------------------------------------------------- #
+# Op kinds
+# --------------------------------------------------------------------------- #
+#: An op kind's code: (operand names, ``OpSpec.params``, ``OpSpec.attr``) -> expression.
+Code = Callable[[list[str], tuple[Any, ...], "str | None"], str]
+#: What a unary kind draws: its output feature sizes, output scale and ``OpSpec.params``.
+Drawn = tuple[list[int], float, tuple[Any, ...]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Kind:
+    """An op kind: its forward code, and the attribute it owns, if any.
+
+    The code is the one definition of what the op computes: :meth:`GeneratedModel.source`
+    prints it and the model runs it (compiled once per distinct op), so the two cannot differ.
+    """
+
+    name: str
+    code: Code
+    #: Prefix of the owned attribute's name (the op's index follows).
+    attr: str | None = None
+    #: The attribute's initial value, as an expression of ``OpSpec.params``.
+    init: Callable[[tuple[Any, ...]], str] | None = None
+    #: The attribute is a registered buffer (else a submodule or parameter).
+    buffer: bool = False
+    #: The op runs under ``torch.no_grad()`` (a frozen branch).
+    no_grad: bool = False
+
+    def expression(self, op: OpSpec, names: list[str]) -> str:
+        return self.code(names, op.params, op.attr)
+
+    @property
+    def region(self) -> str:
+        return "with torch.no_grad(): " if self.no_grad else ""
+
+    def init_line(self, op: OpSpec) -> str | None:
+        """The ``__init__`` statement creating ``op``'s attribute, if it owns one."""
+        if self.init is None:
+            return None
+        value = self.init(op.params)
+        if self.buffer:
+            return f'self.register_buffer("{op.attr}", {value})'
+        return f"self.{op.attr} = {value}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Unary(_Kind):
+    """A kind taking one value."""
+
+    #: (Hypothesis' draw, the operand's feature size, its scale) -> what the op is; by default
+    #: elementwise: same width and scale, no params.
+    draw: Callable[[Any, int, float], Drawn] = lambda draw, f, s: ([f], s, ())
+    #: Whether it may be drawn on an operand of this feature size and scale.
+    allowed: Callable[[int, float], bool] = lambda f, s: True
+    #: The option of :func:`models` that must be on for it to be drawn.
+    option: str | None = None
+    #: Several outputs: never the op making a model's single output tensor.
+    splits: bool = False
+
+    def drawable(self, b: _Builder, a: int, second: list[int], forced: bool,
+                 flags: dict[str, bool]) -> bool:
+        return (not forced and (self.option is None or flags[self.option])
+                and not (self.splits and flags["single_output"])
+                and self.allowed(b.feats[a], b.scales[a]))
+
+    def add_to(self, draw: Any, b: _Builder, a: int, second: list[int], forced: bool) -> None:
+        out_feats, out_scale, params = self.draw(draw, b.feats[a], b.scales[a])
+        b.add(self.name, (a,), out_feats, out_scale, params)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Binary(_Kind):
+    """A kind taking two values: elementwise between equal widths, or a concatenation."""
+
+    #: The output's scale from the operands'.
+    scale: Callable[[float, float], float]
+    #: The widths add up (any two widths join) rather than match.
+    concatenates: bool = False
+    #: ``x op x`` is identically zero: never drawn on one value twice.
+    zero_on_itself: bool = False
+
+    def partners(self, b: _Builder, a: int, second: list[int], forced: bool) -> list[int]:
+        """The values of ``second`` that may be ``a``'s second operand."""
+        f, s = b.feats[a], b.scales[a]
+        if self.concatenates:
+            return [c for c in second if forced or f + b.feats[c] <= MAX_FEATURES]
+        return [c for c in second if not (self.zero_on_itself and c == a)
+                and b.feats[c] == f and self.scale(s, b.scales[c]) <= _SCALE_LIMIT]
+
+    def drawable(self, b: _Builder, a: int, second: list[int], forced: bool,
+                 flags: dict[str, bool]) -> bool:
+        return bool(self.partners(b, a, second, forced))
+
+    def add_to(self, draw: Any, b: _Builder, a: int, second: list[int], forced: bool) -> None:
+        c = _pick(draw, self.partners(b, a, second, forced))
+        f = b.feats[a] + b.feats[c] if self.concatenates else b.feats[a]
+        b.add(self.name, (a, c), [f], self.scale(b.scales[a], b.scales[c]))
+
+
+#: Every op kind by name, in drawing order: simplest first (``sampled_from`` shrinks towards
+#: the front). A new kind is one ``_unary`` or ``_binary`` entry below.
+_KINDS: dict[str, _Kind] = {}
+
+
+def _unary(name: str, code: Code, **fields: Any) -> None:
+    _KINDS[name] = _Unary(name=name, code=code, **fields)
+
+
+def _binary(name: str, code: Code, **fields: Any) -> None:
+    _KINDS[name] = _Binary(name=name, code=code, **fields)
+
+
+def _divisors(f: int, lo: int, hi: int) -> list[int]:
+    return [d for d in range(lo, min(hi, f) + 1) if f % d == 0]
+
+
+def _conv_shapes(f: int) -> list[tuple[int, int]]:
+    return [(h, w) for h in (1, 2, 3) for w in (1, 2, 3) if h * w > 1 and f % (h * w) == 0]
+
+
+def _wide(f: int, s: float) -> bool:
+    return f >= 2  # on a single feature the output would be constant
+
+
+def _call(x: list[str], p: tuple[Any, ...], attr: str | None) -> str:
+    return f"self.{attr}({x[0]})"
+
+
+def _linear_init(p: tuple[Any, ...]) -> str:
+    return f"nn.Linear({p[0]}, {p[1]})"
+
+
+def _dense(draw: Any, f: int, s: float) -> Drawn:
+    g = draw(st.integers(1, _MAX_DRAWN_FEATURES))
+    return [g], math.sqrt(s * s / 3 + 1 / (3 * f)), (f, g)
+
+
+_unary("relu", lambda x, p, attr: f"torch.relu({x[0]})")
+_unary("linear", _call, attr="linear", init=_linear_init, draw=_dense)
+_binary("add", lambda x, p, attr: f"{x[0]} + {x[1]}", scale=operator.add)
+_binary("mul", lambda x, p, attr: f"{x[0]} * {x[1]}", scale=operator.mul)
+_binary("cat", lambda x, p, attr: f"torch.cat([{', '.join(x)}], dim=1)", scale=max,
+        concatenates=True)
+_unary("tanh", lambda x, p, attr: f"{x[0]}.tanh()",
+       draw=lambda draw, f, s: ([f], min(s, 1.0), ()))
+_unary("sigmoid", lambda x, p, attr: f"torch.sigmoid({x[0]})",
+       draw=lambda draw, f, s: ([f], 1.0, ()))
+_unary("gelu", lambda x, p, attr: f"F.gelu({x[0]})")
+_unary("softmax", lambda x, p, attr: f"{x[0]}.softmax(dim=-1)", allowed=_wide,
+       draw=lambda draw, f, s: ([f], 1.0, ()))
+_unary("layer_norm", _call, attr="norm", init=lambda p: f"nn.LayerNorm({p[0]})", allowed=_wide,
+       draw=lambda draw, f, s: ([f], 1.0, (f,)))
+
+
+def _matmul(draw: Any, f: int, s: float) -> Drawn:
+    g = draw(st.integers(1, _MAX_DRAWN_FEATURES))
+    use_operator = draw(st.booleans())
+    return [g], s, (f, g, round(f ** -0.5, 3), use_operator)
+
+
+_unary("matmul", lambda x, p, attr: f"{x[0]} @ self.{attr}" if p[3]
+       else f"torch.matmul({x[0]}, self.{attr})", attr="w",
+       init=lambda p: f"nn.Parameter(torch.randn({p[0]}, {p[1]}) * {p[2]!r})", draw=_matmul)
+
+
+def _constant(combine: Callable[[float, float], float]) -> Callable[[Any, int, float], Drawn]:
+    """Draws ``x <combine> c`` for a constant ``c`` that keeps the scale in bounds."""
+    def draw_constant(draw: Any, f: int, s: float) -> Drawn:
+        c = draw(st.sampled_from([c for c in _CONSTANTS if combine(s, c) <= _SCALE_LIMIT]))
+        return [f], combine(s, c), (c,)
+    return draw_constant
+
+
+_unary("add_const", lambda x, p, attr: f"{x[0]} + {p[0]!r}", option="constants",
+       allowed=lambda f, s: s + min(_CONSTANTS) <= _SCALE_LIMIT, draw=_constant(operator.add))
+_unary("mul_const", lambda x, p, attr: f"{x[0]} * {p[0]!r}", option="constants",
+       draw=_constant(operator.mul))
+_unary("add_buffer", lambda x, p, attr: f"{x[0]} + self.{attr}", attr="buf",
+       init=lambda p: f"torch.rand({p[0]})", buffer=True, option="buffers",
+       allowed=lambda f, s: s + 1.0 <= _SCALE_LIMIT, draw=lambda draw, f, s: ([f], s + 1.0, (f,)))
+_unary("mul_buffer", lambda x, p, attr: f"{x[0]} * self.{attr}", attr="buf",
+       init=lambda p: f"torch.rand({p[0]})", buffer=True, option="buffers",
+       draw=lambda draw, f, s: ([f], s, (f,)))
+_unary("mean", lambda x, p, attr: f"{x[0]}.mean(dim=1, keepdim=True)",
+       draw=lambda draw, f, s: ([1], s, ()))
+
+
+def _reshape_mean(draw: Any, f: int, s: float) -> Drawn:
+    g = draw(st.sampled_from(_divisors(f, 2, f - 1)))
+    return [g], s, (g, f // g)
+
+
+_unary("reshape_mean", lambda x, p, attr: f"{x[0]}.reshape(-1, {p[0]}, {p[1]}).mean(dim=2)",
+       option="constants", allowed=lambda f, s: bool(_divisors(f, 2, f - 1)), draw=_reshape_mean)
+
+
+def _split(draw: Any, f: int, s: float) -> Drawn:
+    first = draw(st.integers(1, f - 1))
+    return [first, f - first], s, (first, f - first)
+
+
+_unary("split", lambda x, p, attr: f"torch.split({x[0]}, {list(p)!r}, dim=1)", splits=True,
+       allowed=_wide, draw=_split)
+
+
+def _chunk(draw: Any, f: int, s: float) -> Drawn:
+    k = draw(st.sampled_from(_divisors(f, 2, 4)))
+    return [f // k] * k, s, (k,)
+
+
+_unary("chunk", lambda x, p, attr: f"{x[0]}.chunk({p[0]}, dim=1)", splits=True,
+       allowed=lambda f, s: bool(_divisors(f, 2, 4)), draw=_chunk)
+
+
+def _conv(draw: Any, f: int, s: float) -> Drawn:
+    h, w = draw(st.sampled_from(_conv_shapes(f)))
+    c_out = draw(st.integers(1, min(4, MAX_FEATURES // (h * w))))
+    ks = draw(st.sampled_from((1, 3)))
+    return [c_out * h * w], max(s, 1.0), (f // (h * w), h, w, c_out, ks)
+
+
+_unary("conv", lambda x, p, attr:
+       f"self.{attr}({x[0]}.reshape(-1, {p[0]}, {p[1]}, {p[2]})).flatten(1)", attr="conv",
+       init=lambda p: f"nn.Conv2d({p[0]}, {p[3]}, kernel_size={p[4]}, padding={p[4] // 2})",
+       option="constants", allowed=lambda f, s: bool(_conv_shapes(f)), draw=_conv)
+
+
+def _dropout(draw: Any, f: int, s: float) -> Drawn:
+    p = draw(st.sampled_from((0.1, 0.5)))
+    return [f], s / (1 - p), (p,)
+
+
+_unary("dropout", lambda x, p, attr: f"F.dropout({x[0]}, {p[0]!r}, self.training)",
+       option="dropout", allowed=lambda f, s: 2 * s <= _SCALE_LIMIT, draw=_dropout)
+
+
+def _train_branch(draw: Any, f: int, s: float) -> Drawn:
+    c = draw(st.sampled_from(_CONSTANTS))
+    return [f], max(s * c, s + c), (c,)
+
+
+_unary("train_branch", lambda x, p, attr:
+       f"{x[0]} * {p[0]!r} if self.training else {x[0]} + {p[0]!r}", option="training_branches",
+       allowed=lambda f, s: max(s + max(_CONSTANTS), s * max(_CONSTANTS)) <= _SCALE_LIMIT,
+       draw=_train_branch)
+_unary("frozen_linear", _call, attr="frozen", init=_linear_init, no_grad=True,
+       option="grad_regions", draw=_dense)
+_unary("running_mean", lambda x, p, attr: f"{x[0]} - self.{attr}.mul_({1 - _MOMENTUM!r})"
+       f".add_({_MOMENTUM!r} * {x[0]}.detach().mean(0))", attr="stat",
+       init=lambda p: f"torch.zeros({p[0]})", buffer=True, option="buffer_updates",
+       allowed=lambda f, s: 2 * s <= _SCALE_LIMIT, draw=lambda draw, f, s: ([f], 2 * s, (f,)))
+_binary("sub", lambda x, p, attr: f"{x[0]} - {x[1]}", scale=operator.add, zero_on_itself=True)
+
+
+# --------------------------------------------------------------------------- #
 # The model
 # --------------------------------------------------------------------------- #
-def _build_attr(module: nn.Module, op: OpSpec) -> None:
-    """Create the layer / parameter / buffer owned by ``op`` (global RNG)."""
-    k, p = op.kind, op.params
-    if k in ("linear", "frozen_linear"):
-        module.add_module(op.attr, nn.Linear(p[0], p[1]))
-    elif k == "running_mean":
-        module.register_buffer(op.attr, torch.zeros(p[0]))
-    elif k == "layer_norm":
-        module.add_module(op.attr, nn.LayerNorm(p[0]))
-    elif k == "conv":
-        c, _h, _w, c_out, ks = p
-        module.add_module(op.attr, nn.Conv2d(c, c_out, kernel_size=ks, padding=ks // 2))
-    elif k == "matmul":
-        f_in, f_out, scale, _use_operator = p
-        module.register_parameter(op.attr, nn.Parameter(torch.randn(f_in, f_out) * scale))
-    elif k in _NEEDS_BUFFERS:
-        module.register_buffer(op.attr, torch.rand(p[0]))
+#: The names the generated code may use.
+_CODE_GLOBALS: dict[str, Any] = {"torch": torch, "nn": nn, "F": F}
 
 
-def _apply(module: nn.Module, op: OpSpec, args: list[Any]) -> Any:
-    """Run ``op`` on ``args``; must stay in sync with :func:`_render_expr`."""
-    k, p = op.kind, op.params
-    a = args[0]
-    if k in ("linear", "layer_norm"):
-        return getattr(module, op.attr)(a)
-    if k == "frozen_linear":
-        with torch.no_grad():
-            return getattr(module, op.attr)(a)
-    if k == "dropout":
-        return F.dropout(a, p[0], module.training)
-    if k == "train_branch":
-        return a * p[0] if module.training else a + p[0]
-    if k == "running_mean":
-        stat = getattr(module, op.attr)
-        return a - stat.mul_(1 - _MOMENTUM).add_(_MOMENTUM * a.detach().mean(0))
-    if k == "conv":
-        c, h, w = p[0], p[1], p[2]
-        return getattr(module, op.attr)(a.reshape(-1, c, h, w)).flatten(1)
-    if k == "relu":
-        return torch.relu(a)
-    if k == "tanh":
-        return a.tanh()
-    if k == "sigmoid":
-        return torch.sigmoid(a)
-    if k == "gelu":
-        return F.gelu(a)
-    if k == "softmax":
-        return a.softmax(dim=-1)
-    if k == "add":
-        return a + args[1]
-    if k == "mul":
-        return a * args[1]
-    if k == "sub":
-        return a - args[1]
-    if k == "matmul":
-        if p[3]:
-            return a @ getattr(module, op.attr)
-        return torch.matmul(a, getattr(module, op.attr))
-    if k == "add_const":
-        return a + p[0]
-    if k == "mul_const":
-        return a * p[0]
-    if k == "add_buffer":
-        return a + getattr(module, op.attr)
-    if k == "mul_buffer":
-        return a * getattr(module, op.attr)
-    if k == "cat":
-        return torch.cat(list(args), dim=1)
-    if k == "split":
-        return torch.split(a, list(p), dim=1)
-    if k == "chunk":
-        return a.chunk(p[0], dim=1)
-    if k == "mean":
-        return a.mean(dim=1, keepdim=True)
-    if k == "reshape_mean":
-        return a.reshape(-1, p[0], p[1]).mean(dim=2)
-    raise ValueError(f"unknown op kind {k!r}")
-
-
-def _render_init(op: OpSpec) -> str | None:
-    k, p = op.kind, op.params
-    if k in ("linear", "frozen_linear"):
-        return f"self.{op.attr} = nn.Linear({p[0]}, {p[1]})"
-    if k == "running_mean":
-        return f'self.register_buffer("{op.attr}", torch.zeros({p[0]}))'
-    if k == "layer_norm":
-        return f"self.{op.attr} = nn.LayerNorm({p[0]})"
-    if k == "conv":
-        c, _h, _w, c_out, ks = p
-        return f"self.{op.attr} = nn.Conv2d({c}, {c_out}, kernel_size={ks}, padding={ks // 2})"
-    if k == "matmul":
-        return f"self.{op.attr} = nn.Parameter(torch.randn({p[0]}, {p[1]}) * {p[2]!r})"
-    if k in _NEEDS_BUFFERS:
-        return f'self.register_buffer("{op.attr}", torch.rand({p[0]}))'
-    return None
-
-
-def _render_expr(op: OpSpec, names: list[str]) -> str:
-    """Python expression for ``op``; must stay in sync with :func:`_apply`."""
-    k, p = op.kind, op.params
-    a = names[0]
-    if k in ("linear", "layer_norm", "frozen_linear"):
-        return f"self.{op.attr}({a})"
-    if k == "dropout":
-        return f"F.dropout({a}, {p[0]!r}, self.training)"
-    if k == "train_branch":
-        return f"{a} * {p[0]!r} if self.training else {a} + {p[0]!r}"
-    if k == "running_mean":
-        return (f"{a} - self.{op.attr}.mul_({1 - _MOMENTUM!r})"
-                f".add_({_MOMENTUM!r} * {a}.detach().mean(0))")
-    if k == "conv":
-        return f"self.{op.attr}({a}.reshape(-1, {p[0]}, {p[1]}, {p[2]})).flatten(1)"
-    simple = {
-        "relu": f"torch.relu({a})",
-        "tanh": f"{a}.tanh()",
-        "sigmoid": f"torch.sigmoid({a})",
-        "gelu": f"F.gelu({a})",
-        "softmax": f"{a}.softmax(dim=-1)",
-        "mean": f"{a}.mean(dim=1, keepdim=True)",
-        "add_buffer": f"{a} + self.{op.attr}",
-        "mul_buffer": f"{a} * self.{op.attr}",
-        "cat": f"torch.cat([{', '.join(names)}], dim=1)",
-    }
-    if k in simple:
-        return simple[k]
-    if k in ("add", "mul", "sub"):
-        sym = {"add": "+", "mul": "*", "sub": "-"}[k]
-        return f"{a} {sym} {names[1]}"
-    if k == "matmul":
-        return f"{a} @ self.{op.attr}" if p[3] else f"torch.matmul({a}, self.{op.attr})"
-    if k == "add_const":
-        return f"{a} + {p[0]!r}"
-    if k == "mul_const":
-        return f"{a} * {p[0]!r}"
-    if k == "split":
-        return f"torch.split({a}, {list(p)!r}, dim=1)"
-    if k == "chunk":
-        return f"{a}.chunk({p[0]}, dim=1)"
-    if k == "reshape_mean":
-        return f"{a}.reshape(-1, {p[0]}, {p[1]}).mean(dim=2)"
-    raise ValueError(f"unknown op kind {k!r}")
+@functools.lru_cache(maxsize=4096)
+def _compiled(op: OpSpec) -> Callable[..., Any]:
+    """``op``'s line of forward code as a function of ``self`` and its operands."""
+    kind = _KINDS[op.kind]
+    names = [f"a{i}" for i in range(len(op.args))]
+    namespace: dict[str, Any] = {}
+    exec(f"def op(self, {', '.join(names)}):\n"
+         f"    {kind.region}return {kind.expression(op, names)}\n", _CODE_GLOBALS, namespace)
+    return namespace["op"]
 
 
 class GeneratedModel(nn.Module):
-    """An ``nn.Module`` whose forward interprets a :class:`GraphSpec`.
+    """An ``nn.Module`` whose forward runs the ops of a :class:`GraphSpec`.
 
     ``GeneratedModel(spec)`` returns an instance of a subclass
     ``GeneratedModel<n>`` whose ``forward(self, x0, ..., x<n-1>)`` has one
     named argument per model input (so ``torch.fx`` creates one placeholder
-    per input); its body loops over ``spec.ops`` in Python, which
+    per input); its body loops over ``spec.ops`` in Python, running each op's
+    line of code (the one :meth:`source` prints), a loop
     ``torch.fx.symbolic_trace`` unrolls.  Submodules, parameters and buffers
     are plain attributes (``linear0``, ``w3``, ``buf5``, ...) so the
     ``state_dict`` keys match the code printed by :meth:`source`.
@@ -290,8 +403,13 @@ class GeneratedModel(nn.Module):
         super().__init__()
         self.spec = spec
         for op in spec.ops:
-            if op.attr is not None:
-                _build_attr(self, op)
+            kind = _KINDS[op.kind]
+            if kind.init is not None:
+                value = eval(kind.init(op.params), _CODE_GLOBALS)
+                if kind.buffer:
+                    self.register_buffer(op.attr, value)
+                else:
+                    setattr(self, op.attr, value)
 
     def forward(self, *inputs: torch.Tensor) -> Any:  # overridden per arity
         return self._run(list(inputs))
@@ -302,7 +420,7 @@ class GeneratedModel(nn.Module):
             raise TypeError(f"expected {spec.n_inputs} inputs, got {len(inputs)}")
         values = list(inputs)
         for op in spec.ops:
-            result = _apply(self, op, [values[i] for i in op.args])
+            result = _compiled(op)(self, *(values[i] for i in op.args))
             if len(op.outs) == 1:
                 values.append(result)
             else:
@@ -319,14 +437,14 @@ class GeneratedModel(nn.Module):
         """Python source of an equivalent ``nn.Module`` class (same state_dict keys)."""
         spec = self.spec
         feats = spec.value_features
-        init_lines = [line for op in spec.ops if (line := _render_init(op)) is not None]
+        init_lines = [line for op in spec.ops if (line := _KINDS[op.kind].init_line(op))]
         fwd_lines = []
         for op in spec.ops:
-            expr = _render_expr(op, [spec.value_name(i) for i in op.args])
+            kind = _KINDS[op.kind]
+            expr = kind.expression(op, [spec.value_name(i) for i in op.args])
             target = ", ".join(spec.value_name(i) for i in op.outs)
             shapes = ", ".join(f"(B, {feats[i]})" for i in op.outs)
-            region = "with torch.no_grad(): " if op.kind == "frozen_linear" else ""
-            fwd_lines.append(f"{region}{target} = {expr}  # {shapes}")
+            fwd_lines.append(f"{kind.region}{target} = {expr}  # {shapes}")
         outs = [spec.value_name(i) for i in spec.outputs]
         if spec.output_kind == "tensor":
             ret = outs[0]
@@ -468,61 +586,14 @@ class _Builder:
     def add(self, kind: str, args: tuple[int, ...], out_feats: list[int],
             out_scale: float, params: tuple[Any, ...] = ()) -> None:
         index = len(self.ops)
-        attr = f"{_ATTR_PREFIX[kind]}{index}" if kind in _ATTR_PREFIX else None
+        prefix = _KINDS[kind].attr
+        attr = f"{prefix}{index}" if prefix else None
         start = len(self.feats)
         outs = tuple(range(start, start + len(out_feats)))
         self.feats.extend(out_feats)
         self.scales.extend([out_scale] * len(out_feats))
         self.consumed.update(args)
         self.ops.append(OpSpec(kind, tuple(args), outs, tuple(params), attr))
-
-
-def _divisors(f: int, lo: int, hi: int) -> list[int]:
-    return [d for d in range(lo, min(hi, f) + 1) if f % d == 0]
-
-
-def _conv_shapes(f: int) -> list[tuple[int, int]]:
-    return [(h, w) for h in (1, 2, 3) for w in (1, 2, 3) if h * w > 1 and f % (h * w) == 0]
-
-
-def _binary_scale(kind: str, sa: float, sb: float) -> float:
-    if kind == "mul":
-        return sa * sb
-    if kind == "cat":
-        return max(sa, sb)
-    return sa + sb
-
-
-def _unary_ok(kind: str, f: int, s: float, flags: dict[str, bool]) -> bool:
-    if kind in _NEEDS_CONSTANTS and not flags["constants"]:
-        return False
-    if kind in _NEEDS_BUFFERS and not flags["buffers"]:
-        return False
-    if any(kind in kinds and not flags[idiom] for idiom, kinds in _IDIOMS.items()):
-        return False
-    if kind in ("split", "chunk") and flags["single_output"]:
-        return False
-    if kind in ("softmax", "layer_norm"):
-        return f >= 2  # constant output on a single feature
-    if kind == "add_const":
-        return s + min(_CONSTANTS) <= _SCALE_LIMIT
-    if kind == "add_buffer":
-        return s + 1.0 <= _SCALE_LIMIT
-    if kind == "dropout":
-        return 2 * s <= _SCALE_LIMIT
-    if kind == "train_branch":
-        return s + max(_CONSTANTS) <= _SCALE_LIMIT and s * max(_CONSTANTS) <= _SCALE_LIMIT
-    if kind == "running_mean":
-        return 2 * s <= _SCALE_LIMIT
-    if kind == "split":
-        return f >= 2
-    if kind == "chunk":
-        return bool(_divisors(f, 2, 4))
-    if kind == "reshape_mean":
-        return bool(_divisors(f, 2, f - 1))
-    if kind == "conv":
-        return bool(_conv_shapes(f))
-    return True
 
 
 def _draw_op(draw: Any, b: _Builder, a: int, second: list[int], forced: bool,
@@ -532,77 +603,8 @@ def _draw_op(draw: Any, b: _Builder, a: int, second: list[int], forced: bool,
     ``second`` are the allowed second operands of binary ops; if ``forced``
     the op must be binary (it consumes ``second[0]``, a pending input).
     """
-    f, s = b.feats[a], b.scales[a]
-
-    def partners(kind: str) -> list[int]:
-        out = []
-        for c in second:
-            fc, sc = b.feats[c], b.scales[c]
-            if kind == "cat":
-                ok = forced or f + fc <= MAX_FEATURES
-            elif kind == "sub" and c == a:
-                ok = False  # x - x is identically zero
-            else:
-                ok = fc == f and _binary_scale(kind, s, sc) <= _SCALE_LIMIT
-            if ok:
-                out.append(c)
-        return out
-
-    candidates = []
-    for kind in _KIND_ORDER:
-        if kind in _BINARY:
-            if partners(kind):
-                candidates.append(kind)
-        elif not forced and _unary_ok(kind, f, s, flags):
-            candidates.append(kind)
-    kind = draw(st.sampled_from(candidates))
-
-    if kind in _BINARY:
-        c = _pick(draw, partners(kind))
-        out_f = f + b.feats[c] if kind == "cat" else f
-        b.add(kind, (a, c), [out_f], _binary_scale(kind, s, b.scales[c]))
-    elif kind in ("linear", "frozen_linear"):
-        g = draw(st.integers(1, _MAX_DRAWN_FEATURES))
-        b.add(kind, (a,), [g], math.sqrt(s * s / 3 + 1 / (3 * f)), (f, g))
-    elif kind == "dropout":
-        p = draw(st.sampled_from((0.1, 0.5)))
-        b.add(kind, (a,), [f], s / (1 - p), (p,))
-    elif kind == "train_branch":
-        c = draw(st.sampled_from(_CONSTANTS))
-        b.add(kind, (a,), [f], max(s * c, s + c), (c,))
-    elif kind == "running_mean":
-        b.add(kind, (a,), [f], 2 * s, (f,))
-    elif kind == "matmul":
-        g = draw(st.integers(1, _MAX_DRAWN_FEATURES))
-        use_operator = draw(st.booleans())
-        b.add(kind, (a,), [g], s, (f, g, round(f ** -0.5, 3), use_operator))
-    elif kind == "conv":
-        h, w = draw(st.sampled_from(_conv_shapes(f)))
-        c_out = draw(st.integers(1, min(4, MAX_FEATURES // (h * w))))
-        ks = draw(st.sampled_from((1, 3)))
-        b.add(kind, (a,), [c_out * h * w], max(s, 1.0), (f // (h * w), h, w, c_out, ks))
-    elif kind in ("add_const", "mul_const"):
-        consts = [c for c in _CONSTANTS
-                  if (s + c if kind == "add_const" else s * c) <= _SCALE_LIMIT]
-        c = draw(st.sampled_from(consts))
-        b.add(kind, (a,), [f], s + c if kind == "add_const" else s * c, (c,))
-    elif kind == "split":
-        first = draw(st.integers(1, f - 1))
-        b.add(kind, (a,), [first, f - first], s, (first, f - first))
-    elif kind == "chunk":
-        k = draw(st.sampled_from(_divisors(f, 2, 4)))
-        b.add(kind, (a,), [f // k] * k, s, (k,))
-    elif kind == "reshape_mean":
-        g = draw(st.sampled_from(_divisors(f, 2, f - 1)))
-        b.add(kind, (a,), [g], s, (g, f // g))
-    elif kind == "mean":
-        b.add(kind, (a,), [1], s)
-    elif kind in ("layer_norm", "add_buffer", "mul_buffer"):
-        out_s = {"layer_norm": 1.0, "add_buffer": s + 1.0, "mul_buffer": s}[kind]
-        b.add(kind, (a,), [f], out_s, (f,))
-    else:  # elementwise activations
-        out_s = {"tanh": min(s, 1.0), "sigmoid": 1.0, "softmax": 1.0}.get(kind, s)
-        b.add(kind, (a,), [f], out_s)
+    candidates = [kind for kind in _KINDS.values() if kind.drawable(b, a, second, forced, flags)]
+    draw(st.sampled_from(candidates)).add_to(draw, b, a, second, forced)
 
 
 @st.composite
