@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxpipe.passes.errors import FxpipeError, StageError
+from fxpipe.passes.errors import StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
 from .. import microbatch
-from ..microbatch import on_device
-from ..pipeline import check_loss, step_inputs
 from ..runtime.executor import StageExecutor
 from ..runtime.orchestrator import Run, StageRow, _stage_error
+from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from ..schedules import Phase, Slot, gpipe, timetable_for
-from ..wiring import DRIVER, Flow
+from ..wiring import DRIVER
 from .transport import DistributedError, DistributedTransport, PeerFailedError
 
 
@@ -48,7 +47,13 @@ class DistributedStage:
         self.gradient_group = gradient_group
         self.tied = tied or []      # (group of the ranks holding them, parameters) per holders
         self.base = replica * self.num_stages       # the rank of this replica's stage 0
-        self.flow = _flow(plan)
+        # The training wiring in both modes (graph outputs go to the last stage, which rebuilds
+        # the model's output), with the graph inputs the model returns as they are.
+        placeholders = set(plan.signature.placeholders)
+        self.flow = plan.wiring.with_inputs_at_last(
+            self.last,
+            [leaf for leaf in plan.signature.out_leaves
+             if isinstance(leaf, str) and leaf in placeholders])
         self.transport = DistributedTransport(
             rank, stage.device, group=group, timeout=timeout, base=self.base,
             peers=list(range(self.base, self.base + self.num_stages)))
@@ -118,8 +123,7 @@ class DistributedStage:
         those of that mean; `reduction` is then not used. Every rank learns the whole count in
         one all-reduce at the end of each step.
         """
-        if reduction not in ("mean", "sum"):
-            raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        check_reduction(reduction)
         chunks: list[dict[str, Any]] = []
         leaves: list[torch.Tensor] = []      # the caller's inputs that take a gradient
 
@@ -137,52 +141,22 @@ class DistributedStage:
             rows = torch.tensor([float(rows_in)], dtype=torch.float64)
             self._all_reduce([rows], self.gradient_group, "count the rows with its replicas")
             share = rows_in / rows.item()
-        targets: list[Any] = []
-        weights: list[float] = []
-
-        def prepare_targets() -> None:
-            targets.extend(on_device(t, self.stage.device)
-                           for t in microbatch.split(target, self.plan.chunks))
-            rows = [microbatch.batch_size(t) for t in targets]
-            if sum(rows) != rows_in:
-                raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
-                                  f"{rows_in}: pass one target row per sample")
-            weights.extend(share * r / sum(rows) if reduction == "mean" else 1.0 for r in rows)
-
-        self._agree(self.last, prepare_targets)
-
-        counts: dict[int, torch.Tensor] = {}    # kept on their device: no sync per micro-batch
-
-        def loss_of(m: int, values: dict[str, Any]) -> torch.Tensor:
-            output = self.plan.signature.rebuild_outputs(values)
-            loss = loss_fn(output, targets[m])
-            if isinstance(loss, tuple) and len(loss) == 2:
-                loss, counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
-            elif counts:
-                raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
-                                  "for another: return the same for every micro-batch")
-            check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
-            return loss if counts else loss * weights[m]
-
+        # Only this step's gradients are added up across ranks and scaled: what `.grad` held
+        # is taken aside until `step.finish`.
+        step = StepLoss(loss_fn, self.plan.signature, reduction,
+                        DeferredScale([*self.parameters(), *leaves]), share)
+        step.grads.start()
+        self._agree(self.last, lambda: step.split_targets(target, self.plan.chunks,
+                                                          self.stage.device, rows_in))
         timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
                                   backward=True)
-        held = self._hold_gradients(leaves)
-        executor = self._run(timetable, chunks, seeds, loss_of, None, training=True)
-        # The whole count, when the losses were (loss_sum, count) pairs: every gradient of this
-        # step is scaled by one over it, known only now, on every rank.
-        whole = torch.tensor([float(sum(c.to("cpu", torch.float64) for c in counts.values())),
-                              float(bool(counts))], dtype=torch.float64)
-        self._all_reduce([whole], None, "learn the whole batch's count from the last stages")
-        scale = 1 / whole[0].item() if whole[1] > 0 and whole[0] > 0 else 1.0
-        self._reduce_gradients(held, scale)
-        if self.index != self.last:
-            return None
-        loss = torch.stack([executor.losses[m] for m in range(self.plan.chunks)]).sum()
-        if self.replicas > 1:
-            total = loss.detach().to("cpu", torch.float64).reshape(1)
-            self._all_reduce([total], self.gradient_group, "add up the loss with its replicas")
-            loss = total[0].to(loss.device, loss.dtype)
-        return loss * scale
+        executor = self._run(timetable, chunks, seeds, step, None, training=True)
+        self._reduce_gradients()
+        losses = [executor.losses[m] for m in range(self.plan.chunks)] \
+            if self.index == self.last else []
+        # Every rank learns the whole count (and the last stages the loss of every replica) in
+        # one all-reduce; this step's gradients are scaled by one over the count.
+        return step.finish(losses, self._learn_totals)
 
     def close(self) -> None:
         """After a failed step, take the other ranks' news of it (see `DistributedTransport.close`);
@@ -199,24 +173,11 @@ class DistributedStage:
 
     # ---- one step
 
-    def _hold_gradients(self, leaves: Sequence[torch.Tensor] = ()
-                        ) -> dict[torch.Tensor, torch.Tensor | None]:
-        """This stage's parameters' `.grad`, and the caller's inputs' (`leaves`), taken aside
-        (left None), so that only this step's gradients are added up across ranks and scaled;
-        `_reduce_gradients` adds them back."""
-        held = {p: p.grad for p in [*self.parameters(), *leaves]}
-        for p in held:
-            p.grad = None
-        return held
-
-    def _reduce_gradients(self, held: dict[torch.Tensor, torch.Tensor | None],
-                          scale: float = 1.0) -> None:
-        """Add this step's gradients up across ranks, then add back what `.grad` held: first
-        each tied parameter's over the ranks of this replica holding it (a stage that held it
-        but got no gradient adds zeros), then each parameter's over this stage's replicas (their
-        losses were weighted by their shares, so the sum is the whole batch's); this step's
-        gradients are then multiplied by `scale` (one over the whole count of a step whose
-        losses were `(loss_sum, count)` pairs)."""
+    def _reduce_gradients(self) -> None:
+        """Add this step's gradients up across ranks: first each tied parameter's over the
+        ranks of this replica holding it (a stage that held it but got no gradient adds zeros),
+        then each parameter's over this stage's replicas (their losses were weighted by their
+        shares, so the sum is the whole batch's)."""
         for group, parameters in self.tied:
             for p in parameters:
                 if p.grad is None:
@@ -228,11 +189,14 @@ class DistributedStage:
             self._all_reduce(grads, self.gradient_group,
                              f"add up stage {self.index}'s gradients with its "
                              f"{self.replicas - 1} other replicas")
-        for p, before in held.items():
-            if scale != 1.0 and p.grad is not None:
-                p.grad.mul_(scale)
-            if before is not None:
-                p.grad = before if p.grad is None else before.add_(p.grad)
+
+    def _learn_totals(self, totals: torch.Tensor, counted: bool) -> tuple[torch.Tensor, bool]:
+        """The step's totals (see `runtime.step.Totals`) summed over every rank, whether any
+        rank's losses were counted with them."""
+        both = torch.cat([totals.detach().to("cpu", torch.float64),
+                          torch.tensor([float(counted)], dtype=torch.float64)])
+        self._all_reduce([both], None, "learn the whole batch's loss and count")
+        return both[:-1].to(totals.device), bool(both[-1] > 0)
 
     def _all_reduce(self, tensors: list[torch.Tensor], group: Any, what: str) -> None:
         """Sum `tensors` in place over `group`'s ranks: one all-reduce of them all, flattened
@@ -388,20 +352,3 @@ class DistributedStage:
         inner = _stage_error(self.stage, action, error)
         where = f"rank {self.rank}" + (f" (replica {self.replica})" if self.replicas > 1 else "")
         return StageError(f"{where}: {inner}", stage=inner.stage, microbatch=inner.microbatch)
-
-
-def _flow(plan: Any) -> Flow:
-    """Who sends what to whom across ranks: the training wiring (graph outputs go to the last
-    stage) in both modes, and the last stage also reads from the driver the graph inputs the
-    model returns as they are (the model's output is rebuilt there)."""
-    last = len(plan.stages) - 1
-    reads = {receiver: {sender: list(names) for sender, names in senders.items()}
-             for receiver, senders in plan.wiring.training.reads.items()}
-    placeholders = set(plan.signature.placeholders)
-    returned = [leaf for leaf in plan.signature.out_leaves
-                if isinstance(leaf, str) and leaf in placeholders]
-    if returned:
-        from_driver = reads.setdefault(last, {}).setdefault(DRIVER, [])
-        from_driver.extend(n for n in dict.fromkeys(returned) if n not in from_driver)
-    return Flow.of_reads(reads)
-

@@ -27,6 +27,7 @@ import torch.fx as fx
 from fxpipe.passes.errors import FxpipeError
 
 from ..microbatch import on_device
+from ..runtime.transport import Aborted
 from ..schedules import Phase
 from ..wiring import DRIVER
 
@@ -47,9 +48,9 @@ class _TensorMeta:
 Key = tuple[Phase, int, int, int]     # (phase, sender, receiver, micro-batch)
 
 
-class PeerFailedError(DistributedError):
+class PeerFailedError(DistributedError, Aborted):
     """Another rank of the pipeline failed and told this one: `origin` is the rank that failed
-    first, `note` says why."""
+    first, `note` says why. (The runtime's `Aborted`: a receiver told of an abort.)"""
 
     def __init__(self, message: str, note: str, origin: int):
         super().__init__(message)

@@ -205,7 +205,7 @@ class _Stream:
 
     def abort(self) -> None:
         self.stopping.set()
-        self.transport.abort()
+        self.transport.abort(_reason(self.errors))
 
     def work(self, index: int) -> None:
         """Stage `index` forwards items until the stream ends; a failure aborts the stream."""
@@ -274,7 +274,7 @@ class _Execution:
 
     def abort(self) -> None:
         self.stopping.set()
-        self.transport.abort()
+        self.transport.abort(_reason(self.errors))
 
     def run(self) -> tuple[list[Any], Run]:
         """Drive the run on the caller's thread; its outputs or losses, or the first error."""
@@ -534,6 +534,11 @@ def _join(threads: Sequence[_Worker]) -> None:
 def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """A timing event recorded on `stream` now."""
     return stream.record_event(torch.cuda.Event(enable_timing=True))
+
+
+def _reason(errors: Sequence[StageError]) -> str:
+    """Why a run is aborted: its first stage's failure, or the caller's thread stopping it."""
+    return str(errors[0]) if errors else "the caller's thread stopped the run"
 
 
 def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
