@@ -117,7 +117,53 @@ class Runtime:
         return _Stream(self, max_in_flight, seed).run(iter(inputs))
 
 
-class _Stream:
+class _Rows:
+    """What a call and a stream share: the rows of one run (or stream) of the stages, walked
+    against one `ThreadTransport` along `flow`; the first failures; the abort."""
+
+    def __init__(self, runtime: Runtime, flow: Flow):
+        self.rt = runtime
+        self.flow = flow
+        self.stopping = threading.Event()
+        self.transport = ThreadTransport(
+            flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            self.stopping)
+        self.errors: list[StageError] = []
+
+    def abort(self) -> None:
+        self.stopping.set()
+        self.transport.abort(_reason(self.errors))
+
+    def send_inputs(self, m: int, values: dict[str, Any]) -> None:
+        """Micro-batch (or item) m's graph inputs to every stage that reads them; a stream's
+        `END` to every such stage."""
+        for dst, names in self.flow.sends.get(DRIVER, {}).items():
+            self.transport.send(Phase.FORWARD, DRIVER, dst, m,
+                                values if END in values else {n: values[n] for n in names})
+
+    def walk(self, row: "StageRow", **timing: Any) -> None:
+        """Walk `row` on this thread, with its stage's intra-op threads; a failure is kept as a
+        `StageError` and aborts the run (but the caller's own Ctrl-C, on the caller's thread)."""
+        executor = row.executor
+        threads = self.rt.threads[row.index]
+        try:
+            if threads and executor.stage.device.type == "cpu":
+                set_thread_count(threads)
+            with executor.computing():
+                row.walk(stopping=self.stopping.is_set, **timing)
+        except Aborted:
+            return
+        except BaseException as e:   # whatever it is, the run must end
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
+                    threading.main_thread():
+                raise                # the caller's own Ctrl-C, on the caller's thread
+            try:
+                self.errors.append(_stage_error(executor.stage, row.action, e))
+            finally:
+                self.abort()
+
+
+class _Stream(_Rows):
     """A stream: workers stay up for the whole stream, each stage takes the next item as soon as
     it is free, and the driver (the caller's thread, in the generator) feeds items while fewer
     than `max_in_flight` are inside, yields outputs in order, and ends the stream with an `END`
@@ -132,23 +178,18 @@ class _Stream:
     for the stages when the stream ends."""
 
     def __init__(self, runtime: Runtime, max_in_flight: int, seed: Callable[[], int | None]):
-        self.rt = runtime
-        self.limit = max_in_flight
-        self.seed = seed
-        self.flow = runtime.wiring.flow(training=False)
-        silent = [s.index for s in runtime.stages if not self.flow.reads.get(s.index)]
+        flow = runtime.wiring.flow(training=False)
+        silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
         if silent:
             raise FxpipeError(f"stage {silent[0]} reads no input nor other stage, so it would "
                               f"never learn that a stream ended: plan on fewer devices")
-        self.stopping = threading.Event()
-        self.transport = ThreadTransport(
-            self.flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
-            self.stopping)
+        super().__init__(runtime, flow)
+        self.limit = max_in_flight
+        self.seed = seed
         self.seeds: dict[int, int | None] = {}      # item -> its seed, drawn as it is fed
         self.executors = [StageExecutor(stage, from_stages=(), seeds=self.seeds,
                                         stream=runtime.streams[stage.index])
                           for stage in runtime.stages]
-        self.errors: list[StageError] = []
 
     def run(self, items: Iterator[dict[str, Any]]
             ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -199,53 +240,29 @@ class _Stream:
         """Item m's graph inputs (or the stream's end) to every stage that reads them."""
         if END not in values:
             self.seeds[m] = self.seed()
-        for dst, names in self.flow.sends.get(DRIVER, {}).items():
-            self.transport.send(Phase.FORWARD, DRIVER, dst, m,
-                                values if END in values else {n: values[n] for n in names})
-
-    def abort(self) -> None:
-        self.stopping.set()
-        self.transport.abort(_reason(self.errors))
+        self.send_inputs(m, values)
 
     def work(self, index: int) -> None:
         """Stage `index` forwards items until the stream ends; a failure aborts the stream."""
-        executor = self.executors[index]
-        row = StageRow(executor, (Action(index, m, Phase.FORWARD) for m in itertools.count()),
-                       self.flow, self.transport)
-        try:
-            if self.rt.threads[index] and executor.stage.device.type == "cpu":
-                set_thread_count(self.rt.threads[index])
-            with executor.computing():
-                row.walk(stopping=self.stopping.is_set)
-        except Aborted:
-            return
-        except BaseException as e:
-            try:
-                self.errors.append(_stage_error(executor.stage, row.action, e))
-            finally:
-                self.abort()
+        self.walk(StageRow(self.executors[index],
+                           (Action(index, m, Phase.FORWARD) for m in itertools.count()),
+                           self.flow, self.transport))
 
 
 _NO_MORE = object()
 
 
-class _Execution:
+class _Execution(_Rows):
     """One run: its executors, its transport, the first errors and its record."""
 
     def __init__(self, runtime: Runtime, timetable: Timetable, inputs: Sequence[dict[str, Any]],
                  loss_of: LossFn | None, seeds: Sequence[int] | None):
-        self.rt = runtime
+        super().__init__(runtime, runtime.wiring.flow(training=loss_of is not None))
         self.timetable = timetable
         self.inputs = list(inputs)
         self.loss_of = loss_of
         self.seeds = list(seeds) if seeds is not None else None
-        self.wiring = runtime.wiring.flow(training=loss_of is not None)
-        self.stopping = threading.Event()
-        self.transport = ThreadTransport(
-            self.wiring.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
-            self.stopping)
         self.executors = [self.executor(stage) for stage in runtime.stages]
-        self.errors: list[StageError] = []
         self.record = Run(num_stages=len(runtime.stages))
         self.start = 0.0
         # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
@@ -259,7 +276,7 @@ class _Execution:
         last = stage.index == len(self.rt.stages) - 1
         return StageExecutor(
             stage,
-            from_stages=[n for src, names in self.wiring.reads.get(stage.index, {}).items()
+            from_stages=[n for src, names in self.flow.reads.get(stage.index, {}).items()
                          if src != DRIVER for n in names],
             backward_for={a.microbatch for a in self.timetable[stage.index]
                           if a.phase is Phase.BACKWARD},
@@ -271,10 +288,6 @@ class _Execution:
     def graph_loss(self, m: int, values: dict[str, Any]) -> torch.Tensor:
         """The caller's loss of micro-batch m, given the graph inputs too."""
         return self.loss_of(m, {**self.inputs[m], **values})
-
-    def abort(self) -> None:
-        self.stopping.set()
-        self.transport.abort(_reason(self.errors))
 
     def run(self) -> tuple[list[Any], Run]:
         """Drive the run on the caller's thread; its outputs or losses, or the first error."""
@@ -323,15 +336,14 @@ class _Execution:
     def feed(self) -> None:
         """Send every micro-batch's graph inputs to the stages that read them."""
         for m, values in enumerate(self.inputs):
-            for dst, names in self.wiring.sends.get(DRIVER, {}).items():
-                self.transport.send(Phase.FORWARD, DRIVER, dst, m, {n: values[n] for n in names})
+            self.send_inputs(m, values)
 
     def collect(self) -> list[dict[str, Any]]:
         """The graph outputs sent to the driver, per micro-batch; fewer once the run aborted."""
         outputs = []
         try:
             for m in range(len(self.inputs)):
-                outputs.append(self.receive(DRIVER, m))
+                outputs.append(receive_values(self.flow, self.transport, DRIVER, m))
         except Aborted:
             pass
         return outputs
@@ -341,26 +353,12 @@ class _Execution:
     def work(self, index: int) -> None:
         """Run stage `index`'s row of the timetable; a failure is kept and aborts the run."""
         executor = self.executors[index]
-        row = StageRow(executor, self.timetable[index], self.wiring, self.transport)
         stream = executor.stream
         clock, done = (self.clock, self.done) if stream is None else (
             lambda: _event(stream),
             lambda action, began: self.gpu_slots.append((action, began, _event(stream))))
-        try:
-            if self.rt.threads[index] and executor.stage.device.type == "cpu":
-                set_thread_count(self.rt.threads[index])
-            with executor.computing():
-                row.walk(stopping=self.stopping.is_set, clock=clock, done=done)
-        except Aborted:
-            return
-        except BaseException as e:   # whatever it is, the run must end
-            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
-                    threading.main_thread():
-                raise                # the caller's own Ctrl-C, on the caller's thread
-            try:
-                self.errors.append(_stage_error(executor.stage, row.action, e))
-            finally:
-                self.abort()
+        self.walk(StageRow(executor, self.timetable[index], self.flow, self.transport),
+                  clock=clock, done=done)
 
     def clock(self) -> float:
         """Seconds since the run started."""
@@ -379,9 +377,6 @@ class _Execution:
             self.record.slots.append(Slot(action, start_s + origin.elapsed_time(began) / 1e3,
                                           start_s + origin.elapsed_time(ended) / 1e3))
 
-    def receive(self, receiver: int, m: int) -> dict[str, Any]:
-        """Micro-batch m's forward values from every sender of `receiver`."""
-        return receive_values(self.wiring, self.transport, receiver, m)
 
 
 class StageRow:

@@ -117,7 +117,7 @@ class ThreadTransport:
         _wait(message, device)
         return {name: _to(value, device) for name, value in message.values.items()}
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str = "the run was aborted") -> None:
         for channel in self.channels.values():
             channel.put(_Abort(reason))
 
