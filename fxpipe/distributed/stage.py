@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Literal
 
 import torch
@@ -15,9 +14,9 @@ from fxpipe.passes.randomness import microbatch_seeds
 
 from .. import microbatch
 from ..runtime.executor import StageExecutor
-from ..runtime.orchestrator import Run, StageRow, _stage_error
+from ..runtime.orchestrator import Run, StageRow, _stage_error, row_executor, send_inputs
 from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
-from ..schedules import Phase, Slot, gpipe, timetable_for
+from ..schedules import Phase, gpipe, timetable_for
 from ..wiring import DRIVER
 from .transport import DistributedError, DistributedTransport, PeerFailedError
 
@@ -260,19 +259,12 @@ class DistributedStage:
         peers. A failure of the stage is raised as a `StageError` naming this rank; a failure
         here or a peer's is told to every peer (`DistributedTransport.abort`)."""
         index = self.index
-        executor = StageExecutor(
-            self.stage,
-            from_stages=[n for src, names in self.flow.reads.get(index, {}).items()
-                         if src != DRIVER for n in names],
-            backward_for={a.microbatch for a in timetable[index]
-                          if a.phase is Phase.BACKWARD},
-            loss_of=loss_of if index == self.last else None,
-            seeds=seeds, recompute=self.plan.stage_recompute[index])
+        executor = row_executor(self.stage, self.flow, timetable[index],
+                                loss_of=loss_of if index == self.last else None,
+                                seeds=seeds, recompute=self.plan.stage_recompute[index])
         if index == 0:
             for m, values in enumerate(chunks):
-                for dst, names in self.flow.sends.get(DRIVER, {}).items():
-                    self.transport.send(Phase.FORWARD, DRIVER, dst, m,
-                                        {n: values[n] for n in names})
+                send_inputs(self.flow, self.transport, m, values)
         inputs: dict[int, dict[str, Any]] = {}      # micro-batch -> graph inputs received
 
         def received(m: int, values: dict[str, Any], out: dict[str, Any]) -> None:
@@ -283,16 +275,9 @@ class DistributedStage:
 
         row = StageRow(executor, timetable[index], self.flow, self.transport)
         record = self.last_run = Run(num_stages=self.num_stages)
-        start = time.perf_counter()
-
-        def clock() -> float:
-            return time.perf_counter() - start
-
-        def done(action: Any, began: float) -> None:
-            record.slots.append(Slot(action, began, clock()))
         try:
             with executor.computing():
-                row.walk(forwarded=received, clock=clock, done=done)
+                row.walk(forwarded=received, clock=record.clock, done=record.done)
             if training and index != 0:
                 self._send_input_grads(inputs)
             if training and index == 0:
@@ -312,7 +297,7 @@ class DistributedStage:
             self.transport.abort(f"rank {self.rank} failed: {error}")
             raise error from e
         finally:
-            record.wall_s = clock()
+            record.wall_s = record.clock()
         return executor
 
     # The graph inputs a stage on another rank reads arrive there as leaves of its autograd

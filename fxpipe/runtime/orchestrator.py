@@ -62,10 +62,19 @@ class Run:
     wall_s: float = 0.0
     num_stages: int = 0
     error: str | None = None
+    started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    def clock(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.started
+
+    def done(self, action: Action, began: float) -> None:
+        """Record `action`, which began at `began` (its inputs arrived) and just finished."""
+        self.slots.append(Slot(action, began, self.clock()))
 
 
 class Runtime:
@@ -133,13 +142,6 @@ class _Rows:
     def abort(self) -> None:
         self.stopping.set()
         self.transport.abort(_reason(self.errors))
-
-    def send_inputs(self, m: int, values: dict[str, Any]) -> None:
-        """Micro-batch (or item) m's graph inputs to every stage that reads them; a stream's
-        `END` to every such stage."""
-        for dst, names in self.flow.sends.get(DRIVER, {}).items():
-            self.transport.send(Phase.FORWARD, DRIVER, dst, m,
-                                values if END in values else {n: values[n] for n in names})
 
     def walk(self, row: "StageRow", **timing: Any) -> None:
         """Walk `row` on this thread, with its stage's intra-op threads; a failure is kept as a
@@ -240,7 +242,7 @@ class _Stream(_Rows):
         """Item m's graph inputs (or the stream's end) to every stage that reads them."""
         if END not in values:
             self.seeds[m] = self.seed()
-        self.send_inputs(m, values)
+        send_inputs(self.flow, self.transport, m, values)
 
     def work(self, index: int) -> None:
         """Stage `index` forwards items until the stream ends; a failure aborts the stream."""
@@ -264,7 +266,6 @@ class _Execution(_Rows):
         self.seeds = list(seeds) if seeds is not None else None
         self.executors = [self.executor(stage) for stage in runtime.stages]
         self.record = Run(num_stages=len(runtime.stages))
-        self.start = 0.0
         # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
         # there as the run starts: (seconds at that start, its event) per stage; (action, event
         # before, event after) per action done.
@@ -274,12 +275,8 @@ class _Execution(_Rows):
     def executor(self, stage: Stage) -> StageExecutor:
         """`stage`'s executor for this run, made on the caller's thread to capture its modes."""
         last = stage.index == len(self.rt.stages) - 1
-        return StageExecutor(
-            stage,
-            from_stages=[n for src, names in self.flow.reads.get(stage.index, {}).items()
-                         if src != DRIVER for n in names],
-            backward_for={a.microbatch for a in self.timetable[stage.index]
-                          if a.phase is Phase.BACKWARD},
+        return row_executor(
+            stage, self.flow, self.timetable[stage.index],
             loss_of=self.graph_loss if self.loss_of is not None and last else None,
             seeds=self.seeds,
             stream=self.rt.streams[stage.index],
@@ -298,11 +295,11 @@ class _Execution(_Rows):
         threads = [] if here else [_Worker(self.work, stage.index, "fxpipe-stage")
                                    for stage in self.rt.stages]
         self.rt.last_run = self.record
-        self.start = time.perf_counter()
+        self.record.started = time.perf_counter()
         for executor in self.executors:
             executor.wait_for_caller()
             if executor.stream is not None:
-                self.origins[executor.stage.index] = (self.clock(), _event(executor.stream))
+                self.origins[executor.stage.index] = (self.record.clock(), _event(executor.stream))
         try:
             with _workers(threads, self.abort):
                 self.feed()
@@ -321,7 +318,7 @@ class _Execution(_Rows):
         finally:
             for executor in self.executors:
                 executor.make_caller_wait()
-            self.record.wall_s = time.perf_counter() - self.start
+            self.record.wall_s = self.record.clock()
             self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         if self.errors:
             self.record.error = str(self.errors[0])
@@ -336,7 +333,7 @@ class _Execution(_Rows):
     def feed(self) -> None:
         """Send every micro-batch's graph inputs to the stages that read them."""
         for m, values in enumerate(self.inputs):
-            self.send_inputs(m, values)
+            send_inputs(self.flow, self.transport, m, values)
 
     def collect(self) -> list[dict[str, Any]]:
         """The graph outputs sent to the driver, per micro-batch; fewer once the run aborted."""
@@ -354,19 +351,11 @@ class _Execution(_Rows):
         """Run stage `index`'s row of the timetable; a failure is kept and aborts the run."""
         executor = self.executors[index]
         stream = executor.stream
-        clock, done = (self.clock, self.done) if stream is None else (
+        clock, done = (self.record.clock, self.record.done) if stream is None else (
             lambda: _event(stream),
             lambda action, began: self.gpu_slots.append((action, began, _event(stream))))
         self.walk(StageRow(executor, self.timetable[index], self.flow, self.transport),
                   clock=clock, done=done)
-
-    def clock(self) -> float:
-        """Seconds since the run started."""
-        return time.perf_counter() - self.start
-
-    def done(self, action: Action, began: float) -> None:
-        """Record `action`, which began at `began` (its inputs arrived) and just finished."""
-        self.record.slots.append(Slot(action, began, self.clock()))
 
     def time_gpu_slots(self) -> None:
         """The GPU stages' slots, read off their events once the GPU has done that work: the
@@ -446,6 +435,28 @@ class StageRow:
 
 
 END = "fxpipe:end"    # the key of a forward message that ends a stream (no node has this name)
+
+
+def send_inputs(flow: Flow, transport: Transport, m: int, values: dict[str, Any]) -> None:
+    """The driver's part: micro-batch (or item) m's graph inputs to every stage that reads
+    them; a stream's `END` to every such stage."""
+    for dst, names in flow.sends.get(DRIVER, {}).items():
+        transport.send(Phase.FORWARD, DRIVER, dst, m,
+                       values if END in values else {n: values[n] for n in names})
+
+
+def row_executor(stage: Stage, flow: Flow, row: Sequence[Action], *, loss_of: LossFn | None,
+                 seeds: Any, stream: torch.cuda.Stream | None = None,
+                 recompute: bool = False) -> StageExecutor:
+    """`stage`'s executor for walking `row` along `flow`: autograd cut at what other stages
+    send, a backward kept for the micro-batches the row takes back, the loss (`loss_of`, on
+    the last stage). Made on the caller's thread, to capture its modes."""
+    return StageExecutor(
+        stage,
+        from_stages=[n for src, names in flow.reads.get(stage.index, {}).items()
+                     if src != DRIVER for n in names],
+        backward_for={a.microbatch for a in row if a.phase is Phase.BACKWARD},
+        loss_of=loss_of, seeds=seeds, stream=stream, recompute=recompute)
 
 
 def receive_values(flow: Flow, transport: Transport, receiver: int, m: int) -> dict[str, Any]:
