@@ -14,7 +14,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 
 from .. import microbatch
 from ..runtime.executor import StageExecutor
-from ..runtime.orchestrator import Run, StageRow, _stage_error, row_executor, send_inputs
+from ..runtime.orchestrator import Run, StageRow, row_executor, send_inputs, stage_error
 from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from ..schedules import Phase, gpipe, timetable_for
 from ..wiring import DRIVER
@@ -334,6 +334,6 @@ class DistributedStage:
         """The runtime's `StageError` for `error`, naming this rank and replica too."""
         if isinstance(error, StageError):
             return error
-        inner = _stage_error(self.stage, action, error)
+        inner = stage_error(self.stage, action, error)
         where = f"rank {self.rank}" + (f" (replica {self.replica})" if self.replicas > 1 else "")
         return StageError(f"{where}: {inner}", stage=inner.stage, microbatch=inner.microbatch)

@@ -160,7 +160,7 @@ class _Rows:
                     threading.main_thread():
                 raise                # the caller's own Ctrl-C, on the caller's thread
             try:
-                self.errors.append(_stage_error(executor.stage, row.action, e))
+                self.errors.append(stage_error(executor.stage, row.action, e))
             finally:
                 self.abort()
 
@@ -547,7 +547,7 @@ def _reason(errors: Sequence[StageError]) -> str:
     return str(errors[0]) if errors else "the caller's thread stopped the run"
 
 
-def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
+def stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
     """A StageError naming the stage, micro-batch and the generated statement that raised."""
     statement = ""
     for frame in traceback.extract_tb(error.__traceback__):
