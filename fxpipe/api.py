@@ -659,7 +659,7 @@ def _time_unpipelined(model: nn.Module, recipe: _Recipe, training: bool,
 @functools.cache
 def _gloo_link() -> LinkFn:
     """Every value priced as one message between two gloo processes, measured once a process."""
-    from .distributed import measure_link
+    from .devices import measure_link
     measured = measure_link()
     return lambda src, dst: measured
 

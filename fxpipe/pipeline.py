@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.passes.codegen import Stage
 from fxpipe.passes.cost_model import default_link
-from fxpipe.passes.errors import FxpipeError, InputError, ModelChangedError, StageError
+from fxpipe.passes.errors import FxpipeError, ModelChangedError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
@@ -22,6 +22,7 @@ from fxpipe.passes.trace import hook_kind
 from . import microbatch
 from .report import Plan
 from .runtime import Run, Runtime
+from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from . import search
 from .explain import explain
 from .schedules import Action, Phase, ScheduleName, Slot, gpipe, timetable_for
@@ -179,51 +180,23 @@ class Pipeline(nn.Module):
         and of the inputs are those of the whole batch's mean (`reduction` is not used).
         The optimizer step is the caller's.
         """
-        if reduction not in ("mean", "sum"):
-            raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        check_reduction(reduction)
         self._check_model()
         self._check_hooks()
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
-        if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
-            raise InputError(f"train_step needs a target with one row per sample (dimension 0 "
-                             f"the batch), split into micro-batches with the inputs and given "
-                             f"to loss_fn(output, target); got {target!r:.80}")
-        # The loss runs on the last stage, with the output there: the target joins it.
-        targets = [microbatch.on_device(t, self._stages[-1].device)
-                   for t in microbatch.split(target, self.chunks)]
-        rows = [microbatch.batch_size(c) for c in targets]
-        if sum(rows) != microbatch.batch_size(values, self._batch_dims):
-            raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
-                              f"{microbatch.batch_size(values, self._batch_dims)}: pass one "
-                              f"target row per sample")
-        weights = [r / sum(rows) if reduction == "mean" else 1.0 for r in rows]
-        counts: dict[int, torch.Tensor] = {}    # kept on their device: no sync per micro-batch
-        grads = _DeferredScale([*self.parameters(), *tensors(values)])
-
-        def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
-            output = self._signature.rebuild_outputs(graph_values)
-            loss = loss_fn(output, targets[m])
-            if isinstance(loss, tuple) and len(loss) == 2:
-                loss, counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
-                if m == 0:
-                    grads.start()   # no backward ran yet: the last stage's comes first
-            elif counts:
-                raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
-                                  "for another: return the same for every micro-batch")
-            check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
-            return loss if counts else loss * weights[m]
-
+        step = StepLoss(loss_fn, self._signature, reduction,
+                        DeferredScale([*self.parameters(), *tensors(values)]))
+        step.split_targets(target, self.chunks, self._stages[-1].device,
+                           microbatch.batch_size(values, self._batch_dims))
         timetable = timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
         try:
-            losses, _ = self._runtime.run(timetable, chunks, loss_of=loss_of,
+            losses, _ = self._runtime.run(timetable, chunks, loss_of=step,
                                           seeds=microbatch_seeds(self.chunks))
-        finally:
-            whole = _whole_count(counts)
-            if whole is not None:
-                grads.finish(torch.where(whole > 0, whole.reciprocal(), 0.0))
-        loss = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
-        return loss / whole.to(loss.device, loss.dtype) if whole is not None else loss
+        except BaseException:
+            step.finish([])     # the gradients held aside are given back
+            raise
+        return step.finish(losses)
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`).
@@ -465,74 +438,3 @@ def _lookup(model: nn.Module, name: str) -> Any:
         if value is None:
             return None
     return value if isinstance(value, (nn.Module, torch.Tensor)) else None
-
-
-def step_inputs(signature: Any, inputs: Any) -> dict[str, Any]:
-    """The graph's input values by placeholder from `train_step`'s `inputs`: a tensor, a tuple
-    of positional inputs or a dict of keyword inputs."""
-    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
-        (inputs if isinstance(inputs, tuple) else (inputs,)), {})
-    try:
-        return dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
-    except InputError as e:
-        if not isinstance(inputs, dict):
-            raise
-        raise InputError(f"{e}\ntrain_step takes a dict as the model's keyword inputs; to "
-                         f"pass one dict as the model's positional input, wrap it in a tuple: "
-                         f"pipe.train_step((batch,), target, loss_fn)") from None
-
-
-def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
-    """Refuse a micro-batch loss that is not a 0-d tensor, or that autograd cannot reach the
-    parameters from (the output requires grad, the loss does not)."""
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise FxpipeError(f"loss_fn must return {expected}, got {loss!r:.80}")
-    if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
-        raise FxpipeError(
-            "loss_fn returned a loss that does not require grad, though the model's "
-            "output does: nothing would reach .grad. Compute the loss from the output "
-            "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
-
-
-class _DeferredScale:
-    """Gradients accumulated from `start()` on, scaled by a factor known only at `finish`.
-
-    A (loss_sum, count) loss's gradient is 1 / (the count of the whole batch), known once every
-    micro-batch ran forward, after 1F1B's first backwards. So the backwards accumulate into fresh
-    `.grad`s, and `finish` adds them, scaled, to the gradients that were there before.
-    """
-
-    def __init__(self, leaves: Sequence[torch.Tensor]):
-        self.leaves = list({id(t): t for t in leaves if t.requires_grad and t.is_leaf}.values())
-        self.before: list[torch.Tensor | None] | None = None
-
-    def start(self) -> None:
-        if self.before is not None:
-            return      # started already (a recomputed forward asks again)
-        self.before = [t.grad for t in self.leaves]
-        for t in self.leaves:
-            t.grad = None
-
-    def finish(self, scale: torch.Tensor) -> None:
-        """Scale what accumulated since `start()` by `scale` (a 0-d tensor, read where each
-        gradient lives, so the host waits for none) and add back what was there before."""
-        if self.before is None:
-            return
-        for t, before in zip(self.leaves, self.before):
-            new = t.grad
-            if new is not None:
-                new.mul_(scale.to(new.device))
-            if before is not None and new is not None:
-                t.grad = before.add_(new)
-            elif before is not None:
-                t.grad = before
-        self.before = None
-
-
-def _whole_count(counts: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The sum of the micro-batches' counts of (loss_sum, count) losses, as a float64 tensor on
-    the device of the first (None without counts): summed there, never read on the host."""
-    if not counts:
-        return None
-    first = next(iter(counts.values()))
-    return torch.stack([c.to(first.device, torch.float64) for c in counts.values()]).sum()

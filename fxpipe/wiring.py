@@ -3,8 +3,9 @@
 Each stage reads its inputs (by node name) from the stage that produces them, or from the driver
 (the caller's thread, which holds the graph inputs); a backward sends gradients the other way.
 Graph outputs go back to the driver in inference, and to the last stage, which computes the loss,
-in training. The runtime moves values along this wiring, the simulator takes its dependencies
-from it (`reads_from`), and a saved plan stores it.
+in training; across processes the last stage also reads the graph inputs the model returns as
+they are (`with_inputs_at_last`). The runtime moves values along this wiring, the simulator
+takes its dependencies from it (`reads_from`), and a saved plan stores it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,17 @@ class Wiring:
 
     def reads_from(self, training: bool) -> dict[int, list[int]]:
         return self.flow(training).reads_from()
+
+    def with_inputs_at_last(self, last: int, returned: Sequence[str]) -> Flow:
+        """The training flow, the last stage (`last`) also reading from the driver the graph
+        inputs in `returned` (those the model returns as they are): what a last stage reads to
+        rebuild the model's output where the driver's values are not at hand (another process)."""
+        reads = {receiver: {sender: list(names) for sender, names in senders.items()}
+                 for receiver, senders in self.training.reads.items()}
+        if returned:
+            from_driver = reads.setdefault(last, {}).setdefault(DRIVER, [])
+            from_driver.extend(n for n in dict.fromkeys(returned) if n not in from_driver)
+        return Flow.of_reads(reads)
 
 
 def _flow(stages: Sequence[_StageLike], producer: Mapping[str, int], output_names: Sequence[str],

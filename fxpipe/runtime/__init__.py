@@ -1,17 +1,20 @@
 """Executes a timetable of (stage, micro-batch, F|B) actions on a pipeline's stages.
 
-Three parts, each replaceable without the others (as torchgpipe and torch.distributed.pipelining
+Parts, each replaceable without the others (as torchgpipe and torch.distributed.pipelining
 keep them apart):
 
 - `executor`: `StageExecutor` runs one stage's forward or backward for one micro-batch on the
   calling thread: seeds, cutting autograd at the stage boundary, what the backward keeps, the
   loss on the last stage, the stage's CUDA stream.
 - `transport`: `Transport` moves a stage's outputs and gradients to their readers, one message per
-  (phase, sender, receiver, micro-batch); `ThreadTransport` does it with a FIFO queue per link,
-  CUDA events per message and an abort token.
-- `orchestrator`: `Runtime` runs a timetable with one worker thread per stage (or one stage on
-  the caller's thread), joins them whatever happens, re-raises the first failure as a
+  (phase, sender, receiver, micro-batch), aborts with a reason and ends a step;
+  `ThreadTransport` does it with a FIFO queue per link, CUDA events per message and an abort
+  token (`fxpipe.distributed`'s `DistributedTransport` over gloo).
+- `orchestrator`: `StageRow` walks one stage's row against a transport (a thread's, or a
+  rank's); `Runtime` runs a timetable with one worker thread per stage (or one stage on the
+  caller's thread), joins them whatever happens, re-raises the first failure as a
   `StageError`, and records the run (`Run`).
+- `step`: the train-step contract both backends keep (`StepLoss`, `DeferredScale`).
 
 Inference and training differ only in the timetable (backward actions or none) and the loss
 (`loss_of`).

@@ -62,10 +62,19 @@ class Run:
     wall_s: float = 0.0
     num_stages: int = 0
     error: str | None = None
+    started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    def clock(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.started
+
+    def done(self, action: Action, began: float) -> None:
+        """Record `action`, which began at `began` (its inputs arrived) and just finished."""
+        self.slots.append(Slot(action, began, self.clock()))
 
 
 class Runtime:
@@ -117,7 +126,46 @@ class Runtime:
         return _Stream(self, max_in_flight, seed).run(iter(inputs))
 
 
-class _Stream:
+class _Rows:
+    """What a call and a stream share: the rows of one run (or stream) of the stages, walked
+    against one `ThreadTransport` along `flow`; the first failures; the abort."""
+
+    def __init__(self, runtime: Runtime, flow: Flow):
+        self.rt = runtime
+        self.flow = flow
+        self.stopping = threading.Event()
+        self.transport = ThreadTransport(
+            flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            self.stopping)
+        self.errors: list[StageError] = []
+
+    def abort(self) -> None:
+        self.stopping.set()
+        self.transport.abort(_reason(self.errors))
+
+    def walk(self, row: "StageRow", **timing: Any) -> None:
+        """Walk `row` on this thread, with its stage's intra-op threads; a failure is kept as a
+        `StageError` and aborts the run (but the caller's own Ctrl-C, on the caller's thread)."""
+        executor = row.executor
+        threads = self.rt.threads[row.index]
+        try:
+            if threads and executor.stage.device.type == "cpu":
+                set_thread_count(threads)
+            with executor.computing():
+                row.walk(stopping=self.stopping.is_set, **timing)
+        except Aborted:
+            return
+        except BaseException as e:   # whatever it is, the run must end
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
+                    threading.main_thread():
+                raise                # the caller's own Ctrl-C, on the caller's thread
+            try:
+                self.errors.append(stage_error(executor.stage, row.action, e))
+            finally:
+                self.abort()
+
+
+class _Stream(_Rows):
     """A stream: workers stay up for the whole stream, each stage takes the next item as soon as
     it is free, and the driver (the caller's thread, in the generator) feeds items while fewer
     than `max_in_flight` are inside, yields outputs in order, and ends the stream with an `END`
@@ -132,23 +180,18 @@ class _Stream:
     for the stages when the stream ends."""
 
     def __init__(self, runtime: Runtime, max_in_flight: int, seed: Callable[[], int | None]):
-        self.rt = runtime
-        self.limit = max_in_flight
-        self.seed = seed
-        self.flow = runtime.wiring.flow(training=False)
-        silent = [s.index for s in runtime.stages if not self.flow.reads.get(s.index)]
+        flow = runtime.wiring.flow(training=False)
+        silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
         if silent:
             raise FxpipeError(f"stage {silent[0]} reads no input nor other stage, so it would "
                               f"never learn that a stream ended: plan on fewer devices")
-        self.stopping = threading.Event()
-        self.transport = ThreadTransport(
-            self.flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
-            self.stopping)
+        super().__init__(runtime, flow)
+        self.limit = max_in_flight
+        self.seed = seed
         self.seeds: dict[int, int | None] = {}      # item -> its seed, drawn as it is fed
         self.executors = [StageExecutor(stage, from_stages=(), seeds=self.seeds,
                                         stream=runtime.streams[stage.index])
                           for stage in runtime.stages]
-        self.errors: list[StageError] = []
 
     def run(self, items: Iterator[dict[str, Any]]
             ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -199,55 +242,30 @@ class _Stream:
         """Item m's graph inputs (or the stream's end) to every stage that reads them."""
         if END not in values:
             self.seeds[m] = self.seed()
-        for dst, names in self.flow.sends.get(DRIVER, {}).items():
-            self.transport.send(Phase.FORWARD, DRIVER, dst, m,
-                                values if END in values else {n: values[n] for n in names})
-
-    def abort(self) -> None:
-        self.stopping.set()
-        self.transport.abort()
+        send_inputs(self.flow, self.transport, m, values)
 
     def work(self, index: int) -> None:
         """Stage `index` forwards items until the stream ends; a failure aborts the stream."""
-        executor = self.executors[index]
-        row = StageRow(executor, (Action(index, m, Phase.FORWARD) for m in itertools.count()),
-                       self.flow, self.transport)
-        try:
-            if self.rt.threads[index] and executor.stage.device.type == "cpu":
-                set_thread_count(self.rt.threads[index])
-            with executor.computing():
-                row.walk(stopping=self.stopping.is_set)
-        except Aborted:
-            return
-        except BaseException as e:
-            try:
-                self.errors.append(_stage_error(executor.stage, row.action, e))
-            finally:
-                self.abort()
+        self.walk(StageRow(self.executors[index],
+                           (Action(index, m, Phase.FORWARD) for m in itertools.count()),
+                           self.flow, self.transport))
 
 
 _NO_MORE = object()
 
 
-class _Execution:
+class _Execution(_Rows):
     """One run: its executors, its transport, the first errors and its record."""
 
     def __init__(self, runtime: Runtime, timetable: Timetable, inputs: Sequence[dict[str, Any]],
                  loss_of: LossFn | None, seeds: Sequence[int] | None):
-        self.rt = runtime
+        super().__init__(runtime, runtime.wiring.flow(training=loss_of is not None))
         self.timetable = timetable
         self.inputs = list(inputs)
         self.loss_of = loss_of
         self.seeds = list(seeds) if seeds is not None else None
-        self.wiring = runtime.wiring.flow(training=loss_of is not None)
-        self.stopping = threading.Event()
-        self.transport = ThreadTransport(
-            self.wiring.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
-            self.stopping)
         self.executors = [self.executor(stage) for stage in runtime.stages]
-        self.errors: list[StageError] = []
         self.record = Run(num_stages=len(runtime.stages))
-        self.start = 0.0
         # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
         # there as the run starts: (seconds at that start, its event) per stage; (action, event
         # before, event after) per action done.
@@ -257,12 +275,8 @@ class _Execution:
     def executor(self, stage: Stage) -> StageExecutor:
         """`stage`'s executor for this run, made on the caller's thread to capture its modes."""
         last = stage.index == len(self.rt.stages) - 1
-        return StageExecutor(
-            stage,
-            from_stages=[n for src, names in self.wiring.reads.get(stage.index, {}).items()
-                         if src != DRIVER for n in names],
-            backward_for={a.microbatch for a in self.timetable[stage.index]
-                          if a.phase is Phase.BACKWARD},
+        return row_executor(
+            stage, self.flow, self.timetable[stage.index],
             loss_of=self.graph_loss if self.loss_of is not None and last else None,
             seeds=self.seeds,
             stream=self.rt.streams[stage.index],
@@ -271,10 +285,6 @@ class _Execution:
     def graph_loss(self, m: int, values: dict[str, Any]) -> torch.Tensor:
         """The caller's loss of micro-batch m, given the graph inputs too."""
         return self.loss_of(m, {**self.inputs[m], **values})
-
-    def abort(self) -> None:
-        self.stopping.set()
-        self.transport.abort()
 
     def run(self) -> tuple[list[Any], Run]:
         """Drive the run on the caller's thread; its outputs or losses, or the first error."""
@@ -285,11 +295,11 @@ class _Execution:
         threads = [] if here else [_Worker(self.work, stage.index, "fxpipe-stage")
                                    for stage in self.rt.stages]
         self.rt.last_run = self.record
-        self.start = time.perf_counter()
+        self.record.started = time.perf_counter()
         for executor in self.executors:
             executor.wait_for_caller()
             if executor.stream is not None:
-                self.origins[executor.stage.index] = (self.clock(), _event(executor.stream))
+                self.origins[executor.stage.index] = (self.record.clock(), _event(executor.stream))
         try:
             with _workers(threads, self.abort):
                 self.feed()
@@ -308,7 +318,7 @@ class _Execution:
         finally:
             for executor in self.executors:
                 executor.make_caller_wait()
-            self.record.wall_s = time.perf_counter() - self.start
+            self.record.wall_s = self.record.clock()
             self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         if self.errors:
             self.record.error = str(self.errors[0])
@@ -323,15 +333,14 @@ class _Execution:
     def feed(self) -> None:
         """Send every micro-batch's graph inputs to the stages that read them."""
         for m, values in enumerate(self.inputs):
-            for dst, names in self.wiring.sends.get(DRIVER, {}).items():
-                self.transport.send(Phase.FORWARD, DRIVER, dst, m, {n: values[n] for n in names})
+            send_inputs(self.flow, self.transport, m, values)
 
     def collect(self) -> list[dict[str, Any]]:
         """The graph outputs sent to the driver, per micro-batch; fewer once the run aborted."""
         outputs = []
         try:
             for m in range(len(self.inputs)):
-                outputs.append(self.receive(DRIVER, m))
+                outputs.append(receive_values(self.flow, self.transport, DRIVER, m))
         except Aborted:
             pass
         return outputs
@@ -341,34 +350,12 @@ class _Execution:
     def work(self, index: int) -> None:
         """Run stage `index`'s row of the timetable; a failure is kept and aborts the run."""
         executor = self.executors[index]
-        row = StageRow(executor, self.timetable[index], self.wiring, self.transport)
         stream = executor.stream
-        clock, done = (self.clock, self.done) if stream is None else (
+        clock, done = (self.record.clock, self.record.done) if stream is None else (
             lambda: _event(stream),
             lambda action, began: self.gpu_slots.append((action, began, _event(stream))))
-        try:
-            if self.rt.threads[index] and executor.stage.device.type == "cpu":
-                set_thread_count(self.rt.threads[index])
-            with executor.computing():
-                row.walk(stopping=self.stopping.is_set, clock=clock, done=done)
-        except Aborted:
-            return
-        except BaseException as e:   # whatever it is, the run must end
-            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
-                    threading.main_thread():
-                raise                # the caller's own Ctrl-C, on the caller's thread
-            try:
-                self.errors.append(_stage_error(executor.stage, row.action, e))
-            finally:
-                self.abort()
-
-    def clock(self) -> float:
-        """Seconds since the run started."""
-        return time.perf_counter() - self.start
-
-    def done(self, action: Action, began: float) -> None:
-        """Record `action`, which began at `began` (its inputs arrived) and just finished."""
-        self.record.slots.append(Slot(action, began, self.clock()))
+        self.walk(StageRow(executor, self.timetable[index], self.flow, self.transport),
+                  clock=clock, done=done)
 
     def time_gpu_slots(self) -> None:
         """The GPU stages' slots, read off their events once the GPU has done that work: the
@@ -379,9 +366,6 @@ class _Execution:
             self.record.slots.append(Slot(action, start_s + origin.elapsed_time(began) / 1e3,
                                           start_s + origin.elapsed_time(ended) / 1e3))
 
-    def receive(self, receiver: int, m: int) -> dict[str, Any]:
-        """Micro-batch m's forward values from every sender of `receiver`."""
-        return receive_values(self.wiring, self.transport, receiver, m)
 
 
 class StageRow:
@@ -451,6 +435,28 @@ class StageRow:
 
 
 END = "fxpipe:end"    # the key of a forward message that ends a stream (no node has this name)
+
+
+def send_inputs(flow: Flow, transport: Transport, m: int, values: dict[str, Any]) -> None:
+    """The driver's part: micro-batch (or item) m's graph inputs to every stage that reads
+    them; a stream's `END` to every such stage."""
+    for dst, names in flow.sends.get(DRIVER, {}).items():
+        transport.send(Phase.FORWARD, DRIVER, dst, m,
+                       values if END in values else {n: values[n] for n in names})
+
+
+def row_executor(stage: Stage, flow: Flow, row: Sequence[Action], *, loss_of: LossFn | None,
+                 seeds: Any, stream: torch.cuda.Stream | None = None,
+                 recompute: bool = False) -> StageExecutor:
+    """`stage`'s executor for walking `row` along `flow`: autograd cut at what other stages
+    send, a backward kept for the micro-batches the row takes back, the loss (`loss_of`, on
+    the last stage). Made on the caller's thread, to capture its modes."""
+    return StageExecutor(
+        stage,
+        from_stages=[n for src, names in flow.reads.get(stage.index, {}).items()
+                     if src != DRIVER for n in names],
+        backward_for={a.microbatch for a in row if a.phase is Phase.BACKWARD},
+        loss_of=loss_of, seeds=seeds, stream=stream, recompute=recompute)
 
 
 def receive_values(flow: Flow, transport: Transport, receiver: int, m: int) -> dict[str, Any]:
@@ -536,7 +542,12 @@ def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return stream.record_event(torch.cuda.Event(enable_timing=True))
 
 
-def _stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
+def _reason(errors: Sequence[StageError]) -> str:
+    """Why a run is aborted: its first stage's failure, or the caller's thread stopping it."""
+    return str(errors[0]) if errors else "the caller's thread stopped the run"
+
+
+def stage_error(stage: Stage, action: Action, error: BaseException) -> StageError:
     """A StageError naming the stage, micro-batch and the generated statement that raised."""
     statement = ""
     for frame in traceback.extract_tb(error.__traceback__):

@@ -17,9 +17,13 @@ safe). The caller's thread, which receives the graph outputs, makes its own curr
 and marks the tensors as used there, so the allocator gives their memory back to a stage only
 after the caller's work on them; a message holding CPU tensors is waited for on the host.
 
-`abort()` puts an abort token in every queue, and every wait has a timeout after which it looks
-at the run's abort flag: a waiting thread leaves within `POLL_S` of an abort, by `Aborted`, and
-the caller's thread sees signals (Ctrl-C) while it waits.
+`abort(reason)` puts an abort token carrying the reason in every queue, and every wait has a
+timeout after which it looks at the run's abort flag: a waiting thread leaves within `POLL_S` of
+an abort, by `Aborted` (saying the reason), and the caller's thread sees signals (Ctrl-C) while
+it waits.
+
+A new transport (another backend, say NCCL) is one module implementing `Transport`; the row
+runner (`orchestrator.StageRow`) and the train-step contract (`step`) take it as it is.
 """
 
 from __future__ import annotations
@@ -37,13 +41,19 @@ from fxpipe.passes.graph_values import tensors
 from ..schedules import Phase
 
 POLL_S = 0.05     # how often a waiting thread looks for an abort or a signal
-_ABORT = object()
 
 Link = tuple[Phase, int, int]     # (phase, sender, receiver)
 
 
 class Aborted(Exception):
-    """The run was aborted while this thread waited for a message."""
+    """The run was aborted while this thread waited for a message; `str()` says why."""
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """The token an abort puts in every queue."""
+
+    reason: str
 
 
 class Transport(Protocol):
@@ -57,8 +67,13 @@ class Transport(Protocol):
                 microbatch: int) -> dict[str, Any]:
         """The values `sender` sent, ready for use on the receiver's device; raises `Aborted`."""
 
-    def abort(self) -> None:
-        """Wake every receiver that waits, with `Aborted`."""
+    def abort(self, reason: str) -> None:
+        """Tell every receiver the run failed, `reason` saying why: one waiting, or waiting
+        later, for a message not sent before the abort raises `Aborted` (a subclass) saying it."""
+
+    def finish_step(self) -> None:
+        """End a step that went well: every participant sent and took its messages, and the
+        step's tensors may change (an optimizer's step) without a message still reading them."""
 
 
 @dataclass
@@ -102,9 +117,12 @@ class ThreadTransport:
         _wait(message, device)
         return {name: _to(value, device) for name, value in message.values.items()}
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "the run was aborted") -> None:
         for channel in self.channels.values():
-            channel.put(_ABORT)
+            channel.put(_Abort(reason))
+
+    def finish_step(self) -> None:
+        """Nothing to wait for: a message is taken by reference, once it was put in its queue."""
 
     def _get(self, channel: queue.SimpleQueue) -> _Message:
         """The next message; waits with timeouts, so the caller's thread sees signals and a
@@ -114,10 +132,10 @@ class ThreadTransport:
                 message = channel.get(timeout=POLL_S)
             except queue.Empty:
                 continue
-            if message is _ABORT:
-                break
+            if isinstance(message, _Abort):
+                raise Aborted(message.reason)
             return message
-        raise Aborted
+        raise Aborted("the run was stopped")
 
 
 def _wait(message: _Message, device: torch.device) -> None:

@@ -1,0 +1,339 @@
+"""`DistributedStage`: this rank's stage of a plan, walking its row of each step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from fxpipe.passes.errors import StageError
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.randomness import microbatch_seeds
+
+from .. import microbatch
+from ..runtime.executor import StageExecutor
+from ..runtime.orchestrator import Run, StageRow, row_executor, send_inputs, stage_error
+from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
+from ..schedules import Phase, gpipe, timetable_for
+from ..wiring import DRIVER
+from .transport import DistributedError, DistributedTransport, PeerFailedError
+
+
+class DistributedStage:
+    """This process's stage of a plan; every rank calls it alike (see the module docstring).
+
+    `module` is the stage's GraphModule: its parameters, named as in the model, are what this
+    rank's optimizer steps.
+    """
+
+    def __init__(self, plan: Any, stage: Any, rank: int, group: Any, timeout: float,
+                 owns_group: bool = False, *, replica: int = 0, replicas: int = 1,
+                 pipeline_group: Any = None, gradient_group: Any = None,
+                 tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None):
+        self.plan = plan
+        self.stage = stage
+        self.rank = rank
+        self.group = group
+        self.timeout = timeout
+        self.owns_group = owns_group
+        self.num_stages = len(plan.stages)
+        self.last = self.num_stages - 1
+        self.replica = replica
+        self.replicas = replicas
+        self.pipeline_group = group if pipeline_group is None else pipeline_group
+        self.gradient_group = gradient_group
+        self.tied = tied or []      # (group of the ranks holding them, parameters) per holders
+        self.base = replica * self.num_stages       # the rank of this replica's stage 0
+        # The training wiring in both modes (graph outputs go to the last stage, which rebuilds
+        # the model's output), with the graph inputs the model returns as they are.
+        placeholders = set(plan.signature.placeholders)
+        self.flow = plan.wiring.with_inputs_at_last(
+            self.last,
+            [leaf for leaf in plan.signature.out_leaves
+             if isinstance(leaf, str) and leaf in placeholders])
+        self.transport = DistributedTransport(
+            rank, stage.device, group=group, timeout=timeout, base=self.base,
+            peers=list(range(self.base, self.base + self.num_stages)))
+        # This rank's actions in the latest call or train_step, seconds from its own start
+        # (each rank's clock: compare a stage's times with the plan's, not ranks' starts).
+        self.last_run: Run | None = None
+
+    @property
+    def index(self) -> int:
+        """This rank's stage: `rank % stages`."""
+        return self.stage.index
+
+    @property
+    def module(self) -> fx.GraphModule:
+        return self.stage.module
+
+    def parameters(self):
+        return self.stage.module.parameters()
+
+    def named_parameters(self):
+        return self.stage.module.named_parameters()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output (on stage `last`; None elsewhere) for the inputs given on stage 0
+        (those given elsewhere are not read), in the plan's micro-batches, GPipe order; each
+        replica runs its own inputs."""
+        chunks: list[dict[str, Any]] = []
+
+        def prepare() -> None:
+            values = dict(zip(self.plan.signature.placeholders,
+                              self.plan.signature.flatten_inputs(args, kwargs)))
+            chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
+
+        seeds, _ = self._start(prepare)
+        outputs: dict[int, Any] = {}
+
+        def collect(m: int, received: dict[str, Any], out: dict[str, Any]) -> None:
+            outputs[m] = self.plan.signature.rebuild_outputs({**received, **out})
+
+        self._run(gpipe(self.num_stages, self.plan.chunks), chunks, seeds, None,
+                  collect if self.index == self.last else None)
+        if self.index != self.last:
+            return None
+        return microbatch.merge([outputs[m] for m in range(self.plan.chunks)],
+                                self.plan.output_dims)
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Any], *,
+                   reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
+        """Forward and backward of every micro-batch in the plan's schedule, as
+        `Pipeline.train_step` does: `inputs` on stage 0, `target` on stage `last` (each not read
+        elsewhere, and moved to its stage's device), each replica its own shard of the batch
+        (shards may differ in size).
+
+        Returns, on stage `last` of every replica (None elsewhere), the loss of the whole batch,
+        every replica's shard together: with `reduction="mean"` the replicas' shard losses
+        weighted by their shares of the rows, with `"sum"` their sum. This step's gradients are
+        those of that loss: a parameter several stages share (a tied weight) gets the sum over
+        the ranks of its replica holding it, and each stage's replicas add theirs up, each
+        replica's weighted by its share of the rows (`"mean"`); then they are added to what
+        `.grad` held. An input given with `requires_grad` on stage 0 gets its gradient there too
+        (its rows' share of the whole batch's loss), from every stage reading it. The optimizer
+        step is the caller's, on each rank.
+
+        A `loss_fn` returning `(loss_sum, count)` (a loss averaged over something other than
+        rows, as for `Pipeline.train_step`) makes the step's loss `sum(loss_sums) / sum(counts)`
+        over every micro-batch of every replica, and the gradients (parameters and inputs)
+        those of that mean; `reduction` is then not used. Every rank learns the whole count in
+        one all-reduce at the end of each step.
+        """
+        check_reduction(reduction)
+        chunks: list[dict[str, Any]] = []
+        leaves: list[torch.Tensor] = []      # the caller's inputs that take a gradient
+
+        def prepare() -> int:
+            values = step_inputs(self.plan.signature, inputs)
+            leaves.extend(t for t in tensors(values) if t.requires_grad and t.is_leaf)
+            chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
+            return microbatch.batch_size(values, self._batch_dims)
+
+        seeds, rows_in = self._start(prepare)
+        # This replica's share of the whole batch's loss, so that every gradient (parameters and
+        # inputs alike) is already its part of the whole batch's, and replicas add theirs up.
+        share = 1.0
+        if self.replicas > 1 and reduction == "mean":
+            rows = torch.tensor([float(rows_in)], dtype=torch.float64)
+            self._all_reduce([rows], self.gradient_group, "count the rows with its replicas")
+            share = rows_in / rows.item()
+        # Only this step's gradients are added up across ranks and scaled: what `.grad` held
+        # is taken aside until `step.finish`.
+        step = StepLoss(loss_fn, self.plan.signature, reduction,
+                        DeferredScale([*self.parameters(), *leaves]), share)
+        step.grads.start()
+        self._agree(self.last, lambda: step.split_targets(target, self.plan.chunks,
+                                                          self.stage.device, rows_in))
+        timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
+                                  backward=True)
+        executor = self._run(timetable, chunks, seeds, step, None, training=True)
+        self._reduce_gradients()
+        losses = [executor.losses[m] for m in range(self.plan.chunks)] \
+            if self.index == self.last else []
+        # Every rank learns the whole count (and the last stages the loss of every replica) in
+        # one all-reduce; this step's gradients are scaled by one over the count.
+        return step.finish(losses, self._learn_totals)
+
+    def close(self) -> None:
+        """After a failed step, take the other ranks' news of it (see `DistributedTransport.close`);
+        then end the process group if `load` started it."""
+        self.transport.close()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "DistributedStage":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- one step
+
+    def _reduce_gradients(self) -> None:
+        """Add this step's gradients up across ranks: first each tied parameter's over the
+        ranks of this replica holding it (a stage that held it but got no gradient adds zeros),
+        then each parameter's over this stage's replicas (their losses were weighted by their
+        shares, so the sum is the whole batch's)."""
+        for group, parameters in self.tied:
+            for p in parameters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._all_reduce([p.grad for p in parameters], group,
+                             "add up the gradients of weights it shares with other stages")
+        if self.replicas > 1:
+            grads = [p.grad for _, p in sorted(self.named_parameters()) if p.grad is not None]
+            self._all_reduce(grads, self.gradient_group,
+                             f"add up stage {self.index}'s gradients with its "
+                             f"{self.replicas - 1} other replicas")
+
+    def _learn_totals(self, totals: torch.Tensor, counted: bool) -> tuple[torch.Tensor, bool]:
+        """The step's totals (see `runtime.step.Totals`) summed over every rank, whether any
+        rank's losses were counted with them."""
+        both = torch.cat([totals.detach().to("cpu", torch.float64),
+                          torch.tensor([float(counted)], dtype=torch.float64)])
+        self._all_reduce([both], None, "learn the whole batch's loss and count")
+        return both[:-1].to(totals.device), bool(both[-1] > 0)
+
+    def _all_reduce(self, tensors: list[torch.Tensor], group: Any, what: str) -> None:
+        """Sum `tensors` in place over `group`'s ranks: one all-reduce of them all, flattened
+        on the CPU as gloo needs."""
+        if not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
+        try:
+            dist.all_reduce(flat, group=group)
+        except RuntimeError as e:
+            raise DistributedError(
+                f"rank {self.rank} could not {what} within {self.timeout:g} s ({e}): a rank "
+                f"went silent or failed; see the other ranks' output") from None
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    @property
+    def _batch_dims(self) -> dict[str, Any]:
+        return {p: self.plan.batch_dims.get(p, 0) for p in self.plan.signature.placeholders}
+
+    def _start(self, prepare: Callable[[], Any]) -> tuple[list[int], Any]:
+        """Rank 0 prepares the step's inputs (`prepare()`) and draws the micro-batch seeds; every
+        rank gets the seeds and what `prepare` returned, or raises if it failed on rank 0."""
+        return self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
+
+    def _agree(self, source: int, prepare: Callable[[], Any]) -> Any:
+        """`prepare()` on stage `source` of this replica, its result on every rank of the
+        replica; its error raised on each (on the others as a `DistributedError` naming it), so
+        none waits for a step that will not start."""
+        box: list[Any] = [None]
+        error: BaseException | None = None
+        source = self.base + source
+        if self.rank == source:
+            try:
+                box[0] = ("ok", prepare())
+            except Exception as e:
+                error = e
+                box[0] = ("error", f"{type(e).__name__}: {e}")
+        try:
+            dist.broadcast_object_list(box, src=source, group=self.pipeline_group)
+        except RuntimeError as e:
+            raise DistributedError(
+                f"rank {self.rank} could not start the step with the ranks of replica "
+                f"{self.replica} within {self.timeout:g} s ({e}): one went silent or failed; "
+                f"see their output") from None
+        if error is not None:
+            raise error
+        status, value = box[0]
+        if status == "error":
+            raise DistributedError(f"rank {source} could not start the step: {value}")
+        return value
+
+    def _run(self, timetable: list, chunks: list[dict[str, Any]], seeds: list[int],
+             loss_of: Callable[[int, dict[str, Any]], torch.Tensor] | None,
+             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None, *,
+             training: bool = False) -> StageExecutor:
+        """Feed the graph inputs (stage 0), walk this stage's row, in `training` return the
+        gradients of the graph inputs to stage 0, then finish the step with the pipeline's
+        peers. A failure of the stage is raised as a `StageError` naming this rank; a failure
+        here or a peer's is told to every peer (`DistributedTransport.abort`)."""
+        index = self.index
+        executor = row_executor(self.stage, self.flow, timetable[index],
+                                loss_of=loss_of if index == self.last else None,
+                                seeds=seeds, recompute=self.plan.stage_recompute[index])
+        if index == 0:
+            for m, values in enumerate(chunks):
+                send_inputs(self.flow, self.transport, m, values)
+        inputs: dict[int, dict[str, Any]] = {}      # micro-batch -> graph inputs received
+
+        def received(m: int, values: dict[str, Any], out: dict[str, Any]) -> None:
+            if training:
+                inputs[m] = {n: values[n] for n in self.flow.reads.get(index, {}).get(DRIVER, [])}
+            if forwarded is not None:
+                forwarded(m, values, out)
+
+        row = StageRow(executor, timetable[index], self.flow, self.transport)
+        record = self.last_run = Run(num_stages=self.num_stages)
+        try:
+            with executor.computing():
+                row.walk(forwarded=received, clock=record.clock, done=record.done)
+            if training and index != 0:
+                self._send_input_grads(inputs)
+            if training and index == 0:
+                self._take_input_grads(chunks)
+            self.transport.finish_step()
+        except PeerFailedError as e:
+            record.error = str(e)
+            self.transport.abort(e.note, origin=e.origin)
+            raise
+        except DistributedError as e:
+            record.error = str(e)
+            self.transport.abort(f"rank {self.rank} stopped: {e}")
+            raise
+        except Exception as e:
+            error = self._stage_error(row.action, e)
+            record.error = str(error)
+            self.transport.abort(f"rank {self.rank} failed: {error}")
+            raise error from e
+        finally:
+            record.wall_s = record.clock()
+        return executor
+
+    # The graph inputs a stage on another rank reads arrive there as leaves of its autograd
+    # graph; after its backwards, their gradients go back to stage 0's rank, which passes them
+    # on to the caller's tensors. A stage reading only inputs that need no gradient sends
+    # nothing, and stage 0's rank, knowing what it sent, expects nothing.
+
+    def _send_input_grads(self, inputs: dict[int, dict[str, Any]]) -> None:
+        """Send stage 0's rank the gradients of the graph inputs this stage received, per
+        micro-batch, where any of them needs one."""
+        for m, values in sorted(inputs.items()):
+            if any(t.requires_grad for t in tensors(values)):
+                self.transport.send(Phase.BACKWARD, self.index, DRIVER, m,
+                                    {n: [t.grad for t in tensors(v)] for n, v in values.items()})
+
+    def _take_input_grads(self, chunks: list[dict[str, Any]]) -> None:
+        """Receive the gradients of the graph inputs sent to stages on other ranks and
+        backpropagate them into the caller's inputs (stage 0's own reached them already)."""
+        for dst, names in self.flow.sends.get(DRIVER, {}).items():
+            if self.transport.rank_of(dst) == self.rank:
+                continue
+            for m, values in enumerate(chunks):
+                sent = {n: values[n] for n in names}
+                if not any(t.requires_grad for t in tensors(sent)):
+                    continue
+                grads = self.transport.receive(Phase.BACKWARD, dst, DRIVER, m)
+                pairs = [(t, g.to(t.device)) for n in names
+                         for t, g in zip(tensors(sent[n]), grads[n])
+                         if g is not None and t.requires_grad]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _stage_error(self, action: Any, error: BaseException) -> StageError:
+        """The runtime's `StageError` for `error`, naming this rank and replica too."""
+        if isinstance(error, StageError):
+            return error
+        inner = stage_error(self.stage, action, error)
+        where = f"rank {self.rank}" + (f" (replica {self.replica})" if self.replicas > 1 else "")
+        return StageError(f"{where}: {inner}", stage=inner.stage, microbatch=inner.microbatch)

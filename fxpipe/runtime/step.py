@@ -1,0 +1,175 @@
+"""The train-step contract, written once for every backend (`Pipeline` and `fxpipe.distributed`).
+
+A train step splits the caller's inputs and target into micro-batches, computes each
+micro-batch's loss on the last stage, and returns the whole batch's loss with the whole batch's
+gradients in `.grad`:
+
+- `reduction="mean"` (a `loss_fn` averaging over rows): each micro-batch's loss is weighted by
+  its share of the rows (and, across replicas, by its replica's share), so the weighted sum is
+  the whole batch's mean; `"sum"`: micro-batch losses are added.
+- a `loss_fn` returning `(loss_sum, count)` (a mean over something other than rows): the step's
+  loss is `sum(loss_sums) / sum(counts)`. The whole count is known only once every micro-batch
+  ran forward, after 1F1B's first backwards, so this step's gradients accumulate apart
+  (`DeferredScale`) and are scaled by one over it at the end.
+
+What a backend adds is how the step's totals (the loss sum, the count, whether counts came)
+are learnt by every participant: in one process they are already whole (`in_process`); across
+ranks, one all-reduce. A backend passes that in as a function (`Totals`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from fxpipe.passes.errors import FxpipeError, InputError
+from fxpipe.passes.graph_values import tensors
+
+from .. import microbatch
+
+# The step's totals summed over every participant: ([loss sum, count sum] float64, counted).
+Totals = Callable[[torch.Tensor, bool], tuple[torch.Tensor, bool]]
+
+
+def in_process(totals: torch.Tensor, counted: bool) -> tuple[torch.Tensor, bool]:
+    """One process computed every loss: its totals are the step's."""
+    return totals, counted
+
+
+def step_inputs(signature: Any, inputs: Any) -> dict[str, Any]:
+    """The graph's input values by placeholder from `train_step`'s `inputs`: a tensor, a tuple
+    of positional inputs or a dict of keyword inputs."""
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
+        (inputs if isinstance(inputs, tuple) else (inputs,)), {})
+    try:
+        return dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
+    except InputError as e:
+        if not isinstance(inputs, dict):
+            raise
+        raise InputError(f"{e}\ntrain_step takes a dict as the model's keyword inputs; to "
+                         f"pass one dict as the model's positional input, wrap it in a tuple: "
+                         f"pipe.train_step((batch,), target, loss_fn)") from None
+
+
+def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
+    """Refuse a micro-batch loss that is not a 0-d tensor, or that autograd cannot reach the
+    parameters from (the output requires grad, the loss does not)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise FxpipeError(f"loss_fn must return {expected}, got {loss!r:.80}")
+    if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
+        raise FxpipeError(
+            "loss_fn returned a loss that does not require grad, though the model's "
+            "output does: nothing would reach .grad. Compute the loss from the output "
+            "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+
+
+class StepLoss:
+    """One train step's loss: the last stage's loss of each micro-batch (call it with the
+    micro-batch and its graph values), and the step's loss and gradient scale (`finish`).
+
+    `share` is this participant's share of the whole batch's rows (a replica's), `grads` the
+    gradients a `(loss_sum, count)` step scales."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Any], signature: Any,
+                 reduction: Literal["mean", "sum"], grads: "DeferredScale", share: float = 1.0):
+        check_reduction(reduction)
+        self.loss_fn = loss_fn
+        self.signature = signature
+        self.reduction = reduction
+        self.grads = grads
+        self.share = share
+        self.targets: list[Any] = []
+        self.weights: list[float] = []
+        self.counts: dict[int, torch.Tensor] = {}   # kept on their device: no sync per micro-batch
+
+    def split_targets(self, target: Any, chunks: int, device: torch.device, rows_in: int) -> None:
+        """`target` in `chunks` micro-batches on `device` (the last stage's), one row per input
+        row (`rows_in`), and each micro-batch's weight."""
+        if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
+            raise InputError(f"train_step needs a target with one row per sample (dimension 0 "
+                             f"the batch), split into micro-batches with the inputs and given "
+                             f"to loss_fn(output, target); got {target!r:.80}")
+        # The loss runs on the last stage, with the output there: the target joins it.
+        self.targets = [microbatch.on_device(t, device) for t in microbatch.split(target, chunks)]
+        rows = [microbatch.batch_size(t) for t in self.targets]
+        if sum(rows) != rows_in:
+            raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
+                              f"{rows_in}: pass one target row per sample")
+        self.weights = [self.share * r / sum(rows) if self.reduction == "mean" else 1.0
+                        for r in rows]
+
+    def __call__(self, m: int, graph_values: dict[str, Any]) -> torch.Tensor:
+        """Micro-batch m's loss, weighted (or its loss sum, its count kept)."""
+        output = self.signature.rebuild_outputs(graph_values)
+        loss = self.loss_fn(output, self.targets[m])
+        if isinstance(loss, tuple) and len(loss) == 2:
+            loss, self.counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
+            self.grads.start()   # no backward ran yet: the last stage's comes first
+        elif self.counts:
+            raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
+                              "for another: return the same for every micro-batch")
+        check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
+        return loss if self.counts else loss * self.weights[m]
+
+    def finish(self, losses: Sequence[torch.Tensor], learn_totals: Totals = in_process
+               ) -> torch.Tensor | None:
+        """Learn the step's totals from every participant, scale this step's gradients by one
+        over the whole count (a step of `(loss_sum, count)` losses) and give back what `.grad`
+        held before; the step's loss where `losses` (this participant's, detached) are given.
+        Summed where the losses are, as float64: nothing is read on the host."""
+        device = losses[0].device if losses else (
+            next(iter(self.counts.values())).device if self.counts else torch.device("cpu"))
+        parts = [torch.stack([x.to(device, torch.float64) for x in xs]).sum() if xs
+                 else torch.zeros((), dtype=torch.float64, device=device)
+                 for xs in (list(losses), list(self.counts.values()))]
+        totals, counted = learn_totals(torch.stack(parts), bool(self.counts))
+        loss_sum, count = totals[0], totals[1]
+        scale = torch.where(count > 0, count.reciprocal(), 0.0) if counted else None
+        self.grads.finish(scale)
+        if scale is not None:
+            loss_sum = loss_sum * scale
+        if not losses:
+            return None
+        return loss_sum.to(losses[0].dtype)
+
+
+class DeferredScale:
+    """Gradients accumulated from `start()` on, scaled by a factor known only at `finish`.
+
+    A (loss_sum, count) loss's gradient is 1 / (the count of the whole batch), known once every
+    micro-batch ran forward, after 1F1B's first backwards. So the backwards accumulate into fresh
+    `.grad`s, and `finish` adds them, scaled, to the gradients that were there before.
+    """
+
+    def __init__(self, leaves: Sequence[torch.Tensor]):
+        self.leaves = list({id(t): t for t in leaves if t.requires_grad and t.is_leaf}.values())
+        self.before: list[torch.Tensor | None] | None = None
+
+    def start(self) -> None:
+        if self.before is not None:
+            return      # started already (a recomputed forward asks again)
+        self.before = [t.grad for t in self.leaves]
+        for t in self.leaves:
+            t.grad = None
+
+    def finish(self, scale: torch.Tensor | None = None) -> None:
+        """Scale what accumulated since `start()` by `scale` (a 0-d tensor, read where each
+        gradient lives, so the host waits for none; None: as it is) and add back what was
+        there before."""
+        if self.before is None:
+            return
+        for t, before in zip(self.leaves, self.before):
+            new = t.grad
+            if new is not None and scale is not None:
+                new.mul_(scale.to(new.device))
+            if before is not None and new is not None:
+                t.grad = before.add_(new)
+            elif before is not None:
+                t.grad = before
+        self.before = None

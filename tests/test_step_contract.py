@@ -1,0 +1,64 @@
+"""The train-step contract (`fxpipe.runtime.step`), held by both backends alike: a `Pipeline` in
+one process, and a saved plan run on two gloo ranks as test_distributed.py launches them.
+
+A batch of 7 rows in 2 micro-batches (4 and 3 rows), so a mean must weight each micro-batch by
+its rows; the loss, every parameter's gradient and (where the input takes one) the input's
+gradient equal the model's on the whole batch.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_distributed import Branchy, planned, ran, results
+
+from distributed_worker import positive_targets_mean
+
+LOSSES = {   # the worker's mode -> (loss_fn, reduction)
+    "run": (F.mse_loss, "mean"),
+    "sum": (functools.partial(F.mse_loss, reduction="sum"), "sum"),
+    "count": (positive_targets_mean, "mean"),
+}
+
+
+def in_process(tmp_path, mode):
+    """(model, x, target, loss, gradients by name, x's gradient) of a `Pipeline`'s step."""
+    model, x, target, pipe = planned(tmp_path, 2, model=Branchy(), x=torch.randn(7, 8),
+                                     target=torch.randn(7, 4))
+    loss_fn, reduction = LOSSES[mode]
+    x_in = x.clone().requires_grad_() if mode == "count" else x
+    pipe.zero_grad()
+    loss = pipe.train_step(x_in, target, loss_fn, reduction=reduction)
+    grads = {name: p.grad for name, p in pipe.named_parameters()}
+    return model, x, target, loss, grads, x_in.grad
+
+
+def on_two_ranks(tmp_path, mode):
+    """The same of a step on two gloo ranks, one stage each: the loss on the last rank, each
+    rank's gradients, the input's on the first."""
+    model, x, target, _, out = ran(tmp_path, 2, 2, mode=mode, model=Branchy(),
+                                   x=torch.randn(7, 8), target=torch.randn(7, 4))
+    first, last = results(out, 2)
+    return model, x, target, last["loss"], {**first["grads"], **last["grads"]}, first["x_grad"]
+
+
+@pytest.mark.parametrize("mode", list(LOSSES), ids=["rows-weighted-mean", "sum", "sum-and-count"])
+@pytest.mark.parametrize("backend", [in_process, on_two_ranks], ids=["pipeline", "gloo-ranks"])
+def test_a_train_step_gives_the_whole_batchs_loss_and_gradients(tmp_path, backend, mode):
+    torch.manual_seed(0)
+    model, x, target, loss, grads, x_grad = backend(tmp_path, mode)
+    loss_fn, _ = LOSSES[mode]
+    x = x.clone().requires_grad_()
+    model.zero_grad()
+    expected = loss_fn(model(x), target)
+    if isinstance(expected, tuple):
+        expected = expected[0] / expected[1]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert set(grads) == {name for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    if mode == "count":      # the input took a gradient: the whole batch's mean's
+        torch.testing.assert_close(x_grad, x.grad)
