@@ -632,7 +632,7 @@ def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:
         return 0.0
     # Devices with the same times are interchangeable: one group, its weight shared evenly.
     groups: dict[tuple[float, ...], int] = collections.Counter(
-        tuple(graph.device_times(d)[i] for i in nodes) for d in devices)
+        tuple(map(graph.device_times(d).__getitem__, nodes)) for d in devices)
     columns, counts = list(groups), list(groups.values())
     largest = max(min(column[at] for column in columns) for at in range(len(nodes)))
     return max(largest, _best_weights(columns, counts))

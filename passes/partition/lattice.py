@@ -237,9 +237,11 @@ class _StageCost:
         self.receive = model.receive_min(s)
         self.send = model.send_min(s)
         self.out = model.to_driver[s]
+        self.unbounded = model.unbounded[s]    # memory costs it nothing: skip pricing it
 
     def __call__(self, pair: _Pair) -> float:
-        extra = self.model.recompute_s(self.s, pair.held, pair.forward_s[self.column])
+        extra = 0.0 if self.unbounded else self.model.recompute_s(
+            self.s, pair.held, pair.forward_s[self.column])
         if extra == math.inf:
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
