@@ -22,8 +22,8 @@ from fxpipe.passes.annotate_costs import (annotate_costs, bind_inputs, measureme
                                           start_timer)
 from fxpipe.passes.codegen import Placed, Stage, held_by_stages, placed_copy, split_stages
 from fxpipe.passes.compare import difference, output_name
-from fxpipe.passes.cost_model import (DRIVER, OPTIMIZER_STATE, DeviceSpec, Link, LinkFn, Memory,
-                                      NodeCost, cost_graph, default_link, lower_bound_s)
+from fxpipe.passes.cost_model import (DRIVER, OPTIMIZER_STATE, DeviceSpec, Held, Link, LinkFn,
+                                      Memory, NodeCost, cost_graph, default_link, lower_bound_s)
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from fxpipe.passes.functionalize import functionalize
@@ -494,9 +494,9 @@ def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Con
     for s, (stage, cost, device) in enumerate(zip(stages, part.stages, part.devices)):
         choice = None
         if cost.recompute:      # what the stage holds recomputing, but its saved activations
-            fixed = memory.need(s, stage_param_bytes(stage), 0, 0, cost.received_bytes,
-                                cost.sent_bytes, recompute=True)
-            choice = choose_recomputed(stage.module, in_flight=peaks[s], fixed_bytes=fixed,
+            held = Held(param_bytes=stage_param_bytes(stage), received_bytes=cost.received_bytes,
+                        sent_bytes=cost.sent_bytes)
+            choice = choose_recomputed(stage.module, memory=memory, stage=s, held=held,
                                        capacity=device.memory_bytes, speed=device.speed)
         if choice is None or choice.extra_s >= cost.recompute_s:
             recomputed.append(())
@@ -505,8 +505,8 @@ def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Con
         saved_s = cost.recompute_s - choice.extra_s
         costs[s] = replace(cost, compute_s=cost.compute_s - saved_s,
                            backward_s=cost.backward_s - saved_s, recompute=False,
-                           recompute_s=choice.extra_s, memory_bytes=fixed + peaks[s] *
-                           choice.kept_bytes + choice.transient_bytes)
+                           recompute_s=choice.extra_s, memory_bytes=memory.need_partial(
+                               s, held, choice.kept_bytes, choice.transient_bytes))
         recomputed.append(choice.nodes)
     if costs == list(part.stages):
         return part, tuple(recomputed)

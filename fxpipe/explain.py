@@ -8,8 +8,10 @@ those produced at or before stage `s` and read after it (a skip connection from 
 3 crosses three boundaries), each with its producer, its readers, its shape and its bytes per
 micro-batch. The alternatives move one node across the boundary: the last node of stage `s` that
 can go to stage `s+1` (nothing in stage `s` reads it), or the first node of stage `s+1` that can
-go to stage `s` (it reads nothing else of stage `s+1`), each priced by the same cost model as the
-plan (`stage_costs`); the plan's bottleneck is the least of them when the partition is optimal.
+go to stage `s` (it reads nothing else of stage `s+1`), each priced by the same cost model and
+rules as the plan (`stage_costs` with the plan's links and `Memory`: a stage that would have to
+recompute its forward pays for it, and a moved cut that fits no device's memory says so); the
+plan's bottleneck is the least of them when the partition is optimal.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, LinkFn, cost_graph, default_link,
-                                      format_bytes, stage_costs)
+from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, LinkFn, Memory, StageCost,
+                                      cost_graph, default_link, format_bytes, stage_costs)
 
 
 def explain(gm: fx.GraphModule, stage_of: dict[str, int], devices: Sequence[DeviceSpec], *,
-            training: bool = False, link: LinkFn = default_link) -> str:
-    """The explanation of a partition `stage_of` of the costed graph `gm` (see the module)."""
+            training: bool = False, link: LinkFn = default_link,
+            memory: Memory = Memory()) -> str:
+    """The explanation of a partition `stage_of` of the costed graph `gm`, priced by the
+    plan's `link` and `memory` rules (see the module)."""
     graph = cost_graph(gm, training=training, kinds=[d.kind for d in devices])
     assignment = [stage_of.get(graph.names[i], -1) for i in range(len(graph))]
     k = len(devices)
-    costs = stage_costs(graph, assignment, devices, link)
+    costs = stage_costs(graph, assignment, devices, link, memory=memory)
     bottleneck = max(c.time_s for c in costs)
     shapes = {n.name: n.meta.get("shapes", ()) for n in gm.graph.nodes}
     lines = [f"bottleneck {bottleneck * 1e3:.3f} ms per micro-batch (stage "
@@ -53,12 +57,22 @@ def explain(gm: fx.GraphModule, stage_of: dict[str, int], devices: Sequence[Devi
                 lines.append(f"  one node {label}: no node can move")
                 continue
             node, trial = moved
-            moved_costs = stage_costs(graph, trial, devices, link)
+            moved_costs = stage_costs(graph, trial, devices, link, memory=memory)
             lines.append(f"  one node {label} ({graph.names[node]} to stage {trial[node]}): "
                          f"stages {moved_costs[s].time_s * 1e3:.3f} | "
                          f"{moved_costs[s + 1].time_s * 1e3:.3f} ms, bottleneck "
-                         f"{max(c.time_s for c in moved_costs) * 1e3:.3f} ms")
+                         f"{max(c.time_s for c in moved_costs) * 1e3:.3f} ms"
+                         f"{_overflow(moved_costs, devices, (s, s + 1))}")
     return "\n".join(lines)
+
+
+def _overflow(costs: Sequence[StageCost], devices: Sequence[DeviceSpec],
+              stages: Sequence[int]) -> str:
+    """What of `stages` needs more memory than its device has, as a clause ("" if all fit)."""
+    over = [f"stage {s} needs {format_bytes(costs[s].memory_bytes)} but {devices[s].name} has "
+            f"{format_bytes(devices[s].memory_bytes)}"
+            for s in stages if costs[s].memory_bytes > devices[s].memory_bytes]
+    return f"; does not fit: {', '.join(over)}" if over else ""
 
 
 def _crossing(graph: CostGraph, stage_of: list[int], s: int) -> list[tuple[int, list[int]]]:

@@ -218,7 +218,7 @@ class Pipeline(nn.Module):
         part = self.plan.partition
         link = self._recipe.options["link"] if self._recipe is not None else default_link
         return explain(self.module, dict(part.stage_of), part.devices, link=link,
-                       training=any(c.backward_s > 0 for c in part.stages))
+                       training=any(c.backward_s > 0 for c in part.stages), memory=part.memory)
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -14,7 +14,7 @@ import collections
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch.fx as fx
 
@@ -320,6 +320,19 @@ OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0,
                    "adam": 2.0, "adamw": 2.0}   # state bytes per parameter byte
 
 
+class Held(NamedTuple):
+    """What a stage holds, the bytes `Memory` prices: its parameters and buffers, the values its
+    nodes make and receive per micro-batch (`activation_bytes`), what autograd keeps of its
+    forward per micro-batch (`saved_bytes`), the values it receives, and the values it sends
+    (each once: read by a later stage or returned)."""
+
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    saved_bytes: int = 0
+    received_bytes: int = 0
+    sent_bytes: int = 0
+
+
 @dataclass(frozen=True)
 class Memory:
     """What a stage holds at its peak, and what recomputation it may use to fit its device.
@@ -334,6 +347,8 @@ class Memory:
     backward runs, at the cost of running its forward again; its peak is then in the backward,
     where the gradients of what it sent (`sent_bytes`, each value once) wait for it, up to one
     per micro-batch in flight (measured: without them the peak was a quarter too low).
+    Recomputing part of its forward (`need_partial`) it also keeps, per micro-batch, what the
+    part it does not recompute saves.
 
     `recompute`: "never", "always" (every stage), or "auto" (a stage recomputes only when it
     does not fit otherwise).
@@ -350,29 +365,41 @@ class Memory:
             return self.in_flight
         return self.in_flight[s] if s < len(self.in_flight) else max(self.in_flight, default=1)
 
-    def need(self, s: int, param_bytes: int, activation_bytes: int, saved_bytes: int,
-             received_bytes: int, sent_bytes: int = 0, recompute: bool = False) -> int:
-        """Stage `s`'s peak memory holding these bytes, recomputing or not."""
-        n = self.held(s)
+    def need(self, s: int, held: Held, recompute: bool = False) -> int:
+        """Stage `s`'s peak memory holding `held`, recomputing its whole forward or not."""
+        if recompute and self.training:
+            return self.need_partial(s, held, 0, held.saved_bytes)
         if not self.training:
-            return param_bytes + n * activation_bytes
-        state = math.ceil(param_bytes * (2 + self.optimizer_state))   # weights, gradients, state
-        if recompute:
-            return state + n * (received_bytes + sent_bytes) + saved_bytes
-        return state + n * (saved_bytes + received_bytes)
+            return held.param_bytes + self.held(s) * held.activation_bytes
+        return self._state(held) + self.held(s) * (held.saved_bytes + held.received_bytes)
 
-    def choose(self, s: int, capacity: float, param_bytes: int, activation_bytes: int,
-               saved_bytes: int, received_bytes: int, sent_bytes: int = 0) -> bool | None:
+    def need_partial(self, s: int, held: Held, kept_bytes: int, transient_bytes: int) -> int:
+        """Stage `s`'s peak memory in training recomputing part of its forward: `kept_bytes` per
+        micro-batch in flight are what the part it keeps saves (0 recomputing all of it), and
+        `transient_bytes` what the largest recomputed run saves, once, while it runs again."""
+        return self._state(held) + self.held(s) * (
+            held.received_bytes + held.sent_bytes + kept_bytes) + transient_bytes
+
+    def _state(self, held: Held) -> int:
+        """Weights, their gradients and the optimizer's state."""
+        return math.ceil(held.param_bytes * (2 + self.optimizer_state))
+
+    def choose(self, s: int, capacity: float, held: Held) -> bool | None:
         """Whether stage `s` recomputes, or None when it fits its device neither way."""
-        args = (s, param_bytes, activation_bytes, saved_bytes, received_bytes, sent_bytes)
         if self.training and self.recompute == "always":
-            return True if self.need(*args, recompute=True) <= capacity else None
-        if self.need(*args) <= capacity:
+            return True if self.need(s, held, recompute=True) <= capacity else None
+        if self.need(s, held) <= capacity:
             return False
         if self.training and self.recompute == "auto" and \
-                self.need(*args, recompute=True) <= capacity:
+                self.need(s, held, recompute=True) <= capacity:
             return True
         return None
+
+    def recomputes(self, s: int, capacity: float, held: Held) -> bool:
+        """Whether stage `s` recomputes as priced: as `choose` says, and where it fits neither
+        way (priced over its device) as `recompute` has every stage do."""
+        choice = self.choose(s, capacity, held)
+        return self.training and self.recompute == "always" if choice is None else choice
 
 
 def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[DeviceSpec],
@@ -381,62 +408,32 @@ def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Dev
 
     A value is sent once per (producer, receiving stage), however many nodes there read it; graph
     inputs come from the driver and graph outputs go back to it, and both ends of a transfer pay
-    for it. Memory follows `memory` (`Memory.need`); a stage recomputes as `Memory.choose` says
-    (a stage that fits neither way is priced keeping its activations, and over its device).
+    for it. Memory follows `memory` (`Memory.need`); a stage recomputes as `Memory.recomputes`
+    says (a stage that fits neither way is priced over its device). See `Pricing`.
     """
-    k = len(devices)
-    times = [graph.device_times(d) for d in devices]
-    columns = [graph.device_columns(d) for d in devices]
-    compute = [0.0] * k
-    forward = [0.0] * k
-    backward = [0.0] * k
-    comm = [0.0] * k
-    params = [0] * k
-    activations = [0] * k
-    saved = [0] * k
-    sent = [0] * k
-    sent_once = [0] * k      # each value read by a later stage or returned, once
-    received = [0] * k
-    count = [0] * k
-    for i in range(len(graph)):
-        src = None if graph.is_input[i] else stage_of[i]
-        src_dev = DRIVER if src is None else devices[src]
-        nbytes = graph.out_bytes[i]
-        if src is not None:
-            compute[src] += times[src][i]
-            forward[src] += columns[src].fwd_s[i]
-            backward[src] += columns[src].bwd_s[i]
-            params[src] += graph.param_bytes[i]
-            activations[src] += nbytes
-            saved[src] += graph.saved_bytes[i]
-            count[src] += len(graph.node_names(i))
-        receivers = dict.fromkeys(stage_of[j] for j in graph.succs[i])
-        receivers.pop(src, None)
-        if src is not None and (receivers or graph.to_output[i]):
-            sent_once[src] += nbytes
-        for dst in receivers:
-            t = link(src_dev, devices[dst]).time_s(nbytes)
-            comm[dst] += t
-            received[dst] += nbytes
-            activations[dst] += nbytes
-            if src is not None:
-                comm[src] += t
-                sent[src] += nbytes
-        if graph.to_output[i] and src is not None:
-            comm[src] += link(devices[src], DRIVER).time_s(nbytes)
-            sent[src] += nbytes
-    costs = []
-    for s in range(k):
-        held = (s, params[s], activations[s], saved[s], received[s], sent_once[s])
-        choice = memory.choose(*held[:1], devices[s].memory_bytes, *held[1:])
-        recompute = (memory.training and memory.recompute == "always") if choice is None \
-            else choice
-        extra = forward[s] if recompute else 0.0
-        kept, recomputing = memory.need(*held), memory.need(*held, recompute=True)
-        costs.append(StageCost(compute[s] + extra, comm[s], recomputing if recompute else kept,
-                               sent[s], received[s], count[s], backward[s] + extra, recompute,
-                               extra, kept, recomputing))
-    return costs
+    return Pricing(graph, devices, link, memory).stage_costs(stage_of)
+
+
+class StageTally:
+    """One stage's sums, grown value by value: its compute, forward and backward, what it holds
+    (`held`), and its transfers both ways the cost model prices them (`Pricing`): `exact_comm_s`
+    over the real link per (producer, receiving stage), `relaxed_comm_s` at the cheapest link
+    (0 unless asked for: `Pricing.tally`)."""
+
+    __slots__ = ("compute_s", "forward_s", "backward_s", "num_nodes", "param_bytes",
+                 "activation_bytes", "saved_bytes", "received_bytes", "sent_once_bytes",
+                 "sent_bytes", "exact_comm_s", "relaxed_comm_s")
+
+    def __init__(self):
+        self.compute_s = self.forward_s = self.backward_s = 0.0
+        self.exact_comm_s = self.relaxed_comm_s = 0.0
+        self.num_nodes = self.param_bytes = self.activation_bytes = self.saved_bytes = 0
+        self.received_bytes = self.sent_once_bytes = self.sent_bytes = 0
+
+    @property
+    def held(self) -> Held:
+        return Held(self.param_bytes, self.activation_bytes, self.saved_bytes,
+                    self.received_bytes, self.sent_once_bytes)
 
 
 class Pricing:
@@ -451,8 +448,11 @@ class Pricing:
     times never exceed exact ones, so a minimum over them is a lower bound, and they are equal
     when every value is read by at most one later stage over uniform links.
 
-    Memory is the same in both (`recompute_s`): what the stage holds (`Memory.need`) must fit its
-    device, recomputing its forward in the backward where `memory` allows and it must.
+    Both views are read off one `StageTally` per stage (`tally`); the partitioner's incremental
+    forms (slicing, the DP's pairs) sum the same terms as they go and price them by the same
+    rules: transfers at `links`, `send_min`, `receive_min`, the driver's links, and memory
+    (`recompute_s`): what the stage holds (`Held`, `Memory.need`) must fit its device,
+    recomputing its forward in the backward where `memory` allows and it must.
     """
 
     def __init__(self, graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn = default_link,
@@ -464,18 +464,22 @@ class Pricing:
         self.k = k
         self.memory = memory
         self.links = [[link(a, b) for b in devices] for a in devices]
-        # Node times per stage (its device's kind over its speed), as distinct columns, and the
-        # least of them per node: the floor no device goes below.
+        # Node times per stage (its device's kind over its speed), as distinct columns with
+        # their forward parts (what recomputing adds), and the least time per node: the floor no
+        # device goes below, whose forward adds nothing.
         self.times = [graph.device_times(d) for d in devices]
-        distinct = list(dict.fromkeys(self.times))
-        self.column_of = [distinct.index(t) for t in self.times]
-        self.columns = distinct + [tuple(map(min, zip(*distinct)))]
+        keys = [(t, graph.device_columns(d).fwd_s) for t, d in zip(self.times, devices)]
+        distinct = list(dict.fromkeys(keys))
+        self.column_of = [distinct.index(key) for key in keys]
+        self.columns = [t for t, _ in distinct] + [tuple(map(min, zip(*self.times)))]
         self.floor_column = len(distinct)
-        # Each column's forward part (what recomputing adds); the floor's adds nothing.
-        forward = {t: graph.device_columns(d).fwd_s for t, d in zip(self.times, devices)}
-        self.forward_columns = [forward[t] for t in distinct] + [(0.0,) * len(graph)]
+        self.forward_columns = [f for _, f in distinct] + [(0.0,) * len(graph)]
         self.from_driver = [link(DRIVER, d) for d in devices]
         self.to_driver = [link(d, DRIVER) for d in devices]
+        # Stages whose memory never constrains them: nothing to price (the hot loops skip it).
+        self.unbounded = [d.memory_bytes == math.inf and
+                          not (memory.training and memory.recompute == "always")
+                          for d in devices]
         # The distinct links a stage may send to (later stages) or receive from (earlier ones).
         self._later = [tuple(dict.fromkeys(self.links[s][t] for t in range(s + 1, k)))
                        for s in range(k)]
@@ -500,17 +504,81 @@ class Pricing:
                                 for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
         return self._receive[s]
 
-    def recompute_s(self, s: int, param_bytes: int, activation_bytes: int, saved_bytes: int,
-                    received_bytes: int, sent_bytes: int, forward_s: float) -> float:
-        """The time recomputation adds to a stage holding these bytes, forward `forward_s`, on
-        stage `s`'s device: 0 when it keeps its activations, its forward when it recomputes
-        them (`Memory.choose`), inf when it fits neither way."""
-        choice = self.memory.choose(s, self.devices[s].memory_bytes, param_bytes,
-                                    activation_bytes, saved_bytes, received_bytes, sent_bytes)
+    def recompute_s(self, s: int, held: Held, forward_s: float) -> float:
+        """The time recomputation adds to a stage holding `held`, forward `forward_s`, on stage
+        `s`'s device: 0 when it keeps its activations, its forward when it recomputes them
+        (`Memory.choose`), inf when it fits neither way."""
+        if self.unbounded[s]:
+            return 0.0
+        choice = self.memory.choose(s, self.devices[s].memory_bytes, held)
         return math.inf if choice is None else forward_s if choice else 0.0
 
+    def tally(self, stage_of: Sequence[int], relaxed: bool = False) -> list[StageTally]:
+        """Every stage's sums under `stage_of` (`StageTally`), transfers priced exactly, and
+        relaxed too when `relaxed` (it reads `send_min` and `receive_min`, which cost O(n) per
+        stage to build)."""
+        graph, k = self.graph, self.k
+        tallies = [StageTally() for _ in range(k)]
+        forward = [self.forward_columns[c] for c in self.column_of]
+        backward = [self.graph.device_columns(d).bwd_s for d in self.devices]
+        out_bytes, succs, to_output = graph.out_bytes, graph.succs, graph.to_output
+        for i in range(len(graph)):
+            nbytes = out_bytes[i]
+            receivers = dict.fromkeys(stage_of[j] for j in succs[i])
+            if graph.is_input[i]:
+                for r in receivers:
+                    tally = tallies[r]
+                    t = self.from_driver[r].time_s(nbytes)
+                    tally.exact_comm_s += t
+                    tally.relaxed_comm_s += t
+                    tally.received_bytes += nbytes
+                    tally.activation_bytes += nbytes
+                continue
+            s = stage_of[i]
+            tally = tallies[s]
+            tally.compute_s += self.times[s][i]
+            tally.forward_s += forward[s][i]
+            tally.backward_s += backward[s][i]
+            tally.param_bytes += graph.param_bytes[i]
+            tally.activation_bytes += nbytes
+            tally.saved_bytes += graph.saved_bytes[i]
+            tally.num_nodes += len(graph.node_names(i))
+            receivers.pop(s, None)
+            if receivers or to_output[i]:
+                tally.sent_once_bytes += nbytes
+            if receivers and relaxed:
+                tally.relaxed_comm_s += self.send_min(s)[i]
+            for r in receivers:
+                t = self.links[s][r].time_s(nbytes)
+                tally.exact_comm_s += t
+                tally.sent_bytes += nbytes
+                reader = tallies[r]
+                reader.exact_comm_s += t
+                if relaxed:
+                    reader.relaxed_comm_s += self.receive_min(r)[i]
+                reader.received_bytes += nbytes
+                reader.activation_bytes += nbytes
+            if to_output[i]:
+                t = self.to_driver[s].time_s(nbytes)
+                tally.exact_comm_s += t
+                tally.relaxed_comm_s += t
+                tally.sent_bytes += nbytes
+        return tallies
+
     def stage_costs(self, stage_of: Sequence[int]) -> list[StageCost]:
-        return stage_costs(self.graph, stage_of, self.devices, self.link, memory=self.memory)
+        """Every stage's exact cost (see `stage_costs`)."""
+        costs = []
+        for s, tally in enumerate(self.tally(stage_of)):
+            held = tally.held
+            recompute = self.memory.recomputes(s, self.devices[s].memory_bytes, held)
+            extra = tally.forward_s if recompute else 0.0
+            kept, recomputing = self.memory.need(s, held), self.memory.need(s, held, True)
+            costs.append(StageCost(tally.compute_s + extra, tally.exact_comm_s,
+                                   recomputing if recompute else kept, tally.sent_bytes,
+                                   tally.received_bytes, tally.num_nodes,
+                                   tally.backward_s + extra, recompute, extra, kept,
+                                   recomputing))
+        return costs
 
     def bottleneck_s(self, stage_of: Sequence[int]) -> float:
         """The exact bottleneck of a partition."""
@@ -521,34 +589,8 @@ class Pricing:
         tested against): compute, values received at `receive_min`, values read by a later
         stage sent once at `send_min`, outputs returned to the driver, and what recomputing
         adds (`recompute_s`; inf for a stage that does not fit)."""
-        graph = self.graph
-        times = [0.0] * self.k
-        # params, activations, saved, received, sent once, forward
-        held = [[0, 0, 0, 0, 0, 0.0] for _ in range(self.k)]
-        for i in range(len(graph)):
-            readers = {stage_of[j] for j in graph.succs[i]}
-            for r in readers - ({stage_of[i]} if not graph.is_input[i] else set()):
-                held[r][1] += graph.out_bytes[i]
-                held[r][3] += graph.out_bytes[i]
-            if graph.is_input[i]:
-                for s in readers:
-                    times[s] += self.receive_min(s)[i]
-                continue
-            s = stage_of[i]
-            times[s] += self.times[s][i]
-            held[s][0] += graph.param_bytes[i]
-            held[s][1] += graph.out_bytes[i]
-            held[s][2] += graph.saved_bytes[i]
-            held[s][5] += self.forward_columns[self.column_of[s]][i]
-            if graph.to_output[i] or any(r != s for r in readers):
-                held[s][4] += graph.out_bytes[i]
-            if graph.to_output[i]:
-                times[s] += self.to_driver[s].time_s(graph.out_bytes[i])
-            if any(r > s for r in readers):
-                times[s] += self.send_min(s)[i]
-            for r in readers - {s}:
-                times[r] += self.receive_min(r)[i]
-        return [t + self.recompute_s(s, *h) for s, (t, h) in enumerate(zip(times, held))]
+        return [t.compute_s + t.relaxed_comm_s + self.recompute_s(s, t.held, t.forward_s)
+                for s, t in enumerate(self.tally(stage_of, relaxed=True))]
 
 
 def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
@@ -590,7 +632,7 @@ def lower_bound_s(graph: CostGraph, devices: Sequence[DeviceSpec]) -> float:
         return 0.0
     # Devices with the same times are interchangeable: one group, its weight shared evenly.
     groups: dict[tuple[float, ...], int] = collections.Counter(
-        tuple(graph.device_times(d)[i] for i in nodes) for d in devices)
+        tuple(map(graph.device_times(d).__getitem__, nodes)) for d in devices)
     columns, counts = list(groups), list(groups.values())
     largest = max(min(column[at] for column in columns) for at in range(len(nodes)))
     return max(largest, _best_weights(columns, counts))

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .codegen import StageTracer
+from .cost_model import Held, Memory
 from .randomness import current_seed, microbatch_seed
 
 
@@ -125,16 +126,17 @@ WINDOW = 4          # the longest run of nodes weighed as one step of `choose_re
 LARGEST = 400       # stages with more candidates recompute whole, rather than search
 
 
-def choose_recomputed(gm: fx.GraphModule, *, in_flight: int, fixed_bytes: int,
+def choose_recomputed(gm: fx.GraphModule, *, memory: Memory, stage: int, held: Held,
                       capacity: float, speed: float = 1.0) -> Choice | None:
-    """The nodes to recompute so that `fixed_bytes` (parameters, gradients, optimizer state,
-    received values) plus `in_flight` micro-batches of what the stage keeps, plus one
-    micro-batch's recomputed activations, fit `capacity`. Greedy: each step adds the run of up to
-    `WINDOW` consecutive nodes that frees the most bytes per second of forward it adds (a node
-    alone often frees nothing: its neighbours keep its input and output), until the stage fits.
-    None when no step frees more, or on a stage too large to search."""
+    """The nodes of stage `stage` (holding `held`: its parameters, received and sent values) to
+    recompute so that it fits `capacity` by `memory`'s rule (`Memory.need_partial`: what the
+    nodes it keeps save per micro-batch in flight, and one micro-batch's recomputed run). Greedy:
+    each step adds the run of up to `WINDOW` consecutive nodes that frees the most bytes per
+    second of forward it adds (a node alone often frees nothing: its neighbours keep its input
+    and output), until the stage fits. None when no step frees more, or on a stage too large to
+    search."""
     def need(choice: Choice) -> float:
-        return fixed_bytes + in_flight * choice.kept_bytes + choice.transient_bytes
+        return memory.need_partial(stage, held, choice.kept_bytes, choice.transient_bytes)
 
     candidates = _candidates(gm)
     if len(candidates) > LARGEST:

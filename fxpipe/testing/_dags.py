@@ -22,7 +22,7 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, KindTimes, LinkFn, Memory,
+from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, Held, KindTimes, LinkFn, Memory,
                                       default_link, stage_costs)
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Method, Partition, evaluate
@@ -90,8 +90,8 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
                        optimizer_state=draw(st.sampled_from((0.0, 2.0))),
                        recompute=draw(st.sampled_from(("never", "always", "auto"))))
     need = (sum(param_bytes) + 2 * sum(out_bytes) if not training else
-            rules.need(0, sum(param_bytes), 0, sum(graph.saved_bytes), sum(out_bytes),
-                       sum(out_bytes)))
+            rules.need(0, Held(sum(param_bytes), 0, sum(graph.saved_bytes), sum(out_bytes),
+                               sum(out_bytes))))
     devices = []
     for _ in range(k):
         fraction = draw(st.sampled_from((None, None, 0.3, 0.5, 0.8))) if memory else None

@@ -16,8 +16,8 @@ from typing import Iterator, Sequence
 
 import torch.fx as fx
 
-from ..cost_model import (CostGraph, DeviceSpec, LinkFn, Pricing, cost_graph, default_link,
-                          Memory, format_bytes, lower_bound_s)
+from ..cost_model import (CostGraph, DeviceSpec, Held, LinkFn, Pricing, cost_graph,
+                          default_link, Memory, format_bytes, lower_bound_s)
 from ..errors import PartitionError
 from .lattice import _Lattice
 from .limits import _Budget, Limits
@@ -210,10 +210,10 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
     fix = _fix(memory)
     for i in graph.compute_nodes:
         received = sum(graph.out_bytes[p] for p in graph.preds[i])
-        held = (graph.param_bytes[i], graph.out_bytes[i] + received, graph.saved_bytes[i],
-                received, graph.out_bytes[i])
-        if memory.choose(0, roomiest, *held) is None:
-            need = min(memory.need(0, *held), memory.need(0, *held, recompute=True)
+        held = Held(graph.param_bytes[i], graph.out_bytes[i] + received, graph.saved_bytes[i],
+                    received, graph.out_bytes[i])
+        if memory.choose(0, roomiest, held) is None:
+            need = min(memory.need(0, held), memory.need(0, held, recompute=True)
                        if memory.training and memory.recompute != "never" else math.inf)
             return PartitionError(
                 f"node {graph.names[i]!r} alone needs {format_bytes(need)}, more than any device "
@@ -254,8 +254,8 @@ def least_memory_bytes(graph: CostGraph, num_stages: int, memory: Memory) -> flo
     bound of the least any partition needs, and what a partition fxpipe finds needs."""
     low = 0.0
     total = sum(graph.out_bytes)
-    high = max(1.0, float(memory.need(0, sum(graph.param_bytes), total, sum(graph.saved_bytes),
-                                      total, total)))
+    high = max(1.0, float(memory.need(0, Held(sum(graph.param_bytes), total,
+                                              sum(graph.saved_bytes), total, total))))
     while high - low > 0.01 * high:
         middle = (low + high) / 2
         low, high = (low, middle) if _slices_within(graph, num_stages, memory, middle) else \
@@ -289,8 +289,8 @@ def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: 
 
     def fits(held: tuple[int, int, int, int, int]) -> bool:
         params, produced, saved, inbound, sent = held
-        return memory.choose(s, capacity, params, produced + inbound, saved, inbound,
-                             sent) is not None
+        return memory.choose(s, capacity, Held(params, produced + inbound, saved, inbound,
+                                               sent)) is not None
 
     for i in graph.compute_nodes:
         held = grown(i)

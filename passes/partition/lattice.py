@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
-from ..cost_model import CostGraph, Pricing
+from ..cost_model import CostGraph, Held, Pricing
 from .limits import _Budget
 from .result import _TOL
 
@@ -163,9 +163,9 @@ class _Lattice:
             self._pairs[key] = _Pair(
                 tuple(times[i] - times[j] for times in self.time_s), tuple(received), sending,
                 self.output_count[i] - self.output_count[j], output_bytes,
-                self.param_bytes[i] - self.param_bytes[j],
-                self.out_bytes[i] - self.out_bytes[j] + received_bytes,
-                self.saved_bytes[i] - self.saved_bytes[j], received_bytes, sent_bytes,
+                Held(self.param_bytes[i] - self.param_bytes[j],
+                     self.out_bytes[i] - self.out_bytes[j] + received_bytes,
+                     self.saved_bytes[i] - self.saved_bytes[j], received_bytes, sent_bytes),
                 tuple(times[i] - times[j] for times in self.forward_s))
         return self._pairs[key]
 
@@ -224,11 +224,7 @@ class _Pair(NamedTuple):
     sending: tuple[int, ...]       # members read after the ideal I
     output_count: int
     output_bytes: int
-    param_bytes: int
-    activation_bytes: int
-    saved_bytes: int
-    received_bytes: int
-    sent_bytes: int                # values read after the ideal I or returned, each once
+    held: Held                     # sent: values read after the ideal I or returned, each once
     forward_s: tuple[float, ...]   # per column
 
 
@@ -241,13 +237,11 @@ class _StageCost:
         self.receive = model.receive_min(s)
         self.send = model.send_min(s)
         self.out = model.to_driver[s]
-        self.free = model.devices[s].memory_bytes == math.inf and \
-            not (model.memory.training and model.memory.recompute == "always")
+        self.unbounded = model.unbounded[s]    # memory costs it nothing: skip pricing it
 
     def __call__(self, pair: _Pair) -> float:
-        extra = 0.0 if self.free else self.model.recompute_s(
-            self.s, pair.param_bytes, pair.activation_bytes, pair.saved_bytes,
-            pair.received_bytes, pair.sent_bytes, pair.forward_s[self.column])
+        extra = 0.0 if self.unbounded else self.model.recompute_s(
+            self.s, pair.held, pair.forward_s[self.column])
         if extra == math.inf:
             return math.inf
         out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s

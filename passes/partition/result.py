@@ -108,7 +108,8 @@ class Partition:
     `stage_of` maps every computing node's name to its stage (graph inputs belong to no stage),
     in the graph's order (the nodes a CostGraph node stands for, `CostGraph.members`,
     together). `lower_bound_s` is a bound no partition can beat; `optimal` says the bottleneck
-    is proven minimal; `method` says how it was found and proven (None when the caller made it).
+    is proven minimal; `method` says how it was found and proven (None when the caller made it);
+    `memory` is the rule its stages were priced by (what explaining a moved cut prices it by).
     """
 
     stage_of: Mapping[str, int]
@@ -118,6 +119,7 @@ class Partition:
     lower_bound_s: float
     optimal: bool
     method: Method | None = None
+    memory: Memory = Memory()
 
     @property
     def num_stages(self) -> int:
@@ -169,7 +171,7 @@ def evaluate(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[Device
     return Partition(
         stage_of={name: stage_of[i] for i in graph.compute_nodes for name in graph.node_names(i)},
         devices=tuple(devices), stages=tuple(costs), bottleneck_s=bottleneck,
-        lower_bound_s=min(bound, bottleneck), optimal=optimal, method=method)
+        lower_bound_s=min(bound, bottleneck), optimal=optimal, method=method, memory=memory)
 
 
 def check_valid(graph: CostGraph, stage_of: Sequence[int], num_stages: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-from ..cost_model import CostGraph, Pricing
+from ..cost_model import CostGraph, Held, Pricing
 
 
 def _orders(graph: CostGraph) -> Iterator[tuple[str, list[int]]]:
@@ -110,6 +110,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
         forward = model.forward_columns[model.column_of[s]]
         to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
         send_min = model.send_min(s)
+        unbounded = model.unbounded[s]    # memory costs it nothing: skip pricing it per node
         final = s == k - 1
         fixed = 0.0          # compute, received values and outputs: grows with the stage
         sending = 0.0        # values read after the stage's end, charged at the cheapest link
@@ -160,8 +161,9 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                         overflow = True
                         over[sender] = max(over.get(sender, 0.0),
                                            load[sender] + extra[sender] - limit)
-            extra_s = model.recompute_s(s, param_bytes, activation_bytes, saved_bytes,
-                                        received_bytes, sending_bytes, forward_s)
+            extra_s = 0.0 if unbounded else model.recompute_s(
+                s, Held(param_bytes, activation_bytes, saved_bytes, received_bytes,
+                        sending_bytes), forward_s)
             if overflow or extra_s == math.inf or fixed + extra_s > limit:
                 break
             if fixed + extra_s + sending <= limit - reserve[s] and (not final or at == n - 1):
