@@ -20,10 +20,11 @@ from torch import nn
 
 from fxpipe.passes.annotate_costs import (annotate_costs, bind_inputs, measurement_spread,
                                           start_timer)
-from fxpipe.passes.codegen import Placed, Stage, held_by_stages, placed_copy, split_stages
+from fxpipe.passes.codegen import Placed, held_by_stages, placed_copy, split_stages
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.compare import difference, output_name
-from fxpipe.passes.cost_model import (DRIVER, OPTIMIZER_STATE, DeviceSpec, Link, LinkFn, Memory,
-                                      NodeCost, cost_graph, default_link, lower_bound_s)
+from fxpipe.passes.cost_model import (DRIVER, DeviceSpec, Link, LinkFn, Memory, NodeCost,
+                                      cost_graph, default_link, lower_bound_s)
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            PartitionError, TraceError)
 from fxpipe.passes.functionalize import functionalize
@@ -37,14 +38,13 @@ from fxpipe.passes.trace import CaptureMode, trace, without_cache
 
 from . import microbatch, search
 from .devices import DeviceLike, measure_links, parse_devices, shared_memory, synchronize
-from .pipeline import Pipeline, carry_values
+from .options import BatchDims, Options
+from .pipeline import Pipeline, call_stages, carry_values, runtime_of
 from .reference import copied, run_per_microbatch, unchanged
 from .progress import Progress
-from .report import Measurement, Plan, make_plan, stage_param_bytes
+from .plan_data import Measurement, Plan, make_plan, stage_param_bytes
 from .wiring import Wiring
 from .schedules import SCHEDULES, ScheduleName
-
-BatchDims = int | Mapping[str | int, int | None]
 
 
 def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
@@ -111,89 +111,15 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `progress` shows on stderr the nodes measured and the configurations weighed (None: when
     stderr is a terminal).
     """
-    if not isinstance(model, nn.Module):
-        raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module: wrap it in a "
-                         f"module whose forward calls it, then compile that module")
-    specs = parse_devices(devices)
-    if example_inputs is None or isinstance(example_inputs, list):
-        raise InputError(
-            f"example_inputs={'None' if example_inputs is None else 'a list'}: pass the model's "
-            f"positional example inputs as a tuple (one tensor may be passed alone)"
-            + (", e.g. tuple(inputs), or (inputs,) if the model takes the list as its one input"
-               if example_inputs is not None else ", and keyword inputs in example_kwargs"))
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
-        raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}: pass the model's "
-                         f"keyword example inputs as a dict (name -> value), positional ones in "
-                         f"example_inputs")
-    example_kwargs = without_cache(model, example_inputs, example_kwargs)   # what it is run with
-    _refuse_meta(model, (example_inputs, example_kwargs))
-    if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int >= 1, "
-                         f"or 'auto' to let the plan choose")
-    if schedule != "auto" and schedule not in SCHEDULES:
-        raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}, "
-                          f"or 'auto' to let the plan choose")
-    if threads_per_stage is not None and (not isinstance(threads_per_stage, int)
-                                          or isinstance(threads_per_stage, bool)
-                                          or threads_per_stage < 1):
-        raise DeviceError(f"threads_per_stage={threads_per_stage!r}: use a number of intra-op "
-                          f"threads >= 1 for each CPU stage, or None to share the cores evenly")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise CostError(f"repeats={repeats!r}: use a number of timed runs >= 1 per node")
-    if verify_tolerance is not None and not (isinstance(verify_tolerance, (int, float))
-                                             and 0 <= verify_tolerance < math.inf):
-        raise FxpipeError(f"verify_tolerance={verify_tolerance!r}: use a relative tolerance >= 0, "
-                          f"e.g. 1e-4, or verify=False to skip the check")
-    if recompute not in ("never", "always", "auto"):
-        raise FxpipeError(f"recompute={recompute!r}: use 'never' (keep activations for the "
-                          f"backward), 'always' (keep each stage's inputs, recompute the rest) "
-                          f"or 'auto' (recompute where a stage would not fit otherwise)")
-    optimizer_state = optimizer_state_factor(optimizer)
-    if costs is not None and not (isinstance(costs, Plan) and costs.measurements):
-        raise CostError(f"costs={type(costs).__name__}: pass a plan made by this version of "
-                        f"fxpipe (pipe.plan, fxpipe.plan(...) or fxpipe.load_plan(path)), whose "
-                        f"measured costs are reused")
-    link_name = link if isinstance(link, str) else "yours"
-    if link == "measure":
-        link = measure_links(specs)
-    elif link == "default":
-        link = default_link
-    elif link == "gloo":
-        link = _gloo_link()
-    elif not callable(link):
-        raise CostError(f"link={link!r}: use 'default', 'measure', 'gloo' or a (src, dst) -> Link "
-                        f"function")
-    link = _checked_link(link, specs)
-    if num_stages is not None and num_stages != "auto" and (
-            not isinstance(num_stages, int) or not 1 <= num_stages <= len(specs)):
-        raise PartitionError(f"num_stages={num_stages!r}: use 'auto' or a number from 1 to "
-                             f"the {len(specs)} devices given")
-    recipe = _Recipe(model, example_inputs, example_kwargs,
-                     _input_dims(model, example_inputs, example_kwargs, batch_dims),
-                     batch_dims if isinstance(batch_dims, int) else 0, dict(
-                         specs=specs, chunks=chunks, num_stages=num_stages, schedule=schedule,
-                         training=training, threads_per_stage=threads_per_stage, link=link,
-                         repeats=repeats, verify=verify, verify_tolerance=verify_tolerance,
-                         costs=costs, recompute=recompute, link_name=link_name,
-                         optimizer_state=optimizer_state),
-                     dict(capture=capture, leaf_modules=tuple(leaf_modules),
-                          concrete_args=concrete_args,   # stages: a graph fine enough for them
-                          stages=num_stages if isinstance(num_stages, int) else len(specs)))
-    recipe.progress = Progress(progress)
-    try:
-        pipe = _build(model, recipe.trace(model), recipe)
-    except BatchError:
-        if chunks != "auto":
-            raise
-        # The model mixes or reduces the batch: micro-batches cannot compute what it computes,
-        # and "auto" never changes the result, so the plan keeps the batch whole.
-        recipe.options["chunks"] = 1
-        pipe = _build(model, recipe.trace(model), recipe)
-    finally:
-        recipe.progress.finish()
-    pipe._recipe = recipe
+    options = Options(devices, chunks=chunks, capture=capture, leaf_modules=leaf_modules,
+                      concrete_args=concrete_args, num_stages=num_stages, schedule=schedule,
+                      training=training, threads_per_stage=threads_per_stage, link=link,
+                      repeats=repeats, batch_dims=batch_dims, verify=verify,
+                      verify_tolerance=verify_tolerance, costs=costs, progress=progress,
+                      recompute=recompute, optimizer=optimizer)
+    recipe = _Recipe.of(model, example_inputs, example_kwargs, options)
+    pipe = Pipeline(_plan(recipe))
+    pipe._keep_recipe(recipe)
     return pipe
 
 
@@ -222,13 +148,31 @@ def plan(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
          **options: Any) -> Plan:
     """The plan `compile` makes, with the same options: what `fxpipe.Pipeline(plan)` runs, and
     what `plan.save(path)` writes (and `fxpipe.load_plan(path)` reads back in another process).
-    Like compile, it checks the plan against the model on the example unless `verify=False`."""
-    return compile(model, devices, example_inputs, example_kwargs, **options).plan
+    Like compile, it checks the plan against the model on the example unless `verify=False`.
+    No Pipeline is built and no stage worker thread started: the check runs the placed stages
+    one after another on the caller's thread."""
+    return _plan(_Recipe.of(model, example_inputs, example_kwargs, Options(devices, **options)))
+
+
+def _plan(recipe: _Recipe) -> Plan:
+    """The plan of the recipe's model in its current mode (see `plan`)."""
+    model = recipe.model
+    try:
+        return _build(model, recipe.trace(model), recipe)
+    except BatchError:
+        if recipe.options.chunks != "auto":
+            raise
+        # The model mixes or reduces the batch: micro-batches cannot compute what it computes,
+        # and "auto" never changes the result, so the plan keeps the batch whole.
+        recipe.options = replace(recipe.options, chunks=1)
+        return _build(model, recipe.trace(model), recipe)
+    finally:
+        recipe.progress.finish()
 
 
 @dataclass
 class _Recipe:
-    """What compiling takes, kept by the pipeline to compile the model again in the other mode.
+    """What planning takes, kept by the pipeline to plan the model again in the other mode.
 
     The model and the example inputs are kept as given (the pipeline holds the model's
     parameters anyway; `fxpipe.compile(Net(), ...)` must still switch modes).
@@ -239,21 +183,54 @@ class _Recipe:
     kwargs: dict[str, Any]
     input_dims: tuple[tuple, dict]      # a batch dimension per input, a prefix of (args, kwargs)
     default_dim: int                    # that of inputs the example does not give
-    options: dict[str, Any]
-    trace_options: dict[str, Any]
+    options: Options
+    link: LinkFn                        # options.link as a function, checked for the devices
     traced_code: dict[bool, str] = field(default_factory=dict)
     progress: Progress = field(default_factory=lambda: Progress(False))
     # The copies of the model's tensors placed on stage devices, shared by both modes' stages.
     placed: Placed = field(default_factory=dict)
 
+    @staticmethod
+    def of(model: nn.Module, example_inputs: tuple | Any, example_kwargs: Mapping[str, Any] | None,
+           options: Options) -> _Recipe:
+        """The recipe of `model` on the example, once the model and the example are fit to plan
+        from (options are checked already, as `Options`)."""
+        if not isinstance(model, nn.Module):
+            raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module: wrap it "
+                             f"in a module whose forward calls it, then compile that module")
+        if example_inputs is None or isinstance(example_inputs, list):
+            raise InputError(
+                f"example_inputs={'None' if example_inputs is None else 'a list'}: pass the "
+                f"model's positional example inputs as a tuple (one tensor may be passed alone)"
+                + (", e.g. tuple(inputs), or (inputs,) if the model takes the list as its one "
+                   "input" if example_inputs is not None else
+                   ", and keyword inputs in example_kwargs"))
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+            raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}: pass the "
+                             f"model's keyword example inputs as a dict (name -> value), "
+                             f"positional ones in example_inputs")
+        example_kwargs = without_cache(model, example_inputs, example_kwargs)   # what it runs
+        _refuse_meta(model, (example_inputs, example_kwargs))
+        batch_dims = options.batch_dims
+        recipe = _Recipe(model, example_inputs, example_kwargs,
+                         _input_dims(model, example_inputs, example_kwargs, batch_dims),
+                         batch_dims if isinstance(batch_dims, int) else 0, options,
+                         _link_function(options))
+        recipe.progress = Progress(options.progress)
+        return recipe
+
     def trace(self, model: nn.Module) -> fx.GraphModule:
+        o = self.options
         gm = trace(model, copied(self.args), copied(self.kwargs), batch_dims=self.input_dims,
-                   **self.trace_options)
+                   capture=o.capture, leaf_modules=o.leaf_modules, concrete_args=o.concrete_args,
+                   stages=o.stages_asked)     # a graph fine enough for the stages
         self.traced_code[model.training] = gm.code
         return gm
 
-    def build_for_mode(self, mode: bool, held: nn.Module) -> Pipeline | None:
-        """The pipeline of the model in `mode` (`model.train(mode)`), or None when the graph
+    def build_for_mode(self, mode: bool, held: nn.Module) -> Plan | None:
+        """The plan of the model in `mode` (`model.train(mode)`), or None when the graph
         captured in that mode is the one already built (a graph that does not read the mode).
 
         `held`: the tensors the other mode's pipeline holds, by the model's names, which
@@ -300,15 +277,15 @@ def _holding(model: nn.Module, held: nn.Module) -> nn.Module:
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe,
-           held: nn.Module | None = None) -> Pipeline:
-    """The passes after capture, on `model` in its current mode, then the checks. With `held`
-    (the other mode's pipeline's tensors), the stages compute with its values, and the model it
-    is checked against too (`_holding`)."""
+           held: nn.Module | None = None) -> Plan:
+    """The passes after capture, on `model` in its current mode, then the checks: the complete
+    plan, before any Pipeline exists. With `held` (the other mode's pipeline's tensors), the
+    stages compute with its values, and the model it is checked against too (`_holding`)."""
     o = recipe.options
-    training = model.training if o["training"] is None else o["training"]
+    training = model.training if o.training is None else o.training
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     unpipelined_s = _time_unpipelined(model, recipe, training)
-    chunk_list = _chunk_options(model, recipe, training, len(o["specs"]))
+    chunk_list = _chunk_options(model, recipe, training, len(o.devices))
     first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
     functionalize(gm, copied(first_args), copied(first_kwargs))
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
@@ -320,17 +297,17 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe,
     # The model's last runs, before any stage is placed (a stage holds copies of the tensors
     # that are not on its device): the pipeline is checked against what the model computes here.
     reference = _reference(model if held is None else _holding(model, held), recipe,
-                           config.chunks, o["verify"], o["verify_tolerance"])
+                           config.chunks, o.verify, o.verify_tolerance)
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs],
                           placed=recipe.placed)
     held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own
     if held is not None:
         carry_values(held, gm)
     part, recomputed = chosen.partition, ((),) * len(stages)
-    if training and o["recompute"] == "auto":
-        part, recomputed = _recompute_less(part, stages, config, o["optimizer_state"],
+    if training and o.recompute == "auto":
+        part, recomputed = _recompute_less(part, stages, config, o.optimizer_state,
                                            lower_bound_s(costed.step, specs))
-    verified = "yes" if o["verify"] else "skipped (verify=False)"
+    verified = "yes" if o.verify else "skipped (verify=False)"
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
     plan = make_plan(gm.meta["capture"], part, stages, config.chunks, verified,
@@ -340,22 +317,19 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: _Recipe,
                      batch_dims=_placeholder_dims(signature, dims, recipe.default_dim),
                      schedule=config.schedule, threads=tuple(d.threads for d in specs),
                      training=model.training, measurements=costs.saved_measurements(),
-                     recompute=o["recompute"], stage_recomputed=recomputed,
-                     output_dims=reference.output_dims)
-    pipe = Pipeline(plan, gm)
-    pipe.training = model.training     # an export graph module is built in train mode
-    _verify(pipe, recipe, reference, o["verify_tolerance"])
-    pipe._remember(model)
-    as_is = considered[-1] if reason.startswith("no pipeline") else None
-    predicted_s = (unpipelined_s if chosen is as_is else   # it runs the model's own ops so
-                   max((slot.end_s for slot in pipe.predict(training=training)), default=0.0))
-    pipe.plan = replace(pipe.plan, predicted_step_s=predicted_s, unpipelined_s=unpipelined_s,
-                        unpipelined_threads=torch.get_num_threads(), chosen=chosen,
-                        reason=reason, considered=considered,
-                        calibration=costs.calibration[config.chunks, specs[0].kind,
-                                                      config.num_stages > 1],
-                        spread=measurement_spread(gm), link=o["link_name"])
-    return pipe
+                     recompute=o.recompute, stage_recomputed=recomputed,
+                     output_dims=reference.output_dims, unpipelined_s=unpipelined_s,
+                     unpipelined_threads=torch.get_num_threads(), chosen=chosen,
+                     reason=reason, considered=considered,
+                     calibration=costs.calibration[config.chunks, specs[0].kind,
+                                                   config.num_stages > 1],
+                     spread=measurement_spread(gm), link=o.link_name, graph=gm,
+                     link_fn=recipe.link)
+    _verify(plan, recipe, reference, o.verify_tolerance)
+    # The model as is runs the model's own ops, so it takes the model's time.
+    predicted_s = (unpipelined_s if plan.runs_as_is else
+                   max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
+    return replace(plan, predicted_step_s=predicted_s)
 
 
 def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequence[int],
@@ -363,18 +337,18 @@ def _choose(costs: "_Costs", recipe: _Recipe, training: bool, chunk_list: Sequen
     """Every configuration the options leave open, costed, partitioned and predicted; the one
     to build, why, and all those considered (the model as is last, when it was one)."""
     o = recipe.options
-    specs, link, num_stages = o["specs"], o["link"], o["num_stages"]
+    specs, link, num_stages = o.devices, recipe.link, o.num_stages
     stage_counts = (range(1, len(specs) + 1) if num_stages == "auto" else
                     [num_stages or len(specs)])
-    schedules = list(search.SCHEDULES if o["schedule"] == "auto" and training else
-                     ["gpipe" if o["schedule"] == "auto" else o["schedule"]])
+    schedules = list(search.SCHEDULES if o.schedule == "auto" and training else
+                     ["gpipe" if o.schedule == "auto" else o.schedule])
     cores = os.cpu_count() or 1
-    memory = Memory(training=training, optimizer_state=o["optimizer_state"],
-                    recompute=o["recompute"])
+    memory = Memory(training=training, optimizer_state=o.optimizer_state,
+                    recompute=o.recompute)
     as_is_config = search.Config(1, 1, schedules[0], torch.get_num_threads())
     candidates = []
     for k in stage_counts:
-        threads = search.stage_threads(specs, k, cores, o["threads_per_stage"])
+        threads = search.stage_threads(specs, k, cores, o.threads_per_stage)
         for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
             for schedule in (schedules if k > 1 else schedules[:1]):   # alike on one stage
                 config = search.Config(k, chunks, schedule, threads)
@@ -407,7 +381,7 @@ class _Costs:
         self.gm, self.recipe, self.training = gm, recipe, training
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
-        saved = recipe.options["costs"]
+        saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
             key: m for key, m in (saved.measurements if saved is not None else {}).items()
             if key[3] == training}      # costs measured with backward, or without
@@ -474,7 +448,7 @@ class _Costs:
         def run():
             with _intra_op_threads(device.threads):
                 annotate_costs(gm, args, kwargs, device=device.name,
-                               repeats=recipe.options["repeats"], backward=self.training,
+                               repeats=recipe.options.repeats, backward=self.training,
                                progress=recipe.progress.nodes)
                 self.calibration[chunks, device.kind, worker] = _calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))
@@ -517,24 +491,11 @@ def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Con
                    optimal=bottleneck <= bound * (1 + 1e-9)), tuple(recomputed)
 
 
-def optimizer_state_factor(optimizer: str | float | type) -> float:
-    """The optimizer state a training stage holds, in bytes per parameter byte: a name from
-    `cost_model.OPTIMIZER_STATE`, a `torch.optim` class of one, or the number itself."""
-    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and optimizer >= 0:
-        return float(optimizer)
-    name = optimizer.__name__ if isinstance(optimizer, type) else optimizer
-    if isinstance(name, str) and name.lower() in OPTIMIZER_STATE:
-        return OPTIMIZER_STATE[name.lower()]
-    raise FxpipeError(f"optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATE)} (or "
-                      f"its torch.optim class), or the bytes of optimizer state per parameter "
-                      f"byte as a number (Adam keeps 2.0, SGD 0.0)")
-
-
 def _chunk_options(model: nn.Module, recipe: _Recipe, training: bool, devices: int) -> list[int]:
     """The micro-batch counts to consider: the one asked for, or with "auto" the powers of two
     worth trying (`search.chunk_options`); only one micro-batch where micro-batches would
     compute something else than the whole batch (BatchNorm normalising each in training)."""
-    chunks = recipe.options["chunks"]
+    chunks = recipe.options.chunks
     if chunks != "auto":
         return [chunks]
     if training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
@@ -654,6 +615,19 @@ def _time_unpipelined(model: nn.Module, recipe: _Recipe, training: bool,
             synchronize(*devices)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def _link_function(options: Options) -> LinkFn:
+    """The `link` option as a function pricing a transfer between two devices, its answer for
+    every pair of the devices (and the driver) checked once, up front."""
+    link, specs = options.link, options.devices
+    if link == "measure":
+        link = measure_links(specs)
+    elif link == "default":
+        link = default_link
+    elif link == "gloo":
+        link = _gloo_link()
+    return _checked_link(link, specs)
 
 
 @functools.cache
@@ -797,16 +771,18 @@ def _reference(model: nn.Module, recipe: _Recipe, chunks: int, verify: bool,
     return _Reference(output_dims, microbatch.merge(parts, output_dims), True, random)
 
 
-def _verify(pipe: Pipeline, recipe: _Recipe, reference: _Reference,
+def _verify(plan: Plan, recipe: _Recipe, reference: _Reference,
             tolerance: float | None) -> None:
-    """With `verify`, the pipeline's placed stages checked against the model's outputs
-    (`_reference`): run on a copy of the example from the same seed, every stage in turn on the
-    caller's thread (`Runtime.in_order`), the pipeline's buffers put back after."""
+    """With `verify`, the plan's placed stages checked against the model's outputs
+    (`_reference`): the call a pipeline makes (`call_stages`), on a copy of the example from
+    the same seed, every stage in turn on the caller's thread (`Runtime.in_order`: no Pipeline,
+    no worker thread), the stages' buffers put back after."""
     if not reference.verify:
         return
-    with unchanged(pipe.module), pipe._runtime.in_order():
+    runtime = runtime_of(plan)
+    with unchanged(plan.graph), runtime.in_order():
         torch.manual_seed(0)
-        actual = pipe(*copied(recipe.args), **copied(recipe.kwargs))
+        actual = call_stages(plan, runtime, copied(recipe.args), copied(recipe.kwargs))
     problem = difference(actual, reference.expected, tolerance)
     if problem and reference.random:
         raise FxpipeError(

@@ -25,7 +25,7 @@ import os
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.passes.codegen import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.errors import FxpipeError
 
 from .devices import DeviceLike
