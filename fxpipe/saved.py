@@ -314,9 +314,16 @@ def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str
     return root, document
 
 
-def _document(root: Path) -> dict[str, Any]:
-    """`plan.json` of the plan at `root`, once it is there, readable, of this format and saved
-    by the versions running."""
+def plan_document(path: str | os.PathLike) -> dict[str, Any]:
+    """`plan.json` of the plan saved at `path`, checked as a load checks it (there, readable,
+    of this format, unchanged) but saved by any versions of fxpipe and torch: what
+    `fxpipe diff` compares, plans from other versions included."""
+    return _document(Path(path), same_versions=False)
+
+
+def _document(root: Path, *, same_versions: bool = True) -> dict[str, Any]:
+    """`plan.json` of the plan at `root`, once it is there, readable, of this format, saved by
+    the versions running (unless not `same_versions`) and unchanged."""
     if not (root / PLAN_FILE).is_file():
         raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing (save one "
                             f"with pipe.plan.save(path))")
@@ -328,7 +335,7 @@ def _document(root: Path) -> dict[str, Any]:
     if document.get("format") != FORMAT:
         raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
                             f"fxpipe reads format {FORMAT}: save the plan again with it")
-    running = versions()
+    running = versions() if same_versions else {}
     differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
               for name, version in running.items() if document.get(name) != version]
     if differ:
