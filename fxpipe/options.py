@@ -4,18 +4,24 @@
 option means) and refuses a bad value as it is made, with the `FxpipeError` subclass naming the
 option and a fix; a value that exists is valid, so planning reads fields, never checks them
 again. The command line (`fxpipe plan`) passes the same options by the same names, its choices
-read off the Literal types here.
+read off the Literal types here. `input_dims` checks the one option that needs the example,
+`batch_dims`, against it (the inputs it names), and `placeholder_dims` carries it to the graph.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
+import torch.utils._pytree as pytree
+from torch import nn
+
 from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, LinkFn
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError,
                                   PartitionError)
+from fxpipe.passes.signature import Signature
 from fxpipe.passes.trace import CaptureMode
 
 from .devices import parse_devices
@@ -109,6 +115,67 @@ class Options:
     def stages_asked(self) -> int:
         """The stages the graph must be fine enough for: those asked, or one per device."""
         return self.num_stages if isinstance(self.num_stages, int) else len(self.devices)
+
+
+def input_dims(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+               batch_dims: BatchDims) -> tuple[tuple, dict]:
+    """`batch_dims` as one dimension per input: a pytree prefix of `(args, kwargs)`."""
+    names = _positional_names(model, len(args))
+    if isinstance(batch_dims, int) and not isinstance(batch_dims, bool):
+        by_name: dict[str, int | None] = {}
+        default = batch_dims
+    elif isinstance(batch_dims, Mapping):
+        default, by_name = 0, {}
+        for key, dim in batch_dims.items():
+            if isinstance(key, int) and 0 <= key < len(args):
+                key = names[key] if names[key] is not None else key
+            elif key not in kwargs and key not in names:
+                raise BatchError(f"batch_dims names {key!r}, which is not an input of the example "
+                                 f"(positional 0..{len(args) - 1}: {names}; keyword: "
+                                 f"{sorted(kwargs)}): name an input or give its position")
+            if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
+                raise BatchError(f"batch_dims[{key!r}]={dim!r}: use a dimension (an int) or None")
+            by_name[key] = dim
+    else:
+        raise BatchError(f"batch_dims={batch_dims!r}: use an int (the batch dimension of every "
+                         f"input) or a dict from input name or position to its batch dimension")
+    positional = tuple(by_name.get(n if n is not None else i, default)
+                       for i, n in enumerate(names))
+    return positional, {k: by_name.get(k, default) for k in kwargs}
+
+
+def _positional_names(model: nn.Module, count: int) -> list[str | None]:
+    """The forward parameter each of `count` positional inputs binds to (None: past `*args`)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [None] * count
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [named[i] if i < len(named) else None for i in range(count)]
+
+
+def placeholder_dims(signature: Signature, input_dims: tuple[tuple, dict],
+                     default: int) -> dict[str, Any]:
+    """The batch dimension of each graph placeholder, from the model inputs' ones."""
+    positional, keyword = input_dims
+    if signature.in_spec is None:          # fx: one placeholder per forward parameter
+        names = list(signature.names)
+        by_name = dict(keyword)
+        for name, dim in zip(names, positional):
+            if name == signature.var_positional:
+                break
+            by_name[name] = dim
+        return {p: by_name.get(n, default) for p, n in zip(signature.placeholders, names)}
+    # export: one placeholder per leaf of (args, kwargs), in in_spec's order
+    tree = pytree.tree_unflatten(list(range(signature.in_spec.num_leaves)), signature.in_spec)
+    dims: dict[int, Any] = {}
+    for i, value in enumerate(tree[0]):
+        for leaf in pytree.tree_leaves(value):
+            dims[leaf] = positional[i] if i < len(positional) else default
+    for name, value in tree[1].items():
+        for leaf in pytree.tree_leaves(value):
+            dims[leaf] = keyword.get(name, default)
+    return {p: dims.get(i, default) for i, p in enumerate(signature.placeholders)}
 
 
 def _count(value: Any) -> bool:

@@ -58,7 +58,7 @@ class Pipeline(nn.Module):
         self._modes: dict[bool, dict[str, Any]] = {}
 
     def _keep_recipe(self, recipe: Any) -> None:
-        """Keep how `fxpipe.compile` planned the model (`api._Recipe`): the model, to notice
+        """Keep how `fxpipe.compile` planned the model (`api.Recipe`): the model, to notice
         it changed, and the recipe, to plan it again in the other mode."""
         self._recipe = recipe
         self._remember(recipe.model)
