@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
 
 import torch.utils._pytree as pytree
 from torch import nn
@@ -25,10 +25,8 @@ from fxpipe.passes.signature import Signature
 from fxpipe.passes.trace import CaptureMode
 
 from .devices import parse_devices
+from .plan_data import Plan
 from .schedules import SCHEDULES, ScheduleName
-
-if TYPE_CHECKING:
-    from .plan_data import Plan
 
 Auto = Literal["auto"]
 Recompute = Literal["never", "always", "auto"]
@@ -55,7 +53,7 @@ class Options:
     batch_dims: BatchDims = 0
     verify: bool = True
     verify_tolerance: float | None = None
-    costs: Plan | None = None
+    costs: Plan | None = field(default=None, repr=False)
     progress: bool | None = None
     recompute: Recompute = "never"
     optimizer: str | float | type = "adam"
@@ -85,7 +83,6 @@ class Options:
                               f"the backward), 'always' (keep each stage's inputs, recompute the "
                               f"rest) or 'auto' (recompute where a stage would not fit otherwise)")
         optimizer_state_factor(self.optimizer)
-        from .plan_data import Plan
         if self.costs is not None and not (isinstance(self.costs, Plan)
                                            and self.costs.measurements):
             raise CostError(f"costs={type(self.costs).__name__}: pass a plan made by this version "

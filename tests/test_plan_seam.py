@@ -2,9 +2,11 @@
 stage worker, and `Pipeline(plan)` runs it as the model runs."""
 
 import copy
+import dataclasses
 import json
 import threading
 import zipfile
+from typing import get_args
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch.nn import functional as F
 
 import fxpipe
 from fxpipe.__main__ import main
+from fxpipe.options import LinkName, Options, Recompute
 from fxpipe.plan_data import Measurement, Plan
 from fxpipe.passes.stage import Stage
 
@@ -99,6 +102,30 @@ def test_a_plan_prints_as_the_pipeline_compiled_with_it():
     assert [line.split()[0] for line in str(compiled).splitlines()] == \
         [line.split()[0] for line in text.splitlines()]
     assert compiled.output_dims == plan.output_dims == (0,)
+
+
+@pytest.mark.parametrize("option, error", [
+    ({"chunks": 0}, fxpipe.BatchError), ({"recompute": "sometimes"}, fxpipe.FxpipeError),
+    ({"num_stages": 3}, fxpipe.PartitionError), ({"link": "fast"}, fxpipe.CostError),
+    ({"optimizer": "lion"}, fxpipe.FxpipeError)])
+def test_options_are_checked_before_anything_runs(option, error, monkeypatch):
+    import fxpipe.api
+
+    monkeypatch.setattr(fxpipe.api.Recipe, "of", lambda *a: pytest.fail("planning began"))
+    with pytest.raises(error, match=next(iter(option))):
+        fxpipe.plan(Net(), ["cpu"] * 2, (torch.randn(4, 16),), **option)
+    options = Options(["cpu"] * 2, chunks="auto")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.chunks = 2
+    assert options.devices == tuple(fxpipe.DeviceSpec("cpu") for _ in range(2))
+
+
+def test_the_command_line_offers_the_choices_the_options_take():
+    from fxpipe.__main__ import _parser
+
+    plan = _parser()._subparsers._group_actions[0].choices["plan"]
+    choices = {a.dest: tuple(a.choices) for a in plan._actions if a.choices}
+    assert choices["recompute"] == get_args(Recompute) and choices["link"] == get_args(LinkName)
 
 
 def test_the_command_line_plans_and_saves_without_a_pipeline(no_pipeline_no_worker, tmp_path,
