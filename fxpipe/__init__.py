@@ -5,7 +5,7 @@
     print(pipe.plan)     # how the model was split
 """
 
-from fxpipe.passes.codegen import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, Link, NodeCost
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                            ModelChangedError, PartitionError, StageError, TraceError)
@@ -15,7 +15,7 @@ from . import timeline
 from .api import compile, plan
 from .devices import tune_cpu_allocator
 from .pipeline import Pipeline
-from .report import Plan
+from .plan_data import Plan
 from .saved import PlanFileError, load_plan
 
 __all__ = [

@@ -20,8 +20,7 @@ import importlib
 import json
 import statistics
 import sys
-from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 import torch
 
@@ -29,7 +28,9 @@ import fxpipe
 from fxpipe.passes.errors import FxpipeError
 
 from . import timeline
+from .options import LinkName, Recompute
 from .pictures import COLOURS, write_node_graph, write_stage_graph  # noqa: F401 (COLOURS: tests)
+from .saved import plan_document
 
 
 class UsageError(FxpipeError):
@@ -95,11 +96,11 @@ def _planning(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
     parser.add_argument("--stages", default=None, help="number of stages to use, or auto")
     parser.add_argument("--train", action="store_true", help="plan for training (train_step)")
-    parser.add_argument("--recompute", choices=["never", "always", "auto"], default="never",
+    parser.add_argument("--recompute", choices=get_args(Recompute), default="never",
                         help="recompute activations in training (default: never)")
     parser.add_argument("--optimizer", default="adam",
                         help="the optimizer whose state each training stage holds (default: adam)")
-    parser.add_argument("--link", choices=["default", "measure", "gloo"], default="default",
+    parser.add_argument("--link", choices=get_args(LinkName), default="default",
                         help="price transfers as hand-offs between threads (default), as copies "
                              "measured here (measure), or as messages between processes, for "
                              "a run under torchrun (gloo)")
@@ -121,24 +122,24 @@ def _inputs(parser: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace) -> int:
     model = _model(args.model, args.kwargs).train(args.train)
     inputs = _random_inputs(args.input, args.dtype)
-    options = {"chunks": _count(args.chunks, "--chunks"), "training": args.train,
+    options = {"chunks": _count(args.chunks), "training": args.train,
                "progress": False if args.quiet else None, "recompute": args.recompute,
                "optimizer": args.optimizer, "link": args.link}
     if args.stages is not None:
-        options["num_stages"] = _count(args.stages, "--stages")
+        options["num_stages"] = _count(args.stages)
     devices = args.devices.split(",")
     if args.memory is not None:
         devices = [fxpipe.DeviceSpec(d, memory_bytes=args.memory) for d in devices]
-    pipe = fxpipe.compile(model, devices, inputs, **options)
+    plan = fxpipe.plan(model, devices, inputs, **options)
     if args.name == "plan":
-        print(pipe.plan)
+        print(plan)
     if args.explain:
-        print(pipe.explain())
+        print(fxpipe.Pipeline(plan).explain())
     if args.save:
-        root = pipe.plan.save(args.save)
-        timeline.write_svg(pipe.predict(training=args.train), root / "timeline.svg")
-        write_stage_graph(pipe.plan, root / "stages.svg")
-        write_node_graph(pipe.module, pipe.plan, root / "graph.dot")
+        root = plan.save(args.save)
+        timeline.write_svg(plan.predict(training=args.train), root / "timeline.svg")
+        write_stage_graph(plan, root / "stages.svg")
+        write_node_graph(plan.graph, plan, root / "graph.dot")
         print(f"saved to {root}")
     return 0
 
@@ -149,7 +150,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    first, second = (_document(d) for d in (args.first, args.second))
+    first, second = (plan_document(d) for d in (args.first, args.second))
     lines = []
     for key in ("devices", "chunks", "schedule", "threads", "fxpipe", "torch"):
         if first.get(key) != second.get(key):
@@ -248,19 +249,10 @@ def _random_inputs(shapes: Sequence[str], dtype_name: str) -> tuple[torch.Tensor
     return tuple(inputs)
 
 
-def _count(text: str, option: str) -> int | str:
-    if text == "auto":
-        return text
-    if text.isdigit() and int(text) >= 1:
-        return int(text)
-    raise UsageError(f"{option} {text!r}: use a number >= 1 or auto")
-
-
-def _document(directory: str) -> dict:
-    path = Path(directory) / "plan.json"
-    if not path.is_file():
-        raise UsageError(f"no saved plan at {directory!r} (plan.json is missing)")
-    return json.loads(path.read_text())
+def _count(text: str) -> int | str:
+    """A count option as given: a number, or "auto" (and any other text, which the options
+    refuse by name)."""
+    return int(text) if text.isdigit() else text
 
 
 def _ms(value) -> str:

@@ -17,11 +17,13 @@ from fxpipe.passes.cost_model import format_bytes
 
 from fxpipe.passes.trace import module_path
 
+from .plan_data import Plan
+
 COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
            "#ff9da7", "#9c755f", "#bab0ac")
 
 
-def write_stage_graph(plan, path: str | Path) -> Path:
+def write_stage_graph(plan: Plan, path: str | Path) -> Path:
     """An SVG of the stages left to right, one colour each, with what each sends to each later
     stage (values and bytes per micro-batch) on the arrows between them."""
     stages, part = plan.stages, plan.partition
@@ -63,7 +65,7 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def write_node_graph(gm: fx.GraphModule, plan, path: str | Path) -> Path:
+def write_node_graph(gm: fx.GraphModule, plan: Plan, path: str | Path) -> Path:
     """The graph's nodes as Graphviz DOT at `path`, each filled with its stage's colour, grouped
     in a cluster per top-level module, the edges that cross stages labelled with their bytes per
     micro-batch; rendered beside it as SVG (same name, .svg) when `dot` is on the PATH."""

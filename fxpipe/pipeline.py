@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxpipe.passes.codegen import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link
 from fxpipe.passes.errors import FxpipeError, ModelChangedError, StageError
 from fxpipe.passes.graph_values import tensors
@@ -20,12 +19,11 @@ from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
 
 from . import microbatch
-from .report import Plan
+from .plan_data import Plan
 from .runtime import Run, Runtime
 from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
-from . import search
 from .explain import explain
-from .schedules import Action, Phase, ScheduleName, Slot, gpipe, timetable_for
+from .schedules import Action, Phase, Slot, gpipe, timetable_for
 
 
 class Pipeline(nn.Module):
@@ -42,22 +40,29 @@ class Pipeline(nn.Module):
     """
 
     def __init__(self, plan: Plan, module: nn.Module | None = None):
-        """Run `plan`; `module` holds the parameters under the model's names (`compile` passes
-        the traced model; by default a module gathering the stages' own)."""
+        """Run `plan`; `module` holds the parameters under the model's names (by default the
+        plan's costed graph, which holds the stages' tensors under them, or for a loaded plan a
+        module gathering the stages' own)."""
         super().__init__()
         self.plan = plan
-        self.module = module if module is not None else _gathered(plan.stages)
+        self.module = (module if module is not None else
+                       plan.graph if plan.graph is not None else _gathered(plan.stages))
         self.training = self._planned_mode = (
             self.module.training if plan.training is None else plan.training)
-        self._runtime = Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads),
-                                recompute=plan.stage_recompute)
+        self._runtime = runtime_of(plan)
         self._model: weakref.ref | None = None     # the model compiled, to notice it changed
         self._model_parts: dict[str, weakref.ref] = {}
         self._model_members: list[Any] = []
         self._uncalled: tuple[Plan | None, list[tuple[str, nn.Module]]] = (None, [])
         self._hook_ids_seen = -1                    # see _check_hooks
-        self._recipe = None                        # how to compile it again in the other mode
+        self._recipe = None                        # how to plan it again in the other mode
         self._modes: dict[bool, dict[str, Any]] = {}
+
+    def _keep_recipe(self, recipe: Any) -> None:
+        """Keep how `fxpipe.compile` planned the model (`api.Recipe`): the model, to notice
+        it changed, and the recipe, to plan it again in the other mode."""
+        self._recipe = recipe
+        self._remember(recipe.model)
 
     # What runs is the plan's.
     chunks = property(lambda self: self.plan.chunks)
@@ -67,9 +72,7 @@ class Pipeline(nn.Module):
     _placeholders = property(lambda self: self.plan.signature.placeholders)
     _output_dims = property(lambda self: self.plan.output_dims)
 
-    @property
-    def _batch_dims(self) -> dict[str, Any]:
-        return {p: self.plan.batch_dims.get(p, 0) for p in self._placeholders}
+    _batch_dims = property(lambda self: self.plan.placeholder_dims)
 
     @property
     def stages(self) -> list[fx.GraphModule]:
@@ -86,12 +89,7 @@ class Pipeline(nn.Module):
         if model is not None:      # the model's own forward: every hook fires
             return self._run_as_is(model, args, kwargs)
         self._check_hooks()
-        values = dict(zip(self._placeholders, self._signature.flatten_inputs(args, kwargs)))
-        chunks = microbatch.split(values, self.chunks, self._batch_dims)
-        outputs, _ = self._runtime.run(gpipe(len(self._stages), self.chunks), chunks,
-                                       seeds=microbatch_seeds(self.chunks))
-        return microbatch.merge([self._signature.rebuild_outputs({**chunk, **out})
-                                 for chunk, out in zip(chunks, outputs)], self._output_dims)
+        return call_stages(self.plan, self._runtime, args, kwargs)
 
     def _as_is(self) -> nn.Module | None:
         """The model, when the plan runs it as is (one stage, the whole batch, the caller's
@@ -204,8 +202,7 @@ class Pipeline(nn.Module):
         The same timetable the runtime executes, each action taking its stage's predicted time.
         `max(slot.end_s for slot in pipe.predict())` is the predicted duration of the whole step.
         """
-        return search.predict_slots(self.plan.partition, self.chunks, self.schedule, training,
-                                    self.plan.wiring.reads_from(training), os.cpu_count())
+        return self.plan.predict(training=training)
 
     def explain(self) -> str:
         """For each boundary between stages: the values that cross it (producer, readers, shape,
@@ -216,7 +213,7 @@ class Pipeline(nn.Module):
             raise FxpipeError("explain() needs the costed graph, which a compiled pipeline keeps "
                               "and a loaded plan does not: compile the model to explain its plan")
         part = self.plan.partition
-        link = self._recipe.options["link"] if self._recipe is not None else default_link
+        link = self.plan.link_fn or default_link
         return explain(self.module, dict(part.stage_of), part.devices, link=link,
                        training=any(c.backward_s > 0 for c in part.stages), memory=part.memory)
 
@@ -260,7 +257,8 @@ class Pipeline(nn.Module):
             self._check_model()
             self._modes[self.training] = self._mode_state()
             other = self._recipe.build_for_mode(mode, self.module)
-            self._modes[mode] = self._modes[self.training] if other is None else other._mode_state()
+            self._modes[mode] = (self._modes[self.training] if other is None else
+                                 Pipeline(other)._mode_state())
         if mode in self._modes:
             carry_values(self.module, self._modes[mode]["module"])
             for name, value in self._modes[mode].items():
@@ -346,6 +344,26 @@ class Pipeline(nn.Module):
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
+
+
+def runtime_of(plan: Plan) -> Runtime:
+    """A runtime for `plan`'s stages, along its wiring, with its threads and recomputation
+    (starting no thread: a run does)."""
+    return Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads),
+                   recompute=plan.stage_recompute)
+
+
+def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """One call of `plan`'s stages on the model's inputs, as `pipe(*args, **kwargs)` makes it:
+    split into micro-batches, run by `runtime` (GPipe's forwards, each micro-batch from its
+    seed), merged into the model's output. Compile's check runs it in order, without a Pipeline."""
+    signature = plan.signature
+    values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
+    chunks = microbatch.split(values, plan.chunks, plan.placeholder_dims)
+    outputs, _ = runtime.run(gpipe(len(plan.stages), plan.chunks), chunks,
+                             seeds=microbatch_seeds(plan.chunks))
+    return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
+                             for chunk, out in zip(chunks, outputs)], plan.output_dims)
 
 
 def carry_values(source: nn.Module, target: nn.Module) -> None:

@@ -49,11 +49,13 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from fxpipe.passes.codegen import Stage, place
+from fxpipe.passes.codegen import place
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, format_bytes
 from fxpipe.passes.errors import DeviceError, FxpipeError
 
 from .devices import DeviceLike, parse_devices
+from .plan_data import Plan
 
 FORMAT = 2
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
@@ -72,7 +74,7 @@ def versions() -> dict[str, str]:
     return {"fxpipe": ours, "torch": torch.__version__}
 
 
-def save(plan: Any, path: str | os.PathLike) -> Path:
+def save(plan: Plan, path: str | os.PathLike) -> Path:
     """Write `plan` (a `fxpipe.Plan` with its stages) to the directory `path` (made if needed)."""
     if not plan.stages:
         raise FxpipeError("this plan has no stages to save: save the plan of a Pipeline "
@@ -95,7 +97,9 @@ def save(plan: Any, path: str | os.PathLike) -> Path:
                                                   stage.module.code.encode())
         files[f"stage_{stage.index}.pt"] = _write_torch(root / f"stage_{stage.index}.pt", own)
     with _without_tensors([stage.module for stage in plan.stages]):
-        files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE, plan)
+        # The costed graph and the link function are the process's own, not the plan's to keep.
+        files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE,
+                                          dataclasses.replace(plan, graph=None, link_fn=None))
     document = {"format": FORMAT, **versions(), "summary": str(plan).splitlines()[0],
                 **_description(plan), "shared": shared, "files": files}
     document = json.loads(json.dumps(_finite(document), default=str))     # as read back
@@ -105,7 +109,7 @@ def save(plan: Any, path: str | os.PathLike) -> Path:
 
 
 def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
-              devices: Sequence[DeviceLike] | None = None) -> Any:
+              devices: Sequence[DeviceLike] | None = None) -> Plan:
     """The plan saved at `path`, every stage with its weights on its device.
 
     With `model`, the stages take that model's current weights instead of the saved ones (a
@@ -146,7 +150,7 @@ def load_stage(path: str | os.PathLike, index: int, *, device: DeviceLike | None
 
 
 def load_stage_plan(path: str | os.PathLike, index: int, *,
-                    device: DeviceLike | None = None) -> tuple[Any, Stage]:
+                    device: DeviceLike | None = None) -> tuple[Plan, Stage]:
     """The plan saved at `path` without weights (its wiring, calling convention, chunks and
     schedule: what a process running one stage needs to know of the others), and its stage
     `index` with that stage's own weights, on `device` when given (see `load_stage`)."""
@@ -237,7 +241,7 @@ def _write_torch(path: Path, obj: Any) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _description(plan: Any) -> dict[str, Any]:
+def _description(plan: Plan) -> dict[str, Any]:
     """What the plan was computed from and what it decided, as JSON data."""
     part = plan.partition
     costs: dict[str, dict[str, Any]] = {}
@@ -310,9 +314,16 @@ def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str
     return root, document
 
 
-def _document(root: Path) -> dict[str, Any]:
-    """`plan.json` of the plan at `root`, once it is there, readable, of this format and saved
-    by the versions running."""
+def plan_document(path: str | os.PathLike) -> dict[str, Any]:
+    """`plan.json` of the plan saved at `path`, checked as a load checks it (there, readable,
+    of this format, unchanged) but saved by any versions of fxpipe and torch: what
+    `fxpipe diff` compares, plans from other versions included."""
+    return _document(Path(path), same_versions=False)
+
+
+def _document(root: Path, *, same_versions: bool = True) -> dict[str, Any]:
+    """`plan.json` of the plan at `root`, once it is there, readable, of this format, saved by
+    the versions running (unless not `same_versions`) and unchanged."""
     if not (root / PLAN_FILE).is_file():
         raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing (save one "
                             f"with pipe.plan.save(path))")
@@ -324,7 +335,7 @@ def _document(root: Path) -> dict[str, Any]:
     if document.get("format") != FORMAT:
         raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
                             f"fxpipe reads format {FORMAT}: save the plan again with it")
-    running = versions()
+    running = versions() if same_versions else {}
     differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
               for name, version in running.items() if document.get(name) != version]
     if differ:
@@ -339,13 +350,13 @@ def _document(root: Path) -> dict[str, Any]:
     return document
 
 
-def _load_skeleton(root: Path) -> Any:
+def _load_skeleton(root: Path) -> Plan:
     with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
         return torch.load(root / PICKLE_FILE, weights_only=False)
 
 
-def _moved(plan: Any, specs: dict[int, DeviceSpec], root: Path) -> Any:
+def _moved(plan: Plan, specs: dict[int, DeviceSpec], root: Path) -> Plan:
     """`plan` with stage `s` on `specs[s]` (not filled yet), once the stages put on each device
     fit its memory together."""
     sharing: dict[str, list[int]] = {}
@@ -398,7 +409,7 @@ def _fill(root: Path, stage: Stage, refs: dict[str, list], loaded: dict[tuple[in
     place(stage.module, stage.device)
 
 
-def _take_weights(plan: Any, model: nn.Module, root: Path) -> None:
+def _take_weights(plan: Plan, model: nn.Module, root: Path) -> None:
     """Copy `model`'s parameters and buffers into the plan's stages, by the model's names."""
     state = model.state_dict(keep_vars=True)
     problems = []

@@ -25,10 +25,11 @@ import os
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.passes.codegen import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.errors import FxpipeError
 
 from .devices import DeviceLike
+from .plan_data import Plan
 from .distributed import rank_device
 from .saved import load_stage_plan, planned_device, stage_count
 from .wiring import DRIVER
@@ -55,7 +56,7 @@ class _Link(nn.Module):
         return out[0] if len(out) == 1 else tuple(out)
 
 
-def check_chain(plan) -> None:
+def check_chain(plan: Plan) -> None:
     """Raise `NotAChainError` unless each stage reads only from the one before it (stage 0 only
     from the graph's inputs) and only the last stage returns graph outputs."""
     flow, last = plan.wiring.inference, len(plan.stages) - 1
@@ -74,7 +75,7 @@ def check_chain(plan) -> None:
                                  f"{last}: run this plan with fxpipe.distributed")
 
 
-def chain_module(plan, index: int) -> nn.Module:
+def chain_module(plan: Plan, index: int) -> nn.Module:
     """Stage `index` of a chain plan as a module for `PipelineStage` (see the module docstring)."""
     check_chain(plan)
     stage = plan.stages[index]

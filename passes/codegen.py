@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import types
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -27,17 +26,7 @@ from torch import nn
 
 from .errors import DeviceError, PartitionError
 from .graph_values import attr_value
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage: its module, the values it reads and the values it sends, by original node name."""
-
-    index: int
-    module: fx.GraphModule
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    device: torch.device
+from .stage import Stage
 
 
 class StageTracer(fx.Tracer):

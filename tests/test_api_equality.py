@@ -352,7 +352,7 @@ def test_a_model_on_the_meta_device_is_refused_with_how_to_materialise_it(inputs
     import fxpipe.api
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-    monkeypatch.setattr(fxpipe.api._Recipe, "trace", lambda *a: pytest.fail("traced"))
+    monkeypatch.setattr(fxpipe.api.Recipe, "trace", lambda *a: pytest.fail("traced"))
     with pytest.raises(fxpipe.DeviceError, match=r"'0.weight' \(and 3 more tensors\) is on the "
                                                  r"meta device.*not supported yet.*assign=True"
                                                  r".*to_empty\(device='cpu'\)"):

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch import nn
 
 import fxpipe
-from fxpipe.report import stage_modules
+from fxpipe.plan_data import stage_modules
 from fxpipe.testing import assert_pipeline_matches
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.codegen import place, split_stages

@@ -117,7 +117,7 @@ def test_stages_on_another_device_hold_copies_and_the_model_keeps_its_own():
 
 
 def test_a_mode_switch_computes_with_the_values_the_pipeline_holds():
-    from fxpipe.api import _holding
+    from fxpipe.checks import holding
     from fxpipe.pipeline import carry_values
 
     model, x = Tied(), torch.randn(4, 8)
@@ -125,8 +125,8 @@ def test_a_mode_switch_computes_with_the_values_the_pipeline_holds():
     with torch.no_grad():
         held.first.weight.add_(1.0)      # trained since: tied, both names see it
     before = state(model)
-    torch.testing.assert_close(_holding(model, held)(x), held(x))   # the reference's model
-    assert _holding(model, model) is model
+    torch.testing.assert_close(holding(model, held)(x), held(x))   # the reference's model
+    assert holding(model, model) is model
     assert_untouched(model, before)
     other_mode = copy.deepcopy(model)    # the other mode's copies, placed elsewhere
     carry_values(held, other_mode)

@@ -321,14 +321,14 @@ def test_a_plan_for_another_model_says_what_differs(saved):
 
 
 def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, monkeypatch):
-    import fxpipe.api
+    import fxpipe.measure
 
     model, x = example()
     fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=1).save(tmp_path / "plan")
     saved = fxpipe.load_plan(tmp_path / "plan")
     measured = []
-    annotate = fxpipe.api.annotate_costs
-    monkeypatch.setattr(fxpipe.api, "annotate_costs",
+    annotate = fxpipe.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.measure, "annotate_costs",
                         lambda *a, **k: measured.append(torch.get_num_threads()) or annotate(*a, **k))
     # Three stages with one thread each, two micro-batches: all measured before.
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=2, threads_per_stage=1, costs=saved)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Seque
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.codegen import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
 from fxpipe.passes.recompute import Recomputed, recomputing

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from fxpipe.passes.codegen import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.errors import FxpipeError, StageError
 
 from ..schedules import Action, Phase, Slot, Timetable

@@ -1,0 +1,226 @@
+"""Compile's checks on the example: the model's runs before placement, and the placed stages
+checked against them.
+
+`reference_of` makes every run of the model the checks need before any stage is placed: each
+output's batch dimension (an output that reduces or mixes the batch refused by name), the
+micro-batch check (the model computes the same on micro-batches as on the whole batch), and the
+outputs the pipeline must reproduce (`fxpipe.reference`). `verify` then runs the plan's placed
+stages as a pipeline call does (`pipeline.call_stages`), in order on the caller's thread, and
+compares. `holding` is the model computing with a pipeline's values, which a mode switch
+checks against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe.passes.compare import difference, output_name
+from fxpipe.passes.errors import BatchError, FxpipeError
+from fxpipe.passes.randomness import microbatch_seeds
+
+from . import microbatch
+from .pipeline import call_stages, runtime_of
+from .plan_data import Plan
+from .reference import copied, run_per_microbatch, unchanged
+
+if TYPE_CHECKING:
+    from .api import Recipe
+
+
+class _Holding(nn.Module):
+    """`model` computing with other values for some of its tensors, by name
+    (`torch.func.functional_call`), the model's own left as they are."""
+
+    def __init__(self, model: nn.Module, values: dict[str, torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.values = values
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(self.model, self.values, args, kwargs)
+
+
+def holding(model: nn.Module, held: nn.Module) -> nn.Module:
+    """`model` computing with the values `held` has for its tensors where they are other
+    tensors (a pipeline's copies on stage devices), copied to where the model's are; the model
+    itself where there are none."""
+    own = dict([*model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False)])
+    copies: dict[int, torch.Tensor] = {}       # tied tensors keep one value
+    values = {name: copies.setdefault(id(t), t.detach().to(own[name].device, copy=True))
+              for name, t in [*held.named_parameters(remove_duplicate=False),
+                              *held.named_buffers(remove_duplicate=False)]
+              if name in own and own[name] is not t}
+    return _Holding(model, values) if values else model
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the model computed on the example before anything was placed: each output's batch
+    dimension (None for one micro-batch) and, to verify against, its outputs run once per
+    micro-batch, merged, and whether it draws random numbers."""
+
+    output_dims: tuple[int | None, ...] | None
+    expected: Any = None
+    verify: bool = False
+    random: bool = False
+
+
+def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
+                 tolerance: float | None) -> Reference:
+    """The model's runs that compile's checks need, all made before any of its tensors is
+    placed on a stage device: each output's batch dimension, the micro-batch check
+    (`_check_batch_independent`), and with `verify` the outputs the pipeline must reproduce
+    (see `fxpipe.reference`). On copies of the example, from fixed seeds; the model's buffers
+    and the caller's random state are left as they were."""
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
+    if chunks == 1 and not verify:
+        return Reference(None)
+    with unchanged(model):
+        torch.manual_seed(0)
+        seeds = microbatch_seeds(chunks)        # those the pipeline draws after manual_seed(0)
+        parts = run_per_microbatch(model, args, kwargs, chunks, seeds=seeds, batch_dims=dims)
+    output_dims = None
+    if chunks > 1:
+        with unchanged(model):
+            torch.manual_seed(seeds[0])
+            whole = model(*copied(args), **copied(kwargs))
+        rows = [microbatch.batch_size(p, dims)
+                for p in microbatch.split((args, kwargs), chunks, dims)]
+        output_dims = tuple(_output_dims(whole, parts, rows, tolerance))
+    if not verify:
+        return Reference(output_dims)
+    random = _draws_random_numbers(model, args, kwargs)
+    if chunks > 1:
+        _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts, random)
+    return Reference(output_dims, microbatch.merge(parts, output_dims), True, random)
+
+
+def verify(plan: Plan, recipe: Recipe, reference: Reference,
+           tolerance: float | None) -> None:
+    """With `verify`, the plan's placed stages checked against the model's outputs
+    (`reference_of`): the call a pipeline makes (`call_stages`), on a copy of the example from
+    the same seed, every stage in turn on the caller's thread (`Runtime.in_order`: no Pipeline,
+    no worker thread), the stages' buffers put back after."""
+    if not reference.verify:
+        return
+    runtime = runtime_of(plan)
+    with unchanged(plan.graph), runtime.in_order():
+        torch.manual_seed(0)
+        actual = call_stages(plan, runtime, copied(recipe.args), copied(recipe.kwargs))
+    problem = difference(actual, reference.expected, tolerance)
+    if problem and reference.random:
+        raise FxpipeError(
+            f"the pipeline differs from the model run once per micro-batch under the same seeds: "
+            f"{problem}. The model draws random numbers (two runs from different seeds differ), "
+            f"and the pipeline drew other ones: compile with verify=False to accept it, and "
+            f"please report it as a bug in fxpipe with the model")
+    if problem:
+        raise FxpipeError(
+            f"the pipeline does not reproduce the model on the example inputs: {problem}. If this "
+            f"is rounding (the number of threads changes the order of sums), relax the check with "
+            f"verify_tolerance= (a tolerance relative to each output's largest value) or skip it "
+            f"with verify=False; otherwise this is a bug in fxpipe: please report it with the "
+            f"model")
+
+
+def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
+                 tolerance: float | None) -> list[int | None]:
+    """Each output leaf's batch dimension, the one whose size follows the batch size.
+
+    None for a leaf that is the same on every micro-batch and on the whole batch (a constant);
+    an output whose shape does not follow the batch, or follows it in several dimensions, is
+    refused by name: it reduces or mixes the batch, and micro-batches cannot be merged into it.
+    """
+    flat_whole, spec = pytree.tree_flatten_with_path(whole)
+    flat_parts = [pytree.tree_flatten(p) for p in parts]
+    if any(other != pytree.tree_structure(whole) for _, other in flat_parts):
+        raise BatchError("the model's output differs in structure between the whole batch and a "
+                         f"micro-batch: return the same structure for every batch, or use chunks=1")
+    total = sum(rows)
+    dims: list[int | None] = []
+    for i, (path, w) in enumerate(flat_whole):
+        column = [leaves[i] for leaves, _ in flat_parts]
+        if not isinstance(w, torch.Tensor):
+            dims.append(None)
+            continue
+        name = output_name(path)
+        if any(not isinstance(c, torch.Tensor) or c.dim() != w.dim() for c in column):
+            raise BatchError(f"{name} changes its number of dimensions with the batch size: "
+                             f"return tensors whose batch dimension stays, or use chunks=1")
+        changed = [d for d in range(w.dim()) if any(c.shape[d] != w.shape[d] for c in column)]
+        shape = "(" + ", ".join("B" if d in changed else str(s) for d, s in enumerate(w.shape)) + \
+                ("," if w.dim() == 1 else "") + ")"
+        if not changed:
+            if all(not difference(c, w, tolerance) for c in column):
+                dims.append(None)     # does not depend on the batch: given once
+                continue
+            raise BatchError(
+                f"{name} of shape {tuple(w.shape)} reduces over the batch: its shape does not "
+                f"follow the batch size, so it cannot be rebuilt from micro-batches. Return "
+                f"per-sample values and reduce after the pipeline, or use chunks=1{_NOT_DIM_0}")
+        d = changed[0]
+        if len(changed) > 1 or any(w.shape[d] * r != c.shape[d] * total
+                                   for c, r in zip(column, rows)):
+            raise BatchError(
+                f"{name} of shape {shape} mixes the batch (B: the batch size): each sample's "
+                f"values depend on the others, so micro-batches cannot be merged into it. Compute it "
+                f"after the pipeline from per-sample outputs, or use chunks=1{_NOT_DIM_0}")
+        dims.append(d)
+    return dims
+
+
+_NOT_DIM_0 = (" (if the batch is not dimension 0 of every input, as in a sequence-first RNN, say "
+              "which dimension it is with batch_dims=)")
+
+
+def _check_batch_independent(model: nn.Module, recipe: Recipe, output_dims, tolerance,
+                             whole: Any, parts: Sequence[Any], random: bool) -> None:
+    """Refuse a model whose output on micro-batches differs from its output on the whole batch.
+
+    Checked in eval mode (BatchNorm in training mode normalises each micro-batch by design, as
+    in GPipe), and only where the model is deterministic there. `whole` and `parts` are the
+    runs already made in the model's mode, reused when that is eval; `random`: whether the model
+    draws random numbers in its mode.
+    """
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        if any(flags.values()):
+            with unchanged(model):
+                whole = model(*copied(args), **copied(kwargs))
+                parts = run_per_microbatch(model, args, kwargs, len(parts), batch_dims=dims)
+        try:
+            merged = microbatch.merge(parts, output_dims)
+        except BatchError:      # eval mode returns other outputs than the mode checked
+            return
+        problem = difference(merged, whole, tolerance)
+        if not problem or (random if not any(flags.values()) else
+                           _draws_random_numbers(model, args, kwargs)):
+            return
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    raise BatchError(
+        f"the model mixes samples across the batch: on micro-batches it computes something else "
+        f"than on the whole batch ({problem}). If the batch is not dimension 0 of every input "
+        f"(e.g. a sequence-first RNN), say which it is with batch_dims=; if the model normalises "
+        f"or reduces over the batch, use chunks=1, or verify=False to accept micro-batch "
+        f"semantics as GPipe does")
+
+
+def _draws_random_numbers(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether two runs of the model from different seeds differ."""
+    with unchanged(model):
+        torch.manual_seed(1)
+        first = model(*copied(args), **copied(kwargs))
+    with unchanged(model):
+        torch.manual_seed(2)
+        second = model(*copied(args), **copied(kwargs))
+    return bool(difference(first, second, 0.0))

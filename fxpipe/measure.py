@@ -1,0 +1,233 @@
+"""Node costs measured as the stages will run them, and the model's own time to beat.
+
+`Costs` measures the graph once per micro-batch size, device kind (a CPU kind per thread count)
+and thread (the caller's, or a worker's as the stages of a pipeline run on), reusing what a
+plan passed as `costs=` measured, and `calibrate`s each measurement to the whole graph's time
+measured in the same conditions; `time_unpipelined` times the model as given, whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs, start_timer
+from fxpipe.passes.codegen import placed_copy
+from fxpipe.passes.cost_model import DeviceSpec, NodeCost, cost_graph
+from fxpipe.passes.errors import CostError
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.randomness import microbatch_seed
+from fxpipe.passes.state import unchanged_state
+
+from . import microbatch, search
+from .devices import shared_memory, synchronize
+from .plan_data import Measurement
+from .reference import copied, unchanged
+
+if TYPE_CHECKING:
+    from .api import Recipe
+
+
+class Costs:
+    """The graph's node costs, measured once per micro-batch size, device kind (a CPU kind per
+    thread count) and thread (the caller's, or a worker's as the stages of a pipeline run on),
+    then calibrated; a configuration's costs are those of its devices' kinds."""
+
+    def __init__(self, gm: fx.GraphModule, recipe: Recipe, training: bool):
+        self.gm, self.recipe, self.training = gm, recipe, training
+        self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
+        self.calibration: dict[tuple, tuple[float, float]] = {}
+        saved = recipe.options.costs
+        self.saved: Mapping[tuple, Measurement] = {
+            key: m for key, m in (saved.measurements if saved is not None else {}).items()
+            if key[3] == training}      # costs measured with backward, or without
+        if self.saved:
+            names = {n.name for n in gm.graph.nodes if n.op != "output"}
+            known = next(iter(self.saved.values())).costs.keys()
+            if names != set(known):
+                raise CostError(
+                    f"the costs passed with costs= were measured on another graph ("
+                    f"{len(names - set(known))} of this graph's {len(names)} nodes are not in "
+                    f"it): pass the plan of this model, captured with the same options")
+
+    def saved_measurements(self) -> dict[tuple, Measurement]:
+        """Every measurement made or reused, by (the micro-batch's input shapes, kind, on a worker
+        thread, with backward), each node's cost by name: what `compile(..., costs=plan)`
+        reuses."""
+        found = dict(self.saved)
+        for (chunks, kind, worker), costs in self.measured.items():
+            found[self._key(chunks, kind, worker)] = Measurement(
+                {n.name: cost for n, cost in costs.items()},
+                self.calibration[chunks, kind, worker])
+        return found
+
+    def _key(self, chunks: int, kind: str, worker: bool) -> tuple:
+        recipe = self.recipe
+        first = microbatch.split((recipe.args, recipe.kwargs), chunks, recipe.input_dims)[0]
+        shapes = tuple(tuple(t.shape) for t in tensors(first))    # what a node's cost depends on
+        return (shapes, kind, worker, self.training)
+
+    @staticmethod
+    def devices(config: search.Config, specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
+        """The configuration's devices, each CPU stage with its threads."""
+        return shared_memory([replace(d, threads=d.threads or config.threads)
+                              if d.name.startswith("cpu") else d
+                              for d in specs[:config.num_stages]])
+
+    def measure(self, config: search.Config, devices: Sequence[DeviceSpec]) -> search.Costed:
+        """The graph costed as `config`'s stages run one of `config.chunks` micro-batches on
+        `devices`: each kind measured on its device with its threads, on a worker thread of its
+        own when the stages run on workers (several stages), where intra-op threads scale
+        differently than on the caller's thread. Leaves those costs on the nodes."""
+        worker = config.num_stages > 1
+        kinds = list(dict.fromkeys(d.kind for d in devices))
+        for device in {d.kind: d for d in devices}.values():
+            key = (config.chunks, device.kind, worker)
+            if key not in self.measured:
+                self.measured[key] = self._measure(config.chunks, device, worker)
+        for n in self.gm.graph.nodes:
+            if n.op != "output":
+                n.meta["costs"] = {k: self.measured[config.chunks, k, worker][n] for k in kinds}
+                n.meta["cost"] = n.meta["costs"][kinds[0]]
+        return search.Costed(cost_graph(self.gm, kinds=kinds),
+                             cost_graph(self.gm, training=self.training, kinds=kinds))
+
+    def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
+        gm, recipe = self.gm, self.recipe
+        reused = self.saved.get(self._key(chunks, device.kind, worker))
+        if reused is not None:
+            self.calibration[chunks, device.kind, worker] = reused.calibration
+            return {n: reused.costs[n.name] for n in gm.graph.nodes if n.op != "output"}
+        args, kwargs = microbatch.split((recipe.args, recipe.kwargs), chunks,
+                                        recipe.input_dims)[0]
+
+        def run():
+            with _intra_op_threads(device.threads):
+                annotate_costs(gm, args, kwargs, device=device.name,
+                               repeats=recipe.options.repeats, backward=self.training,
+                               progress=recipe.progress.nodes)
+                self.calibration[chunks, device.kind, worker] = calibrate(
+                    gm, args, kwargs, self.training, torch.device(device.name))
+        _on_worker_thread(run) if worker else run()
+        return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
+
+
+def _on_worker_thread(fn: Callable[[], None]) -> None:
+    """Call `fn` on a thread of its own, as the runtime runs a stage; its exception re-raised."""
+    errors: list[BaseException] = []
+
+    def call():
+        try:
+            fn()
+        except BaseException as e:      # handed to the caller's thread
+            errors.append(e)
+    thread = threading.Thread(target=call, name="fxpipe-measure", daemon=True)
+    thread.start()
+    while thread.is_alive():            # with a timeout, so Ctrl-C reaches the caller
+        thread.join(0.05)
+    if errors:
+        raise errors[0]
+
+
+def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
+              device: torch.device | None = None, repeats: int = 3) -> tuple[float, float]:
+    """Scale the nodes' measured costs so that they add up to the graph's own time, measured
+    here in the same conditions (thread, threads, micro-batch); returns the factors applied to
+    forward and backward times.
+
+    Timing each node alone misses what runs between nodes (the dispatch of the next op, autograd's
+    engine walking the whole graph, gradients accumulated across nodes), and adds what timing a
+    node costs: the graph run whole measures what a stage will see. The median of `repeats` runs
+    after a warm-up, on `device` (default: where `gm`'s parameters are; a copy placed there
+    where `gm` is elsewhere), timed as the nodes were (`start_timer`: CUDA events on a GPU);
+    buffers and random generators are left as they were.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    node_fwd_s = sum(n.meta["cost"].fwd_s for n in nodes)
+    node_bwd_s = sum(n.meta["cost"].bwd_s for n in nodes)
+    device = device or next((t.device for t in gm.parameters()), torch.device("cpu"))
+    measured = placed_copy(gm, device)
+    inputs = bind_inputs(gm, *pytree.tree_map(
+        lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
+    params = [p for p in measured.parameters() if p.requires_grad]
+    run = _positional(measured)
+    forward_s, step_s = [], []
+    with unchanged_state(measured), torch.random.fork_rng(devices=[]), microbatch_seed(0):
+        for _ in range(repeats + 1):
+            fresh = copied(inputs)
+            elapsed_s = start_timer(device)
+            with torch.set_grad_enabled(training and bool(params)):
+                out = run(*fresh)
+                forward_s.append(elapsed_s())
+                loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.requires_grad)
+                if isinstance(loss, torch.Tensor):
+                    torch.autograd.grad(loss, params, allow_unused=True)
+            step_s.append(elapsed_s())
+    forward = statistics.median(forward_s[1:])
+    backward = max(0.0, statistics.median(step_s[1:]) - forward)
+    scale = (forward / node_fwd_s if node_fwd_s > 0 else 1.0,
+             backward / node_bwd_s if training and node_bwd_s > 0 else 1.0)
+    for n in nodes:
+        cost = n.meta["cost"]
+        n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
+    return scale
+
+
+def _positional(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` as generated code taking one positional argument per placeholder (no `*args`, no
+    defaults), as a stage takes its inputs; on `gm`'s own parameters."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            n.target, n.args = n.name, ()
+    return fx.GraphModule(gm, graph)
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` intra-op threads on this thread (None: as it is)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
+                     repeats: int = 3) -> float:
+    """The model's own time for one batch, as given: whole, on its device, with the caller's
+    threads (in training, forward and backward to every parameter): what a pipeline must beat.
+
+    Measured on the model as given (each device it uses synchronised), without side effects;
+    the median of `repeats` after one warm-up run.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    devices = {t.device for t in [*model.parameters(), *model.buffers(),
+                                  *tensors((recipe.args, recipe.kwargs))]}
+    times = []
+    for _ in range(repeats + 1):
+        with unchanged(model), torch.set_grad_enabled(training and bool(params)):
+            args, kwargs = copied(recipe.args), copied(recipe.kwargs)
+            synchronize(*devices)
+            start = time.perf_counter()
+            out = model(*args, **kwargs)
+            loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.requires_grad)
+            if isinstance(loss, torch.Tensor):
+                torch.autograd.grad(loss, params, allow_unused=True)   # .grad left alone
+            synchronize(*devices)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

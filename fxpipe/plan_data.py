@@ -1,0 +1,199 @@
+"""The plan of a pipeline as data: what a Pipeline runs and the record of what was weighed.
+
+`fxpipe.plan` returns a `Plan`, complete, before any Pipeline exists; `Pipeline(plan)` runs it,
+`plan.save(path)` writes it, `print(plan)` reads it (`fxpipe.report`). The runtime reads the
+stages (`fxpipe.passes.stage.Stage`) and their `Wiring`; nothing here imports a pass's code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch.fx as fx
+
+from fxpipe.passes.cost_model import LinkFn, NodeCost
+from fxpipe.passes.partition import Partition
+from fxpipe.passes.signature import Signature
+from fxpipe.passes.stage import Stage
+from fxpipe.passes.trace import Capture, module_path
+
+from .schedules import Slot
+from .search import predict_slots
+from .wiring import Wiring
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Every node's cost (by node name) measured in one condition, and the calibration applied
+    to them (forward and backward factors): what `compile(..., costs=plan)` reuses."""
+
+    costs: Mapping[str, NodeCost]
+    calibration: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model was split: how it was captured, the partition, and what each stage holds;
+    what a Pipeline runs, and what planning weighed (predicted against measured, the
+    configurations considered, the calibration, every measurement).
+
+    `stage_modules[s]` are the model's modules stage `s` runs, by qualified name, in order: a
+    module wholly inside the stage once (numbered siblings as a range, `model.layers.0-3`), one
+    that the stage shares with another as `name (part)`, so a stage's ends show in the model.
+    """
+
+    capture: Capture
+    partition: Partition
+    chunks: int
+    stage_spans: tuple[tuple[str, str], ...]     # first and last node of each stage
+    stage_param_bytes: tuple[int, ...]
+    verified: str
+    stage_modules: tuple[tuple[str, ...], ...] = ()
+    predicted_step_s: float | None = None     # one call (or train_step) through the pipeline
+    unpipelined_s: float | None = None        # the model run whole, measured at compile
+    unpipelined_threads: int = 0
+    considered: tuple = ()                    # search.Candidate: the configurations weighed
+    chosen: object = None                     # the one chosen (a search.Candidate)
+    reason: str = ""                          # why
+    calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
+    spread: float | None = None               # how unsteady the measurement was
+    # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
+    # dimension of each graph input and model output leaf, the schedule, each stage's threads.
+    stages: tuple[Stage, ...] = ()
+    wiring: Wiring | None = None
+    signature: Signature | None = None
+    batch_dims: Mapping[str, Any] = field(default_factory=dict)
+    output_dims: tuple[int | None, ...] | None = None
+    schedule: str = "gpipe"
+    threads: tuple[int | None, ...] = ()
+    training: bool | None = None              # the mode the model was planned (and checked) in
+    recompute: str = "never"                  # the option: "never", "always" or "auto"
+    stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
+    stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
+    link: str = "default"      # what transfers were priced as: "default", "measure", "gloo", "yours"
+    # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
+    # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
+    measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
+    # In memory only (a saved plan leaves them out): the costed graph the stages were cut from,
+    # holding the stages' tensors under the model's names (a Pipeline's module, what explain()
+    # reads), and the link function that priced the transfers.
+    graph: fx.GraphModule | None = field(default=None, compare=False, repr=False)
+    link_fn: LinkFn | None = field(default=None, compare=False, repr=False)
+
+    def predict(self, *, training: bool = False) -> list[Slot]:
+        """The timeline the cost model predicts for one call (or one `train_step`): the
+        timetable the runtime executes, each action taking its stage's predicted time."""
+        return predict_slots(self.partition, self.chunks, self.schedule, training,
+                             self.wiring.reads_from(training), os.cpu_count())
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
+        without the model's code (see `fxpipe.saved`)."""
+        from .saved import save
+        return save(self, path)
+
+    @property
+    def stream_prediction(self) -> tuple[float, float]:
+        """What the cost model predicts for `pipe.stream` when each item is the example's
+        micro-batch (plan on one sample to stream samples): items per second, one per
+        bottleneck stage's forward, and one item's latency through the stages when alone."""
+        part = self.partition
+        rate = 1 / max(c.forward_step_s for c in part.stages)
+        alone = predict_slots(part, 1, "gpipe", False, self.wiring.reads_from(False))
+        return rate, max(slot.end_s for slot in alone)
+
+    @property
+    def placeholder_dims(self) -> dict[str, Any]:
+        """The batch dimension of each graph input, by placeholder (0 where not given)."""
+        return {p: self.batch_dims.get(p, 0) for p in self.signature.placeholders}
+
+    @property
+    def stage_recompute(self) -> tuple[bool, ...]:
+        """Whether each stage recomputes its activations in `train_step`: every stage with
+        recompute="always", those the partitioner chose with "auto" (`StageCost.recompute`)."""
+        return tuple(self.recompute == "always" or c.recompute for c in self.partition.stages)
+
+    @property
+    def speedup(self) -> float | None:
+        """The model's measured time over the pipeline's predicted time, per batch."""
+        if not self.predicted_step_s or self.unpipelined_s is None:
+            return None
+        return self.unpipelined_s / self.predicted_step_s
+
+    def __str__(self) -> str:
+        from .report import describe
+        return describe(self)
+
+    @property
+    def runs_as_is(self) -> bool:
+        """Whether the plan chose the model as it is (one stage, whole batch, the caller's
+        threads) because no pipeline was predicted faster."""
+        return bool(self.considered) and self.chosen is self.considered[-1] and \
+            self.reason.startswith("no pipeline")
+
+
+def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,
+              verified: str, **run: Any) -> Plan:
+    """The plan of `stages`; `run` holds what a Pipeline runs besides them (`Plan`'s fields)."""
+    spans = []
+    for stage in stages:
+        names = [n.name for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
+        spans.append((names[0], names[-1]) if names else ("", ""))
+    param_bytes = tuple(stage_param_bytes(s) for s in stages)
+    saved_bytes = tuple(sum(n.meta["cost"].saved_bytes for n in s.module.graph.nodes
+                            if n.op not in ("placeholder", "output", "get_attr")
+                            and "cost" in n.meta) for s in stages)
+    return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
+                stage_modules(stages), stages=tuple(stages), stage_saved_bytes=saved_bytes, **run)
+
+
+def stage_param_bytes(stage: Stage) -> int:
+    """The bytes of a stage's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in
+               list(stage.module.parameters()) + list(stage.module.buffers()))
+
+
+def stage_modules(stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:
+    """The modules each stage runs (see `Plan`), from the module path each node records."""
+    chains = [[_ancestors(module_path(n)) for n in stage.module.graph.nodes
+               if n.op not in ("placeholder", "output", "get_attr")] for stage in stages]
+    total = Counter(p for stage in chains for chain in stage for p in chain)
+    listed = []
+    for stage in chains:
+        here = Counter(p for chain in stage for p in chain)
+        names: dict[str, None] = {}
+        for chain in stage:
+            whole = [p for p in chain if here[p] == total[p]]
+            if chain:
+                names[whole[0] if whole else f"{chain[-1]} (part)"] = None
+        listed.append(_ranges(list(names)))
+    return tuple(listed)
+
+
+def _ancestors(path: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]; the top level (``) has none."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _ranges(names: list[str]) -> tuple[str, ...]:
+    """Numbered siblings in a row as one range: `layers.0, layers.1, layers.2` -> `layers.0-2`."""
+    out: list[tuple[str, int, int] | str] = []
+    for name in names:
+        match = re.fullmatch(r"(?:(.*)\.)?([0-9]+)", name)
+        if match and out and isinstance(out[-1], tuple) and out[-1][0] == match[1] \
+                and out[-1][2] + 1 == int(match[2]):
+            out[-1] = (match[1], out[-1][1], int(match[2]))
+        elif match:
+            out.append((match[1], int(match[2]), int(match[2])))
+        else:
+            out.append(name)
+    return tuple(item if isinstance(item, str) else
+                 (f"{item[0]}." if item[0] else "") + f"{item[1]}" +
+                 (f"-{item[2]}" if item[2] > item[1] else "")
+                 for item in out)
