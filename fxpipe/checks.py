@@ -141,7 +141,7 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
     flat_parts = [pytree.tree_flatten(p) for p in parts]
     if any(other != pytree.tree_structure(whole) for _, other in flat_parts):
         raise BatchError("the model's output differs in structure between the whole batch and a "
-                         f"micro-batch: return the same structure for every batch, or use chunks=1")
+                         "micro-batch: return the same structure for every batch, or use chunks=1")
     total = sum(rows)
     dims: list[int | None] = []
     for i, (path, w) in enumerate(flat_whole):

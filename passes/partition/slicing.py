@@ -97,7 +97,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     again for every further receiving stage. Compute, received values and memory only grow as a
     stage grows, so a stage stops growing as soon as they pass the limit.
     """
-    graph, devices, k = model.graph, model.devices, model.k
+    graph, k = model.graph, model.k
     out_bytes, params, saved = graph.out_bytes, graph.param_bytes, graph.saved_bytes
     preds, is_input, to_output = graph.preds, graph.is_input, graph.to_output
     n = len(order)
