@@ -380,11 +380,11 @@ def assert_no_grad_written_after(pipe, caught):
             torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_ctrl_c_during_a_slow_train_step_returns_after_every_stage_stopped(schedule, ctrl_c):
-    pipe, x = slow_pipeline(schedule=schedule)
+def assert_interrupted_after_every_stage_stopped(pipe, run) -> None:
+    """`run()` raises KeyboardInterrupt only once no stage thread is alive, and no stage
+    writes a gradient afterwards."""
     try:
-        pipe.train_step(x, torch.randn(16, 8), F.mse_loss)
+        run()
     except KeyboardInterrupt:
         alive, caught = fxpipe_threads(), grads_of(pipe)
     else:
@@ -392,20 +392,19 @@ def test_ctrl_c_during_a_slow_train_step_returns_after_every_stage_stopped(sched
     assert alive == []
     assert_no_grad_written_after(pipe, caught)
     assert pipe.last_run.failed and "KeyboardInterrupt" in pipe.last_run.error
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ctrl_c_during_a_slow_train_step_returns_after_every_stage_stopped(schedule, ctrl_c):
+    pipe, x = slow_pipeline(schedule=schedule)
+    assert_interrupted_after_every_stage_stopped(
+        pipe, lambda: pipe.train_step(x, torch.randn(16, 8), F.mse_loss))
 
 
 def test_ctrl_c_twice_during_a_slow_stream_returns_after_every_stage_stopped(ctrl_c):
     pipe, x = slow_pipeline(presses=2)
-    try:
-        for _ in pipe.stream(x[i:i + 1] for i in range(16)):
-            pass
-    except KeyboardInterrupt:
-        alive, caught = fxpipe_threads(), grads_of(pipe)
-    else:
-        pytest.fail("Ctrl-C did not reach the caller")
-    assert alive == []
-    assert_no_grad_written_after(pipe, caught)
-    assert pipe.last_run.failed and "KeyboardInterrupt" in pipe.last_run.error
+    assert_interrupted_after_every_stage_stopped(
+        pipe, lambda: list(pipe.stream(x[i:i + 1] for i in range(16))))
 
 
 # --- item 13: whatever a stage raises -------------------------------------------------------------

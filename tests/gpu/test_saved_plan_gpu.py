@@ -3,10 +3,10 @@ CUDA; the two-GPU test without two)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from test_saved_plan import TiedEnds     # tests/ is on the path: its conftest.py lives there
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CLOSE = dict(rtol=1e-4, atol=1e-5)     # CPU and GPU kernels sum in other orders
@@ -58,16 +58,6 @@ def test_a_plan_saved_on_gpu_0_runs_on_gpu_1(tmp_path):
         out = fxpipe.Pipeline(plan)(x.to("cuda:1"))
     assert out.device == torch.device("cuda:1")
     torch.testing.assert_close(out.cpu(), expected.cpu(), **CLOSE)
-
-
-class TiedEnds(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(20, 8)
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, ids):
-        return F.linear(self.b(torch.relu(self.a(self.emb(ids)))), self.emb.weight)
 
 
 def test_stages_sharing_a_tied_weight_cannot_be_put_on_two_devices(tmp_path):
