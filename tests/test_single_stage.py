@@ -73,10 +73,14 @@ class Drops(nn.Module):
         return nn.functional.dropout(self.fc(x), 0.5, training=self.training)
 
 
-def test_the_model_as_is_runs_its_own_forward_from_the_micro_batch_seed():
+def test_the_model_as_is_runs_its_own_forward_from_the_micro_batch_seed(monkeypatch):
+    from fxpipe import search
     from fxpipe.reference import run_per_microbatch
     from fxpipe.passes.randomness import microbatch_seeds
 
+    # The choice rests on timings: on a busy machine a one-stage graph with other threads can
+    # look faster than the model. The run is what is tested here, so the model as is wins.
+    monkeypatch.setattr(search, "TIE", 0.99)
     torch.manual_seed(0)
     model, x = Drops().train(), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"], (x,), num_stages="auto")
