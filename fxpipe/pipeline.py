@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link
+from fxpipe.passes.device import initialized_gpus
 from fxpipe.passes.errors import FxpipeError, ModelChangedError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
@@ -105,7 +106,7 @@ class Pipeline(nn.Module):
         caller's generator left as the graph would leave it), recorded in `last_run`, a failure
         raised as a `StageError`."""
         seed = microbatch_seeds(1)[0]
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        cuda = initialized_gpus()
         record = Run(num_stages=1)
         self._runtime.last_run = record
         start = time.perf_counter()

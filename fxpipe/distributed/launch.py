@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.passes.cost_model import DeviceSpec
+from fxpipe.passes.device import is_gpu
 
 from ..devices import DeviceLike
 from ..report import LINKS
@@ -60,9 +61,9 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
     if device is None:
         local = os.environ.get("LOCAL_RANK")
         device = torch.device("cuda", int(local)) if (
-            planned.type == "cuda" and local is not None) else planned
+            is_gpu(planned) and local is not None) else planned
     chosen = torch.device(device.name if isinstance(device, DeviceSpec) else device)
-    if chosen.type == "cuda" and chosen.index is not None:
+    if is_gpu(chosen) and chosen.index is not None:
         torch.cuda.set_device(chosen)
     return device
 

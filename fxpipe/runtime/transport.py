@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Protocol
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.device import is_gpu
 from fxpipe.passes.graph_values import tensors
 
 from ..schedules import Phase
@@ -99,8 +100,8 @@ class ThreadTransport:
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
         sender_device = self.devices[sender]
-        gpus = {t.device for t in tensors(values) if t.is_cuda}
-        if sender_device is not None and sender_device.type == "cuda":
+        gpus = {t.device for t in tensors(values) if is_gpu(t.device)}
+        if sender_device is not None and is_gpu(sender_device):
             gpus.add(sender_device)
         ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
         self.channels[phase, sender, receiver].put(_Message(microbatch, values, ready))
@@ -141,7 +142,7 @@ class ThreadTransport:
 def _wait(message: _Message, device: torch.device) -> None:
     """Order the receiver's work after the sender's: on its stream, or on this thread."""
     for event in message.ready:
-        if device.type == "cuda":
+        if is_gpu(device):
             torch.cuda.current_stream(device).wait_event(event)
         else:
             event.synchronize()
@@ -154,7 +155,7 @@ def _handed_over(message: _Message) -> dict[str, Any]:
     marked as used by it (its memory is the sender's stream's, which may run on). A CPU tensor
     is read by the host: the host waits."""
     found = tensors(message.values)
-    if not all(t.is_cuda for t in found):
+    if not all(is_gpu(t.device) for t in found):
         _wait(message, torch.device("cpu"))
         return message.values
     for gpu in {t.device for t in found}:
@@ -177,11 +178,11 @@ def _to(value: Any, device: torch.device) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         if v.device == device:
-            if device.type == "cuda":
+            if is_gpu(device):
                 v.record_stream(torch.cuda.current_stream(device))
             return v
-        moved = v.to(device, non_blocking=device.type == "cuda")
-        if device.type == "cuda" and v.device.type == "cuda":
+        moved = v.to(device, non_blocking=is_gpu(device))
+        if is_gpu(device) and is_gpu(v.device):
             v.record_stream(torch.cuda.current_stream(v.device))
         return moved
     return fx.node.map_aggregate(value, move)
