@@ -95,7 +95,7 @@ def default_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
 
 
 # The driver feeds graph inputs and collects graph outputs; it lives on the host.
-DRIVER = DeviceSpec("cpu")
+DRIVER_DEVICE = DeviceSpec("cpu")
 
 
 @dataclass(frozen=True)
@@ -475,8 +475,8 @@ class Pricing:
         self.columns = [t for t, _ in distinct] + [tuple(map(min, zip(*self.times)))]
         self.floor_column = len(distinct)
         self.forward_columns = [f for _, f in distinct] + [(0.0,) * len(graph)]
-        self.from_driver = [link(DRIVER, d) for d in devices]
-        self.to_driver = [link(d, DRIVER) for d in devices]
+        self.from_driver = [link(DRIVER_DEVICE, d) for d in devices]
+        self.to_driver = [link(d, DRIVER_DEVICE) for d in devices]
         # Stages whose memory never constrains them: nothing to price (the hot loops skip it).
         self.unbounded = [d.memory_bytes == math.inf and
                           not (memory.training and memory.recompute == "always")

@@ -135,7 +135,7 @@ class _Rows:
         self.flow = flow
         self.stopping = threading.Event()
         self.transport = ThreadTransport(
-            flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            flow.channels(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
             self.stopping)
         self.errors: list[StageError] = []
 

@@ -43,7 +43,7 @@ from ..schedules import Phase
 
 POLL_S = 0.05     # how often a waiting thread looks for an abort or a signal
 
-Link = tuple[Phase, int, int]     # (phase, sender, receiver)
+Channel = tuple[Phase, int, int]     # (phase, sender, receiver): one way messages go
 
 
 class Aborted(Exception):
@@ -85,15 +85,15 @@ class _Message:
 
 
 class ThreadTransport:
-    """Messages between threads of one process: a FIFO queue per link.
+    """Messages between threads of one process: a FIFO queue per channel.
 
     `devices[i]` is where participant i computes (None: the caller's thread, which moves nothing);
     `stopping` is the run's abort flag, which waits look at.
     """
 
-    def __init__(self, links: Iterable[Link], devices: Mapping[int, torch.device | None],
+    def __init__(self, channels: Iterable[Channel], devices: Mapping[int, torch.device | None],
                  stopping: threading.Event):
-        self.channels: dict[Link, queue.SimpleQueue] = {link: queue.SimpleQueue() for link in links}
+        self.queues: dict[Channel, queue.SimpleQueue] = {c: queue.SimpleQueue() for c in channels}
         self.devices = devices
         self.stopping = stopping
 
@@ -104,11 +104,11 @@ class ThreadTransport:
         if sender_device is not None and is_gpu(sender_device):
             gpus.add(sender_device)
         ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
-        self.channels[phase, sender, receiver].put(_Message(microbatch, values, ready))
+        self.queues[phase, sender, receiver].put(_Message(microbatch, values, ready))
 
     def receive(self, phase: Phase, sender: int, receiver: int,
                 microbatch: int) -> dict[str, Any]:
-        message = self._get(self.channels[phase, sender, receiver])
+        message = self._get(self.queues[phase, sender, receiver])
         assert message.microbatch == microbatch, (
             f"{phase.name.lower()} message {sender} -> {receiver}: micro-batch "
             f"{message.microbatch} came where {microbatch} was expected")
@@ -119,7 +119,7 @@ class ThreadTransport:
         return {name: _to(value, device) for name, value in message.values.items()}
 
     def abort(self, reason: str = "the run was aborted") -> None:
-        for channel in self.channels.values():
+        for channel in self.queues.values():
             channel.put(_Abort(reason))
 
     def finish_step(self) -> None:
