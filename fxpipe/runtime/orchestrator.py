@@ -43,7 +43,7 @@ import torch
 
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.device import is_cpu, stream_for
-from fxpipe.passes.errors import FxpipeError, StageError
+from fxpipe.passes.errors import PartitionError, StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
 from ..wiring import DRIVER, Flow, Wiring
@@ -183,8 +183,8 @@ class _Stream(_Rows):
         flow = runtime.wiring.flow(training=False)
         silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
         if silent:
-            raise FxpipeError(f"stage {silent[0]} reads no input nor other stage, so it would "
-                              f"never learn that a stream ended: plan on fewer devices")
+            raise PartitionError(f"stage {silent[0]} reads no input nor other stage, so it would "
+                                 f"never learn that a stream ended: plan on fewer devices")
         super().__init__(runtime, flow)
         self.limit = max_in_flight
         self.seed = seed
