@@ -21,8 +21,8 @@ from torch import nn
 
 from fxpipe.passes.annotate_costs import measurement_spread
 from fxpipe.passes.codegen import Placed, held_by_stages, split_stages
-from fxpipe.passes.cost_model import (DRIVER, DeviceSpec, Held, Link, LinkFn, Memory, default_link,
-                                      lower_bound_s)
+from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Held, Link, LinkFn, Memory,
+                                      default_link, lower_bound_s)
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
 from fxpipe.passes.functionalize import functionalize
 from fxpipe.passes.graph_values import tensors
@@ -420,8 +420,8 @@ def _checked_link(link: LinkFn, specs: Sequence[DeviceSpec]) -> LinkFn:
         if (src.name, dst.name) not in checked:
             checked[src.name, dst.name] = _valid_link(link(src, dst), src, dst)
         return checked[src.name, dst.name]
-    for src in [DRIVER, *specs]:
-        for dst in [DRIVER, *specs]:
+    for src in [DRIVER_DEVICE, *specs]:
+        for dst in [DRIVER_DEVICE, *specs]:
             checked_link(src, dst)
     return checked_link
 

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.passes.compare import difference, output_name
-from fxpipe.passes.errors import BatchError, FxpipeError
+from fxpipe.passes.errors import BatchError, VerificationError
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
@@ -115,13 +115,13 @@ def verify(plan: Plan, recipe: Recipe, reference: Reference,
         actual = call_stages(plan, runtime, copied(recipe.args), copied(recipe.kwargs))
     problem = difference(actual, reference.expected, tolerance)
     if problem and reference.random:
-        raise FxpipeError(
+        raise VerificationError(
             f"the pipeline differs from the model run once per micro-batch under the same seeds: "
             f"{problem}. The model draws random numbers (two runs from different seeds differ), "
             f"and the pipeline drew other ones: compile with verify=False to accept it, and "
             f"please report it as a bug in fxpipe with the model")
     if problem:
-        raise FxpipeError(
+        raise VerificationError(
             f"the pipeline does not reproduce the model on the example inputs: {problem}. If this "
             f"is rounding (the number of threads changes the order of sums), relax the check with "
             f"verify_tolerance= (a tolerance relative to each output's largest value) or skip it "

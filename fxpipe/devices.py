@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from fxpipe.passes.cost_model import DeviceSpec, Link, LinkFn
+from fxpipe.passes.device import is_cpu, is_gpu, synchronize
 from fxpipe.passes.errors import DeviceError
 
 DeviceLike = str | torch.device | DeviceSpec
@@ -46,11 +47,11 @@ def _parse(device: DeviceLike) -> DeviceSpec:
     except (RuntimeError, TypeError) as e:
         raise DeviceError(f"{name!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
     _check(str(parsed))
-    if parsed.type == "cuda" and parsed.index is None:
+    if is_gpu(parsed) and parsed.index is None:
         parsed = torch.device("cuda", torch.cuda.current_device())
     spec = replace(spec, name=str(parsed)) if spec is not None else DeviceSpec(str(parsed))
     _check_spec(spec)
-    if parsed.type == "cuda" and spec.memory_bytes == math.inf:
+    if is_gpu(parsed) and spec.memory_bytes == math.inf:
         spec = replace(spec, memory_bytes=gpu_memory_bytes(parsed))
     return spec
 
@@ -83,9 +84,9 @@ def _check(name: str) -> None:
         device = torch.device(name)
     except (RuntimeError, TypeError) as e:
         raise DeviceError(f"{name!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
-    if device.type == "cpu":
+    if is_cpu(device):
         return
-    if device.type != "cuda":
+    if not is_gpu(device):
         raise DeviceError(f"device {name!r} is not supported: fxpipe runs stages on 'cpu' and "
                           f"'cuda:N' devices")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -107,7 +108,7 @@ def _check_spec(spec: DeviceSpec) -> None:
                                      or isinstance(spec.threads, bool) or spec.threads < 1):
         raise DeviceError(f"{spec}: threads={spec.threads!r} must be a number of intra-op threads "
                           f">= 1, or None to share the cores evenly among the CPU stages")
-    if spec.threads is not None and not spec.name.startswith("cpu"):
+    if spec.threads is not None and not is_cpu(spec.name):
         raise DeviceError(f"{spec}: threads= applies to CPU stages only; a GPU stage's threads are "
                           f"the GPU's own: leave threads=None")
 
@@ -270,12 +271,3 @@ def _ping_pong(rank: int, init: str, repeats: int, timeout: float, results: Any)
             results.put(one_way)
     finally:
         dist.destroy_process_group()
-
-
-
-def synchronize(*devices: torch.device) -> None:
-    """Wait for the work queued on each GPU among `devices` (each the one named, not the
-    current one)."""
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)

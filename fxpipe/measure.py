@@ -20,7 +20,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs, start_timer
+from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs
+from fxpipe.passes.device import is_cpu, start_timer
 from fxpipe.passes.codegen import placed_copy
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, cost_graph
 from fxpipe.passes.errors import CostError
@@ -80,7 +81,7 @@ class Costs:
     def devices(config: search.Config, specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
         """The configuration's devices, each CPU stage with its threads."""
         return shared_memory([replace(d, threads=d.threads or config.threads)
-                              if d.name.startswith("cpu") else d
+                              if is_cpu(d.name) else d
                               for d in specs[:config.num_stages]])
 
     def measure(self, config: search.Config, devices: Sequence[DeviceSpec]) -> search.Costed:

@@ -19,8 +19,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, LinkFn
-from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError,
-                                  PartitionError)
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, PartitionError,
+                                  ScheduleError, VerificationError)
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.trace import CaptureMode
 
@@ -66,8 +66,8 @@ class Options:
             raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int "
                              f">= 1, or 'auto' to let the plan choose")
         if self.schedule != "auto" and self.schedule not in SCHEDULES:
-            raise FxpipeError(f"unknown schedule {self.schedule!r}: use one of "
-                              f"{', '.join(SCHEDULES)}, or 'auto' to let the plan choose")
+            raise ScheduleError(f"unknown schedule {self.schedule!r}: use one of "
+                                f"{', '.join(SCHEDULES)}, or 'auto' to let the plan choose")
         if threads is not None and not _count(threads):
             raise DeviceError(f"threads_per_stage={threads!r}: use a number of intra-op threads "
                               f">= 1 for each CPU stage, or None to share the cores evenly")
@@ -76,12 +76,12 @@ class Options:
         tolerance = self.verify_tolerance
         if tolerance is not None and not (isinstance(tolerance, (int, float))
                                           and 0 <= tolerance < math.inf):
-            raise FxpipeError(f"verify_tolerance={tolerance!r}: use a relative tolerance >= 0, "
-                              f"e.g. 1e-4, or verify=False to skip the check")
+            raise VerificationError(f"verify_tolerance={tolerance!r}: use a relative tolerance "
+                                    f">= 0, e.g. 1e-4, or verify=False to skip the check")
         if self.recompute not in ("never", "always", "auto"):
-            raise FxpipeError(f"recompute={self.recompute!r}: use 'never' (keep activations for "
-                              f"the backward), 'always' (keep each stage's inputs, recompute the "
-                              f"rest) or 'auto' (recompute where a stage would not fit otherwise)")
+            raise CostError(f"recompute={self.recompute!r}: use 'never' (keep activations for "
+                            f"the backward), 'always' (keep each stage's inputs, recompute the "
+                            f"rest) or 'auto' (recompute where a stage would not fit otherwise)")
         optimizer_state_factor(self.optimizer)
         if self.costs is not None and not (isinstance(self.costs, Plan)
                                            and self.costs.measurements):
@@ -188,6 +188,6 @@ def optimizer_state_factor(optimizer: str | float | type) -> float:
     name = optimizer.__name__ if isinstance(optimizer, type) else optimizer
     if isinstance(name, str) and name.lower() in OPTIMIZER_STATE:
         return OPTIMIZER_STATE[name.lower()]
-    raise FxpipeError(f"optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATE)} (or "
-                      f"its torch.optim class), or the bytes of optimizer state per parameter "
-                      f"byte as a number (Adam keeps 2.0, SGD 0.0)")
+    raise CostError(f"optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATE)} (or "
+                    f"its torch.optim class), or the bytes of optimizer state per parameter "
+                    f"byte as a number (Adam keeps 2.0, SGD 0.0)")

@@ -13,7 +13,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link
-from fxpipe.passes.errors import FxpipeError, ModelChangedError, StageError
+from fxpipe.passes.device import initialized_gpus
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, ModelChangedError,
+                                  StageError)
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
@@ -21,6 +23,7 @@ from fxpipe.passes.trace import hook_kind
 from . import microbatch
 from .plan_data import Plan
 from .runtime import Run, Runtime
+from .saved import PlanFileError
 from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from .explain import explain
 from .schedules import Action, Phase, Slot, gpipe, timetable_for
@@ -105,7 +108,7 @@ class Pipeline(nn.Module):
         caller's generator left as the graph would leave it), recorded in `last_run`, a failure
         raised as a `StageError`."""
         seed = microbatch_seeds(1)[0]
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        cuda = initialized_gpus()
         record = Run(num_stages=1)
         self._runtime.last_run = record
         start = time.perf_counter()
@@ -138,7 +141,7 @@ class Pipeline(nn.Module):
         self._check_hooks()
         limit = max_in_flight if max_in_flight is not None else 2 * len(self._stages)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise FxpipeError(f"max_in_flight={max_in_flight!r}: use a number of items >= 1")
+            raise BatchError(f"max_in_flight={max_in_flight!r}: use a number of items >= 1")
         signature, placeholders = self._signature, self._placeholders
 
         def graph_inputs() -> Iterator[dict[str, Any]]:
@@ -210,8 +213,8 @@ class Pipeline(nn.Module):
         earlier or later would cost). See `fxpipe.explain`."""
         if not isinstance(self.module, fx.GraphModule) or not any(
                 "cost" in n.meta for n in self.module.graph.nodes):
-            raise FxpipeError("explain() needs the costed graph, which a compiled pipeline keeps "
-                              "and a loaded plan does not: compile the model to explain its plan")
+            raise CostError("explain() needs the costed graph, which a compiled pipeline keeps "
+                            "and a loaded plan does not: compile the model to explain its plan")
         part = self.plan.partition
         link = self.plan.link_fn or default_link
         return explain(self.module, dict(part.stage_of), part.devices, link=link,
@@ -241,7 +244,7 @@ class Pipeline(nn.Module):
         captured = self.plan.capture.training
         if self._recipe is None and captured is not None and captured != mode:
             have, want = ("train", "eval") if captured else ("eval", "train")
-            raise FxpipeError(
+            raise ModelChangedError(
                 f"this pipeline's graph was captured by torch.export in {have} mode, which fixes "
                 f"how its dropout and BatchNorm behave: compile the model after model.{want}() "
                 f"to run it in {want} mode")
@@ -249,7 +252,7 @@ class Pipeline(nn.Module):
             # Without the model there is no capturing it again, and an fx graph may have read
             # `self.training` in Python at capture: run only the mode it was planned in.
             have, want = ("train", "eval") if self._planned_mode else ("eval", "train")
-            raise FxpipeError(
+            raise ModelChangedError(
                 f"this pipeline runs a plan made in {have} mode, and has no model to capture in "
                 f"{want} mode: plan the model after model.{want}() for that (or compile it, "
                 f"which switches modes)")
@@ -332,15 +335,15 @@ class Pipeline(nn.Module):
         self._hook_ids_seen = registered
 
     def _apply(self, fn, recurse=True):
-        raise FxpipeError("a Pipeline places each stage on its own device: pass the devices to "
+        raise DeviceError("a Pipeline places each stage on its own device: pass the devices to "
                           "fxpipe.compile(model, devices=...) instead of moving the pipeline")
 
     def __reduce_ex__(self, protocol):
-        raise FxpipeError("a Pipeline cannot be pickled (torch.save(pipe)): it holds generated "
-                          "stage code, devices and threads. Save its weights with "
-                          "torch.save(pipe.state_dict(), path); to resume, compile the model "
-                          "again and call pipe.load_state_dict(torch.load(path)) (the names are "
-                          "the model's, so model.load_state_dict works too)")
+        raise PlanFileError("a Pipeline cannot be pickled (torch.save(pipe)): it holds generated "
+                            "stage code, devices and threads. Save its weights with "
+                            "torch.save(pipe.state_dict(), path); to resume, compile the model "
+                            "again and call pipe.load_state_dict(torch.load(path)) (the names are "
+                            "the model's, so model.load_state_dict works too)")
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan}\n)"
@@ -390,8 +393,8 @@ def _gathered(stages: Sequence[Stage]) -> nn.Module:
                     target = _module_at(root, path)
                     held = getattr(target, table).get(name)
                     if held is not None and held is not value:
-                        raise FxpipeError(f"stages hold two different tensors named "
-                                          f"{'.'.join(filter(None, (path, name)))!r}")
+                        raise PlanFileError(f"stages hold two different tensors named "
+                                            f"{'.'.join(filter(None, (path, name)))!r}")
                     getattr(target, table)[name] = value
     root.train(all(stage.module.training for stage in stages))
     return root

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.passes.device import initialized_gpus
 from fxpipe.passes.state import unchanged_state
 from fxpipe.passes.trace import attributes_restored
 
@@ -53,7 +54,7 @@ def unchanged(model: nn.Module) -> Iterator[None]:
     values, `fxpipe.passes.state.unchanged_state`), its modules' plain attributes
     (`fxpipe.passes.trace.attributes_restored`) and the random generators are restored after;
     gradients are off."""
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    cuda = initialized_gpus()
     with unchanged_state(model), attributes_restored(model), torch.random.fork_rng(devices=cuda), \
             torch.no_grad():
         yield

@@ -16,10 +16,10 @@ from .search import in_flight
 
 
 # What `Plan.link` says transfers were priced as.
-LINKS = {"default": "hand-offs between threads of one process (link='default')",
-         "measure": "copies measured on this machine (link='measure')",
-         "gloo": "messages between processes over gloo (link='gloo')",
-         "yours": "your link function"}
+LINK_DESCRIPTIONS = {"default": "hand-offs between threads of one process (link='default')",
+                     "measure": "copies measured on this machine (link='measure')",
+                     "gloo": "messages between processes over gloo (link='gloo')",
+                     "yours": "your link function"}
 
 
 def table(plan: Plan) -> str:
@@ -45,7 +45,8 @@ def describe(plan: Plan) -> str:
         f"captured by {plan.capture}",
         table(plan),
         f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
-        f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as {LINKS[plan.link]}",
+        f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as "
+        f"{LINK_DESCRIPTIONS[plan.link]}",
         *_measurement(plan),
         *_activations(plan),
         *_comparison(plan),

@@ -62,7 +62,8 @@ PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
 
 
 class PlanFileError(FxpipeError):
-    """A saved plan that cannot be loaded: a file missing or changed, or other versions."""
+    """A plan that cannot be saved or loaded: a file missing or changed, other versions, a stage
+    that is not in it, stages that disagree; or a Pipeline pickled instead of its weights."""
 
 
 def versions() -> dict[str, str]:
@@ -77,8 +78,8 @@ def versions() -> dict[str, str]:
 def save(plan: Plan, path: str | os.PathLike) -> Path:
     """Write `plan` (a `fxpipe.Plan` with its stages) to the directory `path` (made if needed)."""
     if not plan.stages:
-        raise FxpipeError("this plan has no stages to save: save the plan of a Pipeline "
-                          "(pipe.plan.save(path)) or of fxpipe.plan(...)")
+        raise PlanFileError("this plan has no stages to save: save the plan of a Pipeline "
+                            "(pipe.plan.save(path)) or of fxpipe.plan(...)")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     first_holder: dict[int, tuple[int, str]] = {}     # id(tensor) -> (stage, name) saving it
@@ -157,8 +158,8 @@ def load_stage_plan(path: str | os.PathLike, index: int, *,
     root, document = _checked(path, index)
     plan = _load_skeleton(root)
     if not 0 <= index < len(plan.stages):
-        raise FxpipeError(f"the plan at {str(root)!r} has stages 0 to {len(plan.stages) - 1}, "
-                          f"not {index}")
+        raise PlanFileError(f"the plan at {str(root)!r} has stages 0 to {len(plan.stages) - 1}, "
+                            f"not {index}")
     if device is not None:
         plan = _moved(plan, {index: parse_devices(device)[0]}, root)
     stage = plan.stages[index]

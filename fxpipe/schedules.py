@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
-from fxpipe.passes.errors import FxpipeError
+from fxpipe.passes.errors import ScheduleError
 
 
 class Phase(Enum):
@@ -75,7 +75,7 @@ def one_f_one_b(num_stages: int, chunks: int) -> Timetable:
 def timetable_for(schedule: ScheduleName, num_stages: int, chunks: int, *,
                   backward: bool) -> Timetable:
     if schedule not in SCHEDULES:
-        raise FxpipeError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     if schedule == "1f1b" and backward:
         return one_f_one_b(num_stages, chunks)
     return gpipe(num_stages, chunks, backward=backward)
@@ -149,8 +149,8 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
                 progressed = True
         if not progressed:
             stuck = next(a[position[s]] for s, a in enumerate(timetable) if position[s] < len(a))
-            raise FxpipeError(f"the timetable deadlocks: no stage can run its next action "
-                              f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
+            raise ScheduleError(f"the timetable deadlocks: no stage can run its next action "
+                                f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
     return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
 
 
@@ -188,8 +188,9 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             if any(p < len(a) for p, a in zip(position, timetable)):
                 stuck = next(a[position[s]] for s, a in enumerate(timetable)
                              if position[s] < len(a))
-                raise FxpipeError(f"the timetable deadlocks: no stage can run its next action "
-                                  f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
+                raise ScheduleError(f"the timetable deadlocks: no stage can run its next action "
+                                    f"(first blocked: {stuck})\n"
+                                    f"{format_timetable(timetable, stuck)}")
             return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
         asked = sum(demand[s] for s in running)
         rate = {s: min(1.0, cores / asked) if demand[s] > 0 else 1.0 for s in running}
@@ -216,9 +217,9 @@ def validate(timetable: Timetable, chunks: int, reads_from: Mapping[int, Sequenc
         expected = sorted((m, p.value) for m in range(chunks) for p in phases)
         got = sorted((a.microbatch, a.phase.value) for a in actions)
         if got != expected or any(a.stage != s for a in actions):
-            raise FxpipeError(f"stage {s} must run each of {chunks} micro-batches "
-                              f"{'forward and backward' if backward else 'forward'} once, "
-                              f"on itself:\n{format_timetable(timetable)}")
+            raise ScheduleError(f"stage {s} must run each of {chunks} micro-batches "
+                                f"{'forward and backward' if backward else 'forward'} once, "
+                                f"on itself:\n{format_timetable(timetable)}")
     simulate(timetable, lambda a: 1.0, reads_from)
 
 
@@ -312,10 +313,10 @@ def validate_messages(timetable: Timetable, reads_from: Mapping[int, Sequence[in
         if sent == asked:
             continue
         if sorted(sent, key=str) != sorted(asked, key=str):
-            raise FxpipeError(f"rank {p} sends rank {q} other messages than rank {q} asks "
-                              f"for:\n  sent:  {_messages(sent)}\n  asked: {_messages(asked)}")
+            raise ScheduleError(f"rank {p} sends rank {q} other messages than rank {q} asks "
+                                f"for:\n  sent:  {_messages(sent)}\n  asked: {_messages(asked)}")
         i = next(i for i, (a, b) in enumerate(zip(sent, asked)) if a != b)
-        raise FxpipeError(
+        raise ScheduleError(
             f"rank {q} asks rank {p} for {_message(asked[i])} where rank {p} sends "
             f"{_message(sent[i])} (message {i}), which rank {q} must keep aside:\n"
             f"  sent:  {_messages(sent, i)}\n  asked: {_messages(asked, i)}\n"

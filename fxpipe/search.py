@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn, Memory
+from fxpipe.passes.device import is_cpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
 
@@ -96,7 +97,7 @@ def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
 def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
     """The cores each stage's device asks for: a CPU stage's intra-op threads; a GPU stage one,
     for the thread that launches its kernels (starved of a core, it leaves its GPU idle)."""
-    return [(d.threads or 1) if d.name.startswith("cpu") else 1 for d in devices]
+    return [(d.threads or 1) if is_cpu(d.name) else 1 for d in devices]
 
 
 def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
@@ -175,7 +176,7 @@ def stage_threads(devices: Sequence[DeviceSpec], num_stages: int, cores: int,
     left once each GPU stage has one for its launching thread, shared out."""
     if fixed is not None:
         return fixed
-    cpu_stages = sum(d.name.startswith("cpu") for d in devices[:num_stages])
+    cpu_stages = sum(is_cpu(d.name) for d in devices[:num_stages])
     gpu_stages = min(num_stages, len(devices)) - cpu_stages
     return max(1, (cores - gpu_stages) // max(1, cpu_stages))
 

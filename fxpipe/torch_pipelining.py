@@ -30,7 +30,7 @@ from fxpipe.passes.errors import FxpipeError
 
 from .devices import DeviceLike
 from .plan_data import Plan
-from .distributed import rank_device
+from .distributed import DistributedError, WorldSizeError, rank_device
 from .saved import load_stage_plan, planned_device, stage_count
 from .wiring import DRIVER
 
@@ -94,13 +94,13 @@ def pipeline_stages(path: str | os.PathLike, *, device: DeviceLike | None = None
     from torch.distributed.pipelining import PipelineStage
 
     if not dist.is_initialized():
-        raise FxpipeError("no process group: start the processes with torchrun and call "
-                          "torch.distributed.init_process_group() before pipeline_stages()")
+        raise DistributedError("no process group: start the processes with torchrun and call "
+                               "torch.distributed.init_process_group() before pipeline_stages()")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     count = stage_count(path)
     if count % world:
-        raise FxpipeError(f"the plan at {str(path)!r} has {count} stages, not a multiple of the "
-                          f"{world} processes: start {count} (or a divisor of it) with torchrun")
+        raise WorldSizeError(f"the plan at {str(path)!r} has {count} stages, not a multiple of the "
+                             f"{world} processes: start {count} (or a divisor of it) with torchrun")
     stages = []
     for index in range(rank, count, world):
         plan, stage = load_stage_plan(path, index,

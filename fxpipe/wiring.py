@@ -33,15 +33,15 @@ class Flow:
     reads: Reads    # reads[receiver][sender]: names
     sends: Reads    # sends[sender][receiver]: names
 
-    def links(self) -> list[tuple[Phase, int, int]]:
+    def channels(self) -> list[tuple[Phase, int, int]]:
         """Every (phase, sender, receiver): forwards as read, and gradients back between stages."""
-        links = []
+        channels = []
         for receiver, senders in self.reads.items():
             for sender in senders:
-                links.append((Phase.FORWARD, sender, receiver))
+                channels.append((Phase.FORWARD, sender, receiver))
                 if sender != DRIVER:
-                    links.append((Phase.BACKWARD, receiver, sender))
-        return links
+                    channels.append((Phase.BACKWARD, receiver, sender))
+        return channels
 
     @staticmethod
     def of_reads(reads: Reads) -> "Flow":

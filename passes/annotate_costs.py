@@ -15,7 +15,6 @@ the inputs.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from .codegen import placed_copy
 from .cost_model import NodeCost
+from .device import is_gpu, start_timer
 from .errors import CostError
 from .graph_values import PlainInterpreter, attr_value, plain, tensors
 from .signature import signature_of
@@ -123,26 +123,6 @@ class CostInterpreter(PlainInterpreter):
         return elapsed_s()
 
 
-def start_timer(device: torch.device) -> Callable[[], float]:
-    """Start timing the work done on `device` from now on; the function returned waits for that
-    work and says its seconds. On a GPU, CUDA events on the device's current stream time the
-    GPU's own work, not the host's launches (which run ahead of it); elsewhere, the host's clock.
-    """
-    if device.type != "cuda":
-        start = time.perf_counter()
-        return lambda: time.perf_counter() - start
-    stream = torch.cuda.current_stream(device)
-    begin = torch.cuda.Event(enable_timing=True)
-    begin.record(stream)
-
-    def elapsed_s() -> float:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
-    return elapsed_s
-
-
 UNSTEADY = 0.25     # a measurement whose time-weighted spread is above this is taken again
 
 
@@ -174,7 +154,7 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(measured, device, backward=backward, progress=progress)
-    generators = [device] if device.type == "cuda" else []
+    generators = [device] if is_gpu(device) else []
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     with unchanged_state(measured), torch.no_grad(), torch.random.fork_rng(devices=generators):
         for run in range(warmup + limit):

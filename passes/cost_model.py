@@ -18,6 +18,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch.fx as fx
 
+from .device import is_cpu
 from .errors import CostError
 from .state import state_units
 
@@ -59,7 +60,7 @@ class DeviceSpec:
     @property
     def kind(self) -> str:
         """What a node's cost depends on: the device, and a CPU stage's thread count."""
-        if self.name.startswith("cpu"):
+        if is_cpu(self.name):
             return "cpu" if self.threads is None else f"cpu/{self.threads}"
         return self.name
 
@@ -86,15 +87,15 @@ LinkFn = Callable[[DeviceSpec, DeviceSpec], Link]
 
 def default_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
     """A link by device kinds; `fxpipe.devices.measure_links` measures real ones."""
-    if src.name == dst.name or (src.name.startswith("cpu") and dst.name.startswith("cpu")):
+    if src.name == dst.name or (is_cpu(src.name) and is_cpu(dst.name)):
         return SAME_DEVICE
-    if src.name.startswith("cpu") or dst.name.startswith("cpu"):
+    if is_cpu(src.name) or is_cpu(dst.name):
         return HOST_DEVICE
     return PEER_DEVICE
 
 
 # The driver feeds graph inputs and collects graph outputs; it lives on the host.
-DRIVER = DeviceSpec("cpu")
+DRIVER_DEVICE = DeviceSpec("cpu")
 
 
 @dataclass(frozen=True)
@@ -474,8 +475,8 @@ class Pricing:
         self.columns = [t for t, _ in distinct] + [tuple(map(min, zip(*self.times)))]
         self.floor_column = len(distinct)
         self.forward_columns = [f for _, f in distinct] + [(0.0,) * len(graph)]
-        self.from_driver = [link(DRIVER, d) for d in devices]
-        self.to_driver = [link(d, DRIVER) for d in devices]
+        self.from_driver = [link(DRIVER_DEVICE, d) for d in devices]
+        self.to_driver = [link(d, DRIVER_DEVICE) for d in devices]
         # Stages whose memory never constrains them: nothing to price (the hot loops skip it).
         self.unbounded = [d.memory_bytes == math.inf and
                           not (memory.training and memory.recompute == "always")

@@ -28,12 +28,30 @@ class PartitionError(FxpipeError):
 
 
 class CostError(FxpipeError):
-    """A node failed while its cost was measured, or a node has no cost."""
+    """A node failed while its cost was measured, or a node has no cost (a plan loaded from
+    disk keeps no costed graph to explain), or a cost rule's option (link, optimizer, recompute,
+    repeats) is not one the cost model knows."""
+
+
+class ScheduleError(FxpipeError):
+    """A schedule that does not exist, or a timetable that cannot run: an action missing or
+    repeated, a deadlock, or ranks whose messages do not match."""
+
+
+class LossError(FxpipeError):
+    """train_step's loss_fn returned what it cannot use (not a 0-d tensor or a (loss_sum, count)
+    pair, one that autograd does not reach), or a reduction other than 'mean' or 'sum'."""
+
+
+class VerificationError(FxpipeError):
+    """The placed stages do not reproduce the model on the example inputs, or the tolerance
+    asked for that check is not one."""
 
 
 class ModelChangedError(FxpipeError):
     """The model changed after compile in a way the pipeline cannot follow (a module, parameter or
-    buffer replaced; a hook on a module no stage calls): compile it again."""
+    buffer replaced; a hook on a module no stage calls; train() or eval() where the pipeline
+    cannot capture the other mode): compile it again."""
 
 
 class StageError(FxpipeError):

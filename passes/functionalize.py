@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .device import is_gpu
 from .errors import TraceError
 from .graph_values import PlainInterpreter, tensors
 from .signature import signature_of
@@ -253,7 +254,7 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
                              signature_of(gm).flatten_inputs(args, kwargs))
     interpreter = PlainInterpreter(gm, garbage_collect_values=False)
     cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
-                   if t.is_cuda}, key=str)
+                   if is_gpu(t.device)}, key=str)
     try:
         with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             interpreter.run(*inputs)

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .device import is_gpu
 from .graph_values import attr_value, tensors
 
 _SEED_RANGE = 2 ** 62
@@ -126,7 +127,7 @@ def _draw(state: RngState, op: Callable, args: tuple, kwargs: dict) -> tuple[Any
     if kwargs.get("device") is not None:                    # a factory: `randn(3, device=...)`
         devices.add(torch.device(kwargs["device"]))
     devices = sorted({torch.cuda.current_device() if d.index is None else d.index
-                      for d in devices if d.type == "cuda"})
+                      for d in devices if is_gpu(d)})
     with _LOCK:
         caller_cpu = torch.get_rng_state()
         caller_cuda = {d: torch.cuda.get_rng_state(d) for d in devices}

@@ -66,6 +66,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .compare import difference, equal
+from .device import initialized_gpus
 from .errors import TraceError
 from .signature import exported_signature, plain_varargs, traced_signature
 from .state import unchanged_state
@@ -878,7 +879,7 @@ def _mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple,
     """
     given = _copied((args, kwargs))
     # `manual_seed` seeds every GPU's generator too: each one there is is forked.
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    cuda = initialized_gpus()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             with unchanged_state(model):

@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import fxpipe.passes.annotate_costs as annotate_costs_module
+import fxpipe.passes.device as device_module
 from fxpipe.passes.annotate_costs import UNSTEADY, annotate_costs, bind_inputs, measurement_spread
 from fxpipe.passes.trace import trace
 from fxpipe.passes.cost_model import NodeCost
@@ -90,9 +90,10 @@ class Holder(torch.nn.Module):
 
 @pytest.fixture
 def scripted_clock(monkeypatch):
-    """annotate_costs reads a clock on which only the scripted leaf takes time."""
+    """annotate_costs reads a clock (its timers', `fxpipe.passes.device`) on which only the
+    scripted leaf takes time."""
     clock = types.SimpleNamespace(perf_counter=lambda: SCRIPT["elapsed_s"])
-    monkeypatch.setattr(annotate_costs_module, "time", clock)
+    monkeypatch.setattr(device_module, "time", clock)
 
 
 def scripted_graph(durations_s):

@@ -179,7 +179,7 @@ def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(s
 def test_a_model_that_fits_nowhere_is_told_the_memory_that_would_do():
     from fxpipe.passes.cost_model import CostGraph, DeviceSpec, Memory, format_bytes
     from fxpipe.passes.partition import partition
-    from fxpipe.passes.partition.driver import least_memory_bytes
+    from fxpipe.passes.partition.orders import least_memory_bytes
 
     n = 8
     graph = CostGraph(names=("x",) + tuple(f"n{i}" for i in range(n)),

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.passes.cost_model import DeviceSpec
+from fxpipe.passes.device import is_gpu
 
 from ..devices import DeviceLike
-from ..report import LINKS
+from ..report import LINK_DESCRIPTIONS
 from ..saved import load_stage_plan, planned_device, shared_tensors, stage_count
 from .stage import DistributedStage
 from .transport import DistributedError
@@ -60,9 +61,9 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
     if device is None:
         local = os.environ.get("LOCAL_RANK")
         device = torch.device("cuda", int(local)) if (
-            planned.type == "cuda" and local is not None) else planned
+            is_gpu(planned) and local is not None) else planned
     chosen = torch.device(device.name if isinstance(device, DeviceSpec) else device)
-    if chosen.type == "cuda" and chosen.index is not None:
+    if is_gpu(chosen) and chosen.index is not None:
         torch.cuda.set_device(chosen)
     return device
 
@@ -88,8 +89,8 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
     (plan, stage), shared = loaded
     if rank == 0 and stages > 1 and plan.link != "gloo":
         warnings.warn(f"the plan at {str(path)!r} priced the values its stages exchange as "
-                      f"{LINKS[plan.link]}, not as messages between processes, so it balanced "
-                      f"and predicted with transfers too cheap: plan with "
+                      f"{LINK_DESCRIPTIONS[plan.link]}, not as messages between processes, so it "
+                      f"balanced and predicted with transfers too cheap: plan with "
                       f"fxpipe.plan(..., link='gloo') for a run under torchrun", stacklevel=3)
     tied = _tied_groups(_tied_parameters(plan, shared), stage, stages, world // stages,
                         replica, timeout)

@@ -42,7 +42,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.errors import FxpipeError, StageError
+from fxpipe.passes.device import is_cpu, stream_for
+from fxpipe.passes.errors import PartitionError, StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
 from ..wiring import DRIVER, Flow, Wiring
@@ -91,8 +92,7 @@ class Runtime:
         # Each CPU stage's intra-op threads (None: as the thread starts).
         self.threads = (list(threads_per_stage) if isinstance(threads_per_stage, Sequence)
                         else [threads_per_stage] * len(self.stages))
-        self.streams = [torch.cuda.Stream(s.device) if s.device.type == "cuda" else None
-                        for s in stages]
+        self.streams = [stream_for(s.device) for s in stages]
         self.last_run: Run | None = None    # the latest run's record, failed or not
         self._in_order = False
 
@@ -135,7 +135,7 @@ class _Rows:
         self.flow = flow
         self.stopping = threading.Event()
         self.transport = ThreadTransport(
-            flow.links(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            flow.channels(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
             self.stopping)
         self.errors: list[StageError] = []
 
@@ -149,7 +149,7 @@ class _Rows:
         executor = row.executor
         threads = self.rt.threads[row.index]
         try:
-            if threads and executor.stage.device.type == "cpu":
+            if threads and is_cpu(executor.stage.device):
                 set_thread_count(threads)
             with executor.computing():
                 row.walk(stopping=self.stopping.is_set, **timing)
@@ -183,8 +183,8 @@ class _Stream(_Rows):
         flow = runtime.wiring.flow(training=False)
         silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
         if silent:
-            raise FxpipeError(f"stage {silent[0]} reads no input nor other stage, so it would "
-                              f"never learn that a stream ended: plan on fewer devices")
+            raise PartitionError(f"stage {silent[0]} reads no input nor other stage, so it would "
+                                 f"never learn that a stream ended: plan on fewer devices")
         super().__init__(runtime, flow)
         self.limit = max_in_flight
         self.seed = seed

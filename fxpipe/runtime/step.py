@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from fxpipe.passes.errors import FxpipeError, InputError
+from fxpipe.passes.errors import BatchError, InputError, LossError
 from fxpipe.passes.graph_values import tensors
 
 from .. import microbatch
@@ -56,9 +56,9 @@ def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
     """Refuse a micro-batch loss that is not a 0-d tensor, or that autograd cannot reach the
     parameters from (the output requires grad, the loss does not)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise FxpipeError(f"loss_fn must return {expected}, got {loss!r:.80}")
+        raise LossError(f"loss_fn must return {expected}, got {loss!r:.80}")
     if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
-        raise FxpipeError(
+        raise LossError(
             "loss_fn returned a loss that does not require grad, though the model's "
             "output does: nothing would reach .grad. Compute the loss from the output "
             "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
@@ -66,7 +66,7 @@ def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
 
 def check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
-        raise FxpipeError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        raise LossError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
 
 
 class StepLoss:
@@ -99,8 +99,8 @@ class StepLoss:
         self.targets = [microbatch.on_device(t, device) for t in microbatch.split(target, chunks)]
         rows = [microbatch.batch_size(t) for t in self.targets]
         if sum(rows) != rows_in:
-            raise FxpipeError(f"the target has {sum(rows)} rows but the inputs have "
-                              f"{rows_in}: pass one target row per sample")
+            raise BatchError(f"the target has {sum(rows)} rows but the inputs have "
+                             f"{rows_in}: pass one target row per sample")
         self.weights = [self.share * r / sum(rows) if self.reduction == "mean" else 1.0
                         for r in rows]
 
@@ -112,8 +112,8 @@ class StepLoss:
             loss, self.counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
             self.grads.start()   # no backward ran yet: the last stage's comes first
         elif self.counts:
-            raise FxpipeError("loss_fn returned (loss_sum, count) for one micro-batch but not "
-                              "for another: return the same for every micro-batch")
+            raise LossError("loss_fn returned (loss_sum, count) for one micro-batch but not "
+                            "for another: return the same for every micro-batch")
         check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
         return loss if self.counts else loss * self.weights[m]
 

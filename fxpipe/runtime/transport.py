@@ -36,13 +36,14 @@ from typing import Any, Iterable, Mapping, Protocol
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.device import is_gpu
 from fxpipe.passes.graph_values import tensors
 
 from ..schedules import Phase
 
 POLL_S = 0.05     # how often a waiting thread looks for an abort or a signal
 
-Link = tuple[Phase, int, int]     # (phase, sender, receiver)
+Channel = tuple[Phase, int, int]     # (phase, sender, receiver): one way messages go
 
 
 class Aborted(Exception):
@@ -84,30 +85,30 @@ class _Message:
 
 
 class ThreadTransport:
-    """Messages between threads of one process: a FIFO queue per link.
+    """Messages between threads of one process: a FIFO queue per channel.
 
     `devices[i]` is where participant i computes (None: the caller's thread, which moves nothing);
     `stopping` is the run's abort flag, which waits look at.
     """
 
-    def __init__(self, links: Iterable[Link], devices: Mapping[int, torch.device | None],
+    def __init__(self, channels: Iterable[Channel], devices: Mapping[int, torch.device | None],
                  stopping: threading.Event):
-        self.channels: dict[Link, queue.SimpleQueue] = {link: queue.SimpleQueue() for link in links}
+        self.queues: dict[Channel, queue.SimpleQueue] = {c: queue.SimpleQueue() for c in channels}
         self.devices = devices
         self.stopping = stopping
 
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
         sender_device = self.devices[sender]
-        gpus = {t.device for t in tensors(values) if t.is_cuda}
-        if sender_device is not None and sender_device.type == "cuda":
+        gpus = {t.device for t in tensors(values) if is_gpu(t.device)}
+        if sender_device is not None and is_gpu(sender_device):
             gpus.add(sender_device)
         ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
-        self.channels[phase, sender, receiver].put(_Message(microbatch, values, ready))
+        self.queues[phase, sender, receiver].put(_Message(microbatch, values, ready))
 
     def receive(self, phase: Phase, sender: int, receiver: int,
                 microbatch: int) -> dict[str, Any]:
-        message = self._get(self.channels[phase, sender, receiver])
+        message = self._get(self.queues[phase, sender, receiver])
         assert message.microbatch == microbatch, (
             f"{phase.name.lower()} message {sender} -> {receiver}: micro-batch "
             f"{message.microbatch} came where {microbatch} was expected")
@@ -118,7 +119,7 @@ class ThreadTransport:
         return {name: _to(value, device) for name, value in message.values.items()}
 
     def abort(self, reason: str = "the run was aborted") -> None:
-        for channel in self.channels.values():
+        for channel in self.queues.values():
             channel.put(_Abort(reason))
 
     def finish_step(self) -> None:
@@ -141,7 +142,7 @@ class ThreadTransport:
 def _wait(message: _Message, device: torch.device) -> None:
     """Order the receiver's work after the sender's: on its stream, or on this thread."""
     for event in message.ready:
-        if device.type == "cuda":
+        if is_gpu(device):
             torch.cuda.current_stream(device).wait_event(event)
         else:
             event.synchronize()
@@ -154,7 +155,7 @@ def _handed_over(message: _Message) -> dict[str, Any]:
     marked as used by it (its memory is the sender's stream's, which may run on). A CPU tensor
     is read by the host: the host waits."""
     found = tensors(message.values)
-    if not all(t.is_cuda for t in found):
+    if not all(is_gpu(t.device) for t in found):
         _wait(message, torch.device("cpu"))
         return message.values
     for gpu in {t.device for t in found}:
@@ -177,11 +178,11 @@ def _to(value: Any, device: torch.device) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         if v.device == device:
-            if device.type == "cuda":
+            if is_gpu(device):
                 v.record_stream(torch.cuda.current_stream(device))
             return v
-        moved = v.to(device, non_blocking=device.type == "cuda")
-        if device.type == "cuda" and v.device.type == "cuda":
+        moved = v.to(device, non_blocking=is_gpu(device))
+        if is_gpu(device) and is_gpu(v.device):
             v.record_stream(torch.cuda.current_stream(v.device))
         return moved
     return fx.node.map_aggregate(value, move)

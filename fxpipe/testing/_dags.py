@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, Held, KindTimes, LinkFn, Memory,
                                       default_link, stage_costs)
+from fxpipe.passes.device import is_gpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Method, Partition, evaluate
 
@@ -76,7 +77,7 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
     if kinds and draw(st.booleans(), label="gpu-like kinds"):
         gpu = [t / 20 if t >= 1e-3 else t * 0.9 for t in time_s]
         column = KindTimes(tuple(t / 3 for t in gpu), tuple(2 * t / 3 for t in gpu))
-        columns = {name: column for name in DEVICE_NAMES if name.startswith("cuda")}
+        columns = {name: column for name in DEVICE_NAMES if is_gpu(name)}
     graph = CostGraph(names=tuple(f"x{i}" if i < inputs else f"n{i}" for i in range(n)),
                       time_s=tuple(time_s), out_bytes=tuple(out_bytes),
                       param_bytes=tuple(param_bytes), preds=tuple(preds),

@@ -37,7 +37,7 @@ exact bottleneck wins:
    `Limits.prefix_nodes` nodes when nothing above proved optimality.
 
 The exact methods report typed outcomes (`result.py`: `Proved`, `Certified`, `Infeasible`,
-`OverBudget`); the driver (`driver.py`) combines them per device order, and across orders.
+`OverBudget`); `orders.py` combines them per device order, and across orders.
 
 `lower_bound_s` is the best of: a weighted average of the devices' compute and the largest node
 on the device it is fastest on (`cost_model.lower_bound_s`), the DP's value, the probes' L, and
@@ -48,7 +48,7 @@ Time on this machine (benchmarks/partition_speed.py, DNN-shaped graphs): ~0.02-0
 nodes (slicing, certified within 0.1%).
 """
 
-from .driver import num_stages_for, partition
+from .orders import num_stages_for, partition
 from .limits import Limits
 from .result import DeviceOrders, Method, Partition, check_valid, evaluate
 

@@ -11,7 +11,7 @@ The exact methods (`search.py`) settle each family of ideals with one `Outcome`:
 - `Infeasible`: proven that no partition of the family fits the devices' memory;
 - `OverBudget`: the work limit ran out before anything was established.
 
-`Route` says which exact method settled a `Proved` or `Certified` outcome; the driver turns it
+`Route` says which exact method settled a `Proved` or `Certified` outcome; `orders.py` turns it
 into the proof half of the method's sentence.
 """
 

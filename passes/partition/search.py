@@ -8,7 +8,7 @@
    at most L needs only the ideals in narrow bands and either finds the relaxed optimum or proves
    every partition slower than L; L rises from the compute bound until the work limit, raising
    the certified bound.
-5. **Exact slicing**: the driver runs `_exact` (methods 2-3) on the n + 1 prefixes of each order
+5. **Exact slicing**: `orders.py` runs `_exact` (methods 2-3) on the n + 1 prefixes of each order
    (`_Lattice.prefixes`) for graphs of up to `Limits.prefix_nodes` nodes when nothing proved
    optimality: the best contiguous split of that order, so never worse than a split of it by
    node counts, parameters or time.

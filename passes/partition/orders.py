@@ -1,4 +1,5 @@
-"""The driver: `partition` and `num_stages_for`, over one device order or several.
+"""`partition` and `num_stages_for`, the partitioner's entry points, over one device order or
+several.
 
 For each device order, `_partition` slices the topological orders (`slicing.py`), settles the
 ideal lattice with the exact search (`search.py`), solves each order's slicing exactly when
