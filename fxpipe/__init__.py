@@ -8,7 +8,8 @@
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, Link, NodeCost
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
-                           ModelChangedError, PartitionError, StageError, TraceError)
+                           LossReductionError, ModelChangedError, PartitionError,
+                           StageError, TraceError)
 from fxpipe.passes.partition import Partition
 
 from . import timeline
@@ -21,5 +22,5 @@ from .saved import PlanFileError, load_plan
 __all__ = [
     "compile", "plan", "load_plan", "PlanFileError", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
     "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
-    "CostError", "StageError", "ModelChangedError",
+    "CostError", "StageError", "ModelChangedError", "LossReductionError",
 ]
