@@ -173,7 +173,7 @@ class StepLoss:
         parts.append(torch.tensor(float(bool(not_rows_mean)), dtype=torch.float64, device=device))
         totals, counted = learn_totals(torch.stack(parts), bool(self.counts))
         loss_sum, count = totals[0], totals[1]
-        if self.check_rows_mean and bool(totals[2] > 0):
+        if self.check_rows_mean and not counted and bool(totals[2] > 0):
             self.grads.give_back()
             raise LossReductionError(_NOT_ROWS_MEAN.format(
                 what=not_rows_mean or "on this batch, a last stage found loss_fn no mean over "
