@@ -142,7 +142,7 @@ class StepLoss:
     def _not_rows_mean(self) -> str:
         """Why loss_fn is not a mean over rows on this step's micro-batches (loss_fn on their
         outputs and targets merged against the rows-weighted sum of their losses), or ""."""
-        if not self.check_rows_mean or self.counts or len(self.kept) != len(self.targets):
+        if not self.check_rows_mean or len(self.kept) != len(self.targets):
             return ""
         outputs, losses = zip(*(self.kept[m] for m in range(len(self.targets))))
         rows = [microbatch.batch_size(t) for t in self.targets]
@@ -163,7 +163,9 @@ class StepLoss:
         """Learn the step's totals from every participant, scale this step's gradients by one
         over the whole count (a step of `(loss_sum, count)` losses) and give back what `.grad`
         held before; the step's loss where `losses` (this participant's, detached) are given.
-        Summed where the losses are, as float64: nothing is read on the host."""
+        Summed where the losses are, as float64: nothing is read on the host (but by a first
+        mean step's check, once: see the module's docstring). A step the check refuses raises
+        `LossReductionError` on every participant, `.grad` given back as it was."""
         device = losses[0].device if losses else (
             next(iter(self.counts.values())).device if self.counts else torch.device("cpu"))
         not_rows_mean = self._not_rows_mean() if losses else ""
