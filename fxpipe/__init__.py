@@ -8,8 +8,8 @@
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, Link, NodeCost
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
-                                  LossError, ModelChangedError, PartitionError, ScheduleError,
-                                  StageError, TraceError, VerificationError)
+                                  LossError, LossReductionError, ModelChangedError, PartitionError,
+                                  ScheduleError, StageError, TraceError, VerificationError)
 from fxpipe.passes.partition import Partition
 
 from . import timeline
@@ -23,5 +23,5 @@ __all__ = [
     "compile", "plan", "load_plan", "PlanFileError", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
     "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
     "CostError", "StageError", "ModelChangedError", "ScheduleError", "LossError",
-    "VerificationError",
+    "LossReductionError", "VerificationError",
 ]

@@ -163,7 +163,8 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
             raise BatchError(
                 f"{name} of shape {tuple(w.shape)} reduces over the batch: its shape does not "
                 f"follow the batch size, so it cannot be rebuilt from micro-batches. Return "
-                f"per-sample values and reduce after the pipeline, or use chunks=1{_NOT_DIM_0}")
+                f"per-sample values and reduce after the pipeline, or use chunks=1{_NOT_DIM_0}"
+                f"{_TRAIN_STEP if w.dim() == 0 else ''}")
         d = changed[0]
         if len(changed) > 1 or any(w.shape[d] * r != c.shape[d] * total
                                    for c, r in zip(column, rows)):
@@ -177,6 +178,20 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
 
 _NOT_DIM_0 = (" (if the batch is not dimension 0 of every input, as in a sequence-first RNN, say "
               "which dimension it is with batch_dims=)")
+
+
+_TRAIN_STEP = (
+    ". To train on a loss (a model's own, computed from labels given as inputs), compile without "
+    "the labels and compute it in pipe.train_step(inputs, labels, loss_fn) from the outputs: "
+    "loss_fn runs on each micro-batch and the step returns the whole batch's loss and "
+    "gradients. For a language model's token loss (-100 ignored) return (loss_sum, count), e.g. "
+    "for a causal LM, as its own loss shifts the labels:\n"
+    "    def loss_fn(out, labels):\n"
+    "        logits, labels = out.logits[:, :-1], labels[:, 1:]\n"
+    "        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), "
+    "ignore_index=-100, reduction='sum')\n"
+    "        return loss_sum, (labels != -100).sum()\n"
+    "    loss = pipe.train_step({'input_ids': ids}, labels, loss_fn)")
 
 
 def _check_batch_independent(model: nn.Module, recipe: Recipe, output_dims, tolerance,

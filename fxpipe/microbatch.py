@@ -109,6 +109,11 @@ def on_device(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
 
 
+def detached(value: Any) -> Any:
+    """`value` (a pytree) with its tensors detached from autograd."""
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
 def _leaf_dims(inputs: Any, dims: Dims) -> list[int | None]:
     """`dims` broadcast to one entry per leaf of `inputs`."""
     spec = pytree.tree_structure(inputs)

@@ -60,6 +60,7 @@ class Pipeline(nn.Module):
         self._hook_ids_seen = -1                    # see _check_hooks
         self._recipe = None                        # how to plan it again in the other mode
         self._modes: dict[bool, dict[str, Any]] = {}
+        self._rows_mean_checked = False            # see runtime.step: a first step checks it
 
     def _keep_recipe(self, recipe: Any) -> None:
         """Keep how `fxpipe.compile` planned the model (`api.Recipe`): the model, to notice
@@ -179,6 +180,9 @@ class Pipeline(nn.Module):
         `(F.cross_entropy(out, t, ignore_index=-100, reduction="sum"), (t != -100).sum())`. The
         step's loss is then `sum(loss_sums) / sum(counts)`, and the gradients of the parameters
         and of the inputs are those of the whole batch's mean (`reduction` is not used).
+        The first `"mean"` step of more than one micro-batch checks that loss_fn averages over
+        rows (loss_fn on the whole batch's outputs against the weighted micro-batch losses), and
+        otherwise raises `LossReductionError`, `.grad` left as it was.
         The optimizer step is the caller's.
         """
         check_reduction(reduction)
@@ -187,7 +191,9 @@ class Pipeline(nn.Module):
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
         step = StepLoss(loss_fn, self._signature, reduction,
-                        DeferredScale([*self.parameters(), *tensors(values)]))
+                        DeferredScale([*self.parameters(), *tensors(values)]),
+                        check_rows_mean=not self._rows_mean_checked,
+                        output_dims=self._output_dims)
         step.split_targets(target, self.chunks, self._stages[-1].device,
                            microbatch.batch_size(values, self._batch_dims))
         timetable = timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
@@ -197,7 +203,9 @@ class Pipeline(nn.Module):
         except BaseException:
             step.finish([])     # the gradients held aside are given back
             raise
-        return step.finish(losses)
+        loss = step.finish(losses)
+        self._rows_mean_checked = self._rows_mean_checked or bool(step.kept)
+        return loss
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`).

@@ -54,6 +54,11 @@ class ModelChangedError(FxpipeError):
     cannot capture the other mode): compile it again."""
 
 
+class LossReductionError(LossError):
+    """A `reduction="mean"` loss_fn is not a mean over rows (a token loss with ignore_index,
+    say): micro-batch means weighted by rows would not give the whole batch's loss."""
+
+
 class StageError(FxpipeError):
     """A stage failed while the pipeline ran; names the stage, the micro-batch and the node."""
 

@@ -54,6 +54,8 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
         reduction = "sum" if mode == "sum" else "mean"
         if mode == "sum":
             loss_fn = functools.partial(F.mse_loss, reduction="sum")
+        if mode == "positives":
+            loss_fn = positive_targets_plain_mean
         if mode == "count":
             loss_fn = positive_targets_mean
             x = x.clone().requires_grad_() if stage.index == 0 else x
@@ -79,6 +81,12 @@ def positive_targets_mean(output, target):
     """A loss averaged over the positive targets only, as (loss_sum, count)."""
     kept = target > 0
     return F.mse_loss(output[kept], target[kept], reduction="sum"), kept.sum()
+
+
+def positive_targets_plain_mean(output, target):
+    """A loss averaged over the positive targets only, as a plain mean: not a mean over rows."""
+    kept = target > 0
+    return F.mse_loss(output[kept], target[kept])
 
 
 def _fail(*values):

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_distributed import Branchy, planned, ran, results
+import fxpipe
+from test_distributed import Branchy, errors, planned, ran, results
 
-from distributed_worker import positive_targets_mean
+from distributed_worker import positive_targets_mean, positive_targets_plain_mean
 
 LOSSES = {   # the worker's mode -> (loss_fn, reduction)
     "run": (F.mse_loss, "mean"),
@@ -62,3 +63,20 @@ def test_a_train_step_gives_the_whole_batchs_loss_and_gradients(tmp_path, backen
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     if mode == "count":      # the input took a gradient: the whole batch's mean's
         torch.testing.assert_close(x_grad, x.grad)
+
+
+def test_a_mean_loss_not_over_rows_is_refused_by_both_backends_naming_the_fix(tmp_path):
+    """A mean over the positive targets (rows count different numbers of them) is refused at the
+    first step, on every rank, with `.grad` as it was; the `(loss_sum, count)` form is named."""
+    torch.manual_seed(0)
+    model, x, target, pipe, out = ran(tmp_path, 2, 2, mode="positives", model=Branchy(),
+                                      x=torch.randn(7, 8), target=torch.randn(7, 4))
+    refusals = errors(out, 2)
+    assert all(e is not None and e.startswith("LossReductionError") and "(loss_sum, count)" in e
+               for e in refusals), refusals
+
+    for p in pipe.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    with pytest.raises(fxpipe.LossReductionError, match=r"return \(loss_sum, count\)"):
+        pipe.train_step(x, target, positive_targets_plain_mean)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in pipe.parameters())

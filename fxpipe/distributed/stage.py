@@ -59,6 +59,7 @@ class DistributedStage:
         # This rank's actions in the latest call or train_step, seconds from its own start
         # (each rank's clock: compare a stage's times with the plan's, not ranks' starts).
         self.last_run: Run | None = None
+        self._rows_mean_checked = False     # see runtime.step: the first step checks loss_fn
 
     @property
     def index(self) -> int:
@@ -143,7 +144,9 @@ class DistributedStage:
         # Only this step's gradients are added up across ranks and scaled: what `.grad` held
         # is taken aside until `step.finish`.
         step = StepLoss(loss_fn, self.plan.signature, reduction,
-                        DeferredScale([*self.parameters(), *leaves]), share)
+                        DeferredScale([*self.parameters(), *leaves]), share,
+                        check_rows_mean=not self._rows_mean_checked,
+                        output_dims=self.plan.output_dims)
         step.grads.start()
         self._agree(self.last, lambda: step.split_targets(target, self.plan.chunks,
                                                           self.stage.device, rows_in))
@@ -154,8 +157,11 @@ class DistributedStage:
         losses = [executor.losses[m] for m in range(self.plan.chunks)] \
             if self.index == self.last else []
         # Every rank learns the whole count (and the last stages the loss of every replica) in
-        # one all-reduce; this step's gradients are scaled by one over the count.
-        return step.finish(losses, self._learn_totals)
+        # one all-reduce; this step's gradients are scaled by one over the count. The first
+        # step's check of loss_fn (see runtime.step) refuses it on every rank alike.
+        loss = step.finish(losses, self._learn_totals)
+        self._rows_mean_checked = True
+        return loss
 
     def close(self) -> None:
         """After a failed step, take the other ranks' news of it (see `DistributedTransport.close`);

@@ -12,6 +12,14 @@ gradients in `.grad`:
   ran forward, after 1F1B's first backwards, so this step's gradients accumulate apart
   (`DeferredScale`) and are scaled by one over it at the end.
 
+A `"mean"` loss_fn that is not a mean over rows (a token loss whose rows count different
+numbers of tokens: `cross_entropy(..., ignore_index=-100)`) would make that weighted sum differ
+from the whole batch's loss. So a backend's first step of more than one micro-batch checks it
+(`check_rows_mean`): the last stage keeps each micro-batch's output and loss, detached, and
+compares loss_fn on the outputs and targets merged with the rows-weighted sum; where they differ
+every participant gives `.grad` back as it was and raises `LossReductionError` naming the
+`(loss_sum, count)` form. Across replicas each last stage checks its own shard's micro-batches.
+
 What a backend adds is how the step's totals (the loss sum, the count, whether counts came)
 are learnt by every participant: in one process they are already whole (`in_process`); across
 ranks, one all-reduce. A backend passes that in as a function (`Totals`).
@@ -23,12 +31,14 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from fxpipe.passes.errors import BatchError, InputError, LossError
+from fxpipe.passes.compare import difference
+from fxpipe.passes.errors import BatchError, InputError, LossError, LossReductionError
 from fxpipe.passes.graph_values import tensors
 
 from .. import microbatch
 
-# The step's totals summed over every participant: ([loss sum, count sum] float64, counted).
+# The step's totals summed over every participant: ([loss sum, count sum, last stages finding
+# loss_fn no mean over rows] float64, counted).
 Totals = Callable[[torch.Tensor, bool], tuple[torch.Tensor, bool]]
 
 
@@ -74,19 +84,25 @@ class StepLoss:
     micro-batch and its graph values), and the step's loss and gradient scale (`finish`).
 
     `share` is this participant's share of the whole batch's rows (a replica's), `grads` the
-    gradients a `(loss_sum, count)` step scales."""
+    gradients a `(loss_sum, count)` step scales (or a refused step gives back);
+    `check_rows_mean`: check that a `"mean"` loss_fn is a mean over rows (see the module's
+    docstring), merging outputs along `output_dims`."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any], signature: Any,
-                 reduction: Literal["mean", "sum"], grads: "DeferredScale", share: float = 1.0):
+                 reduction: Literal["mean", "sum"], grads: "DeferredScale", share: float = 1.0,
+                 *, check_rows_mean: bool = False, output_dims: Sequence[int | None] | None = None):
         check_reduction(reduction)
         self.loss_fn = loss_fn
         self.signature = signature
         self.reduction = reduction
         self.grads = grads
         self.share = share
+        self.check_rows_mean = check_rows_mean and reduction == "mean"
+        self.output_dims = output_dims
         self.targets: list[Any] = []
         self.weights: list[float] = []
         self.counts: dict[int, torch.Tensor] = {}   # kept on their device: no sync per micro-batch
+        self.kept: dict[int, tuple[Any, torch.Tensor]] = {}   # checked: (output, loss), detached
 
     def split_targets(self, target: Any, chunks: int, device: torch.device, rows_in: int) -> None:
         """`target` in `chunks` micro-batches on `device` (the last stage's), one row per input
@@ -103,6 +119,7 @@ class StepLoss:
                              f"{rows_in}: pass one target row per sample")
         self.weights = [self.share * r / sum(rows) if self.reduction == "mean" else 1.0
                         for r in rows]
+        self.check_rows_mean = self.check_rows_mean and chunks > 1
 
     def __call__(self, m: int, graph_values: dict[str, Any]) -> torch.Tensor:
         """Micro-batch m's loss, weighted (or its loss sum, its count kept)."""
@@ -115,21 +132,54 @@ class StepLoss:
             raise LossError("loss_fn returned (loss_sum, count) for one micro-batch but not "
                             "for another: return the same for every micro-batch")
         check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
-        return loss if self.counts else loss * self.weights[m]
+        if self.counts:
+            return loss
+        if self.check_rows_mean:
+            self.grads.start()   # a refused step gives `.grad` back as it was
+            self.kept[m] = (microbatch.detached(output), loss.detach())
+        return loss * self.weights[m]
+
+    def _not_rows_mean(self) -> str:
+        """Why loss_fn is not a mean over rows on this step's micro-batches (loss_fn on their
+        outputs and targets merged against the rows-weighted sum of their losses), or ""."""
+        if not self.check_rows_mean or len(self.kept) != len(self.targets):
+            return ""
+        outputs, losses = zip(*(self.kept[m] for m in range(len(self.targets))))
+        rows = [microbatch.batch_size(t) for t in self.targets]
+        weighted = sum(loss.double() * r / sum(rows) for loss, r in zip(losses, rows))
+        with torch.no_grad():
+            whole = self.loss_fn(microbatch.merge(list(outputs), self.output_dims),
+                                 microbatch.merge(self.targets))
+        if not isinstance(whole, torch.Tensor) or whole.dim() != 0:
+            return ""     # refused as a micro-batch's loss would be
+        if not difference(weighted.to(whole.dtype), whole, None):
+            return ""
+        return (f"on this batch of {sum(rows)} rows in {len(rows)} micro-batches, loss_fn gives "
+                f"{whole.item():.6g} on the whole batch but its micro-batch losses weighted by "
+                f"their rows give {weighted.item():.6g}")
 
     def finish(self, losses: Sequence[torch.Tensor], learn_totals: Totals = in_process
                ) -> torch.Tensor | None:
         """Learn the step's totals from every participant, scale this step's gradients by one
         over the whole count (a step of `(loss_sum, count)` losses) and give back what `.grad`
         held before; the step's loss where `losses` (this participant's, detached) are given.
-        Summed where the losses are, as float64: nothing is read on the host."""
+        Summed where the losses are, as float64: nothing is read on the host (but by a first
+        mean step's check, once: see the module's docstring). A step the check refuses raises
+        `LossReductionError` on every participant, `.grad` given back as it was."""
         device = losses[0].device if losses else (
             next(iter(self.counts.values())).device if self.counts else torch.device("cpu"))
+        not_rows_mean = self._not_rows_mean() if losses else ""
         parts = [torch.stack([x.to(device, torch.float64) for x in xs]).sum() if xs
                  else torch.zeros((), dtype=torch.float64, device=device)
                  for xs in (list(losses), list(self.counts.values()))]
+        parts.append(torch.tensor(float(bool(not_rows_mean)), dtype=torch.float64, device=device))
         totals, counted = learn_totals(torch.stack(parts), bool(self.counts))
         loss_sum, count = totals[0], totals[1]
+        if self.check_rows_mean and not counted and bool(totals[2] > 0):
+            self.grads.give_back()
+            raise LossReductionError(_NOT_ROWS_MEAN.format(
+                what=not_rows_mean or "on this batch, a last stage found loss_fn no mean over "
+                                      "rows (see its rank's error)"))
         scale = torch.where(count > 0, count.reciprocal(), 0.0) if counted else None
         self.grads.finish(scale)
         if scale is not None:
@@ -137,6 +187,20 @@ class StepLoss:
         if not losses:
             return None
         return loss_sum.to(losses[0].dtype)
+
+
+_NOT_ROWS_MEAN = (
+    "train_step(..., reduction='mean') weights each micro-batch's loss by its share of the rows, "
+    "which gives the whole batch's loss only for a loss_fn averaging over rows; {what} (a token "
+    "loss whose rows count different numbers of tokens, e.g. with ignore_index, averages over "
+    "tokens). No gradient was written. Let loss_fn return (loss_sum, count): the step's loss is "
+    "then sum(loss_sums) / sum(counts), with the whole batch's gradients, e.g.\n"
+    "    def loss_fn(out, labels):\n"
+    "        logits = out.logits if hasattr(out, 'logits') else out\n"
+    "        loss_sum = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), "
+    "ignore_index=-100, reduction='sum')\n"
+    "        return loss_sum, (labels != -100).sum()\n"
+    "(a loss that mixes the rows of a batch cannot be split into micro-batches: use chunks=1)")
 
 
 class DeferredScale:
@@ -157,6 +221,14 @@ class DeferredScale:
         self.before = [t.grad for t in self.leaves]
         for t in self.leaves:
             t.grad = None
+
+    def give_back(self) -> None:
+        """Drop what accumulated since `start()`: `.grad` holds what it held before."""
+        if self.before is None:
+            return
+        for t, before in zip(self.leaves, self.before):
+            t.grad = before
+        self.before = None
 
     def finish(self, scale: torch.Tensor | None = None) -> None:
         """Scale what accumulated since `start()` by `scale` (a 0-d tensor, read where each

@@ -178,6 +178,25 @@ def test_train_step_with_a_cpu_target_on_gpu_stages_equals_the_model(devices):
 
 
 @pytest.mark.parametrize("devices", [ONE_GPU, TWO_GPUS])
+def test_a_mean_loss_not_over_rows_is_refused_on_gpus_with_grad_kept(devices):
+    """The first step's check runs where the last stage's outputs are: a plain mean over the
+    positive targets is refused, and `.grad` on every GPU is what it was."""
+    model = mlp(256).cuda()
+    x, target = torch.randn(32, 256, device="cuda:0"), torch.randn(32, 16)
+
+    def positive_mean(out, t):
+        kept = t > 0
+        return F.mse_loss(out[kept], t[kept])
+    pipe = fxpipe.compile(model, devices, (x,), chunks=4)
+    for p in pipe.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    with pytest.raises(fxpipe.LossReductionError, match=r"\(loss_sum, count\)"):
+        pipe.train_step(x, target, positive_mean)
+    for p in pipe.parameters():
+        assert torch.equal(p.grad, torch.full_like(p, 0.5))
+
+
+@pytest.mark.parametrize("devices", [ONE_GPU, TWO_GPUS])
 def test_sum_and_count_losses_on_gpus_give_the_whole_batchs_mean(devices):
     """Counts kept on the last stage's GPU, summed there, the gradients scaled on their own
     GPUs: the whole batch's mean over the positive targets, as the model gives."""
