@@ -47,6 +47,7 @@ class Pipeline(nn.Module):
         plan's costed graph, which holds the stages' tensors under them, or for a loaded plan a
         module gathering the stages' own)."""
         super().__init__()
+        _refuse_meta(plan)
         self.plan = plan
         self.module = (module if module is not None else
                        plan.graph if plan.graph is not None else _gathered(plan.stages))
@@ -390,9 +391,24 @@ def carry_values(source: nn.Module, target: nn.Module) -> None:
                 t.copy_(held[name])
 
 
+def _refuse_meta(plan: Plan) -> None:
+    """Refuse a plan whose stages hold tensors on meta (planned without weights), naming the
+    first such tensor and the two ways to give the stages their weights."""
+    for stage in plan.stages:
+        for name, tensor in [*stage.module.named_parameters(), *stage.module.named_buffers()]:
+            if tensor.is_meta:
+                raise PlanFileError(
+                    f"stage {stage.index} holds {name!r} on meta, without values: this plan "
+                    f"was made without weights. Give it weights first: plan.with_weights("
+                    f"'ckpt/') for this plan (a safetensors file or directory, a torch file, or "
+                    f"'init' for the model's own initialisation), or fxpipe.load_plan(path, "
+                    f"weights='ckpt/') for a saved one")
+
+
 def _gathered(stages: Sequence[Stage]) -> nn.Module:
     """One module holding every stage's parameters and buffers under their own names (the
-    model's: stages keep the names of what they hold), each once."""
+    model's: stages keep the names of what they hold), each once, non-persistent buffers
+    (marked so in the stages) out of its `state_dict` as out of the model's."""
     root = nn.Module()
     for stage in stages:
         for table in ("_parameters", "_buffers"):
@@ -404,6 +420,8 @@ def _gathered(stages: Sequence[Stage]) -> nn.Module:
                         raise PlanFileError(f"stages hold two different tensors named "
                                             f"{'.'.join(filter(None, (path, name)))!r}")
                     getattr(target, table)[name] = value
+                    if name in owner._non_persistent_buffers_set:
+                        target._non_persistent_buffers_set.add(name)
     root.train(all(stage.module.training for stage in stages))
     return root
 

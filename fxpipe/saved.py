@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import importlib.metadata
 import json
 import math
@@ -57,13 +58,15 @@ from fxpipe.passes.errors import DeviceError, FxpipeError
 from .devices import DeviceLike, parse_devices
 from .plan_data import Plan
 
-FORMAT = 2
+FORMAT = 3
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
 
 
 class PlanFileError(FxpipeError):
     """A plan that cannot be saved or loaded: a file missing or changed, other versions, a stage
-    that is not in it, stages that disagree; or a Pipeline pickled instead of its weights."""
+    that is not in it, stages that disagree; weights missing (a plan without weights run, a
+    checkpoint without a tensor or with another shape or dtype); or a Pipeline pickled instead
+    of its weights."""
 
 
 def versions() -> dict[str, str]:
@@ -89,20 +92,22 @@ def save(plan: Plan, path: str | os.PathLike) -> Path:
         own, refs = {}, {}
         for name, tensor in _tensors(stage.module):
             holder = first_holder.setdefault(id(tensor), (stage.index, name))
-            if holder == (stage.index, name):
-                own[name] = tensor.detach()
-            else:
+            if holder != (stage.index, name):
                 refs[name] = list(holder)
+            elif not tensor.is_meta:      # a meta tensor has no values: the manifest lists it
+                own[name] = tensor.detach()
         shared.append(refs)
         files[f"stage_{stage.index}.py"] = _write(root / f"stage_{stage.index}.py",
                                                   stage.module.code.encode())
-        files[f"stage_{stage.index}.pt"] = _write_torch(root / f"stage_{stage.index}.pt", own)
+        if own or not _without_weights(plan):
+            files[f"stage_{stage.index}.pt"] = _write_torch(root / f"stage_{stage.index}.pt", own)
     with _without_tensors([stage.module for stage in plan.stages]):
         # The costed graph and the link function are the process's own, not the plan's to keep.
         files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE,
                                           dataclasses.replace(plan, graph=None, link_fn=None))
     document = {"format": FORMAT, **versions(), "summary": str(plan).splitlines()[0],
-                **_description(plan), "shared": shared, "files": files}
+                **_description(plan), "shared": shared, "weights": manifest(plan),
+                "files": files}
     document = json.loads(json.dumps(_finite(document), default=str))     # as read back
     document = {**document, "sha256": _content_digest(document)}
     (root / PLAN_FILE).write_text(json.dumps(document, indent=1) + "\n")
@@ -110,60 +115,86 @@ def save(plan: Plan, path: str | os.PathLike) -> Path:
 
 
 def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
-              devices: Sequence[DeviceLike] | None = None) -> Plan:
+              weights: Any = None, devices: Sequence[DeviceLike] | None = None) -> Plan:
     """The plan saved at `path`, every stage with its weights on its device.
 
     With `model`, the stages take that model's current weights instead of the saved ones (a
     plan made once, run with weights trained since); a model whose parameters and buffers do not
-    match the plan's by name, shape and dtype is refused, naming what differs. With `devices`
+    match the plan's by name, shape and dtype is refused, naming what differs. With `weights`
+    (a checkpoint, "init", anything `fxpipe.weights.open_weights` takes), each stage reads the
+    model's parameters and persistent buffers it holds from there, and only those, straight to
+    its device (see `with_weights`). A plan saved without weights and loaded without `weights`
+    keeps those tensors on meta: it prints and saves, and `Pipeline` refuses it. With `devices`
     (one per stage: "cuda:0", a torch.device or a DeviceSpec), stage `s` runs on `devices[s]`
     instead of the device it was planned for (see the module docstring).
     """
+    if model is not None and weights is not None:
+        raise PlanFileError("load_plan takes the stages' weights from model= or from weights=, "
+                            "not both: give one of them")
     root, document = _checked(path, None)
-    plan = _load_skeleton(root)
+    plan = _load_skeleton(root, document)
     if devices is not None:
-        specs = parse_devices(devices)
-        if len(specs) != len(plan.stages):
-            raise DeviceError(f"devices= names {len(specs)} devices for the {len(plan.stages)} "
-                              f"stages of the plan at {str(root)!r}: give one per stage")
-        plan = _moved(plan, dict(enumerate(specs)), root)
-        for stage in plan.stages:
-            for name, (first, _) in document["shared"][stage.index].items():
-                if plan.stages[first].device != stage.device:
-                    raise DeviceError(
-                        f"stages {first} and {stage.index} of the plan at {str(root)!r} share "
-                        f"{name!r} (a tied tensor), but devices= puts them on "
-                        f"{plan.stages[first].device} and {stage.device}: a tensor lives on "
-                        f"one device; give those stages the same one")
-    loaded: dict[tuple[int, str], torch.Tensor] = {}
+        plan = _on_devices(plan, devices, f"the plan at {str(root)!r}")
+    loaded: _Loaded = {}
     for stage in plan.stages:
-        _fill(root, stage, document["shared"][stage.index], loaded)
+        _fill(root, stage, document, loaded, weighed=weights is not None)
+    if weights is not None:
+        plan = _weighed(plan, weights, loaded)
     if model is not None:
         _take_weights(plan, model, root)
     return plan
 
 
-def load_stage(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None) -> Stage:
+def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None = None) -> Plan:
+    """`plan` with each stage's parameters and persistent buffers read from `weights` (see
+    `fxpipe.weights.open_weights`: a safetensors file, a sharded directory, a torch file, a
+    state_dict, "init"), each stage only the tensors it holds, straight to its device (stage
+    `s` on `devices[s]` when given, refused by stage where its planned memory exceeds the
+    device's); non-persistent buffers (computed by their module, in no checkpoint) kept where
+    the plan holds their values, else computed by `fxpipe.weights.Init`. What a plan made from
+    a model built on meta runs with. `plan` itself is left as it is; the plan returned has no
+    costed graph (its stages hold the tensors; `explain()` needs the graph)."""
+    non_persistent = _non_persistent(plan)
+    kept = {id(t) for stage in plan.stages for name, t in _tensors(stage.module)
+            if name in non_persistent}
+    buffer = io.BytesIO()
+    with _without_tensors([stage.module for stage in plan.stages], keep=kept):
+        torch.save(plan.stages, buffer)      # the stages' structure, on meta stand-ins
+    buffer.seek(0)
+    stages = _unpickled(buffer)
+    _mark_non_persistent(stages, non_persistent)
+    plan = dataclasses.replace(plan, stages=stages, graph=None)
+    if devices is not None:
+        plan = _on_devices(plan, devices, "this plan")
+    return _weighed(plan, weights, {})
+
+
+def load_stage(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None,
+               weights: Any = None) -> Stage:
     """Stage `index` of the plan saved at `path`, with its own weights only (a process running
     one stage loads nothing else), on `device` when given (else the one it was planned for). A
-    tensor it shares with an earlier stage is read from that stage's file."""
-    return load_stage_plan(path, index, device=device)[1]
+    tensor it shares with an earlier stage is read from that stage's file, or from `weights`
+    when given (as `load_plan` reads it)."""
+    return load_stage_plan(path, index, device=device, weights=weights)[1]
 
 
-def load_stage_plan(path: str | os.PathLike, index: int, *,
-                    device: DeviceLike | None = None) -> tuple[Plan, Stage]:
+def load_stage_plan(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None,
+                    weights: Any = None) -> tuple[Plan, Stage]:
     """The plan saved at `path` without weights (its wiring, calling convention, chunks and
     schedule: what a process running one stage needs to know of the others), and its stage
     `index` with that stage's own weights, on `device` when given (see `load_stage`)."""
     root, document = _checked(path, index)
-    plan = _load_skeleton(root)
+    plan = _load_skeleton(root, document)
     if not 0 <= index < len(plan.stages):
         raise PlanFileError(f"the plan at {str(root)!r} has stages 0 to {len(plan.stages) - 1}, "
                             f"not {index}")
     if device is not None:
-        plan = _moved(plan, {index: parse_devices(device)[0]}, root)
+        plan = _moved(plan, {index: parse_devices(device)[0]}, f"the plan at {str(root)!r}")
     stage = plan.stages[index]
-    _fill(root, stage, document["shared"][index], {})
+    loaded: _Loaded = {}
+    _fill(root, stage, document, loaded, weighed=weights is not None)
+    if weights is not None:
+        _read_stage(stage, _opened(weights), _non_persistent(plan), loaded)
     return plan, stage
 
 
@@ -191,6 +222,29 @@ def planned_device(path: str | os.PathLike, index: int) -> torch.device:
     return torch.device(_document(Path(path))["stages"][index]["device"])
 
 
+def manifest(plan: Plan) -> dict[str, Any]:
+    """Which tensors each stage of `plan` holds, as plan.json's `weights` entry writes them:
+    per stage, each parameter and buffer by the model's name with its shape, dtype, whether it
+    is a parameter, whether it is persistent (in the model's `state_dict`, so a checkpoint
+    holds it; a non-persistent buffer is computed by its module), and whether the stage files
+    hold its values (a tensor on meta has none); and the tied ones, one tensor held under
+    several names or by several stages, as lists of `[stage, name]`."""
+    non_persistent = _non_persistent(plan)
+    holders: dict[int, list[list]] = {}
+    stages = []
+    for stage in plan.stages:
+        entries = {}
+        for name, tensor in _tensors(stage.module):
+            holders.setdefault(id(tensor), []).append([stage.index, name])
+            entries[name] = {"shape": list(tensor.shape),
+                             "dtype": str(tensor.dtype).removeprefix("torch."),
+                             "parameter": isinstance(tensor, nn.Parameter),
+                             "persistent": name not in non_persistent,
+                             "saved": not tensor.is_meta}
+        stages.append(entries)
+    return {"stages": stages, "tied": [held for held in holders.values() if len(held) > 1]}
+
+
 # ---- writing ------------------------------------------------------------------------------------
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -202,12 +256,33 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     yield ".".join(filter(None, (path, name))), tensor
 
 
-class _without_tensors:
-    """Inside, `modules` hold empty ("meta") stand-ins for their parameters and buffers, so that
-    pickling them writes their structure only; restored on exit."""
+def _without_weights(plan: Plan) -> bool:
+    """Whether some stage of `plan` holds a tensor on meta (shape and dtype, no values)."""
+    return any(t.is_meta for stage in plan.stages for _, t in _tensors(stage.module))
 
-    def __init__(self, modules: list[nn.Module]):
+
+def _non_persistent(plan: Plan) -> set[str]:
+    """The names of the tensors `plan`'s stages hold that are not in the model's `state_dict`:
+    non-persistent buffers and constants the graph reads. Read off the costed graph, which
+    holds the model's state as the model does, else (a loaded plan) off the stages' modules,
+    marked at load from the manifest."""
+    if plan.graph is not None:
+        state = plan.graph.state_dict(keep_vars=True)
+        return {name for stage in plan.stages for name, _ in _tensors(stage.module)
+                if name not in state}
+    return {".".join(filter(None, (path, name))) for stage in plan.stages
+            for path, owner in stage.module.named_modules(remove_duplicate=False)
+            for name in owner._non_persistent_buffers_set}
+
+
+class _without_tensors:
+    """Inside, `modules` hold empty ("meta") stand-ins for their parameters and buffers (but
+    those whose id is in `keep`), so that pickling them writes their structure only; restored
+    on exit."""
+
+    def __init__(self, modules: list[nn.Module], keep: set[int] = frozenset()):
         self.modules = modules
+        self.keep = keep
         self.saved: list[tuple[dict, str, torch.Tensor]] = []
 
     def __enter__(self):
@@ -216,13 +291,10 @@ class _without_tensors:
             for owner in module.modules():
                 for table in (owner._parameters, owner._buffers):
                     for name, tensor in table.items():
-                        if tensor is None:
+                        if tensor is None or id(tensor) in self.keep:
                             continue
                         if id(tensor) not in stand_ins:
-                            empty = torch.empty_like(tensor, device="meta")
-                            stand_ins[id(tensor)] = (
-                                nn.Parameter(empty, tensor.requires_grad)
-                                if isinstance(tensor, nn.Parameter) else empty)
+                            stand_ins[id(tensor)] = _stand_in(tensor)
                         self.saved.append((table, name, tensor))
                         table[name] = stand_ins[id(tensor)]
         return self
@@ -230,6 +302,12 @@ class _without_tensors:
     def __exit__(self, *exc):
         for table, name, tensor in self.saved:
             table[name] = tensor
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor on meta of `tensor`'s shape and dtype (a Parameter for a Parameter)."""
+    empty = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
 def _write(path: Path, data: bytes) -> str:
@@ -351,13 +429,52 @@ def _document(root: Path, *, same_versions: bool = True) -> dict[str, Any]:
     return document
 
 
-def _load_skeleton(root: Path) -> Plan:
+def _load_skeleton(root: Path, document: dict[str, Any]) -> Plan:
+    """The plan pickled in `root`, its stages holding meta stand-ins, their non-persistent
+    buffers marked as such (from the manifest), so that they stay out of `state_dict`."""
+    plan = _unpickled(root / PICKLE_FILE)
+    _mark_non_persistent(plan.stages, {name for entries in document["weights"]["stages"]
+                                       for name, entry in entries.items()
+                                       if not entry["persistent"]})
+    return plan
+
+
+def _unpickled(file: Any) -> Any:
     with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        return torch.load(root / PICKLE_FILE, weights_only=False)
+        return torch.load(file, weights_only=False)
 
 
-def _moved(plan: Plan, specs: dict[int, DeviceSpec], root: Path) -> Plan:
+def _mark_non_persistent(stages: Sequence[Stage], names: set[str]) -> None:
+    """Mark the buffers `stages` hold under `names` non-persistent (out of `state_dict`)."""
+    for stage in stages:
+        for path, owner in stage.module.named_modules(remove_duplicate=False):
+            for name in owner._buffers:
+                if ".".join(filter(None, (path, name))) in names:
+                    owner._non_persistent_buffers_set.add(name)
+
+
+def _on_devices(plan: Plan, devices: Sequence[DeviceLike], what: str) -> Plan:
+    """`plan` with stage `s` on `devices[s]` (`_moved`), once stages sharing a tensor (a tied
+    weight) are put on one device."""
+    specs = parse_devices(devices)
+    if len(specs) != len(plan.stages):
+        raise DeviceError(f"devices= names {len(specs)} devices for the {len(plan.stages)} "
+                          f"stages of {what}: give one per stage")
+    moved = _moved(plan, dict(enumerate(specs)), what)
+    first_holder: dict[int, tuple[Stage, str]] = {}
+    for stage in moved.stages:
+        for name, tensor in _tensors(stage.module):
+            first, _ = first_holder.setdefault(id(tensor), (stage, name))
+            if first.device != stage.device:
+                raise DeviceError(
+                    f"stages {first.index} and {stage.index} of {what} share {name!r} (a tied "
+                    f"tensor), but devices= puts them on {first.device} and {stage.device}: a "
+                    f"tensor lives on one device; give those stages the same one")
+    return moved
+
+
+def _moved(plan: Plan, specs: dict[int, DeviceSpec], what: str) -> Plan:
     """`plan` with stage `s` on `specs[s]` (not filled yet), once the stages put on each device
     fit its memory together."""
     sharing: dict[str, list[int]] = {}
@@ -369,7 +486,7 @@ def _moved(plan: Plan, specs: dict[int, DeviceSpec], root: Path) -> Plan:
         if need > memory:
             which = (f"stage {stages[0]}" if len(stages) == 1 else
                      f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}")
-            raise DeviceError(f"{which} of the plan at {str(root)!r} need"
+            raise DeviceError(f"{which} of {what} need"
                               f"{'s' if len(stages) == 1 else ''} {format_bytes(need)} (planned) "
                               f"but {name} has {format_bytes(memory)}: give "
                               f"{'it' if len(stages) == 1 else 'them'} a device with more memory, "
@@ -381,33 +498,81 @@ def _moved(plan: Plan, specs: dict[int, DeviceSpec], root: Path) -> Plan:
                                partition=dataclasses.replace(plan.partition, devices=devices))
 
 
-def _fill(root: Path, stage: Stage, refs: dict[str, list], loaded: dict[tuple[int, str],
-                                                                        torch.Tensor]) -> None:
-    """Put stage's tensors, read from its file (and shared ones from their holder's, or from
-    `loaded` when that stage was filled already), in place of its stand-ins, then place the
-    stage on its device (tensor constants its code made as it loaded, devices its code names).
-    """
-    files: dict[int, dict[str, torch.Tensor]] = {}
+_Loaded = dict[int, tuple[torch.Tensor, torch.Tensor]]
+"""Tensors put in stages: id(stand-in) -> (the stand-in, kept alive so its id names no other
+tensor; the tensor in its place). A stand-in several stages hold (a tied weight) is read once."""
 
-    def weights(s: int) -> dict[str, torch.Tensor]:
+
+def _fill(root: Path, stage: Stage, document: dict[str, Any], loaded: _Loaded, *,
+          weighed: bool) -> None:
+    """Put in stage's stand-ins the tensors the plan's stage files hold (a shared one from its
+    holder's file, or from `loaded` when that stage was filled already), but, when `weighed`
+    (its weights come from a checkpoint), only non-persistent buffers and constants; then, once
+    no stand-in is left, place the stage on its device (tensor constants its code made as it
+    loaded, devices its code names). Stand-ins with no saved values stay for `_read_stage`."""
+    files: dict[int, dict[str, torch.Tensor]] = {}
+    refs, entries = document["shared"][stage.index], document["weights"]["stages"]
+
+    def value(s: int, name: str) -> torch.Tensor | None:
+        entry = entries[s][name]
+        if not entry["saved"] or (weighed and entry["persistent"]):
+            return None
         if s not in files:
             files[s] = torch.load(root / f"stage_{s}.pt", map_location=stage.device,
                                   weights_only=True)
-        return files[s]
+        return files[s][name]
 
-    for path, owner in stage.module.named_modules(remove_duplicate=False):
+    for qualified, stand_in in _tensors(stage.module):
+        if stand_in.is_meta and id(stand_in) not in loaded:
+            found = value(*refs.get(qualified, (stage.index, qualified)))
+            if found is not None:
+                loaded[id(stand_in)] = (stand_in, nn.Parameter(found, stand_in.requires_grad)
+                                        if isinstance(stand_in, nn.Parameter) else found)
+    _put(stage, loaded)
+
+
+def _put(stage: Stage, loaded: _Loaded) -> None:
+    """Put `loaded` tensors in place of stage's stand-ins; place the stage on its device once
+    none is left."""
+    for owner in stage.module.modules():
         for table in (owner._parameters, owner._buffers):
-            for name, stand_in in list(table.items()):
-                if stand_in is None or stand_in.device.type != "meta":
-                    continue             # not saved: a constant the code made as it loaded
-                qualified = ".".join(filter(None, (path, name)))
-                holder = tuple(refs.get(qualified, (stage.index, qualified)))
-                if holder not in loaded:
-                    value = weights(holder[0])[holder[1]]
-                    loaded[holder] = (nn.Parameter(value, stand_in.requires_grad)
-                                      if isinstance(stand_in, nn.Parameter) else value)
-                table[name] = loaded[holder]
-    place(stage.module, stage.device)
+            for name, held in table.items():
+                if held is not None and id(held) in loaded and loaded[id(held)][0] is held:
+                    table[name] = loaded[id(held)][1]
+    if not any(t.is_meta for _, t in _tensors(stage.module)):
+        place(stage.module, stage.device)
+
+
+def _opened(weights: Any) -> Any:
+    from .weights import open_weights
+    return open_weights(weights)
+
+
+def _weighed(plan: Plan, weights: Any, loaded: _Loaded) -> Plan:
+    """`plan`, its stages' stand-ins read from `weights` (`_read_stage`), stage by stage."""
+    source, non_persistent = _opened(weights), _non_persistent(plan)
+    for stage in plan.stages:
+        _read_stage(stage, source, non_persistent, loaded)
+    return plan
+
+
+def _read_stage(stage: Stage, source: Any, non_persistent: set[str], loaded: _Loaded) -> None:
+    """Put in stage's stand-ins the tensors `source` (a `fxpipe.weights.Weights`) gives for
+    its persistent ones, and those `fxpipe.weights.Init` computes for its non-persistent
+    buffers, read straight to its device, each stand-in read once; then place it there."""
+    from .weights import Init
+    like = {name: t for name, t in _tensors(stage.module) if t.is_meta and id(t) not in loaded}
+    persistent = {name: t for name, t in like.items() if name not in non_persistent}
+    computed = {name: t for name, t in like.items() if name in non_persistent}
+    values = source.read(persistent, stage.device) if persistent else {}
+    if computed:
+        values.update((source if isinstance(source, Init) else Init()).read(computed,
+                                                                             stage.device))
+    for name, stand_in in like.items():
+        if id(stand_in) not in loaded:
+            loaded[id(stand_in)] = (stand_in, nn.Parameter(values[name], stand_in.requires_grad)
+                                    if isinstance(stand_in, nn.Parameter) else values[name])
+    _put(stage, loaded)
 
 
 def _take_weights(plan: Plan, model: nn.Module, root: Path) -> None:
