@@ -1,0 +1,373 @@
+"""Where a stage's tensors come from: a checkpoint read per tensor, or the model's own init.
+
+    weights = open_weights("ckpt/")                  # .safetensors, HF sharded dir, torch file
+    tensors = weights.read(like, device="cuda:1")     # like: name -> (meta) tensor of one stage
+
+Names are the model's (`model.layers.0.self_attn.q_proj.weight`), as a stage GraphModule holds
+them. `read` gives a real tensor for every name it is asked, with the asked shape and dtype, on
+the asked device, and reads nothing else: a stage never reads the whole checkpoint. Names that
+share one tensor in `like` (a tied output layer) give one tensor, found under whichever of them
+the checkpoint stores. A missing tensor, another shape or dtype is a `PlanFileError` naming the
+tensor and the file; a dtype is cast only when the weights were opened with `cast=True`.
+
+`Init` draws values instead, as the model initialises them, module by module.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import difflib
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from fxpipe.passes.errors import PlanFileError
+
+# safetensors' dtype names (its header's "dtype"), as torch's
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class Weights(abc.ABC):
+    """Where tensors come from, by the model's names.
+
+    A subclass says which names it has (`names`) and reads a set of them (`_read`); `read`
+    resolves tied names and checks nothing more is read than asked.
+    """
+
+    where: str = "weights"      # for messages: "ckpt/ (Hugging Face sharded safetensors)"
+    cast: bool = False          # whether a dtype other than the asked one is cast
+
+    @abc.abstractmethod
+    def names(self) -> set[str]:
+        """The names it can give."""
+
+    def read(self, like: Mapping[str, torch.Tensor], device: torch.device | str
+             ) -> dict[str, torch.Tensor]:
+        """Real tensors for every name in `like`, on `device`, each with like[name]'s shape and
+        dtype (`like` values are usually meta tensors). Reads only those tensors. Tied names (two
+        names, one tensor object in `like`) give one tensor object, read under whichever name
+        the weights hold. Raises PlanFileError naming the tensor and the file when a name is
+        missing or has another shape or dtype (cast only with `cast=True` at open)."""
+        device = torch.device(device)
+        available = self.names()
+        wanted: dict[str, list[str]] = {}         # the name read -> the names it gives
+        for group in tied_groups(like):
+            stored = next((name for name in group if name in available), None)
+            if stored is None:
+                raise PlanFileError(self._missing(group, available))
+            wanted[stored] = group
+        tensors = self._read({stored: like[group[0]] for stored, group in wanted.items()}, device)
+        return {name: tensors[stored] for stored, group in wanted.items() for name in group}
+
+    @abc.abstractmethod
+    def _read(self, like: Mapping[str, torch.Tensor], device: torch.device
+              ) -> dict[str, torch.Tensor]:
+        """Real tensors for the names of `like`, all of which `names()` holds, checked against
+        like's shapes and dtypes (`_check`)."""
+
+    def _check(self, name: str, source: str, shape: Iterable[int], dtype: torch.dtype,
+               want: torch.Tensor) -> None:
+        """Refuse a tensor whose shape, or dtype without `cast`, is not the model's."""
+        if tuple(shape) != tuple(want.shape):
+            raise PlanFileError(
+                f"tensor {name!r} in {source} has shape {list(shape)}, the model's has "
+                f"{list(want.shape)}: these weights are for another model (or another "
+                f"configuration of it); give the checkpoint of this model")
+        if dtype != want.dtype and not self.cast:
+            raise PlanFileError(
+                f"tensor {name!r} in {source} is {dtype}, the model's is {want.dtype}: open the "
+                f"weights with cast=True (open_weights(..., cast=True)) to cast it, or plan the "
+                f"model in {dtype}")
+
+    def _missing(self, group: list[str], available: set[str]) -> str:
+        names = " or ".join(repr(name) for name in group)
+        close = difflib.get_close_matches(group[0], available, n=1)
+        hint = f" (it holds {close[0]!r})" if close else ""
+        return (f"tensor {names} is not in {self.where}{hint}: these weights are for another "
+                f"model, or name its tensors otherwise; give the checkpoint of this model, saved "
+                f"under the model's names (model.state_dict())")
+
+
+def tied_groups(like: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names of `like` grouped by tensor object, in order: a tied weight's names share one."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in like.items():
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
+class _StateDict(Weights):
+    """A state_dict in memory (or memory-mapped): its tensors copied to the device asked."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], where: str, cast: bool):
+        self.tensors, self.where, self.cast = tensors, where, cast
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def _read(self, like, device):
+        out = {}
+        for name, want in like.items():
+            tensor = self.tensors[name]
+            self._check(name, self.where, tensor.shape, tensor.dtype, want)
+            out[name] = tensor.to(device, want.dtype, copy=True)
+        return out
+
+
+class _Safetensors(Weights):
+    """Safetensors files: each tensor read alone (`safe_open`), straight to the device.
+
+    `files` maps each name to the file holding it (one file, or an HF index's weight_map); only
+    the files holding asked names are opened, and only their headers until a tensor is read.
+    """
+
+    def __init__(self, files: Mapping[str, Path], where: str, cast: bool):
+        self.files, self.where, self.cast = files, where, cast
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def _read(self, like, device):
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in like:
+            by_file.setdefault(self.files[name], []).append(name)
+        out = {}
+        for file, names in by_file.items():
+            if not file.is_file():
+                raise PlanFileError(f"{file}, which {self.where} names as holding tensor "
+                                    f"{names[0]!r}, does not exist: copy the checkpoint whole")
+            # safetensors reads onto a CUDA device by its index ("cuda:0"), not a bare "cuda"
+            target = device if device.type != "cuda" or device.index is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+            with safe_open(file, framework="pt", device=str(target)) as f:
+                for name in names:
+                    header = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())
+                    self._check(name, str(file), header.get_shape(), dtype, like[name])
+                    out[name] = f.get_tensor(name).to(like[name].dtype)
+        return out
+
+
+def open_weights(spec, *, cast: bool = False) -> Weights:
+    """The `Weights` that `spec` names.
+
+    spec: a `Weights` (as is); a Mapping[str, Tensor] (a state_dict in memory); a path to a
+    .safetensors file, a Hugging Face sharded directory (model.safetensors.index.json), a
+    directory holding one model.safetensors, or a torch state_dict file (.pt/.pth/.bin, read
+    with torch.load(mmap=True, weights_only=True)); "init" -> Init() (per-module init, seed 0).
+    `cast=True` casts a checkpoint's tensors to the model's dtypes instead of refusing them.
+    """
+    if isinstance(spec, Weights):
+        return spec
+    if isinstance(spec, Mapping):
+        return _StateDict(spec, "the state_dict given", cast)
+    if spec == "init":
+        return Init()
+    if not isinstance(spec, (str, os.PathLike)):
+        raise PlanFileError(f"weights={spec!r} is not weights: give a path to a checkpoint "
+                            f"(.safetensors file or directory, torch state_dict file), a "
+                            f"state_dict, \"init\" or a fxpipe.weights.Weights")
+    path = Path(spec)
+    if not path.exists():
+        raise PlanFileError(f"no checkpoint at {str(path)!r}: the path does not exist; give the "
+                            f"path of a .safetensors file, a directory of them, or a torch "
+                            f"state_dict file")
+    if path.suffix == ".safetensors":
+        return _safetensors_file(path, f"{path} (safetensors)", cast)
+    raise PlanFileError(f"{path} is not a checkpoint fxpipe reads: give a .safetensors file")
+
+
+def _safetensors_file(path: Path, where: str, cast: bool) -> _Safetensors:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return _Safetensors(dict.fromkeys(f.keys(), path), where, cast)
+
+
+class Init(Weights):
+    """Values as the model initialises them, drawn where they are needed.
+
+    Per-module mode, `Init(model, seed)`: each module owning an asked tensor is copied (never
+    changed), its own tensors made on the device, and initialised by its own rules as building
+    the model runs them: its `reset_parameters()`, then a Hugging Face model's
+    `root._init_weights(module)` (which also computes rotary `inv_freq`); non-persistent buffers
+    are computed by those rules too, never left as uninitialised memory. A module's seed is drawn
+    from (seed, module path), so values depend neither on the partition nor on the order of
+    reads (they do on the device type: CPU and CUDA generators differ). Cost: each module's own
+    tensors, once per read asking for them, on their device. `model` is the model's structure
+    (built on meta is fine), or `build` builds it on meta; without either, give it later with
+    `bind(model)`. A tensor that no rule writes is refused by name.
+
+    Exact mode, `Init(build=callable, seed=seed, exact=True)`: the values of
+    `torch.manual_seed(seed); build()` on CPU, bit for bit. Cost: the whole model built once in
+    CPU memory per process (each rank under torchrun), then each asked tensor copied to its
+    device.
+    """
+
+    where = "Init (the model's own initialisation)"
+
+    def __init__(self, model: nn.Module | None = None, seed: int = 0, *,
+                 build: Callable[[], nn.Module] | None = None, exact: bool = False):
+        if exact and build is None:
+            raise PlanFileError("Init(exact=True) builds the model on CPU: give the function "
+                                "that builds it, Init(build=lambda: MyModel(config), "
+                                "exact=True)")
+        self.model, self.seed, self.build, self.exact = model, seed, build, exact
+        self._built: _StateDict | None = None       # exact mode: the model built on CPU
+
+    def bind(self, model: nn.Module) -> Init:
+        """Give the model's structure (its modules and tied tensors) to draw from; returns self."""
+        self.model = model
+        return self
+
+    def names(self) -> set[str]:
+        return set(self._owners())
+
+    def read(self, like, device):
+        """As `Weights.read`; a tied tensor is drawn under the model's first name for it, so a
+        stage holding only the output layer gets the embedding's values."""
+        if self.exact:
+            return self._built_on_cpu().read(like, device)
+        canonical = self._canonical()
+        first: dict[str, torch.Tensor] = {}
+        for name, tensor in like.items():
+            first.setdefault(canonical.get(name, name), tensor)
+        drawn = super().read(first, device)
+        return {name: drawn[canonical.get(name, name)] for name in like}
+
+    def _read(self, like, device):
+        by_module: dict[str, list[str]] = {}
+        for name in like:
+            by_module.setdefault(name.rpartition(".")[0], []).append(name)
+        out = {}
+        for path, names in by_module.items():
+            drawn = self._draw(path, device)
+            for name in names:
+                tensor = drawn[name.rpartition(".")[2]]
+                self._check(name, self.where, tensor.shape, tensor.dtype, like[name])
+                out[name] = tensor
+        return out
+
+    def _draw(self, path: str, device: torch.device) -> dict[str, torch.Tensor]:
+        """The own tensors of the module at `path`, made on `device` and initialised by its
+        rule under the seed of (seed, path); the model is not touched."""
+        model = self._structure()
+        module = model.get_submodule(path)
+        fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
+        own = {**fresh._parameters, **fresh._buffers}
+        own = {name: t for name, t in own.items() if t is not None}
+        versions = {name: t._version for name, t in own.items()}
+        rules = self._rules(model, fresh, path)
+        with _seeded(_module_seed(self.seed, path), device):
+            for rule in rules:
+                rule()
+        after = {**fresh._parameters, **fresh._buffers}
+        for name, t in own.items():
+            if after[name] is t and t._version == versions[name]:
+                raise PlanFileError(
+                    f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule to "
+                    f"initialise it: its module's rule left it unwritten. Fix: load it from a "
+                    f"checkpoint, or use Init(build=..., exact=True), which builds the model")
+        return {name: t.detach() if isinstance(t, nn.Parameter) else t
+                for name, t in after.items() if t is not None}
+
+    def _rules(self, model: nn.Module, fresh: nn.Module, path: str) -> list[Callable[[], None]]:
+        """The module's initialisation, as building the model runs it: its constructor's
+        `reset_parameters()`, then a Hugging Face model's `_init_weights(module)`."""
+        rules = [fresh.reset_parameters] if callable(getattr(fresh, "reset_parameters", None)) \
+            else []
+        if callable(getattr(model, "_init_weights", None)):      # a Hugging Face PreTrainedModel
+            rules.append(lambda: model._init_weights(fresh))
+        if not rules:
+            raise PlanFileError(
+                f"module {path or '(the model)'!r} ({type(fresh).__name__}) holds tensors "
+                f"({', '.join(_join(path, n) for n in (*fresh._parameters, *fresh._buffers))}) "
+                f"but has no reset_parameters() to initialise them. Fix: give it "
+                f"reset_parameters(), load these tensors from a checkpoint, or use "
+                f"Init(build=..., exact=True)")
+        return rules
+
+    def _built_on_cpu(self) -> _StateDict:
+        if self._built is None:
+            with _seeded(self.seed, torch.device("cpu")), torch.device("cpu"):
+                model = self.build()
+            self._built = _StateDict(_named_tensors(model), "the model built on CPU", cast=False)
+        return self._built
+
+    def _structure(self) -> nn.Module:
+        if self.model is None and self.build is not None:
+            with torch.device("meta"):
+                self.model = self.build()
+        if self.model is None:
+            raise PlanFileError("Init has no model to initialise: give its structure, "
+                                "Init(model) or init.bind(model) (built on meta is fine)")
+        return self.model
+
+    def _owners(self) -> Mapping[str, torch.Tensor]:
+        if self.exact:
+            return self._built_on_cpu().tensors
+        return _named_tensors(self._structure())
+
+    def _canonical(self) -> dict[str, str]:
+        """Each name -> the model's first name for its tensor (itself unless tied)."""
+        first: dict[int, str] = {}
+        return {name: first.setdefault(id(t), name) for name, t in self._owners().items()}
+
+
+def _with_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A shallow copy of `module` whose own tensors are `make(tensor)` and whose submodules'
+    are new meta tensors: a rule run on it never writes to the model's tensors."""
+    fresh = copy.copy(module)
+    fresh._parameters = {name: None if p is None else nn.Parameter(make(p), p.requires_grad)
+                         for name, p in module._parameters.items()}
+    fresh._buffers = {name: None if b is None else make(b) for name, b in module._buffers.items()}
+    fresh._modules = {name: None if child is None else
+                      _with_tensors(child, lambda t: torch.empty_like(t, device="meta"))
+                      for name, child in module._modules.items()}
+    return fresh
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent too) by every name, tied ones sharing a
+    tensor object."""
+    detached: dict[int, torch.Tensor] = {}
+    return {name: detached.setdefault(id(t), t.detach())
+            for name, t in [*model.named_parameters(remove_duplicate=False),
+                            *model.named_buffers(remove_duplicate=False)]}
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Draw from `seed` on the CPU and on `device`; the generators' states are restored after.
+    Only `device`'s CUDA generator is touched (another GPU's is neither seeded nor read)."""
+    cuda = [torch.cuda.current_device() if device.index is None else device.index] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
+
+
+def _module_seed(seed: int, path: str) -> int:
+    """A seed for the module at `path`, stable across processes and runs."""
+    digest = hashlib.sha256(f"{seed}:{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
