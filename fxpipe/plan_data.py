@@ -97,12 +97,14 @@ class Plan:
         from .saved import save
         return save(self, path)
 
-    def with_weights(self, weights: Any, devices: Sequence[Any] | None = None) -> "Plan":
+    def with_weights(self, weights: Any, devices: Sequence[Any] | None = None, *,
+                     model: Any = None) -> "Plan":
         """This plan with each stage's tensors read from `weights` (a checkpoint, "init"),
-        each stage only its own, on its device (or `devices[s]`): how a plan made from a model
-        built on meta gets its weights (see `fxpipe.saved.with_weights`)."""
+        each stage only its own, on its device (or `devices[s]`), non-persistent buffers drawn
+        from `model`'s structure: how a plan made from a model built on meta gets its weights
+        (see `fxpipe.saved.with_weights`)."""
         from .saved import with_weights
-        return with_weights(self, weights, devices)
+        return with_weights(self, weights, devices, model=model)
 
     @property
     def stream_prediction(self) -> tuple[float, float]:

@@ -116,14 +116,12 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
     match the plan's by name, shape and dtype is refused, naming what differs. With `weights`
     (a checkpoint, "init", anything `fxpipe.weights.open_weights` takes), each stage reads the
     model's parameters and persistent buffers it holds from there, and only those, straight to
-    its device (see `with_weights`). A plan saved without weights and loaded without `weights`
+    its device, and `model`, when given too (built on meta is fine), is only the structure that
+    `fxpipe.weights.Init` draws from (see `with_weights`). A plan saved without weights and loaded without `weights`
     keeps those tensors on meta: it prints and saves, and `Pipeline` refuses it. With `devices`
     (one per stage: "cuda:0", a torch.device or a DeviceSpec), stage `s` runs on `devices[s]`
     instead of the device it was planned for (see the module docstring).
     """
-    if model is not None and weights is not None:
-        raise PlanFileError("load_plan takes the stages' weights from model= or from weights=, "
-                            "not both: give one of them")
     root, document = _checked(path, None)
     plan = _load_skeleton(root, document)
     if devices is not None:
@@ -132,20 +130,24 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
     for stage in plan.stages:
         _fill(root, stage, document, loaded, weighed=weights is not None)
     if weights is not None:
-        plan = _weighed(plan, weights, loaded)
-    if model is not None:
+        plan = _weighed(plan, weights, loaded, model)
+    elif model is not None:
         _take_weights(plan, model, root)
     return plan
 
 
-def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None = None) -> Plan:
+def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None = None, *,
+                 model: nn.Module | None = None) -> Plan:
     """`plan` with each stage's parameters and persistent buffers read from `weights` (see
     `fxpipe.weights.open_weights`: a safetensors file, a sharded directory, a torch file, a
     state_dict, "init"), each stage only the tensors it holds, straight to its device (stage
     `s` on `devices[s]` when given, refused by stage where its planned memory exceeds the
     device's); non-persistent buffers (computed by their module, in no checkpoint) kept where
-    the plan holds their values, else computed by `fxpipe.weights.Init`. What a plan made from
-    a model built on meta runs with. `plan` itself is left as it is; the plan returned has no
+    the plan holds their values, else computed by `fxpipe.weights.Init` from `model` (its
+    structure: built on meta is fine), or without it from the stage's own modules, which are the
+    model's classes only where the capture kept them whole (`nn.Linear`): a buffer of the
+    model's own module class needs `model`. What a plan made from a model built on meta runs
+    with. `plan` itself is left as it is; the plan returned has no
     costed graph (its stages hold the tensors; `explain()` needs the graph)."""
     non_persistent = _non_persistent(plan)
     kept = {id(t) for stage in plan.stages for name, t in _tensors(stage.module)
@@ -159,20 +161,20 @@ def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None 
     plan = dataclasses.replace(plan, stages=stages, graph=None)
     if devices is not None:
         plan = _on_devices(plan, devices, "this plan")
-    return _weighed(plan, weights, {})
+    return _weighed(plan, weights, {}, model)
 
 
 def load_stage(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None,
-               weights: Any = None) -> Stage:
+               weights: Any = None, model: nn.Module | None = None) -> Stage:
     """Stage `index` of the plan saved at `path`, with its own weights only (a process running
     one stage loads nothing else), on `device` when given (else the one it was planned for). A
     tensor it shares with an earlier stage is read from that stage's file, or from `weights`
-    when given (as `load_plan` reads it)."""
-    return load_stage_plan(path, index, device=device, weights=weights)[1]
+    when given (as `load_plan` reads it, `model` the structure `Init` draws from)."""
+    return load_stage_plan(path, index, device=device, weights=weights, model=model)[1]
 
 
 def load_stage_plan(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None,
-                    weights: Any = None) -> tuple[Plan, Stage]:
+                    weights: Any = None, model: nn.Module | None = None) -> tuple[Plan, Stage]:
     """The plan saved at `path` without weights (its wiring, calling convention, chunks and
     schedule: what a process running one stage needs to know of the others), and its stage
     `index` with that stage's own weights, on `device` when given (see `load_stage`)."""
@@ -187,7 +189,8 @@ def load_stage_plan(path: str | os.PathLike, index: int, *, device: DeviceLike |
     loaded: _Loaded = {}
     _fill(root, stage, document, loaded, weighed=weights is not None)
     if weights is not None:
-        _read_stage(stage, _opened(weights), _non_persistent(plan), loaded)
+        _read_stage(stage, _opened(weights), _non_persistent(plan), _names(plan), loaded,
+                    model)
     return plan, stage
 
 
@@ -541,31 +544,60 @@ def _opened(weights: Any) -> Any:
     return open_weights(weights)
 
 
-def _weighed(plan: Plan, weights: Any, loaded: _Loaded) -> Plan:
+def _weighed(plan: Plan, weights: Any, loaded: _Loaded, model: nn.Module | None) -> Plan:
     """`plan`, its stages' stand-ins read from `weights` (`_read_stage`), stage by stage."""
-    source, non_persistent = _opened(weights), _non_persistent(plan)
+    source, non_persistent, names = _opened(weights), _non_persistent(plan), _names(plan)
     for stage in plan.stages:
-        _read_stage(stage, source, non_persistent, loaded)
+        _read_stage(stage, source, non_persistent, names, loaded, model)
     return plan
 
 
-def _read_stage(stage: Stage, source: Any, non_persistent: set[str], loaded: _Loaded) -> None:
+def _names(plan: Plan) -> dict[int, list[str]]:
+    """Every name each tensor of `plan`'s stages has, in any stage, by id: a tied weight's
+    names (a checkpoint stores it under one of them)."""
+    names: dict[int, list[str]] = {}
+    for stage in plan.stages:
+        for name, tensor in _tensors(stage.module):
+            if name not in names.setdefault(id(tensor), []):
+                names[id(tensor)].append(name)
+    return names
+
+
+def _read_stage(stage: Stage, source: Any, non_persistent: set[str],
+                names: dict[int, list[str]], loaded: _Loaded, model: nn.Module | None) -> None:
     """Put in stage's stand-ins the tensors `source` (a `fxpipe.weights.Weights`) gives for
-    its persistent ones, and those `fxpipe.weights.Init` computes for its non-persistent
-    buffers, read straight to its device, each stand-in read once; then place it there."""
-    from .weights import Init
+    its persistent ones, a tied one under any of its `names`, and those `fxpipe.weights.Init`
+    computes for its non-persistent buffers (no checkpoint holds them), read straight to its
+    device, each stand-in read once; then place the stage there."""
     like = {name: t for name, t in _tensors(stage.module) if t.is_meta and id(t) not in loaded}
-    persistent = {name: t for name, t in like.items() if name not in non_persistent}
+    persistent = {alias: t for name, t in like.items() if name not in non_persistent
+                  for alias in names.get(id(t), [name])}
     computed = {name: t for name, t in like.items() if name in non_persistent}
-    values = source.read(persistent, stage.device) if persistent else {}
+    values = _drawn_by(source, stage, model).read(persistent, stage.device) if persistent else {}
     if computed:
-        values.update((source if isinstance(source, Init) else Init()).read(computed,
-                                                                             stage.device))
+        values.update(_drawn_by(_init_of(source), stage, model).read(computed, stage.device))
     for name, stand_in in like.items():
         if id(stand_in) not in loaded:
             loaded[id(stand_in)] = (stand_in, nn.Parameter(values[name], stand_in.requires_grad)
                                     if isinstance(stand_in, nn.Parameter) else values[name])
     _put(stage, loaded)
+
+
+def _init_of(source: Any) -> Any:
+    """`source` when it initialises (an `Init`), else the model's own initialisation."""
+    from .weights import Init
+    return source if isinstance(source, Init) else Init()
+
+
+def _drawn_by(source: Any, stage: Stage, model: nn.Module | None) -> Any:
+    """`source`, or for an `Init` given no model (`weights="init"`) one drawing from `model`
+    when given (its structure: built on meta is fine), else from the stage's own modules: the
+    model's classes where the capture kept them whole (`nn.Linear`, `nn.Embedding`), under
+    the model's module paths, so with the values `Init(model)` draws."""
+    from .weights import Init
+    if not isinstance(source, Init) or source.model is not None or source.build is not None:
+        return source
+    return Init(stage.module if model is None else model, source.seed)
 
 
 def _take_weights(plan: Plan, model: nn.Module, root: Path) -> None:

@@ -419,6 +419,7 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
                     and not isinstance(concrete[name], (tuple, list, dict))):
                 node.args = (concrete[name],)
         gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
+        _keep_non_persistent(model, gm)
     out_spec = None
     if args or kwargs:
         mismatch, out_spec = _mismatch(model, gm, args, kwargs)
@@ -645,6 +646,20 @@ def _copy_state(source: nn.Module, target: fx.GraphModule) -> None:
                 owner.register_buffer(name, v, persistent=False)
     for name, body in bodies.items():
         setattr(target, name, body)
+
+
+def _keep_non_persistent(source: nn.Module, target: fx.GraphModule) -> None:
+    """Mark non-persistent in `target` the buffers `source` holds as non-persistent:
+    `fx.GraphModule` registers every tensor it copies as a persistent buffer, and the
+    pipeline's `state_dict()` must be the model's (a rotary `inv_freq` is in no checkpoint)."""
+    for path, module in source.named_modules(remove_duplicate=False):
+        for name in module._non_persistent_buffers_set:
+            try:
+                owner = target.get_submodule(path)
+            except AttributeError:
+                continue
+            if owner is not module and name in owner._buffers:
+                owner._non_persistent_buffers_set.add(name)
 
 
 _HOOKS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",

@@ -1,0 +1,216 @@
+"""A plan saved without weights (a manifest of each stage's tensors) runs with each stage's own
+weights, read from a checkpoint or drawn by `Init`, in one process and under torchrun; a
+pipeline's trained weights save as a checkpoint the model loads back."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+import fxpipe
+from fxpipe import DeviceError, PlanFileError
+from fxpipe.passes.cost_model import DeviceSpec
+from fxpipe.weights import Init
+
+
+class Tied(nn.Module):
+    """An embedding the output layer reads again (tied across stages), a persistent buffer and
+    a non-persistent one (as rotary `inv_freq`: computed by its module, in no checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.norm = Norm(8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.b(torch.relu(self.a(self.emb(ids))))
+        return self.head(self.norm(h))
+
+
+class Norm(nn.Module):
+    """A scale and shift; `shift` a persistent buffer, `scale` a non-persistent one, both
+    set by `reset_parameters`."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.register_buffer("shift", torch.zeros(width))
+        self.register_buffer("scale", torch.empty(width), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.shift.zero_()
+            self.scale.copy_(torch.linspace(0.5, 1.5, self.scale.numel()))
+
+    def forward(self, h):
+        return h * self.weight * self.scale + self.shift
+
+
+def example(seed=0):
+    """The model (its persistent buffer given values a fresh model lacks) and a batch."""
+    torch.manual_seed(seed)
+    model = Tied()
+    with torch.no_grad():
+        model.norm.shift.copy_(torch.randn(8))
+        model.norm.weight.copy_(torch.rand(8) + 0.5)
+    return model, torch.randint(0, 20, (8, 5))
+
+
+def on_meta(plan):
+    """`plan` with every tensor its stages and costed graph hold swapped, in place, for a meta
+    tensor of its shape and dtype, one for each tensor (tied ones stay tied): what planning a
+    model built on meta gives. Plan a copy of the model: the graph may share its modules."""
+    metas = {}
+    for module in [stage.module for stage in plan.stages] + [plan.graph]:
+        for owner in module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if id(t) not in metas:       # (a module the graph shares: swapped)
+                        empty = torch.empty_like(t, device="meta")
+                        meta = (nn.Parameter(empty, t.requires_grad)
+                                if isinstance(t, nn.Parameter) else empty)
+                        metas[id(t)] = metas[id(meta)] = (t, meta)
+                    table[name] = metas[id(t)][1]
+    return plan
+
+
+def planned_on_meta(model, ids, stages=2, **options):
+    plan = fxpipe.plan(copy.deepcopy(model), ["cpu"] * stages, (ids,), chunks=2, **options)
+    assert len(plan.stages) == stages
+    return on_meta(plan)
+
+
+def checkpoint(model, path):
+    """The model's state_dict as one safetensors file (tied weights stored once)."""
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()
+             if name != "head.weight"}
+    save_file(state, str(path))        # the output layer's weight is the embedding's: once
+    return path
+
+
+def assert_runs_as(plan, model, ids):
+    pipe = fxpipe.Pipeline(plan)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(ids), model(ids))
+    return pipe
+
+
+# ---- the manifest -------------------------------------------------------------------------
+
+def test_a_plan_without_weights_saves_a_manifest_and_no_weight_files(tmp_path):
+    model, ids = example()
+    plan = planned_on_meta(model, ids)
+    plan.save(tmp_path / "plan")
+    assert sorted(p.name for p in (tmp_path / "plan").glob("*.pt")) == ["plan.pt"]
+    document = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert not [name for name in document["files"] if name.startswith("stage_") and
+                name.endswith(".pt")]
+    manifest = document["weights"]
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    held = {name for stage in manifest["stages"] for name in stage}
+    assert held == set(state)
+    for stage in manifest["stages"]:
+        for name, entry in stage.items():
+            assert entry["shape"] == list(state[name].shape), name
+            assert entry["dtype"] == str(state[name].dtype).removeprefix("torch."), name
+            assert entry["parameter"] == isinstance(state[name], nn.Parameter), name
+            assert entry["persistent"] == (name != "norm.scale"), name
+            assert entry["saved"] is False
+    # The embedding is tied to the output layer, held by the first and the last stage.
+    assert manifest["tied"] == [[[0, "emb.weight"], [1, "head.weight"]]]
+
+
+def test_a_plan_with_its_weights_saves_them_and_says_so_in_its_manifest(tmp_path):
+    model, ids = example()
+    plan = fxpipe.plan(model, ["cpu"] * 2, (ids,), chunks=2)
+    plan.save(tmp_path / "plan")
+    document = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert {"stage_0.pt", "stage_1.pt"} <= set(document["files"])
+    assert all(entry["saved"] for stage in document["weights"]["stages"]
+               for entry in stage.values())
+    loaded = fxpipe.load_plan(tmp_path / "plan")
+    pipe = assert_runs_as(loaded, model, ids)
+    # The non-persistent buffer stays out of the state, as out of the model's.
+    assert set(pipe.state_dict()) == set(model.state_dict())
+
+
+def test_an_older_plan_is_refused_with_the_fix(tmp_path):
+    model, ids = example()
+    fxpipe.plan(model, ["cpu"] * 2, (ids,), chunks=2).save(tmp_path / "plan")
+    path = tmp_path / "plan" / "plan.json"
+    path.write_text(path.read_text().replace('"format": 3', '"format": 2'))
+    with pytest.raises(PlanFileError, match="has format 2, this fxpipe reads format 3: save "
+                                            "the plan again"):
+        fxpipe.load_plan(tmp_path / "plan")
+
+
+# ---- loading with weights -----------------------------------------------------------------
+
+def test_a_plan_without_weights_is_refused_by_pipeline_naming_both_ways(tmp_path):
+    model, ids = example()
+    plan = planned_on_meta(model, ids)
+    plan.save(tmp_path / "plan")
+    for unfilled in (plan, fxpipe.load_plan(tmp_path / "plan")):
+        with pytest.raises(PlanFileError, match=r"holds '.*' on meta.*plan.with_weights\(.*"
+                                                r"fxpipe.load_plan\(path, weights="):
+            fxpipe.Pipeline(unfilled)
+
+
+def test_a_saved_plan_loads_its_weights_from_a_safetensors_file(tmp_path):
+    model, ids = example()
+    planned_on_meta(model, ids).save(tmp_path / "plan")
+    plan = fxpipe.load_plan(tmp_path / "plan", model=model,
+                            weights=checkpoint(model, tmp_path / "model.safetensors"))
+    pipe = assert_runs_as(plan, model, ids)
+    torch.testing.assert_close(pipe.state_dict(), model.state_dict())
+    # The tied weight is one tensor again, as in the model.
+    assert pipe.stages[0].emb.weight is pipe.stages[-1].head.weight
+
+
+def test_a_plan_in_memory_takes_its_weights_leaving_itself_as_it_was(tmp_path):
+    model, ids = example()
+    plan = planned_on_meta(model, ids)
+    filled = plan.with_weights(model.state_dict(), model=model)
+    assert_runs_as(filled, model, ids)
+    assert all(t.is_meta for stage in plan.stages for t in stage.module.parameters())
+
+
+def test_a_saved_plan_with_its_weights_takes_a_checkpoint_instead(tmp_path):
+    model, ids = example()
+    fxpipe.plan(model, ["cpu"] * 2, (ids,), chunks=2).save(tmp_path / "plan")
+    other, _ = example(seed=1)
+    plan = fxpipe.load_plan(tmp_path / "plan",
+                            weights=checkpoint(other, tmp_path / "other.safetensors"))
+    assert_runs_as(plan, other, ids)
+
+
+def test_init_draws_each_module_as_the_model_would_whatever_the_partition():
+    model, ids = example()
+    two = fxpipe.Pipeline(planned_on_meta(model, ids, 2).with_weights(Init(model, seed=3)))
+    three = fxpipe.Pipeline(planned_on_meta(model, ids, 3).with_weights(Init(model, seed=3)))
+    torch.testing.assert_close(three.state_dict(), two.state_dict())
+    assert not torch.equal(two.state_dict()["a.weight"], model.a.weight)     # drawn, not copied
+    # The non-persistent buffer is computed by its module's rule, never left uninitialised.
+    torch.testing.assert_close(two.module.get_buffer("norm.scale"), torch.linspace(0.5, 1.5, 8))
+    # The model holding those weights computes what the pipeline does.
+    drawn = copy.deepcopy(model)
+    drawn.load_state_dict(two.state_dict())
+    assert_runs_as(planned_on_meta(model, ids, 2).with_weights(Init(model, seed=3)), drawn, ids)
+    # weights="init" is Init(model) of seed 0, given the model's structure (built on meta).
+    with torch.device("meta"):
+        structure = Tied()
+    by_name = fxpipe.Pipeline(planned_on_meta(model, ids).with_weights("init", model=structure))
+    torch.testing.assert_close(
+        by_name.state_dict(),
+        fxpipe.Pipeline(planned_on_meta(model, ids).with_weights(Init(model))).state_dict())
