@@ -73,29 +73,46 @@ def on_threads(script):
     return got[1] + got[0]
 
 
-def _gloo_side(script, me, init, results):
+def _gloo_side(script, me, init, results, two_groups):
     import torch.distributed as dist
 
     from fxpipe.distributed import DistributedTransport
     dist.init_process_group("gloo", init_method=init, rank=me, world_size=2)
-    transport = DistributedTransport(me, torch.device("cpu"), timeout=30, peers=[0, 1])
+    # With two groups, headers go over the default one and tensors over another (as CUDA
+    # stages send theirs over NCCL): every point-to-point op is recorded with its group.
+    tensors = dist.new_group(backend="gloo") if two_groups else None
+    ops = []
+    for name in ("isend", "irecv", "recv"):
+        op = getattr(dist, name)
+
+        def recorded(t, *args, op=op, name=name, group=None, **kwargs):
+            ops.append((name, t.dtype, "tensors" if group is tensors and two_groups else
+                        "headers" if group is None else "other"))
+            return op(t, *args, group=group, **kwargs)
+        setattr(dist, name, recorded)
+    transport = DistributedTransport(me, torch.device("cpu"), timeout=30, peers=[0, 1],
+                                     tensor_group=tensors)
     got = []
     try:
         script(transport, me, got)
         transport.close()       # after an abort: take the peer's news, let every send go
     finally:
+        got.append(("ops", ops))
         buffer = io.BytesIO()
         torch.save(got, buffer)
         results.put((me, buffer.getvalue()))
         dist.destroy_process_group()
 
 
-def on_gloo(script, tmp_path):
-    """`script` run by two gloo processes, each through its `DistributedTransport`."""
+def on_gloo(script, tmp_path, two_groups=False, ops=None):
+    """`script` run by two gloo processes, each through its `DistributedTransport` (headers
+    and tensors over one group, or over two with `two_groups`); the point-to-point ops each
+    posted, (op, dtype, group), added to `ops` when given."""
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     processes = [context.Process(target=_gloo_side,
-                                 args=(script, me, f"file://{tmp_path / 'init'}", results))
+                                 args=(script, me, f"file://{tmp_path / 'init'}", results,
+                                       two_groups))
                  for me in (0, 1)]
     for process in processes:
         process.start()
@@ -103,15 +120,27 @@ def on_gloo(script, tmp_path):
         process.join(60)
     assert [process.exitcode for process in processes] == [0, 0]
     got = dict(results.get() for _ in processes)
-    return [*torch.load(io.BytesIO(got[1]), weights_only=False),
-            *torch.load(io.BytesIO(got[0]), weights_only=False)]
+    sides = [torch.load(io.BytesIO(got[me]), weights_only=False) for me in (1, 0)]
+    if ops is not None:
+        ops.extend(op for side in sides for op in side[-1][1])
+    return [item for side in sides for item in side[:-1]]
 
 
-@pytest.fixture(params=["threads", "gloo"])
+@pytest.fixture(params=["threads", "gloo", "gloo, two groups"])
 def run_script(request, tmp_path):
     if request.param == "threads":
         return on_threads
-    return lambda script: on_gloo(script, tmp_path)
+    return lambda script: on_gloo(script, tmp_path, two_groups="two" in request.param)
+
+
+def test_headers_and_tensors_travel_over_their_own_groups(tmp_path):
+    """Headers (pickled bytes) over the header group; the values' tensors over the tensor
+    group, as CUDA stages send theirs over NCCL while headers stay on gloo."""
+    ops = []
+    on_gloo(messages_in_order, tmp_path, two_groups=True, ops=ops)
+    assert {group for _, dtype, group in ops if dtype == torch.uint8} == {"headers"}
+    assert {group for _, dtype, group in ops if dtype != torch.uint8} == {"tensors"}
+    assert {op for op, dtype, _ in ops if dtype != torch.uint8} == {"isend", "irecv"}
 
 
 def test_messages_arrive_in_order_per_link_across_two_steps(run_script):

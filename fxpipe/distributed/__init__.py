@@ -54,9 +54,16 @@ and start again.
 A plan balances and predicts with what it was told values cost: plan for a run here with
 `link="gloo"` (`measure_link`), or `load` warns on rank 0.
 
+Transport: headers go over gloo; tensors over gloo too, or, where the caller started the
+default process group with NCCL (every rank's stage on a GPU), over NCCL, from GPU to GPU
+without a copy through the CPU.
+
+Weights: `load(path, weights="ckpt/")` reads this rank's stage's tensors only from a
+checkpoint (or draws them, "init"), straight to its device, after checking that its planned
+memory fits the device; `stage.save_weights(dir)` writes them back, each rank its own shard.
+
 Not in this slice: gradients across ranks in a call (`stage(x)`: each rank's autograd graph
-ends at what it received; `train_step` is the way to gradients); CUDA stages go through CPU
-copies (no NCCL).
+ends at what it received; `train_step` is the way to gradients).
 
 The package stands beside `fxpipe.pipeline`, on the same `fxpipe.runtime`: `launch` (the process
 groups, loading this rank's stage), `transport` (`DistributedTransport`, the runtime's

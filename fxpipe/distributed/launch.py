@@ -30,9 +30,17 @@ class WorldSizeError(DistributedError):
     """The number of processes differs from the plan's number of stages."""
 
 
-def load(path: str | os.PathLike, *, device: DeviceLike | None = None,
-         timeout: float = 60.0) -> "DistributedStage":
+def load(path: str | os.PathLike, *, weights: Any = None, device: DeviceLike | None = None,
+         timeout: float = 60.0, model: torch.nn.Module | None = None) -> "DistributedStage":
     """This process's stage of the plan saved at `path`, its weights only.
+
+    The weights are the plan's own (its stage files), or with `weights` (a checkpoint,
+    "init": see `fxpipe.load_plan`) those this stage holds, read from there straight to its
+    device and nothing else (`model`, when given, is the structure `fxpipe.weights.Init`
+    draws from). A stage whose planned memory exceeds its device's is refused before anything
+    is read. A checkpoint without a tensor of this stage, or with another shape or dtype, is
+    a `PlanFileError` naming the tensor and the file, and every other rank stops too, naming
+    this rank and the error.
 
     The world is `replicas x stages` processes: rank r runs stage `r % stages` of replica
     `r // stages` (one process per stage is one replica). The stage runs on `device`; by default
@@ -44,7 +52,7 @@ def load(path: str | os.PathLike, *, device: DeviceLike | None = None,
     """
     group, owned = _process_group(timeout)
     try:
-        return _load(path, device, timeout, group, owned)
+        return _load(path, device, timeout, group, owned, weights, model)
     except BaseException:
         if owned:    # a process group left behind at exit can abort the process (SIGABRT)
             dist.destroy_process_group()
@@ -69,7 +77,7 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
 
 
 def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, group: Any,
-          owned: bool) -> "DistributedStage":
+          owned: bool, weights: Any, model: torch.nn.Module | None) -> "DistributedStage":
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = stage_count(path)
     if world % stages:
@@ -79,9 +87,18 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
             f"torchrun --nproc-per-node {stages} (or {2 * stages} for two replicas)")
     replica, index = divmod(rank, stages)
     loaded, error = None, None
+    # Over NCCL (a default group the caller started with it) tensors travel between GPUs as
+    # they are, headers over gloo (`group`); over gloo, both over `group`.
+    nccl = dist.get_backend() == "nccl"
     try:
         here = rank_device(planned_device(path, index), device)
-        loaded = load_stage_plan(path, index, device=here), shared_tensors(path)
+        if nccl and not is_gpu(torch.device(getattr(here, "name", here))):
+            raise DistributedError(
+                f"rank {rank} runs stage {index} on {here}, but the process group is NCCL, "
+                f"which carries CUDA tensors only: give every rank a GPU (device='cuda:N'), or "
+                f"start the process group with gloo")
+        loaded = (load_stage_plan(path, index, device=here, weights=weights, model=model),
+                  shared_tensors(path))
     except Exception as e:
         error = e
     _agree_loaded(rank, error, group, timeout)
@@ -96,7 +113,8 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
                         replica, timeout)
     return DistributedStage(plan, stage, rank, group, timeout, owned, replica=replica,
                             replicas=world // stages, pipeline_group=pipeline,
-                            gradient_group=gradients, tied=tied)
+                            gradient_group=gradients, tied=tied,
+                            tensor_group=dist.group.WORLD if nccl else None)
 
 
 def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: float) -> None:

@@ -31,7 +31,8 @@ class DistributedStage:
     def __init__(self, plan: Any, stage: Any, rank: int, group: Any, timeout: float,
                  owns_group: bool = False, *, replica: int = 0, replicas: int = 1,
                  pipeline_group: Any = None, gradient_group: Any = None,
-                 tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None):
+                 tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None,
+                 tensor_group: Any = None):
         self.plan = plan
         self.stage = stage
         self.rank = rank
@@ -54,7 +55,8 @@ class DistributedStage:
             [leaf for leaf in plan.signature.out_leaves
              if isinstance(leaf, str) and leaf in placeholders])
         self.transport = DistributedTransport(
-            rank, stage.device, group=group, timeout=timeout, base=self.base,
+            rank, stage.device, group=group, tensor_group=tensor_group, timeout=timeout,
+            base=self.base,
             peers=list(range(self.base, self.base + self.num_stages)))
         # This rank's actions in the latest call or train_step, seconds from its own start
         # (each rank's clock: compare a stage's times with the plan's, not ranks' starts).

@@ -1,9 +1,11 @@
-"""`DistributedTransport`: the runtime's `Transport` between processes, over gloo.
+"""`DistributedTransport`: the runtime's `Transport` between processes, over gloo (and NCCL).
 
-Messages go by torch's own engine, over a gloo process group: a message's header (which phase,
-sender, receiver and micro-batch, the values' structure, each tensor's shape and dtype), pickled
-into one fixed-size byte tensor (one send where `send_object_list` takes two and 2.5x the time),
-then each tensor. Gloo's `send` waits for the receiver's `recv`, so two stages sending to each
+Messages go by torch's own engine, over two process groups (one, by default): a message's
+header (which phase, sender, receiver and micro-batch, the values' structure, each tensor's
+shape and dtype), pickled into one fixed-size byte tensor (one send where `send_object_list`
+takes two and 2.5x the time), over a gloo group; then each tensor, over the tensor group: the
+same gloo group, another one, or an NCCL group, over which CUDA stages send their device
+tensors as they are (no copy through the CPU) while the headers, host data, stay on gloo. Gloo's `send` waits for the receiver's `recv`, so two stages sending to each
 other at once (1F1B) would wait for ever: every send is posted (`isend`) on the rank's own
 thread, in the order its stage produced the messages, and let go when the peer's next header
 says it took it (each header counts the messages its sender took), or when the step ends. A
@@ -83,10 +85,15 @@ class DistributedTransport:
     """
 
     def __init__(self, rank: int, device: torch.device, *, group: Any = None,
-                 timeout: float = 60.0, base: int = 0, peers: list[int] | None = None):
+                 tensor_group: Any = None, timeout: float = 60.0, base: int = 0,
+                 peers: list[int] | None = None):
         self.rank = rank
         self.device = device
-        self.group = group
+        self.group = group          # headers (gloo)
+        self.tensor_group = group if tensor_group is None else tensor_group
+        # Where tensors travel from and to: the stage's own device over NCCL, else the CPU.
+        self.carrier = (torch.device(device) if dist.get_backend(self.tensor_group) == "nccl"
+                        else torch.device("cpu"))
         self.timeout = timeout
         self.base = base
         self.peers = [p for p in (peers or []) if p != rank]
@@ -114,7 +121,7 @@ class DistributedTransport:
                               for name, v in values.items()}
             return
         payload: list[torch.Tensor] = []
-        structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload))
+        structure = {name: fx.node.map_aggregate(v, lambda t: _meta(t, payload, self.carrier))
                      for name, v in values.items()}
         self._post(peer, "data", ((phase.value, sender, receiver, microbatch), structure),
                    payload)
@@ -188,11 +195,13 @@ class DistributedTransport:
     def _post(self, peer: int, kind: str, body: Any = (),
               payload: Sequence[torch.Tensor] = ()) -> None:
         """Post the sends of a `kind` message ("data", "done" or "abort") to `peer`: its
-        header (the kind, the messages taken from `peer` so far, `body`), then `payload`."""
+        header (the kind, the messages taken from `peer` so far, `body`) over the header group,
+        then `payload` over the tensor group."""
         sends = []
-        for t in (*_header_tensors((kind, self.taken[peer], body)), *payload):
+        messages = [(t, self.group) for t in _header_tensors((kind, self.taken[peer], body))]
+        for t, group in [*messages, *((t, self.tensor_group) for t in payload)]:
             try:
-                sends.append((dist.isend(t, dst=peer, group=self.group), t))
+                sends.append((dist.isend(t, dst=peer, group=group), t))
             except RuntimeError as e:
                 raise self._lost(peer, e) from None
         self.posted.setdefault(peer, collections.deque()).append(sends)
@@ -245,9 +254,10 @@ class DistributedTransport:
         return _header_of(first, peer, self.group)
 
     def _post_recv(self, meta: _TensorMeta, peer: int) -> tuple[Any, torch.Tensor]:
-        """The receive of one tensor of `meta`'s shape from `peer`, posted."""
-        t = torch.empty(meta.shape, dtype=meta.dtype)
-        return (dist.irecv(t, src=peer, group=self.group) if t.numel() > 0 else None), t
+        """The receive of one tensor of `meta`'s shape from `peer`, posted, over the tensor
+        group, into a tensor on the carrier device."""
+        t = torch.empty(meta.shape, dtype=meta.dtype, device=self.carrier)
+        return (dist.irecv(t, src=peer, group=self.tensor_group) if t.numel() > 0 else None), t
 
     def _arrived(self, meta: _TensorMeta, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.device)
@@ -301,12 +311,13 @@ def _header_of(first: torch.Tensor, peer: int, group: Any) -> Any:
     return pickle.loads(rest.numpy().tobytes())
 
 
-def _meta(v: Any, payload: list[torch.Tensor]) -> Any:
-    """A tensor's `_TensorMeta`, its data (a CPU copy where needed) added to `payload`."""
+def _meta(v: Any, payload: list[torch.Tensor], carrier: torch.device) -> Any:
+    """A tensor's `_TensorMeta`, its data (a copy on the `carrier` device where needed) added
+    to `payload`."""
     if not isinstance(v, torch.Tensor):
         return v
     if v.numel() > 0:
-        payload.append(v.detach().to("cpu").contiguous())
+        payload.append(v.detach().to(carrier).contiguous())
     return _TensorMeta(tuple(v.shape), v.dtype, v.requires_grad)
 
 
