@@ -49,7 +49,7 @@ class Weights(abc.ABC):
     resolves tied names and checks nothing more is read than asked.
     """
 
-    where: str = "weights"      # for messages: "ckpt/ (Hugging Face sharded safetensors)"
+    where: str = "weights"      # for messages: "ckpt/model.safetensors (safetensors)"
     cast: bool = False          # whether a dtype other than the asked one is cast
 
     @abc.abstractmethod
@@ -100,7 +100,9 @@ class Weights(abc.ABC):
         hint = f" (it holds {close[0]!r})" if close else ""
         return (f"tensor {names} is not in {self.where}{hint}: these weights are for another "
                 f"model, or name its tensors otherwise; give the checkpoint of this model, saved "
-                f"under the model's names (model.state_dict())")
+                f"under the model's names (model.state_dict()). A tied weight stored once is "
+                f"found when the tensors asked share one object under both names, as the "
+                f"model's do")
 
 
 def tied_groups(like: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -276,7 +278,7 @@ def _safetensors_index(index: Path, cast: bool) -> _Safetensors:
         raise PlanFileError(f"{index} is not a Hugging Face index ({type(e).__name__}: {e}): "
                             f"it needs a \"weight_map\" of tensor names to files; copy the "
                             f"checkpoint again") from e
-    return _Safetensors(files, f"{index.parent}/ (Hugging Face sharded safetensors)", cast, tied)
+    return _Safetensors(files, f"{index} (Hugging Face sharded safetensors)", cast, tied)
 
 
 def _torch_file(path: Path, cast: bool) -> _StateDict:
@@ -548,7 +550,7 @@ def shard_layout(groups: Sequence[Mapping[str, torch.Tensor]], *,
 def _same_tensor(tensor: torch.Tensor) -> object:
     """A key equal for two tensors that are one (one object, or one view of the same memory:
     `model.state_dict()` gives a tied weight as two tensor objects)."""
-    if tensor.is_meta:
+    if tensor.is_meta or tensor.numel() == 0:         # no memory to compare
         return id(tensor)
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
