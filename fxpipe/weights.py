@@ -18,11 +18,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import dataclasses
 import difflib
 import hashlib
+import json
 import os
+import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -46,7 +49,7 @@ class Weights(abc.ABC):
     resolves tied names and checks nothing more is read than asked.
     """
 
-    where: str = "weights"      # for messages: "ckpt/ (Hugging Face sharded safetensors)"
+    where: str = "weights"      # for messages: "ckpt/model.safetensors (safetensors)"
     cast: bool = False          # whether a dtype other than the asked one is cast
 
     @abc.abstractmethod
@@ -97,7 +100,9 @@ class Weights(abc.ABC):
         hint = f" (it holds {close[0]!r})" if close else ""
         return (f"tensor {names} is not in {self.where}{hint}: these weights are for another "
                 f"model, or name its tensors otherwise; give the checkpoint of this model, saved "
-                f"under the model's names (model.state_dict())")
+                f"under the model's names (model.state_dict()). A tied weight stored once is "
+                f"found when the tensors asked share one object under both names, as the "
+                f"model's do")
 
 
 def tied_groups(like: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -131,35 +136,84 @@ class _Safetensors(Weights):
 
     `files` maps each name to the file holding it (one file, or an HF index's weight_map); only
     the files holding asked names are opened, and only their headers until a tensor is read.
+    `tied` maps a name the files do not store to the name of the tensor it shares (an index
+    written by `save_weights` lists them).
     """
 
-    def __init__(self, files: Mapping[str, Path], where: str, cast: bool):
-        self.files, self.where, self.cast = files, where, cast
+    def __init__(self, files: Mapping[str, Path], where: str, cast: bool,
+                 tied: Mapping[str, str] | None = None):
+        tied = {name: stored for name, stored in (tied or {}).items() if stored in files}
+        self.files = {**files, **{name: files[stored] for name, stored in tied.items()}}
+        self.stored_as, self.where, self.cast = tied, where, cast
 
     def names(self) -> set[str]:
         return set(self.files)
 
     def _read(self, like, device):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         by_file: dict[Path, list[str]] = {}
         for name in like:
             by_file.setdefault(self.files[name], []).append(name)
+        # safetensors reads onto a CUDA device by its index ("cuda:0"), not a bare "cuda"
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         out = {}
         for file, names in by_file.items():
             if not file.is_file():
                 raise PlanFileError(f"{file}, which {self.where} names as holding tensor "
                                     f"{names[0]!r}, does not exist: copy the checkpoint whole")
-            # safetensors reads onto a CUDA device by its index ("cuda:0"), not a bare "cuda"
-            target = device if device.type != "cuda" or device.index is not None else \
-                torch.device("cuda", torch.cuda.current_device())
-            with safe_open(file, framework="pt", device=str(target)) as f:
-                for name in names:
-                    header = f.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())
-                    self._check(name, str(file), header.get_shape(), dtype, like[name])
-                    out[name] = f.get_tensor(name).to(like[name].dtype)
+            try:
+                with safe_open(file, framework="pt", device=str(device)) as f:
+                    for name in names:
+                        stored = self.stored_as.get(name, name)
+                        if stored not in f.keys():
+                            raise PlanFileError(
+                                f"tensor {stored!r} is not in {file}, which {self.where} names "
+                                f"as holding it: the index and its files disagree; copy the "
+                                f"checkpoint whole, or write it again")
+                        header = f.get_slice(stored)
+                        dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())
+                        self._check(name, str(file), header.get_shape(), dtype, like[name])
+                        out[name] = f.get_tensor(stored).to(like[name].dtype)
+            except SafetensorError as e:
+                raise PlanFileError(f"{file} is not a readable safetensors file ({e}): copy the "
+                                    f"checkpoint again") from e
         return out
+
+
+class _DistributedCheckpoint(Weights):
+    """A torch.distributed.checkpoint directory (as torchtitan saves): names, shapes and dtypes
+    from its `.metadata`; `dcp.load` reads only the asked tensors' bytes, in this process alone
+    (no collective, so ranks read their own stages independently)."""
+
+    def __init__(self, path: Path, cast: bool):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path, self.where, self.cast = path, f"{path} (torch.distributed.checkpoint)", cast
+        entries = FileSystemReader(path).read_metadata().state_dict_metadata
+        self.entries = {name: entry for name, entry in entries.items()
+                        if isinstance(entry, TensorStorageMetadata)}
+
+    def names(self) -> set[str]:
+        return set(self.entries)
+
+    def _read(self, like, device):
+        import torch.distributed.checkpoint as dcp
+
+        into = {}
+        for name, want in like.items():
+            entry = self.entries[name]
+            self._check(name, self.where, entry.size, entry.properties.dtype, want)
+            into[name] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+        with warnings.catch_warnings():     # its note that no_dist=True loads in one process
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(into, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        return {name: tensor.to(like[name].dtype) for name, tensor in into.items()}
+
+
+INDEX_FILE, SINGLE_FILE, DCP_FILE = "model.safetensors.index.json", "model.safetensors", ".metadata"
 
 
 def open_weights(spec, *, cast: bool = False) -> Weights:
@@ -167,15 +221,17 @@ def open_weights(spec, *, cast: bool = False) -> Weights:
 
     spec: a `Weights` (as is); a Mapping[str, Tensor] (a state_dict in memory); a path to a
     .safetensors file, a Hugging Face sharded directory (model.safetensors.index.json), a
-    directory holding one model.safetensors, or a torch state_dict file (.pt/.pth/.bin, read
-    with torch.load(mmap=True, weights_only=True)); "init" -> Init() (per-module init, seed 0).
-    `cast=True` casts a checkpoint's tensors to the model's dtypes instead of refusing them.
+    directory holding one model.safetensors, a torch.distributed.checkpoint directory (its
+    .metadata), or a torch state_dict file (.pt/.pth/.bin, read with torch.load(mmap=True,
+    weights_only=True)); "init" -> Init() (per-module init, seed 0; give it the model with
+    `bind`). `cast=True` casts a checkpoint's tensors to the model's dtypes instead of
+    refusing them. Opening reads headers and indexes only.
     """
     if isinstance(spec, Weights):
         return spec
     if isinstance(spec, Mapping):
         return _StateDict(spec, "the state_dict given", cast)
-    if spec == "init":
+    if isinstance(spec, str) and spec == "init":
         return Init()
     if not isinstance(spec, (str, os.PathLike)):
         raise PlanFileError(f"weights={spec!r} is not weights: give a path to a checkpoint "
@@ -186,16 +242,59 @@ def open_weights(spec, *, cast: bool = False) -> Weights:
         raise PlanFileError(f"no checkpoint at {str(path)!r}: the path does not exist; give the "
                             f"path of a .safetensors file, a directory of them, or a torch "
                             f"state_dict file")
+    if path.is_dir():
+        if (path / INDEX_FILE).is_file():
+            return _safetensors_index(path / INDEX_FILE, cast)
+        if (path / SINGLE_FILE).is_file():
+            return _safetensors_file(path / SINGLE_FILE, cast)
+        if (path / DCP_FILE).is_file():
+            return _DistributedCheckpoint(path, cast)
+        raise PlanFileError(f"no checkpoint in the directory {path}: it holds none of "
+                            f"{INDEX_FILE} (Hugging Face sharded safetensors), {SINGLE_FILE}, "
+                            f"{DCP_FILE} (torch.distributed.checkpoint); give the directory "
+                            f"holding one, or the path of a checkpoint file")
     if path.suffix == ".safetensors":
-        return _safetensors_file(path, f"{path} (safetensors)", cast)
-    raise PlanFileError(f"{path} is not a checkpoint fxpipe reads: give a .safetensors file")
+        return _safetensors_file(path, cast)
+    return _torch_file(path, cast)
 
 
-def _safetensors_file(path: Path, where: str, cast: bool) -> _Safetensors:
-    from safetensors import safe_open
+def _safetensors_file(path: Path, cast: bool) -> _Safetensors:
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, framework="pt") as f:
-        return _Safetensors(dict.fromkeys(f.keys(), path), where, cast)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return _Safetensors(dict.fromkeys(f.keys(), path), f"{path} (safetensors)", cast)
+    except SafetensorError as e:
+        raise PlanFileError(f"{path} is not a readable safetensors file ({e}): give a "
+                            f"checkpoint file") from e
+
+
+def _safetensors_index(index: Path, cast: bool) -> _Safetensors:
+    try:
+        document = json.loads(index.read_text())
+        files = {name: index.parent / file for name, file in document["weight_map"].items()}
+        tied = document.get("metadata", {}).get(TIED_KEY, {})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PlanFileError(f"{index} is not a Hugging Face index ({type(e).__name__}: {e}): "
+                            f"it needs a \"weight_map\" of tensor names to files; copy the "
+                            f"checkpoint again") from e
+    return _Safetensors(files, f"{index} (Hugging Face sharded safetensors)", cast, tied)
+
+
+def _torch_file(path: Path, cast: bool) -> _StateDict:
+    """A torch state_dict file, memory-mapped: a tensor's bytes are read when it is copied."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:      # torch raises pickle's, zipfile's or its own errors
+        raise PlanFileError(f"{path} is not a checkpoint fxpipe reads ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}): give a .safetensors "
+                            f"file or directory, or a torch state_dict file saved with "
+                            f"torch.save(model.state_dict(), path)") from e
+    if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor)
+                                                 for t in state.values()):
+        raise PlanFileError(f"{path} holds a {type(state).__name__}, not a state_dict of "
+                            f"tensors by name: save it with torch.save(model.state_dict(), path)")
+    return _StateDict(state, f"{path} (torch state_dict)", cast)
 
 
 class Init(Weights):
@@ -371,3 +470,153 @@ def _module_seed(seed: int, path: str) -> int:
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
+
+
+# Writing: Hugging Face's layout (shards model-<k>-of-<n>.safetensors and an index mapping each
+# name to its shard), the names a tied tensor shares listed in the index's metadata.
+TIED_KEY = "tied"
+MAX_SHARD_BYTES = 5 * 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Which file each tensor is written to, decided from names and sizes alone, so that every
+    torchrun rank computes the same layout and no rank needs another's tensors.
+
+    files: stored name -> shard file name; shards: each group's shard files (group k writes
+    shards[k]); tied: a name not stored -> the stored name whose tensor it shares; total_size:
+    bytes of the stored tensors (the index's metadata).
+    """
+
+    files: dict[str, str]
+    shards: list[list[str]]
+    tied: dict[str, str]
+    total_size: int
+
+
+def shard_layout(groups: Sequence[Mapping[str, torch.Tensor]], *,
+                 max_shard_bytes: int = MAX_SHARD_BYTES,
+                 tied: Mapping[str, str] | None = None) -> ShardLayout:
+    """The layout of tensors written by several writers (one group each: a stage, a rank), in
+    order; meta tensors are fine. A group's tensors go to its own shards (a shard never mixes
+    groups), a new shard when the next tensor would pass `max_shard_bytes`. A tensor is stored
+    once, under its first name: a later name for the same tensor (one object, or the same
+    memory) or a name an earlier group stores is not stored again. `tied` adds names the model
+    gives a stored tensor that no group holds (name -> stored name: a stage holds a tied
+    weight under the model's first name only)."""
+    if max_shard_bytes <= 0:
+        raise PlanFileError(f"max_shard_bytes={max_shard_bytes} must be positive: give the "
+                            f"most bytes one shard file may hold")
+    first_name: dict[object, str] = {}
+    stored_names: set[str] = set()
+    tied = dict(tied or {})
+    shards: list[list[list[str]]] = []          # per group, its shards' names
+    total = 0
+    for group in groups:
+        shards.append([])
+        filled = 0
+        for name, tensor in group.items():
+            if name in stored_names or name in tied:
+                continue
+            stored = first_name.setdefault(_same_tensor(tensor), name)
+            if stored != name:
+                tied[name] = stored
+                continue
+            stored_names.add(name)
+            size = tensor.numel() * tensor.element_size()
+            if not shards[-1] or filled + size > max_shard_bytes:
+                shards[-1].append([])
+                filled = 0
+            shards[-1][-1].append(name)
+            filled += size
+            total += size
+    count = sum(map(len, shards))
+    numbered = iter(range(1, count + 1))
+    files, group_files = {}, []
+    for group_shards in shards:
+        group_files.append([])
+        for names in group_shards:
+            file = f"model-{next(numbered):05d}-of-{count:05d}.safetensors"
+            group_files[-1].append(file)
+            files.update(dict.fromkeys(names, file))
+    missing = {name: stored for name, stored in tied.items() if stored not in files}
+    if missing:
+        name, stored = next(iter(missing.items()))
+        raise PlanFileError(f"tied name {name!r} shares tensor {stored!r}, which no group holds: "
+                            f"give the groups every stored tensor")
+    return ShardLayout(files, group_files, tied, total)
+
+
+def _same_tensor(tensor: torch.Tensor) -> object:
+    """A key equal for two tensors that are one (one object, or one view of the same memory:
+    `model.state_dict()` gives a tied weight as two tensor objects)."""
+    if tensor.is_meta or tensor.numel() == 0:         # no memory to compare
+        return id(tensor)
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
+def save_weights(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
+                 max_shard_bytes: int = MAX_SHARD_BYTES, layout: ShardLayout | None = None,
+                 group: int = 0, write_index: bool = True) -> Path:
+    """Write `tensors` (the model's names, as `model.state_dict()` gives them: persistent
+    tensors only) as Hugging Face sharded safetensors in `directory` (made if needed), with
+    model.safetensors.index.json: a tied tensor once, its other names listed in the index's
+    metadata ("tied").
+
+    Read back with `open_weights(directory)` (tied names resolved), `from_pretrained(directory)`
+    for a Hugging Face model, or `model.load_state_dict(open_weights(directory).read(
+    model.state_dict(), "cpu"), strict=True)`.
+
+    Under torchrun, every rank computes the layout of the whole model from names and sizes
+    (`shard_layout`, one group per stage, in stage order) and passes it with its stage's tensors
+    and its group: it writes that group's shards; the rank passing `write_index=True` writes the
+    index from the layout. No rank gathers another's tensors. Returns the directory.
+    """
+    directory = Path(directory)
+    layout = layout or shard_layout([tensors], max_shard_bytes=max_shard_bytes)
+    unknown = [name for name in tensors if name not in layout.files and name not in layout.tied]
+    if unknown:
+        raise PlanFileError(f"tensor {unknown[0]!r} is not in the layout given to save_weights: "
+                            f"compute the layout from every stage's names (shard_layout)")
+    if not 0 <= group < len(layout.shards):
+        raise PlanFileError(f"group={group}, but the layout has groups 0 to "
+                            f"{len(layout.shards) - 1}: give the index of this writer's group")
+    directory.mkdir(parents=True, exist_ok=True)
+    names_in: dict[str, list[str]] = {}
+    for name, file in layout.files.items():
+        names_in.setdefault(file, []).append(name)
+    for file in layout.shards[group]:
+        names = names_in[file]
+        absent = [name for name in names if name not in tensors]
+        if absent:
+            raise PlanFileError(f"shard {file} holds tensor {absent[0]!r}, which this "
+                                f"save_weights call was not given: give group {group}'s "
+                                f"tensors as shard_layout was given them")
+        _write_shard({name: tensors[name] for name in names}, directory / file)
+    if write_index:
+        index = {"metadata": {"total_size": layout.total_size, TIED_KEY: layout.tied},
+                 "weight_map": layout.files}
+        _replace(directory / INDEX_FILE, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
+    return directory
+
+
+def _write_shard(shard: Mapping[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, its tensors on CPU, each its own memory (safetensors refuses views
+    of one storage)."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    on_cpu = {}
+    for name, tensor in shard.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        on_cpu[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    _replace(path, lambda tmp: save_file(on_cpu, tmp, metadata={"format": "pt"}))
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """Write `path` whole or not at all (a crash leaves the old file, never half a new one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
