@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import torch
@@ -23,7 +25,7 @@ from fxpipe.passes.trace import hook_kind
 from . import microbatch
 from .plan_data import Plan
 from .runtime import Run, Runtime
-from .saved import PlanFileError
+from .saved import PlanFileError, save_stage_weights
 from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from .explain import explain
 from .schedules import Action, Phase, Slot, gpipe, timetable_for
@@ -228,6 +230,17 @@ class Pipeline(nn.Module):
         link = self.plan.link_fn or default_link
         return explain(self.module, dict(part.stage_of), part.devices, link=link,
                        training=any(c.backward_s > 0 for c in part.stages), memory=part.memory)
+
+    def save_weights(self, directory: str | os.PathLike, *,
+                     max_shard_bytes: int | None = None) -> Path:
+        """Write the pipeline's parameters and persistent buffers (what `state_dict()` holds:
+        the model's names) into `directory` as Hugging Face sharded safetensors with
+        `model.safetensors.index.json`, each stage its own shards, a tied weight once (where
+        its stages share a device); `model.load_state_dict` (`fxpipe.weights.open_weights`),
+        `from_pretrained` and `fxpipe.load_plan(path, weights=directory)` read them back. See
+        `fxpipe.weights.save_weights`."""
+        return save_stage_weights(self.plan, directory, range(len(self._stages)),
+                                  max_shard_bytes=max_shard_bytes)
 
     # Parameters, buffers and state are the traced model's, under the model's own names.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -45,7 +45,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -192,6 +192,49 @@ def load_stage_plan(path: str | os.PathLike, index: int, *, device: DeviceLike |
         _read_stage(stage, _opened(weights), _non_persistent(plan), _names(plan), loaded,
                     model)
     return plan, stage
+
+
+def save_stage_weights(plan: Plan, directory: str | os.PathLike, stages: Sequence[int], *,
+                       tied: Mapping[tuple[int, str], str] | None = None,
+                       write_index: bool = True, max_shard_bytes: int | None = None) -> Path:
+    """Write the tensors of `plan`'s stages numbered `stages` (all of them in one process, one
+    under torchrun) into `directory` as `fxpipe.weights.save_weights` does: the model's names,
+    parameters and persistent buffers only, Hugging Face sharded safetensors, each stage its own
+    shards, a tied tensor once; and, with `write_index`, the index of every stage's shards.
+    The layout is computed from every stage's names, shapes and dtypes alone (the other stages
+    may hold stand-ins on meta), so every rank computes the same one. `tied` names the tensors a
+    stage holds that another stage stores, (stage, name) -> the stored name (a saved plan's
+    `shared` entries: with stages holding copies on different devices, sameness is not seen).
+    """
+    from .weights import MAX_SHARD_BYTES, save_weights, shard_layout
+    skip, tied = _non_persistent(plan), tied or {}
+    groups: list[dict[str, torch.Tensor]] = []
+    tied_names: dict[str, str] = {}
+    for stage in plan.stages:
+        group: dict[str, torch.Tensor] = {}
+        for name, tensor in _tensors(stage.module):
+            if name in skip:
+                continue
+            if tied.get((stage.index, name), name) != name:
+                tied_names[name] = tied[stage.index, name]
+            else:
+                group.setdefault(name, tensor)
+        groups.append(group)
+    layout = shard_layout(groups, tied=tied_names,
+                          max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+    for s in stages:
+        save_weights(groups[s], directory, layout=layout, group=s,
+                     write_index=write_index and s == stages[-1])
+    return Path(directory)
+
+
+def stored_names(path: str | os.PathLike) -> dict[tuple[int, str], str]:
+    """For each tensor a stage of the plan saved at `path` holds under a name another stage
+    (or another name of its own) saves it under, (stage, name) -> that name; read off
+    plan.json's `shared` entries."""
+    return {(stage, name): first_name
+            for stage, refs in enumerate(_document(Path(path))["shared"])
+            for name, (_, first_name) in refs.items()}
 
 
 def shared_tensors(path: str | os.PathLike) -> dict[tuple[int, str], dict[int, str]]:

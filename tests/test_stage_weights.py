@@ -214,3 +214,79 @@ def test_init_draws_each_module_as_the_model_would_whatever_the_partition():
     torch.testing.assert_close(
         by_name.state_dict(),
         fxpipe.Pipeline(planned_on_meta(model, ids).with_weights(Init(model))).state_dict())
+
+
+def test_a_plan_loads_from_a_sharded_directory_and_a_torch_file(tmp_path):
+    model, ids = example()
+    planned_on_meta(model, ids).save(tmp_path / "plan")
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    pipe = fxpipe.Pipeline(fxpipe.plan(model, ["cpu"] * 2, (ids,), chunks=2))
+    pipe.save_weights(tmp_path / "sharded", max_shard_bytes=600)     # several shards
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    for weights in (tmp_path / "sharded", tmp_path / "model.pt"):
+        assert_runs_as(fxpipe.load_plan(tmp_path / "plan", model=model, weights=weights),
+                       model, ids)
+
+
+def test_devices_are_remapped_at_load_and_a_stage_too_big_for_its_new_device_refused(tmp_path):
+    model, ids = example()
+    planned_on_meta(model, ids).save(tmp_path / "plan")
+    weights = checkpoint(model, tmp_path / "model.safetensors")
+    plan = fxpipe.load_plan(tmp_path / "plan", model=model, weights=weights,
+                            devices=[DeviceSpec("cpu", memory_bytes=2 ** 30)] * 2)
+    assert_runs_as(plan, model, ids)
+    small = [DeviceSpec("cpu", memory_bytes=2 ** 30), DeviceSpec("cpu:1", memory_bytes=64)]
+    with pytest.raises(DeviceError, match=r"stage 1 of the plan at .* needs .* \(planned\) but "
+                                          r"cpu:1 has 64 B"):
+        fxpipe.load_plan(tmp_path / "plan", weights=weights, devices=small)
+    with pytest.raises(DeviceError, match=r"stage 1 of this plan needs"):
+        planned_on_meta(model, ids).with_weights(weights, devices=small)
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("missing", r"tensor 'b.weight' is not in .*broken.safetensors"),
+    ("shape", r"tensor 'b.weight' in .*broken.safetensors has shape \[8, 15\], the model's "
+              r"has \[8, 16\]"),
+    ("dtype", r"tensor 'b.weight' in .*broken.safetensors is torch.float64, the model's is "
+              r"torch.float32"),
+    ("no file", r"no checkpoint at '.*broken.safetensors'"),
+])
+def test_a_bad_checkpoint_is_refused_naming_the_tensor_and_the_file(tmp_path, broken, message):
+    model, ids = example()
+    planned_on_meta(model, ids).save(tmp_path / "plan")
+    state = {name: t.clone() for name, t in model.state_dict().items() if name != "head.weight"}
+    if broken == "missing":
+        del state["b.weight"]
+    elif broken == "shape":
+        state["b.weight"] = state["b.weight"][:, :15].clone()
+    elif broken == "dtype":
+        state["b.weight"] = state["b.weight"].double()
+    if broken != "no file":
+        save_file(state, str(tmp_path / "broken.safetensors"))
+    with pytest.raises(PlanFileError, match=message):
+        fxpipe.load_plan(tmp_path / "plan", weights=tmp_path / "broken.safetensors")
+
+
+def test_trained_weights_save_and_load_back_into_the_model(tmp_path):
+    model, ids = example()
+    target = torch.randn(8, 5, 20)
+    pipe = fxpipe.Pipeline(fxpipe.plan(copy.deepcopy(model), ["cpu"] * 2, (ids,), chunks=2,
+                                       training=True))
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    for _ in range(3):
+        optimizer.zero_grad()
+        pipe.train_step(ids, target, F.mse_loss)
+        optimizer.step()
+    pipe.save_weights(tmp_path / "trained")
+    index = json.loads((tmp_path / "trained" / "model.safetensors.index.json").read_text())
+    assert "head.weight" not in index["weight_map"]        # the tied weight once
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(
+        fxpipe.weights.open_weights(tmp_path / "trained").read(trained.state_dict(), "cpu"),
+        strict=True)
+    torch.testing.assert_close(trained.state_dict(), pipe.state_dict())
+    assert not torch.equal(trained.a.weight, model.a.weight)       # it trained
+    # The checkpoint runs the plan saved without weights, too.
+    planned_on_meta(model, ids).save(tmp_path / "plan")
+    assert_runs_as(fxpipe.load_plan(tmp_path / "plan", model=model,
+                                    weights=tmp_path / "trained"), trained, ids)

@@ -21,7 +21,7 @@ from fxpipe.passes.device import is_gpu
 
 from ..devices import DeviceLike
 from ..report import LINK_DESCRIPTIONS
-from ..saved import load_stage_plan, planned_device, shared_tensors, stage_count
+from ..saved import load_stage_plan, planned_device, shared_tensors, stage_count, stored_names
 from .stage import DistributedStage
 from .transport import DistributedError
 
@@ -98,12 +98,12 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
                 f"which carries CUDA tensors only: give every rank a GPU (device='cuda:N'), or "
                 f"start the process group with gloo")
         loaded = (load_stage_plan(path, index, device=here, weights=weights, model=model),
-                  shared_tensors(path))
+                  shared_tensors(path), stored_names(path))
     except Exception as e:
         error = e
     _agree_loaded(rank, error, group, timeout)
     pipeline, gradients = _replica_groups(world // stages, stages, replica, index, timeout)
-    (plan, stage), shared = loaded
+    (plan, stage), shared, stored = loaded
     if rank == 0 and stages > 1 and plan.link != "gloo":
         warnings.warn(f"the plan at {str(path)!r} priced the values its stages exchange as "
                       f"{LINK_DESCRIPTIONS[plan.link]}, not as messages between processes, so it "
@@ -114,7 +114,8 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
     return DistributedStage(plan, stage, rank, group, timeout, owned, replica=replica,
                             replicas=world // stages, pipeline_group=pipeline,
                             gradient_group=gradients, tied=tied,
-                            tensor_group=dist.group.WORLD if nccl else None)
+                            tensor_group=dist.group.WORLD if nccl else None,
+                            stored_names=stored)
 
 
 def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -15,6 +17,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 from .. import microbatch
 from ..runtime.executor import StageExecutor
 from ..runtime.orchestrator import Run, StageRow, row_executor, send_inputs, stage_error
+from ..saved import save_stage_weights
 from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from ..schedules import Phase, gpipe, timetable_for
 from ..wiring import DRIVER
@@ -32,7 +35,8 @@ class DistributedStage:
                  owns_group: bool = False, *, replica: int = 0, replicas: int = 1,
                  pipeline_group: Any = None, gradient_group: Any = None,
                  tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None,
-                 tensor_group: Any = None):
+                 tensor_group: Any = None,
+                 stored_names: dict[tuple[int, str], str] | None = None):
         self.plan = plan
         self.stage = stage
         self.rank = rank
@@ -47,6 +51,7 @@ class DistributedStage:
         self.gradient_group = gradient_group
         self.tied = tied or []      # (group of the ranks holding them, parameters) per holders
         self.base = replica * self.num_stages       # the rank of this replica's stage 0
+        self.stored_names = stored_names or {}      # tied tensors: see saved.stored_names
         # The training wiring in both modes (graph outputs go to the last stage, which rebuilds
         # the model's output), with the graph inputs the model returns as they are.
         placeholders = set(plan.signature.placeholders)
@@ -164,6 +169,25 @@ class DistributedStage:
         loss = step.finish(losses, self._learn_totals)
         self._rows_mean_checked = True
         return loss
+
+    def save_weights(self, directory: str | os.PathLike, *,
+                     max_shard_bytes: int | None = None) -> Path:
+        """Write this rank's stage's parameters and persistent buffers into `directory`, its
+        own shards of the model's checkpoint (Hugging Face sharded safetensors, the model's
+        names, a tied weight once), as `Pipeline.save_weights` writes them all: every rank
+        calls it, each one of replica 0 writes its stage's shards (the other replicas hold the
+        same values) and rank 0 the index, laid out from the plan's names, shapes and dtypes,
+        so no rank gathers another's tensors. Returns once every rank has written."""
+        if self.replica == 0:
+            save_stage_weights(self.plan, directory, [self.index], tied=self.stored_names,
+                               write_index=self.rank == 0, max_shard_bytes=max_shard_bytes)
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as e:
+            raise DistributedError(f"rank {self.rank} could not hear that every rank wrote its "
+                                   f"weights within {self.timeout:g} s ({e}): see the other "
+                                   f"ranks' output") from None
+        return Path(directory)
 
     def close(self) -> None:
         """After a failed step, take the other ranks' news of it (see `DistributedTransport.close`);
