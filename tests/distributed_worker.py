@@ -11,6 +11,9 @@ other ranks write theirs). MODE changes the step:
     inputgrad  stage 0's inputs are given with `requires_grad`; their gradient is saved too
     sum        the loss is a sum (`F.mse_loss(..., reduction="sum")`, `reduction="sum"`)
     twice      two train_steps, gradients not zeroed between them (the second loss saved)
+    train      one SGD step (lr 0.1) after the train_step, then `stage.save_weights(OUT/saved)`
+    memory     loads its stage and runs a call, measuring its peak resident memory growth
+               (saved to OUT/rank<r>.memory.pt with its stage's bytes and the output)
 
 or makes rank 1 fail on purpose:
 
@@ -18,9 +21,14 @@ or makes rank 1 fail on purpose:
     kill1    rank 1 (the last stage) exits with status 1 while computing its first loss, mid
              `train_step`; every other rank ignores SIGTERM so that torchrun, tearing the
              group down, cannot kill it before it writes what it met
+
+With FXPIPE_WEIGHTS set, the stage's weights are read from that checkpoint (`load(weights=)`),
+and with FXPIPE_MODEL (`module:Class`, imported from tests/) the model's structure, built on
+meta, is given as `model=` (what `Init` draws non-persistent buffers from).
 """
 
 import functools
+import importlib
 import os
 import signal
 import sys
@@ -39,10 +47,22 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
     if mode == "kill1" and rank != 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     x, target = torch.load(data).values()
+    model = None
+    if "FXPIPE_MODEL" in os.environ:
+        module, name = os.environ["FXPIPE_MODEL"].split(":")
+        with torch.device("meta"):
+            model = getattr(importlib.import_module(module), name)()
+    options = {"timeout": float(os.environ.get("FXPIPE_TIMEOUT", 30)), "model": model,
+               "weights": os.environ.get("FXPIPE_WEIGHTS")}
     try:
-        stage = fxpipe.distributed.load(plan, timeout=float(os.environ.get("FXPIPE_TIMEOUT", 30)))
+        if mode == "memory":
+            loaded = _measured_load(plan, data, options, rank, out)
+        stage = loaded if mode == "memory" else fxpipe.distributed.load(plan, **options)
     except fxpipe.FxpipeError as e:
         Path(out, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}")
+        return
+    if mode == "memory":
+        stage.close()
         return
     with stage:     # closed however the step ends: a failed rank's peers are told first
         x, target = (t.chunk(stage.replicas)[stage.replica] for t in (x, target))
@@ -66,15 +86,42 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
                 loss = stage.train_step(x if stage.index == 0 else None,
                                         target if stage.index == stage.last else None, loss_fn,
                                         reduction=reduction)
+            if mode == "train":
+                grads = {name: p.grad.clone() for name, p in stage.named_parameters()}
+                torch.optim.SGD(stage.parameters(), lr=0.1).step()
+                stage.save_weights(Path(out, "saved"))
         except fxpipe.FxpipeError as e:
             Path(out, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}")
             return
-        grads = {name: p.grad for name, p in stage.named_parameters()}
+        if mode != "train":
+            grads = {name: p.grad for name, p in stage.named_parameters()}
     run = stage.last_run
     torch.save({"output": output, "loss": loss, "grads": grads, "x_grad": x.grad,
                 "run": ([(s.action.stage, s.action.microbatch, s.action.phase.name, s.start_s,
                           s.end_s) for s in run.slots], run.wall_s, run.error)},
                Path(out, f"rank{rank}.pt"))
+
+
+def _measured_load(plan, data, options, rank, out):
+    """This rank's stage, loaded and called on DATA's x while its peak resident memory growth
+    is measured (freed memory returned to the system at once); saved to OUT/rank<r>.memory.pt
+    with the bytes of the stage's tensors and the call's output."""
+    from fxpipe.testing.memory import peak_bytes, return_freed_memory
+    return_freed_memory()
+    x, _ = torch.load(Path(data)).values()
+    loaded, outputs = [], []
+
+    def load_and_call():
+        loaded.append(fxpipe.distributed.load(plan, **options))
+        with torch.no_grad():      # reading a checkpoint may map it lazily: use the weights
+            outputs.append(loaded[0](x if loaded[0].index == 0 else None))
+    peak = peak_bytes(load_and_call)
+    stage = loaded[0]
+    held = {id(t): t.numel() * t.element_size()
+            for t in [*stage.module.parameters(), *stage.module.buffers()]}
+    torch.save({"peak": peak, "stage_bytes": sum(held.values()), "output": outputs[0]},
+               Path(out, f"rank{rank}.memory.pt"))
+    return stage
 
 
 def positive_targets_mean(output, target):
