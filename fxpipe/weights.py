@@ -45,8 +45,8 @@ _SAFETENSORS_DTYPES = {
 class Weights(abc.ABC):
     """Where tensors come from, by the model's names.
 
-    A subclass says which names it has (`names`) and reads a set of them (`_read`); `read`
-    resolves tied names and checks nothing more is read than asked.
+    A subclass says which names it has (`names`) and reads some of them, checked (`_read`);
+    `read` resolves tied names first, so a subclass reads each stored tensor once.
     """
 
     where: str = "weights"      # for messages: "ckpt/model.safetensors (safetensors)"
