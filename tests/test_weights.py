@@ -239,6 +239,23 @@ def test_init_per_module_leaves_the_callers_random_state_alone():
     torch.testing.assert_close(torch.rand(3), expected)
 
 
+def test_init_per_module_runs_the_resets_of_enclosing_modules_as_building_does():
+    """nn.MultiheadAttention initialises its own tensors and zeroes its out_proj's bias."""
+    def make():
+        return nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoderLayer(8, 2, 16))
+
+    model = on_meta(make)
+    got = Init(model).read({n: t for n, t in like(model).items() if "self_attn" in n}, "cpu")
+    cpu = like(built(make))
+    for name in ["1.self_attn.in_proj_bias", "1.self_attn.out_proj.bias"]:
+        torch.testing.assert_close(got[name], cpu[name], rtol=0, atol=0)
+    bound = (6 / (8 + 24)) ** 0.5                             # xavier_uniform_ on (24, 8)
+    assert 0.5 * bound < got["1.self_attn.in_proj_weight"].abs().max() <= bound
+    assert_equal(Init(model).read({"1.self_attn.out_proj.weight": like(model)[
+        "1.self_attn.out_proj.weight"]}, "cpu"), {"1.self_attn.out_proj.weight": got[
+            "1.self_attn.out_proj.weight"]})
+
+
 def test_init_per_module_refuses_a_tensor_with_no_rule_by_name():
     class Scaled(nn.Module):
         def __init__(self):
