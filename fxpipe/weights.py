@@ -23,6 +23,7 @@ import difflib
 import hashlib
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -477,13 +478,16 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                             *model.named_buffers(remove_duplicate=False)]}
 
 
+_SEEDING = threading.Lock()     # stages loading on threads of one process draw one at a time
+
+
 @contextlib.contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Draw from `seed` on the CPU and on `device`; the generators' states are restored after.
     Only `device`'s CUDA generator is touched (another GPU's is neither seeded nor read)."""
     cuda = [torch.cuda.current_device() if device.index is None else device.index] \
         if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
+    with _SEEDING, torch.random.fork_rng(devices=cuda):
         torch.random.default_generator.manual_seed(seed)
         for index in cuda:
             torch.cuda.default_generators[index].manual_seed(seed)

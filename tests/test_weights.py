@@ -8,6 +8,7 @@ counting the files safetensors opens and the tensors it hands out.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import pytest
@@ -436,3 +437,28 @@ def test_names_shapes_and_dtypes_round_trip_through_save_and_open(state, max_sha
         got = open_weights(directory).read(meta, "cpu")
     assert_equal(got, state)
     assert all(got[name].dtype == t.dtype for name, t in state.items())
+
+
+class SlowInit(nn.Module):
+    """Its rule draws twice, sleeping between (another thread runs meanwhile)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(2, 4))
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.weight[0].uniform_()
+            time.sleep(0.02)
+            self.weight[1].uniform_()
+
+
+def test_init_gives_the_same_values_when_stages_draw_on_threads_at_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = on_meta(lambda: nn.Sequential(*[SlowInit() for _ in range(4)]))
+    whole = Init(model).read(like(model), "cpu")
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(lambda name: Init(model).read({name: like(model)[name]}, "cpu"),
+                              like(model)))
+    assert_equal({n: t for part in parts for n, t in part.items()}, whole)
