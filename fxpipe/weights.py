@@ -128,7 +128,7 @@ class _StateDict(Weights):
         for name, want in like.items():
             tensor = self.tensors[name]
             self._check(name, self.where, tensor.shape, tensor.dtype, want)
-            out[name] = tensor.to(device, want.dtype, copy=True)
+            out[name] = tensor.detach().to(device, want.dtype, copy=True)
         return out
 
 

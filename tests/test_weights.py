@@ -100,8 +100,16 @@ def test_a_checkpoint_gives_the_models_tensors_on_the_device(source, tmp_path):
     got = open_weights(spec).read(like(on_meta(small)), "cpu")
     assert_equal(got, state)
     assert all(t.device.type == "cpu" for t in got.values())
+    assert not any(t.requires_grad for t in got.values())
     got["0.weight"].add_(1)         # the caller's tensors are not the ones read
     assert not torch.equal(got["0.weight"], model[0].weight)
+
+
+def test_a_state_dict_of_parameters_gives_plain_tensors():
+    model = built(small)
+    got = open_weights(model.state_dict(keep_vars=True)).read(like(on_meta(small)), "cpu")
+    assert not any(t.requires_grad for t in got.values())
+    assert_equal(got, model.state_dict())
 
 
 @pytest.mark.parametrize("format", ["safetensors", "hf-sharded"])
