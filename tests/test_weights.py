@@ -470,3 +470,33 @@ def test_init_gives_the_same_values_when_stages_draw_on_threads_at_once():
         parts = list(pool.map(lambda name: Init(model).read({name: like(model)[name]}, "cpu"),
                               like(model)))
     assert_equal({n: t for part in parts for n, t in part.items()}, whole)
+
+
+@settings(max_examples=25, deadline=None)
+@given(stage_of=st.lists(st.integers(0, 3), min_size=9, max_size=9), data=st.data())
+def test_init_per_module_values_do_not_depend_on_the_partition(stage_of, data):
+    model = on_meta(small)
+    names = list(like(model))
+    order = data.draw(st.permutations(sorted(set(stage_of))))
+    got = {}
+    for stage in order:
+        got.update(Init(model, seed=9).read(
+            {n: like(model)[n] for n, s in zip(names, stage_of) if s == stage}, "cpu"))
+    assert_equal(got, Init(model, seed=9).read(like(model), "cpu"))
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.lists(st.integers(0, 40), max_size=5), min_size=1, max_size=4),
+       max_shard_bytes=st.integers(1, 60))
+def test_a_layout_stores_each_tensor_once_in_its_own_groups_shards(sizes, max_shard_bytes):
+    groups = [{f"g{g}.t{k}": torch.empty(size, dtype=torch.uint8, device="meta")
+               for k, size in enumerate(group)} for g, group in enumerate(sizes)]
+    layout = shard_layout(groups, max_shard_bytes=max_shard_bytes)
+    assert set(layout.files) == {name for group in groups for name in group}
+    assert [f for files in layout.shards for f in files] == sorted(set(layout.files.values()))
+    for g, group in enumerate(groups):
+        assert {layout.files[name] for name in group} <= set(layout.shards[g])
+    for file in layout.files.values():
+        held = [groups[int(n[1])][n].numel() for n, f in layout.files.items() if f == file]
+        assert sum(held) <= max_shard_bytes or len(held) == 1
+    assert layout.total_size == sum(map(sum, sizes))
