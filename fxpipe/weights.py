@@ -308,10 +308,11 @@ class Init(Weights):
     non-persistent buffers are computed by those rules too, never left as uninitialised memory.
     A module's seed is drawn from (seed, module path), so values depend neither on the
     partition nor on the order of reads (they do on the device type: CPU and CUDA generators
-    differ). Cost: each module's own
-    tensors, once per read asking for them, on their device. `model` is the model's structure
-    (built on meta is fine), or `build` builds it on meta; without either, give it later with
-    `bind(model)`. A tensor that no rule writes is refused by name.
+    differ). Cost: each module's own tensors, once per read asking for them, on their device.
+    `model` is the model's structure (built on meta is fine), or `build` builds it on meta;
+    without either, give it later with `bind(model)`. A tensor that no rule writes is refused
+    by name. Draws in one process take turns (the generators are global); another thread of
+    yours drawing random numbers meanwhile would change them.
 
     Exact mode, `Init(build=callable, seed=seed, exact=True)`: the values of
     `torch.manual_seed(seed); build()` on CPU, bit for bit. Cost: the whole model built once in
