@@ -23,6 +23,7 @@ import difflib
 import hashlib
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,8 +46,8 @@ _SAFETENSORS_DTYPES = {
 class Weights(abc.ABC):
     """Where tensors come from, by the model's names.
 
-    A subclass says which names it has (`names`) and reads a set of them (`_read`); `read`
-    resolves tied names and checks nothing more is read than asked.
+    A subclass says which names it has (`names`) and reads some of them, checked (`_read`);
+    `read` resolves tied names first, so a subclass reads each stored tensor once.
     """
 
     where: str = "weights"      # for messages: "ckpt/model.safetensors (safetensors)"
@@ -127,7 +128,7 @@ class _StateDict(Weights):
         for name, want in like.items():
             tensor = self.tensors[name]
             self._check(name, self.where, tensor.shape, tensor.dtype, want)
-            out[name] = tensor.to(device, want.dtype, copy=True)
+            out[name] = tensor.detach().to(device, want.dtype, copy=True)
         return out
 
 
@@ -301,15 +302,17 @@ class Init(Weights):
     """Values as the model initialises them, drawn where they are needed.
 
     Per-module mode, `Init(model, seed)`: each module owning an asked tensor is copied (never
-    changed), its own tensors made on the device, and initialised by its own rules as building
-    the model runs them: its `reset_parameters()`, then a Hugging Face model's
-    `root._init_weights(module)` (which also computes rotary `inv_freq`); non-persistent buffers
-    are computed by those rules too, never left as uninitialised memory. A module's seed is drawn
-    from (seed, module path), so values depend neither on the partition nor on the order of
-    reads (they do on the device type: CPU and CUDA generators differ). Cost: each module's own
-    tensors, once per read asking for them, on their device. `model` is the model's structure
-    (built on meta is fine), or `build` builds it on meta; without either, give it later with
-    `bind(model)`. A tensor that no rule writes is refused by name.
+    changed), its own tensors made on the device, and initialised by the rules building the
+    model runs on them: its `reset_parameters()`, those of the modules enclosing it, then a
+    Hugging Face model's `root._init_weights(module)` (which also computes rotary `inv_freq`);
+    non-persistent buffers are computed by those rules too, never left as uninitialised memory.
+    A module's seed is drawn from (seed, module path), so values depend neither on the
+    partition nor on the order of reads (they do on the device type: CPU and CUDA generators
+    differ). Cost: each module's own tensors, once per read asking for them, on their device.
+    `model` is the model's structure (built on meta is fine), or `build` builds it on meta;
+    without either, give it later with `bind(model)`. A tensor that no rule writes is refused
+    by name. Draws in one process take turns (the generators are global); another thread of
+    yours drawing random numbers meanwhile would change them.
 
     Exact mode, `Init(build=callable, seed=seed, exact=True)`: the values of
     `torch.manual_seed(seed); build()` on CPU, bit for bit. Cost: the whole model built once in
@@ -363,12 +366,12 @@ class Init(Weights):
 
     def _draw(self, path: str, device: torch.device) -> dict[str, torch.Tensor]:
         """The own tensors of the module at `path`, made on `device` and initialised by its
-        rule under the seed of (seed, path); the model is not touched."""
+        rules under the seed of (seed, path); the model is not touched."""
         model = self._structure()
         module = model.get_submodule(path)
         fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
-        own = {**fresh._parameters, **fresh._buffers}
-        own = {name: t for name, t in own.items() if t is not None}
+        own = {name: t for name, t in {**fresh._parameters, **fresh._buffers}.items()
+               if t is not None}
         versions = {name: t._version for name, t in own.items()}
         rules = self._rules(model, fresh, path)
         with _seeded(_module_seed(self.seed, path), device):
@@ -379,16 +382,27 @@ class Init(Weights):
             if after[name] is t and t._version == versions[name]:
                 raise PlanFileError(
                     f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule to "
-                    f"initialise it: its module's rule left it unwritten. Fix: load it from a "
+                    f"initialise it: its module's rules left it unwritten. Fix: load it from a "
                     f"checkpoint, or use Init(build=..., exact=True), which builds the model")
         return {name: t.detach() if isinstance(t, nn.Parameter) else t
                 for name, t in after.items() if t is not None}
 
     def _rules(self, model: nn.Module, fresh: nn.Module, path: str) -> list[Callable[[], None]]:
-        """The module's initialisation, as building the model runs it: its constructor's
-        `reset_parameters()`, then a Hugging Face model's `_init_weights(module)`."""
-        rules = [fresh.reset_parameters] if callable(getattr(fresh, "reset_parameters", None)) \
-            else []
+        """The rules that initialise `fresh` (the module at `path`), in the order building the
+        model runs them: its own `reset_parameters()`; nearest first, the reset of each
+        enclosing module that has one (nn.MultiheadAttention zeroes its out_proj's bias), run
+        on a copy holding `fresh` and meta tensors elsewhere, so that it writes `fresh`'s
+        tensors alone; then a Hugging Face model's `_init_weights(module)`."""
+        rules = [rule for rule in [_reset_rule(fresh)] if rule]
+        parts = path.split(".") if path else []
+        enclosing = [".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1)]
+        with_rule = [k for k, p in enumerate(enclosing) if _reset_rule(model.get_submodule(p))]
+        inner = fresh
+        for k in range(max(with_rule, default=-1) + 1):
+            key = parts[len(parts) - 1 - k]
+            inner = _with_tensors(model.get_submodule(enclosing[k]), _on_meta, {key: inner})
+            if k in with_rule:
+                rules.append(_reset_rule(inner))
         if callable(getattr(model, "_init_weights", None)):      # a Hugging Face PreTrainedModel
             rules.append(lambda: model._init_weights(fresh))
         if not rules:
@@ -427,17 +441,33 @@ class Init(Weights):
         return {name: first.setdefault(id(t), name) for name, t in self._owners().items()}
 
 
-def _with_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
-    """A shallow copy of `module` whose own tensors are `make(tensor)` and whose submodules'
-    are new meta tensors: a rule run on it never writes to the model's tensors."""
+def _with_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor],
+                  children: Mapping[str, nn.Module] | None = None) -> nn.Module:
+    """A shallow copy of `module` whose own tensors are `make(tensor)`, whose submodules are
+    `children`'s where it names them, else copies holding new meta tensors: a rule run on it
+    writes no tensor of the model."""
+    children = children or {}
     fresh = copy.copy(module)
     fresh._parameters = {name: None if p is None else nn.Parameter(make(p), p.requires_grad)
                          for name, p in module._parameters.items()}
     fresh._buffers = {name: None if b is None else make(b) for name, b in module._buffers.items()}
-    fresh._modules = {name: None if child is None else
-                      _with_tensors(child, lambda t: torch.empty_like(t, device="meta"))
+    fresh._modules = {name: children[name] if name in children else
+                      None if child is None else _with_tensors(child, _on_meta)
                       for name, child in module._modules.items()}
     return fresh
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor, device="meta")
+
+
+def _reset_rule(module: nn.Module) -> Callable[[], None] | None:
+    """A module's own initialisation, as torch modules name it (nn.MultiheadAttention and
+    nn.Transformer call theirs `_reset_parameters`)."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        if callable(getattr(module, name, None)):
+            return getattr(module, name)
+    return None
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -449,13 +479,16 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                             *model.named_buffers(remove_duplicate=False)]}
 
 
+_SEEDING = threading.Lock()     # stages loading on threads of one process draw one at a time
+
+
 @contextlib.contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Draw from `seed` on the CPU and on `device`; the generators' states are restored after.
     Only `device`'s CUDA generator is touched (another GPU's is neither seeded nor read)."""
     cuda = [torch.cuda.current_device() if device.index is None else device.index] \
         if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
+    with _SEEDING, torch.random.fork_rng(devices=cuda):
         torch.random.default_generator.manual_seed(seed)
         for index in cuda:
             torch.cuda.default_generators[index].manual_seed(seed)

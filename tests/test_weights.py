@@ -8,6 +8,7 @@ counting the files safetensors opens and the tensors it hands out.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import pytest
@@ -99,8 +100,16 @@ def test_a_checkpoint_gives_the_models_tensors_on_the_device(source, tmp_path):
     got = open_weights(spec).read(like(on_meta(small)), "cpu")
     assert_equal(got, state)
     assert all(t.device.type == "cpu" for t in got.values())
+    assert not any(t.requires_grad for t in got.values())
     got["0.weight"].add_(1)         # the caller's tensors are not the ones read
     assert not torch.equal(got["0.weight"], model[0].weight)
+
+
+def test_a_state_dict_of_parameters_gives_plain_tensors():
+    model = built(small)
+    got = open_weights(model.state_dict(keep_vars=True)).read(like(on_meta(small)), "cpu")
+    assert not any(t.requires_grad for t in got.values())
+    assert_equal(got, model.state_dict())
 
 
 @pytest.mark.parametrize("format", ["safetensors", "hf-sharded"])
@@ -237,6 +246,23 @@ def test_init_per_module_leaves_the_callers_random_state_alone():
     torch.manual_seed(5)
     Init(model).read(like(model), "cpu")
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_init_per_module_runs_the_resets_of_enclosing_modules_as_building_does():
+    """nn.MultiheadAttention initialises its own tensors and zeroes its out_proj's bias."""
+    def make():
+        return nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoderLayer(8, 2, 16))
+
+    model = on_meta(make)
+    got = Init(model).read({n: t for n, t in like(model).items() if "self_attn" in n}, "cpu")
+    cpu = like(built(make))
+    for name in ["1.self_attn.in_proj_bias", "1.self_attn.out_proj.bias"]:
+        torch.testing.assert_close(got[name], cpu[name], rtol=0, atol=0)
+    bound = (6 / (8 + 24)) ** 0.5                             # xavier_uniform_ on (24, 8)
+    assert 0.5 * bound < got["1.self_attn.in_proj_weight"].abs().max() <= bound
+    assert_equal(Init(model).read({"1.self_attn.out_proj.weight": like(model)[
+        "1.self_attn.out_proj.weight"]}, "cpu"), {"1.self_attn.out_proj.weight": got[
+            "1.self_attn.out_proj.weight"]})
 
 
 def test_init_per_module_refuses_a_tensor_with_no_rule_by_name():
@@ -419,3 +445,58 @@ def test_names_shapes_and_dtypes_round_trip_through_save_and_open(state, max_sha
         got = open_weights(directory).read(meta, "cpu")
     assert_equal(got, state)
     assert all(got[name].dtype == t.dtype for name, t in state.items())
+
+
+class SlowInit(nn.Module):
+    """Its rule draws twice, sleeping between (another thread runs meanwhile)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(2, 4))
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.weight[0].uniform_()
+            time.sleep(0.02)
+            self.weight[1].uniform_()
+
+
+def test_init_gives_the_same_values_when_stages_draw_on_threads_at_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = on_meta(lambda: nn.Sequential(*[SlowInit() for _ in range(4)]))
+    whole = Init(model).read(like(model), "cpu")
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(lambda name: Init(model).read({name: like(model)[name]}, "cpu"),
+                              like(model)))
+    assert_equal({n: t for part in parts for n, t in part.items()}, whole)
+
+
+@settings(max_examples=25, deadline=None)
+@given(stage_of=st.lists(st.integers(0, 3), min_size=9, max_size=9), data=st.data())
+def test_init_per_module_values_do_not_depend_on_the_partition(stage_of, data):
+    model = on_meta(small)
+    names = list(like(model))
+    order = data.draw(st.permutations(sorted(set(stage_of))))
+    got = {}
+    for stage in order:
+        got.update(Init(model, seed=9).read(
+            {n: like(model)[n] for n, s in zip(names, stage_of) if s == stage}, "cpu"))
+    assert_equal(got, Init(model, seed=9).read(like(model), "cpu"))
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.lists(st.integers(0, 40), max_size=5), min_size=1, max_size=4),
+       max_shard_bytes=st.integers(1, 60))
+def test_a_layout_stores_each_tensor_once_in_its_own_groups_shards(sizes, max_shard_bytes):
+    groups = [{f"g{g}.t{k}": torch.empty(size, dtype=torch.uint8, device="meta")
+               for k, size in enumerate(group)} for g, group in enumerate(sizes)]
+    layout = shard_layout(groups, max_shard_bytes=max_shard_bytes)
+    assert set(layout.files) == {name for group in groups for name in group}
+    assert [f for files in layout.shards for f in files] == sorted(set(layout.files.values()))
+    for g, group in enumerate(groups):
+        assert {layout.files[name] for name in group} <= set(layout.shards[g])
+    for file in layout.files.values():
+        held = [groups[int(n[1])][n].numel() for n, f in layout.files.items() if f == file]
+        assert sum(held) <= max_shard_bytes or len(held) == 1
+    assert layout.total_size == sum(map(sum, sizes))
