@@ -14,6 +14,7 @@ from torch import nn
 import fxpipe
 from fxpipe import DeviceError, PlanFileError
 from fxpipe.passes.cost_model import DeviceSpec
+from fxpipe.saved import load_stage
 from fxpipe.weights import Init
 
 
@@ -176,6 +177,34 @@ def test_a_saved_plan_loads_its_weights_from_a_safetensors_file(tmp_path):
     torch.testing.assert_close(pipe.state_dict(), model.state_dict())
     # The tied weight is one tensor again, as in the model.
     assert pipe.stages[0].emb.weight is pipe.stages[-1].head.weight
+
+
+class Recording(fxpipe.weights.Weights):
+    """Weights read from `inner`, recording the names each read asks the checkpoint for."""
+
+    def __init__(self, inner):
+        self.inner, self.where, self.asked = inner, inner.where, []
+
+    def names(self):
+        return self.inner.names()
+
+    def _read(self, like, device):
+        self.asked.append(set(like))
+        return self.inner._read(like, device)
+
+
+def test_one_stage_reads_only_its_own_tensors_from_the_checkpoint(tmp_path):
+    model, ids = example()
+    planned_on_meta(model, ids).save(tmp_path / "plan")
+    manifest = json.loads((tmp_path / "plan" / "plan.json").read_text())["weights"]
+    weights = Recording(fxpipe.weights.open_weights(checkpoint(model,
+                                                               tmp_path / "model.safetensors")))
+    stage = load_stage(tmp_path / "plan", 1, weights=weights, model=model)
+    # Its persistent tensors, the tied output layer read under the name the checkpoint has.
+    own = {name for name, entry in manifest["stages"][1].items() if entry["persistent"]}
+    assert weights.asked == [own - {"head.weight"} | {"emb.weight"}]
+    with torch.no_grad():
+        torch.testing.assert_close(stage.module.get_parameter("head.weight"), model.emb.weight)
 
 
 def test_a_plan_in_memory_takes_its_weights_leaving_itself_as_it_was(tmp_path):
