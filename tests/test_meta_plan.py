@@ -111,6 +111,24 @@ def test_a_meta_plan_given_its_values_runs_as_the_model(capture):
         torch.testing.assert_close(fxpipe.Pipeline(given_values(plan, values))(x), real(x))
 
 
+def test_a_meta_model_planned_for_training_given_its_values_trains_as_the_model():
+    real, meta = built()
+    real.train(), meta.train()
+    x, target = torch.randn(8, 16), torch.randn(8, 4)
+    values = values_of(real)
+    plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2, weights=values, training=True)
+    assert plan.training and plan.verified == "yes"
+    pipe = fxpipe.Pipeline(given_values(plan, values))
+    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    loss = pipe.train_step((x,), target, mse)
+    expected = mse(real(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    grads = {name: p.grad for name, p in pipe.named_parameters()}
+    for name, p in real.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
 def test_the_plan_says_it_was_planned_from_meta_and_its_peak_memory(tmp_path):
     real, meta = built()
     plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=values_of(real))
