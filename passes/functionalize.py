@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .device import is_gpu
-from .errors import TraceError
+from .errors import FxpipeError, TraceError
 from .graph_values import attr_value, tensors
 from .materialize import Materialize, MaterializingInterpreter
 from .signature import signature_of
@@ -269,6 +269,8 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     try:
         with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             interpreter.run(*inputs)
+    except FxpipeError:         # the weights' own (a tensor missing from a checkpoint), as it is
+        raise
     except Exception as e:
         raise TraceError(f"functionalize could not run the graph on the example inputs: "
                          f"{type(e).__name__}: {e}") from e

@@ -20,11 +20,11 @@ from torch import nn
 
 import fxpipe
 from fxpipe.passes.codegen import with_tensors
+from fxpipe.weights import Init, Weights
 
 
-class Values:
-    """A `fxpipe.weights.Weights` over tensors in memory, by the model's names: reads only
-    those asked for, on the device asked; tied names (one tensor in `like`) get one tensor."""
+class Values(Weights):
+    """Weights over tensors in memory, by the model's names, noting each read's names."""
 
     where = "the test's tensors"
 
@@ -32,11 +32,12 @@ class Values:
         self.tensors = tensors
         self.asked: list[list[str]] = []
 
-    def read(self, like, device):
+    def names(self):
+        return set(self.tensors)
+
+    def _read(self, like, device):
         self.asked.append(sorted(like))
-        one: dict[int, torch.Tensor] = {}
-        return {name: one.setdefault(id(t), self.tensors[name].to(device, copy=True))
-                for name, t in like.items()}
+        return {name: self.tensors[name].to(device, copy=True) for name in like}
 
 
 def values_of(model: nn.Module) -> Values:
@@ -152,6 +153,35 @@ def test_a_small_llama_built_on_meta_plans_and_its_plan_runs_as_the_model():
                                    real(**inputs).logits, rtol=1e-4, atol=1e-5)
 
 
+def layers():
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def test_a_meta_model_planned_without_weights_is_checked_on_the_values_it_initialises():
+    with torch.device("meta"):
+        meta = layers()
+    x = torch.randn(8, 16)
+    plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2)
+    assert plan.verified == "yes" and plan.weights == Init.where
+    drawn = Init(meta).read(dict(meta.named_parameters()), "cpu")
+    model = layers()
+    model.load_state_dict(drawn)
+    with torch.no_grad():
+        torch.testing.assert_close(fxpipe.Pipeline(given_values(plan, Values(drawn)))(x),
+                                   model(x))
+
+
+def test_weights_missing_a_tensor_or_of_another_shape_are_refused_naming_it():
+    real, meta = built()
+    x = torch.randn(8, 16)
+    missing = {k: v for k, v in real.state_dict().items() if k != "layers.2.weight"}
+    with pytest.raises(fxpipe.PlanFileError, match="layers.2.weight"):
+        fxpipe.plan(meta, ["cpu"] * 2, (x,), weights=missing)
+    other = {**real.state_dict(), "head.weight": torch.zeros(3, 16)}
+    with pytest.raises(fxpipe.PlanFileError, match="head.weight"):
+        fxpipe.plan(meta, ["cpu"] * 2, (x,), weights=other)
+
+
 def test_a_model_partly_on_meta_plans_with_its_real_tensors_as_they_are():
     real, meta = built()
     meta.head = real.head                 # real, and never read from the weights
@@ -221,10 +251,13 @@ def test_a_forward_reading_a_parameters_value_in_python_is_refused_by_its_line()
 _PLANNING = textwrap.dedent("""
     import resource, sys, torch, fxpipe
     from torch import nn
+    from fxpipe.weights import Weights
 
-    class Drawn:                    # each tensor drawn on the fly from a seed of its own name
+    class Drawn(Weights):           # each tensor drawn on the fly from a seed of its own name
         where = "drawn values"
-        def read(self, like, device):
+        def names(self):
+            return {n for n, _ in model.named_parameters()}
+        def _read(self, like, device):
             return {name: torch.randn(t.shape, dtype=t.dtype, device=device,
                                       generator=torch.Generator().manual_seed(len(name)))
                     for name, t in like.items()}
