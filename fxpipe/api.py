@@ -357,7 +357,8 @@ def _inputs_device(recipe: Recipe) -> torch.device:
 
 
 def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[int],
-            unpipelined_s: float | None) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
+            unpipelined_s: float | None
+            ) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
     """Every configuration the options leave open, costed, partitioned and predicted; the one
     to build, why, and all those considered (the model as is last, when it was one)."""
     o = recipe.options

@@ -9,6 +9,7 @@ itself keeps only meta tensors throughout.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -215,6 +216,16 @@ def test_pipeline_of_a_meta_plan_says_weights_are_needed_and_how_to_give_them():
                                                  r"plan.with_weights\('ckpt/'\).*"
                                                  r"fxpipe.load_plan\(path, weights='ckpt/'\)"):
         fxpipe.Pipeline(plan)
+
+
+def test_a_saved_meta_plan_records_its_source_and_peak_and_loads_refusing_to_run(tmp_path):
+    real, meta = built()
+    plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=values_of(real))
+    saved = json.loads((plan.save(tmp_path / "plan") / "plan.json").read_text())
+    assert saved["weights"] == Values.where
+    assert saved["planning_peak_rss_bytes"] == plan.planning_peak_rss_bytes > 0
+    with pytest.raises(fxpipe.DeviceError, match="stages hold no weights"):
+        fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
 
 
 def test_weights_for_a_materialised_model_are_refused():
