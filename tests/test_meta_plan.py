@@ -92,12 +92,16 @@ def test_a_meta_model_gets_the_partition_of_the_materialised_model_on_the_same_c
     real, meta = built()
     x = torch.randn(8, 16)
     planned = fxpipe.plan(real, ["cpu"] * 3, (x,), chunks=2, capture=capture)
+    params = list(meta.parameters())
     from_meta = fxpipe.plan(meta, ["cpu"] * 3, (x,), chunks=2, capture=capture,
                             costs=planned, weights=values_of(real))
     assert dict(from_meta.partition.stage_of) == dict(planned.partition.stage_of)
     assert from_meta.verified == "yes"
     assert from_meta.weights == Values.where and from_meta.unpipelined_s is None
-    assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])    # never given values
+    # the model is as it was: its own tensors, all on meta, and no hook left on any module
+    assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    assert [t for t in meta.parameters()] == params
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in meta.modules())
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
@@ -181,6 +185,18 @@ def test_weights_missing_a_tensor_or_of_another_shape_are_refused_naming_it():
     other = {**real.state_dict(), "head.weight": torch.zeros(3, 16)}
     with pytest.raises(fxpipe.PlanFileError, match="head.weight"):
         fxpipe.plan(meta, ["cpu"] * 2, (x,), weights=other)
+
+
+def test_a_small_llama_built_on_meta_plans_on_the_values_it_initialises():
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from examples.zoo.hf import build_hf
+    real, inputs = build_hf("llama", size="tiny", batch=4)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(real.config).eval()
+    plan = fxpipe.plan(meta, ["cpu"] * 2, example_kwargs=inputs, chunks=2)
+    # the model streamed and the stages read the same drawn values, rotary inv_freq included
+    assert plan.verified == "yes" and plan.weights == Init.where
 
 
 def test_a_model_partly_on_meta_plans_with_its_real_tensors_as_they_are():
