@@ -107,9 +107,11 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
         same_value = lambda a, b: a is b  # noqa: E731
     else:
         values, storages, freed_at = _run_example(gm, tuple(args or ()), kwargs, materialize)
+        # Whether a freed weight's memory could only be `b`'s by reuse (the graph as it ran;
+        # a node the rewrite below adds may alias anything).
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        apart = lambda a, b: (freed_at.get(a, len(order)) < order[b]  # noqa: E731
-                              or freed_at.get(b, len(order)) < order[a])
+        apart = lambda a, b: a in order and b in order and (  # noqa: E731
+            freed_at.get(a, len(order)) < order[b] or freed_at.get(b, len(order)) < order[a])
         aliases_of = lambda node: [n for n, s in storages.items()  # noqa: E731
                                    if s & storages.get(node, set()) and not apart(n, node)]
         is_tensor = holds_tensor = lambda node: isinstance(  # noqa: E731

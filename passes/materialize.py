@@ -140,7 +140,7 @@ def run_graph(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any],
 class _OutputsKept(MaterializingInterpreter):
     """Keeps the values the output node returns, by node name (`Signature.rebuild_outputs`)."""
 
-    outputs: dict[str, Any] = {}
+    outputs: dict[str, Any]      # set when the output node runs
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "output":
