@@ -23,7 +23,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
 
 from . import microbatch
-from .plan_data import Plan
+from .plan_data import Plan, refuse_without_weights
 from .runtime import Run, Runtime
 from .saved import PlanFileError, save_stage_weights
 from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
@@ -49,7 +49,7 @@ class Pipeline(nn.Module):
         plan's costed graph, which holds the stages' tensors under them, or for a loaded plan a
         module gathering the stages' own)."""
         super().__init__()
-        _refuse_meta(plan)
+        refuse_without_weights(plan)
         self.plan = plan
         self.module = (module if module is not None else
                        plan.graph if plan.graph is not None else _gathered(plan.stages))
@@ -402,20 +402,6 @@ def carry_values(source: nn.Module, target: nn.Module) -> None:
                         *target.named_buffers(remove_duplicate=False)]:
             if name in held and held[name] is not t:
                 t.copy_(held[name])
-
-
-def _refuse_meta(plan: Plan) -> None:
-    """Refuse a plan whose stages hold tensors on meta (planned without weights), naming the
-    first such tensor and the two ways to give the stages their weights."""
-    for stage in plan.stages:
-        for name, tensor in [*stage.module.named_parameters(), *stage.module.named_buffers()]:
-            if tensor.is_meta:
-                raise PlanFileError(
-                    f"stage {stage.index} holds {name!r} on meta, without values: this plan "
-                    f"was made without weights. Give it weights first: plan.with_weights("
-                    f"'ckpt/') for this plan (a safetensors file or directory, a torch file, or "
-                    f"'init' for the model's own initialisation), or fxpipe.load_plan(path, "
-                    f"weights='ckpt/') for a saved one")
 
 
 def _gathered(stages: Sequence[Stage]) -> nn.Module:

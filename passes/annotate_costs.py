@@ -25,17 +25,21 @@ from .codegen import placed_copy
 from .cost_model import NodeCost
 from .device import is_gpu, start_timer
 from .errors import CostError
-from .graph_values import PlainInterpreter, attr_value, plain, tensors
+from .graph_values import attr_value, plain, tensors
+from .materialize import Materialize, MaterializingInterpreter
 from .signature import signature_of
 from .state import StateWatch, storage_of, unchanged_state
 
 
-class CostInterpreter(PlainInterpreter):
-    """An Interpreter that records the wall time and output size of every node it runs."""
+class CostInterpreter(MaterializingInterpreter):
+    """An Interpreter that records the wall time and output size of every node it runs (with
+    `materialize`, a node's weights are drawn before its timer starts: see
+    `fxpipe.passes.materialize`)."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False,
-                 progress: Callable[[int, int], None] | None = None):
-        super().__init__(gm)
+                 progress: Callable[[int, int], None] | None = None,
+                 materialize: Materialize | None = None):
+        super().__init__(gm, materialize=materialize, device=device)
         self.device = device
         self.backward = backward
         self.progress = progress
@@ -51,13 +55,16 @@ class CostInterpreter(PlainInterpreter):
         self.watch: StateWatch | None = None     # set for a run that finds the state written
 
     def run_node(self, n: fx.Node) -> Any:
+        return self.with_weights(n, self._timed)
+
+    def _timed(self, n: fx.Node) -> Any:
         elapsed_s = start_timer(self.device)
         try:
             if self.watch is not None:
                 with self.watch.watching(n, tensors([self.env[p] for p in n.all_input_nodes])):
-                    result = super().run_node(n)
+                    result = self.run_plain(n)
             else:
-                result = super().run_node(n)
+                result = self.run_plain(n)
             self.times_s.setdefault(n, []).append(elapsed_s())
             if self.backward and n.op.startswith("call"):
                 self.backward_s.setdefault(n, []).append(self._time_backward(n))
@@ -81,7 +88,9 @@ class CostInterpreter(PlainInterpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        buffers = {storage_of(b) for b in self.module.buffers()} - {None}
+        real = list(self.real.values())        # the node's weights, given for this run
+        buffers = {storage_of(b) for b in [*self.module.buffers(), *real]
+                   if not isinstance(b, nn.Parameter)} - {None}
         origin = {id(t): p for p in n.all_input_nodes for t in tensors(self.env[p])}
         given: dict[Any, fx.Node] = {}     # storage of what the node is given -> whose value
 
@@ -92,7 +101,8 @@ class CostInterpreter(PlainInterpreter):
                 given.setdefault(storage_of(new), origin[id(v)])
             return new
         args, kwargs = plain(fx.node.map_aggregate((args, kwargs), give))
-        params = {storage_of(p) for p in self.module.parameters()}
+        params = {storage_of(p) for p in [*self.module.parameters(), *real]
+                  if isinstance(p, nn.Parameter)}
         saved: dict[Any, int] = {}     # storage -> bytes, of what autograd keeps for backward
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -113,7 +123,7 @@ class CostInterpreter(PlainInterpreter):
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
         modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
         if n.op == "call_module":
-            modules.append(self.module.get_submodule(n.target))
+            modules.append(self.fetch_attr(n.target))
         wanted += [p for m in modules for p in m.parameters() if p.requires_grad]
         if not outputs or not wanted:
             return 0.0
@@ -130,7 +140,8 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
                    *, device: str | torch.device | None = None, repeats: int = 5,
                    warmup: int = 1, backward: bool = False,
                    max_repeats: int | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> fx.GraphModule:
+                   progress: Callable[[int, int], None] | None = None,
+                   materialize: Materialize | None = None) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
     The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
@@ -149,11 +160,16 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     again, up to `max_repeats` runs in all (default: three times `repeats`).
 
     `progress(done, total)` is called as each node of a run is measured.
+
+    A graph holding meta tensors (a model built under `torch.device("meta")`) needs
+    `materialize`, which gives each node's weights on `device` just before it runs and is not
+    timed (`fxpipe.passes.materialize`).
     """
     device = torch.device(device) if device is not None else _device_of(gm)
     measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
-    interpreter = CostInterpreter(measured, device, backward=backward, progress=progress)
+    interpreter = CostInterpreter(measured, device, backward=backward, progress=progress,
+                                  materialize=materialize)
     generators = [device] if is_gpu(device) else []
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     with unchanged_state(measured), torch.no_grad(), torch.random.fork_rng(devices=generators):

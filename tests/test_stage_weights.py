@@ -163,7 +163,8 @@ def test_a_plan_without_weights_is_refused_by_pipeline_naming_both_ways(tmp_path
     plan = planned_on_meta(model, ids)
     plan.save(tmp_path / "plan")
     for unfilled in (plan, fxpipe.load_plan(tmp_path / "plan")):
-        with pytest.raises(PlanFileError, match=r"holds '.*' on meta.*plan.with_weights\(.*"
+        with pytest.raises(fxpipe.DeviceError, match=r"holds '.*' .*on the meta device.*"
+                                                       r"plan.with_weights\(.*"
                                                 r"fxpipe.load_plan\(path, weights="):
             fxpipe.Pipeline(unfilled)
 
