@@ -115,6 +115,7 @@ class Costs:
             with _intra_op_threads(device.threads):
                 annotate_costs(gm, args, kwargs, device=device.name,
                                repeats=recipe.options.repeats, backward=self.training,
+                               reuse_blocks=recipe.options.reuse_blocks,
                                progress=recipe.progress.nodes)
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))

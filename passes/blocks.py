@@ -108,7 +108,7 @@ def _block_key(gm: fx.GraphModule, name: str, nodes: list[fx.Node],
             return tuple((k, relative(x)) for k, x in v.items())
         return v
 
-    prefix = re.escape(name) + r"\."
+    prefix = re.escape(name) + r"(\.|$)"
     key = []
     for n in nodes:
         target = re.sub(f"^{prefix}", "", n.target) if isinstance(n.target, str) else n.target
