@@ -26,6 +26,7 @@ from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Held, Link, Lin
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
 from fxpipe.passes.functionalize import functionalize
 from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.materialize import Materialize, holds_meta
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.randomness import seed_random_ops
 from fxpipe.passes.recompute import checkpoint_regions, choose_recomputed
@@ -34,12 +35,12 @@ from fxpipe.passes.stage import Stage
 from fxpipe.passes.trace import CaptureMode, trace, without_cache
 
 from . import microbatch, search
-from .checks import holding, reference_of, verify
+from .checks import holding, meta_reference, reference_of, streamed_stages, verify
 from .devices import DeviceLike, measure_links
 from .measure import Costs, time_unpipelined
 from .options import BatchDims, Options, input_dims, placeholder_dims
 from .pipeline import Pipeline, carry_values
-from .plan_data import Plan, make_plan, stage_param_bytes
+from .plan_data import Plan, make_plan, peak_rss_bytes, stage_param_bytes
 from .progress import Progress
 from .reference import copied
 from .schedules import ScheduleName
@@ -58,7 +59,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             verify_tolerance: float | None = None, costs: Plan | None = None,
             progress: bool | None = None,
             recompute: Literal["never", "always", "auto"] = "never",
-            optimizer: str | float | type = "adam") -> Pipeline:
+            optimizer: str | float | type = "adam", weights: Any = None) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
@@ -112,13 +113,23 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
 
     `progress` shows on stderr the nodes measured and the configurations weighed (None: when
     stderr is a terminal).
+
+    A model built under `torch.device("meta")` (shapes, no values) is planned without ever
+    being held whole: each node's weights are materialised just before it runs and dropped
+    after (`fxpipe.passes.materialize`), and the check runs module by module
+    (`fxpipe.checks.streamed`). `weights` says where those values come from: None (the values
+    the model initialises, `fxpipe.weights.Init(model, seed=0)`) or what
+    `fxpipe.weights.open_weights` takes (a checkpoint path, a state_dict, a `Weights`). The
+    plan's stages hold meta tensors: give them weights before a Pipeline runs them. A model
+    that holds its values refuses `weights`.
     """
     options = Options(devices, chunks=chunks, capture=capture, leaf_modules=leaf_modules,
                       concrete_args=concrete_args, num_stages=num_stages, schedule=schedule,
                       training=training, threads_per_stage=threads_per_stage, link=link,
                       repeats=repeats, reuse_blocks=reuse_blocks, batch_dims=batch_dims,
                       verify=verify, verify_tolerance=verify_tolerance, costs=costs,
-                      progress=progress, recompute=recompute, optimizer=optimizer)
+                      progress=progress, recompute=recompute, optimizer=optimizer,
+                      weights=weights)
     recipe = Recipe.of(model, example_inputs, example_kwargs, options)
     pipe = Pipeline(_plan(recipe))
     pipe._keep_recipe(recipe)
@@ -137,19 +148,22 @@ def plan(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
 
 
 def _plan(recipe: Recipe) -> Plan:
-    """The plan of the recipe's model in its current mode (see `plan`)."""
+    """The plan of the recipe's model in its current mode (see `plan`), with the planning
+    process's peak resident memory."""
     model = recipe.model
     try:
-        return _build(model, recipe.trace(model), recipe)
-    except BatchError:
-        if recipe.options.chunks != "auto":
-            raise
-        # The model mixes or reduces the batch: micro-batches cannot compute what it computes,
-        # and "auto" never changes the result, so the plan keeps the batch whole.
-        recipe.options = replace(recipe.options, chunks=1)
-        return _build(model, recipe.trace(model), recipe)
+        try:
+            plan = _build(model, recipe.trace(model), recipe)
+        except BatchError:
+            if recipe.options.chunks != "auto":
+                raise
+            # The model mixes or reduces the batch: micro-batches cannot compute what it
+            # computes, and "auto" never changes the result, so the plan keeps the batch whole.
+            recipe.options = replace(recipe.options, chunks=1)
+            plan = _build(model, recipe.trace(model), recipe)
     finally:
         recipe.progress.finish()
+    return replace(plan, planning_peak_rss_bytes=peak_rss_bytes())
 
 
 @dataclass
@@ -171,6 +185,28 @@ class Recipe:
     progress: Progress = field(default_factory=lambda: Progress(False))
     # The copies of the model's tensors placed on stage devices, shared by both modes' stages.
     placed: Placed = field(default_factory=dict)
+    # Where the values of a model built on the meta device come from (a fxpipe.weights.Weights);
+    # None for a model that holds its own.
+    weights: Any = None
+
+    @property
+    def materialize(self) -> Materialize | None:
+        """The model's tensors read from `weights` by the model's first name for each (a tied
+        tensor is read once, whichever module asks), for `fxpipe.passes.materialize`; None for
+        a model that holds its own values."""
+        if self.weights is None:
+            return None
+        first: dict[int, str] = {}
+        for name, t in [*self.model.named_parameters(remove_duplicate=False),
+                        *self.model.named_buffers(remove_duplicate=False)]:
+            first.setdefault(id(t), name)
+        weights = self.weights
+
+        def read(like: Mapping[str, torch.Tensor], device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+            values = weights.read({first.get(id(t), name): t for name, t in like.items()}, device)
+            return {name: values[first.get(id(t), name)] for name, t in like.items()}
+        return read
 
     @staticmethod
     def of(model: nn.Module, example_inputs: tuple | Any, example_kwargs: Mapping[str, Any] | None,
@@ -194,12 +230,13 @@ class Recipe:
                              f"model's keyword example inputs as a dict (name -> value), "
                              f"positional ones in example_inputs")
         example_kwargs = without_cache(model, example_inputs, example_kwargs)   # what it runs
-        _refuse_meta(model, (example_inputs, example_kwargs))
+        _refuse_meta_inputs((example_inputs, example_kwargs))
         batch_dims = options.batch_dims
         return Recipe(model, example_inputs, example_kwargs,
                       input_dims(model, example_inputs, example_kwargs, batch_dims),
                       batch_dims if isinstance(batch_dims, int) else 0, options,
-                      _link_function(options), progress=Progress(options.progress))
+                      _link_function(options), progress=Progress(options.progress),
+                      weights=_weights_of(model, options.weights))
 
     def trace(self, model: nn.Module) -> fx.GraphModule:
         o = self.options
@@ -229,24 +266,29 @@ class Recipe:
                 m.training = flag
 
 
-def _refuse_meta(model: nn.Module, inputs: Any) -> None:
-    """Refuse a model with parameters or buffers on the meta device (built under
-    `torch.device("meta")`), or example inputs there: they hold no values to measure, run or
-    check against."""
-    on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers())
-               if t.is_meta]
-    if on_meta:
-        more = f" (and {len(on_meta) - 1} more tensors)" if len(on_meta) > 1 else ""
-        raise DeviceError(
-            f"the model's {on_meta[0]!r}{more} is on the meta device: it has a shape but no "
-            f"values, and fxpipe plans from the model run on real ones (planning from meta is "
-            f"not supported yet). Materialise the model first: "
-            f"model.load_state_dict(state_dict, assign=True) with its weights, or "
-            f"model.to_empty(device='cpu') then load or initialise them")
+def _refuse_meta_inputs(inputs: Any) -> None:
+    """Refuse example inputs on the meta device: activations are measured on real values."""
     if any(t.is_meta for t in tensors(inputs)):
         raise DeviceError("an example input is on the meta device: it has a shape but no values, "
-                          "and fxpipe measures and checks the model on real ones; pass real "
-                          "example inputs (e.g. torch.randn(shape)) of the batch's shape")
+                          "and fxpipe measures and checks the model on real ones (a model built "
+                          "on meta is fine); pass real example inputs (e.g. torch.randn(shape), "
+                          "or token ids) of the batch's shape")
+
+
+def _weights_of(model: nn.Module, spec: Any) -> Any:
+    """Where the values of a model built on the meta device come from (`weights=`, see
+    `compile`), or None for a model holding its own values, which refuses `weights=`."""
+    if not holds_meta(model):
+        if spec is not None:
+            raise InputError(
+                "weights= was given, but the model holds its own values (it was not built on the "
+                "meta device): load them into the model instead (model.load_state_dict(...)), "
+                "or build it under torch.device('meta') to plan it without holding it")
+        return None
+    if callable(getattr(spec, "read", None)):     # a fxpipe.weights.Weights, as it is
+        return spec
+    from .weights import Init, open_weights
+    return Init(model, seed=0) if spec is None else open_weights(spec)
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
@@ -257,10 +299,12 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     o = recipe.options
     training = model.training if o.training is None else o.training
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
-    unpipelined_s = time_unpipelined(model, recipe, training)
+    materialize = recipe.materialize
+    # A model on meta cannot run whole anywhere: its own time is not measured.
+    unpipelined_s = None if materialize else time_unpipelined(model, recipe, training)
     chunk_list = _chunk_options(model, recipe, training, len(o.devices))
     first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
-    functionalize(gm, copied(first_args), copied(first_kwargs))
+    functionalize(gm, copied(first_args), copied(first_kwargs), materialize=materialize)
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
     costs = Costs(gm, recipe, training)
     chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s)
@@ -269,8 +313,13 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     costed = costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     # The model's last runs, before any stage is placed (a stage holds copies of the tensors
     # that are not on its device): the pipeline is checked against what the model computes here.
-    reference = reference_of(model if held is None else holding(model, held), recipe,
-                           config.chunks, o.verify, o.verify_tolerance)
+    unverified = ""
+    if materialize:
+        reference, unverified = meta_reference(model, gm, recipe, config.chunks, o.verify,
+                                               o.verify_tolerance, _inputs_device(recipe))
+    else:
+        reference = reference_of(model if held is None else holding(model, held), recipe,
+                                 config.chunks, o.verify, o.verify_tolerance)
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs],
                           placed=recipe.placed)
     held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own
@@ -280,7 +329,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     if training and o.recompute == "auto":
         part, recomputed = _recompute_less(part, stages, config, o.optimizer_state,
                                            lower_bound_s(costed.step, specs))
-    verified = "yes" if o.verify else "skipped (verify=False)"
+    verified = unverified or ("yes" if o.verify else "skipped (verify=False)")
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
     plan = make_plan(gm.meta["capture"], part, stages, config.chunks, verified,
@@ -297,16 +346,23 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                      calibration=costs.calibration[config.chunks, specs[0].kind,
                                                    config.num_stages > 1],
                      spread=measurement_spread(gm), link=o.link_name, graph=gm,
-                     link_fn=recipe.link)
-    verify(plan, recipe, reference, o.verify_tolerance)
+                     link_fn=recipe.link,
+                     weights=recipe.weights.where if materialize else None)
+    verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
+           o.verify_tolerance)
     # The model as is runs the model's own ops, so it takes the model's time.
     predicted_s = (unpipelined_s if plan.runs_as_is else
                    max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
     return replace(plan, predicted_step_s=predicted_s)
 
 
+def _inputs_device(recipe: Recipe) -> torch.device:
+    """Where the example inputs are (the CPU for an example without tensors)."""
+    return next((t.device for t in tensors((recipe.args, recipe.kwargs))), torch.device("cpu"))
+
+
 def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[int],
-            unpipelined_s: float) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
+            unpipelined_s: float | None) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
     """Every configuration the options leave open, costed, partitioned and predicted; the one
     to build, why, and all those considered (the model as is last, when it was one)."""
     o = recipe.options

@@ -8,11 +8,17 @@ outputs the pipeline must reproduce (`fxpipe.reference`). `verify` then runs the
 stages as a pipeline call does (`pipeline.call_stages`), in order on the caller's thread, and
 compares. `holding` is the model computing with a pipeline's values, which a mode switch
 checks against.
+
+A model built on the meta device is checked streamed, never held whole (`meta_reference`,
+`streamed_stages`): its graph, node by node on materialised weights, gives the output dims and
+the micro-batch check; the model's own forward on a structural copy whose modules are given
+their own tensors just before they run (`streamed`) gives the outputs the stages, each run
+node by node, must reproduce. Both read the same weights (`Recipe.materialize`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -21,6 +27,8 @@ from torch import nn
 
 from fxpipe.passes.compare import difference, output_name
 from fxpipe.passes.errors import BatchError, VerificationError
+from fxpipe.passes.materialize import (Materialize, MaterializingInterpreter,
+                                       release_freed_memory, run_graph)
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
@@ -239,3 +247,114 @@ def _draws_random_numbers(model: nn.Module, args: tuple, kwargs: Mapping[str, An
         torch.manual_seed(2)
         second = model(*copied(args), **copied(kwargs))
     return bool(difference(first, second, 0.0))
+
+
+class _GraphRun(nn.Module):
+    """A graph holding meta tensors called as the model is: node by node, each node's weights
+    materialised before it runs and dropped after (`fxpipe.passes.materialize.run_graph`)."""
+
+    def __init__(self, gm: nn.Module, materialize: Materialize, device: torch.device):
+        super().__init__()
+        self.gm, self.materialize, self.device = gm, materialize, device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return run_graph(self.gm, args, kwargs, self.materialize, self.device)
+
+
+class _StageRun(nn.Module):
+    """A stage's GraphModule holding meta tensors, run node by node on materialised weights."""
+
+    def __init__(self, module: nn.Module, materialize: Materialize, device: torch.device):
+        super().__init__()
+        self.module, self.materialize, self.device = module, materialize, device
+
+    def forward(self, *inputs: Any) -> Any:
+        return MaterializingInterpreter(self.module, materialize=self.materialize,
+                                        device=self.device).run(*inputs)
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def streamed(model: nn.Module, materialize: Materialize, device: torch.device) -> nn.Module:
+    """A structural copy of `model` that runs its own forward module by module: each module a
+    shallow copy with its own tables (tensors, children, hooks), whose meta tensors are given
+    real values on `device` by a forward pre-hook and put back to meta by a forward hook, so at
+    most the running modules' own tensors are held. `model` is never changed. A forward that
+    reads another module's tensor directly (a parent reading `self.child.weight`) meets a meta
+    tensor and raises."""
+    names: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), path)
+    copies: dict[int, nn.Module] = {}
+
+    def copy_of(module: nn.Module) -> nn.Module:
+        if id(module) in copies:
+            return copies[id(module)]
+        copy = type(module).__new__(type(module))
+        copy.__dict__.update(module.__dict__)
+        copies[id(module)] = copy
+        for table in ("_parameters", "_buffers", *_HOOK_TABLES):
+            if table in module.__dict__:
+                copy.__dict__[table] = type(module.__dict__[table])(module.__dict__[table])
+        copy.__dict__["_modules"] = {name: None if child is None else copy_of(child)
+                                     for name, child in module._modules.items()}
+        own = {name: t for table in (copy._parameters, copy._buffers)
+               for name, t in table.items() if t is not None and t.is_meta}
+        if own:
+            _stream_tensors(copy, own, names[id(module)], materialize, device)
+        return copy
+    return copy_of(model)
+
+
+def _stream_tensors(module: nn.Module, own: dict[str, torch.Tensor], path: str,
+                    materialize: Materialize, device: torch.device) -> None:
+    """Hooks giving `module` (a copy) real values of its `own` meta tensors around its forward."""
+    like = {f"{path}.{name}" if path else name: t for name, t in own.items()}
+
+    def give(*_: Any) -> None:
+        values = materialize(like, device)
+        for (name, t), full in zip(own.items(), like):
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(values[full],
+                                                        requires_grad=t.requires_grad)
+            else:
+                module._buffers[name] = values[full]
+
+    def take(*_: Any) -> None:
+        for name, t in own.items():
+            (module._parameters if name in module._parameters else module._buffers)[name] = t
+        release_freed_memory()
+    module.register_forward_pre_hook(give)
+    module.register_forward_hook(take, always_call=True)
+
+
+def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int, verify: bool,
+                   tolerance: float | None, device: torch.device) -> tuple[Reference, str]:
+    """`reference_of` for a model on the meta device (see the module docstring), and why its
+    outputs could not be checked ("" when they can be)."""
+    materialize = recipe.materialize
+    reference = reference_of(_GraphRun(gm, materialize, device), recipe, chunks, verify,
+                             tolerance)
+    if not reference.verify:
+        return reference, ""
+    copy = streamed(model, materialize, device)
+    try:
+        with unchanged(copy):
+            torch.manual_seed(0)
+            parts = run_per_microbatch(copy, recipe.args, recipe.kwargs, chunks,
+                                       seeds=microbatch_seeds(chunks),
+                                       batch_dims=recipe.input_dims)
+    except Exception as e:       # the model's forward cannot run module by module
+        return replace(reference, verify=False), (
+            f"no (the model's forward cannot run one module at a time on materialised weights: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    return replace(reference, expected=microbatch.merge(parts, reference.output_dims)), ""
+
+
+def streamed_stages(plan: Plan, materialize: Materialize) -> Plan:
+    """`plan` with each stage run node by node on materialised weights, for `verify`."""
+    return replace(plan, stages=tuple(
+        replace(stage, module=_StageRun(stage.module, materialize, stage.device))
+        for stage in plan.stages))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -19,8 +20,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, LinkFn
-from fxpipe.passes.errors import (BatchError, CostError, DeviceError, PartitionError,
-                                  ScheduleError, VerificationError)
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
+                                  PartitionError, ScheduleError, VerificationError)
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.trace import CaptureMode
 
@@ -58,6 +59,7 @@ class Options:
     progress: bool | None = None
     recompute: Recompute = "never"
     optimizer: str | float | type = "adam"
+    weights: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(parse_devices(self.devices)))
@@ -96,6 +98,14 @@ class Options:
                 isinstance(self.link, str) or not callable(self.link)):
             raise CostError(f"link={self.link!r}: use 'default', 'measure', 'gloo' or a "
                             f"(src, dst) -> Link function")
+        weights = self.weights
+        if weights is not None and not (isinstance(weights, (str, os.PathLike, Mapping))
+                                        or callable(getattr(weights, "read", None))):
+            raise InputError(f"weights={type(weights).__name__}: for a model built on the meta "
+                             f"device, pass where its values come from: a checkpoint path (a "
+                             f".safetensors file, a Hugging Face directory, a .pt state_dict), a "
+                             f"state_dict, an fxpipe.weights.Weights, or None for the values "
+                             f"the model initialises")
         stages = self.num_stages
         if stages is not None and stages != "auto" and (
                 not isinstance(stages, int) or not 1 <= stages <= len(self.devices)):

@@ -21,7 +21,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
 
 from . import microbatch
-from .plan_data import Plan
+from .plan_data import Plan, refuse_without_weights
 from .runtime import Run, Runtime
 from .saved import PlanFileError
 from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
@@ -47,6 +47,7 @@ class Pipeline(nn.Module):
         plan's costed graph, which holds the stages' tensors under them, or for a loaded plan a
         module gathering the stages' own)."""
         super().__init__()
+        refuse_without_weights(plan)
         self.plan = plan
         self.module = (module if module is not None else
                        plan.graph if plan.graph is not None else _gathered(plan.stages))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import resource
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch.fx as fx
 
 from fxpipe.passes.cost_model import LinkFn, NodeCost
+from fxpipe.passes.errors import DeviceError
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.stage import Stage
@@ -76,6 +79,10 @@ class Plan:
     stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
     stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
     link: str = "default"      # what transfers were priced as: "default", "measure", "gloo", "yours"
+    # A plan of a model built on the meta device: where the values it was measured and checked
+    # on came from (`Weights.where`); its stages hold meta tensors. None for a model's own.
+    weights: str | None = None
+    planning_peak_rss_bytes: int | None = None    # the planning process's peak resident memory
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
     measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
@@ -135,6 +142,27 @@ class Plan:
         threads) because no pipeline was predicted faster."""
         return bool(self.considered) and self.chosen is self.considered[-1] and \
             self.reason.startswith("no pipeline")
+
+
+def refuse_without_weights(plan: Plan) -> None:
+    """Refuse to run a plan whose stages hold meta tensors (a plan of a model built on the
+    meta device, planned without its values): naming one, and how to give them."""
+    missing = [name for stage in plan.stages
+               for name, t in [*stage.module.named_parameters(), *stage.module.named_buffers()]
+               if t.is_meta]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DeviceError(
+            f"the plan's stages hold no weights ({missing[0]!r}{more} on the meta device): it was "
+            f"planned from a model built on meta, and a pipeline needs their values. Give them "
+            f"first: Pipeline(plan.with_weights('ckpt/')) (a checkpoint path or a state_dict), "
+            f"or fxpipe.load_plan(path, weights='ckpt/') for a saved plan")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024     # Linux counts KiB
 
 
 def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,

@@ -125,6 +125,11 @@ def _activations(plan: Plan) -> list[str]:
 def _comparison(plan: Plan) -> list[str]:
     """The pipeline's predicted time per batch against the model's own, and a warning
     when the pipeline is predicted to lose."""
+    if plan.weights is not None:
+        return [f"planned from the meta device, never holding the model whole: measured and "
+                f"checked on values from {plan.weights}; the model unpipelined was not "
+                f"measured (no device holds it). Planning peaked at "
+                f"{format_bytes(plan.planning_peak_rss_bytes or 0)} resident"]
     if plan.speedup is None:
         return []
     model = (f"{plan.unpipelined_s * 1e3:.3f} ms measured (whole batch, "

@@ -29,21 +29,25 @@ from .codegen import placed_copy
 from .cost_model import NodeCost
 from .device import is_gpu, start_timer
 from .errors import CostError
-from .graph_values import PlainInterpreter, attr_value, plain, tensors
+from .graph_values import attr_value, plain, tensors
+from .materialize import Materialize, MaterializingInterpreter
 from .signature import signature_of
 from .state import StateWatch, storage_of, unchanged_state
 
 
-class CostInterpreter(PlainInterpreter):
-    """An Interpreter that records the wall time and output size of every node it runs.
+class CostInterpreter(MaterializingInterpreter):
+    """An Interpreter that records the wall time and output size of every node it runs (with
+    `materialize`, a node's weights are drawn before its timer starts: see
+    `fxpipe.passes.materialize`).
 
     With `reuse_blocks`, a node of a repeated block runs in the first run only (see `Reuse`); a
     node that cannot run here is not run, its output stood in for (see `Estimates`)."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False,
-                 progress: Callable[[int, int], None] | None = None, reuse_blocks: bool = False,
+                 progress: Callable[[int, int], None] | None = None,
+                 materialize: Materialize | None = None, reuse_blocks: bool = False,
                  max_node_bytes: int | None = None):
-        super().__init__(gm)
+        super().__init__(gm, materialize=materialize, device=device)
         self.device = device
         self.backward = backward
         self.progress = progress
@@ -64,13 +68,16 @@ class CostInterpreter(PlainInterpreter):
     def run_node(self, n: fx.Node) -> Any:
         if self.reuse.skips(n) or self.estimates.stands_in(n):
             return self._not_measured(n)
+        return self.with_weights(n, self._timed)
+
+    def _timed(self, n: fx.Node) -> Any:
         elapsed_s = start_timer(self.device)
         try:
             if self.watch is not None:
                 with self.watch.watching(n, tensors([self.env[p] for p in n.all_input_nodes])):
-                    result = super().run_node(n)
+                    result = self.run_plain(n)
             else:
-                result = super().run_node(n)
+                result = self.run_plain(n)
             self.times_s.setdefault(n, []).append(elapsed_s())
             if self.backward and n.op.startswith("call"):
                 self.backward_s.setdefault(n, []).append(self._time_backward(n))
@@ -114,7 +121,9 @@ class CostInterpreter(PlainInterpreter):
         `torch.autograd.grad` leaves every `.grad` as it was."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         state = {id(self.env[p]) for p in n.all_input_nodes if p.op == "get_attr"}
-        buffers = {storage_of(b) for b in self.module.buffers()} - {None}
+        real = list(self.real.values())        # the node's weights, given for this run
+        buffers = {storage_of(b) for b in [*self.module.buffers(), *real]
+                   if not isinstance(b, nn.Parameter)} - {None}
         origin = {id(t): p for p in n.all_input_nodes for t in tensors(self.env[p])}
         given: dict[Any, fx.Node] = {}     # storage of what the node is given -> whose value
 
@@ -125,7 +134,8 @@ class CostInterpreter(PlainInterpreter):
                 given.setdefault(storage_of(new), origin[id(v)])
             return new
         args, kwargs = plain(fx.node.map_aggregate((args, kwargs), give))
-        params = {storage_of(p) for p in self.module.parameters()}
+        params = {storage_of(p) for p in [*self.module.parameters(), *real]
+                  if isinstance(p, nn.Parameter)}
         saved: dict[Any, int] = {}     # storage -> bytes, of what autograd keeps for backward
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +156,7 @@ class CostInterpreter(PlainInterpreter):
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
         modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
         if n.op == "call_module":
-            modules.append(self.module.get_submodule(n.target))
+            modules.append(self.fetch_attr(n.target))
         wanted += [p for m in modules for p in m.parameters() if p.requires_grad]
         if not outputs or not wanted:
             return 0.0
@@ -198,7 +208,8 @@ class Estimates:
     it reads and writes (inputs, parameters, output) and its output's types, at no cost in
     memory. In the first run, a node without a kernel for the device, or whose parameters and
     output take more than `max_node_bytes` (with a limit, every node is profiled first), or that
-    reads a value on meta (its input stood in for and too big) is not run: its output is stood
+    reads a value on meta (its input stood in for and too big, or a weight over the limit, which
+    a `get_attr` then leaves on meta: never materialised) is not run: its output is stood
     in for by zeros (left on meta where it is over the limit). The run after profiles the nodes
     that ran. Its time is a roofline fitted to the nodes that ran: the device's FLOPs per second
     on nodes that count FLOPs, its bytes per second on those that do not, the slower of the two;
@@ -215,6 +226,8 @@ class Estimates:
         """Whether `n` is estimated instead of run (decided in the first run); profiles it where
         needed: in the first run with a limit or when it reads a value on meta, and a measured
         node in the run after one that estimated some (the fit's samples)."""
+        if n.op == "get_attr":
+            return self._weight_stands_in(n)
         if n in self.nodes or not n.op.startswith("call"):
             return n in self.nodes
         first = self.interpreter.first
@@ -226,6 +239,16 @@ class Estimates:
         profile = self.profiles.get(n)
         if first and profile is not None and (reads_meta or self._over_limit(profile)):
             self._estimate(n)
+        return n in self.nodes
+
+    def _weight_stands_in(self, n: fx.Node) -> bool:
+        """Whether a `get_attr` of a tensor over the limit is left on meta (never materialised);
+        its readers are then estimated."""
+        if self.interpreter.first and self.max_node_bytes is not None:
+            value = attr_value(self.interpreter.module, n.target)
+            if isinstance(value, torch.Tensor) and tensor_bytes(value) > self.max_node_bytes:
+                self.profiles[n] = Profile(0, 0, tensor_bytes(value), _on_meta(value))
+                self.nodes.add(n)
         return n in self.nodes
 
     @property
@@ -279,7 +302,7 @@ class Estimates:
         def estimate(n: fx.Node) -> tuple[float, float, float]:
             p = self.profiles[n]
             fwd_s = overhead_s + max(p.flops / flops_per_s, p.moved_bytes / bytes_per_s)
-            return fwd_s, fwd_s * backward, 0.0
+            return fwd_s, 0.0 if n.op == "get_attr" else fwd_s * backward, 0.0
         return estimate
 
     def _estimate(self, n: fx.Node) -> None:
@@ -339,7 +362,7 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
                    warmup: int = 1, backward: bool = False,
                    max_repeats: int | None = None,
                    progress: Callable[[int, int], None] | None = None,
-                   reuse_blocks: bool = True,
+                   materialize: Materialize | None = None, reuse_blocks: bool = True,
                    max_node_bytes: int | None = None) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
@@ -367,12 +390,17 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     `Estimates`).
 
     `progress(done, total)` is called as each node of a run is measured.
+
+    A graph holding meta tensors (a model built under `torch.device("meta")`) needs
+    `materialize`, which gives each node's weights on `device` just before it runs and is not
+    timed (`fxpipe.passes.materialize`).
     """
     device = torch.device(device) if device is not None else _device_of(gm)
     measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(measured, device, backward=backward, progress=progress,
-                                  reuse_blocks=reuse_blocks, max_node_bytes=max_node_bytes)
+                                  materialize=materialize, reuse_blocks=reuse_blocks,
+                                  max_node_bytes=max_node_bytes)
     generators = [device] if is_gpu(device) else []
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     with unchanged_state(measured), torch.no_grad(), torch.random.fork_rng(devices=generators):

@@ -159,6 +159,13 @@ def held_by_stages(gm: fx.GraphModule, stages: Sequence[Stage]) -> fx.GraphModul
     return _replace_tensors(gm, lambda t: by_id.get(id(t), t), {id(gm): gm})
 
 
+def with_tensors(module: nn.Module,
+                 replacement: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """`module` holding `replacement(t)` for each of its tensors `t`: a shallow copy wherever
+    one changes (the module itself where none does), so `module` keeps its own."""
+    return _replace_tensors(module, replacement, {})
+
+
 def _replace_tensors(module: nn.Module, replacement: Callable[[torch.Tensor], torch.Tensor],
                      done: dict[int, nn.Module]) -> nn.Module:
     """`module` holding `replacement(t)` for each of its tensors `t`: itself, modified in place
@@ -191,8 +198,9 @@ def _replace_tensors(module: nn.Module, replacement: Callable[[torch.Tensor], to
 
 
 def _placed_tensor(t: torch.Tensor, device: torch.device, placed: Placed) -> torch.Tensor:
-    """`t` if it is on `device`, else its one copy there."""
-    if t.device == device:
+    """`t` if it is on `device`, else its one copy there. A meta tensor has no values to copy:
+    it stays itself, wherever it is placed (its values are given when the stage runs)."""
+    if t.device == device or t.is_meta:
         return t
     key = (id(t), device)
     if key not in placed:

@@ -38,7 +38,8 @@ from torch import nn
 
 from .device import is_gpu
 from .errors import TraceError
-from .graph_values import PlainInterpreter, tensors
+from .graph_values import tensors
+from .materialize import Materialize, MaterializingInterpreter
 from .signature import signature_of
 from .state import order_state_reads, unchanged_state
 from .user_code import describe_frame, user_frame
@@ -87,14 +88,16 @@ def on_copy(x: torch.Tensor, method: str, *args, **kwargs) -> torch.Tensor:
 
 
 def functionalize(gm: fx.GraphModule, args: tuple | None = None,
-                  kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+                  kwargs: Mapping[str, Any] | None = None, *,
+                  materialize: Materialize | None = None) -> fx.GraphModule:
     """Rewrite `gm`'s in-place ops out of place, in place on `gm`; returns `gm`.
 
     `args`/`kwargs`, the model's example inputs, let the pass see which values share memory: the
     graph runs once on copies of them (buffers restored). Without them, aliases are judged by op
     name. An in-place op on memory that another, still read, value shares raises `TraceError`.
     In-place submodules without parameters (`nn.ReLU(inplace=True)`) are replaced in `gm` by copies
-    with `inplace=False`; the user's model is not touched.
+    with `inplace=False`; the user's model is not touched. A graph holding meta tensors runs
+    with `materialize` giving each node's weights (`fxpipe.passes.materialize`).
     """
     storages: dict[fx.Node, set] | None = None
     if args is None and kwargs is None:
@@ -103,7 +106,7 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
         is_tensor = lambda node: isinstance(_meta_value(node), torch.Tensor)  # noqa: E731
         same_value = lambda a, b: a is b  # noqa: E731
     else:
-        values = _run_example(gm, tuple(args or ()), kwargs)
+        values = _run_example(gm, tuple(args or ()), kwargs, materialize)
         storages = {node: _storages(value) for node, value in values.items()}
         aliases_of = lambda node: [n for n, s in storages.items()  # noqa: E731
                                    if s & storages.get(node, set())]
@@ -246,13 +249,16 @@ def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None
 
 
 def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
-                 ) -> dict[fx.Node, Any]:
+                 materialize: Materialize | None) -> dict[fx.Node, Any]:
     """Every node's value on copies of the example inputs, all kept alive (so no two values'
     storages can be the same memory reused). Buffers the run updates, and the random generators
-    it draws from, are restored."""
+    it draws from, are restored. Meta weights are given by `materialize` on the inputs' device,
+    node by node (a `get_attr`'s value stays alive, as every value does)."""
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
-    interpreter = PlainInterpreter(gm, garbage_collect_values=False)
+    device = next((t.device for t in tensors(inputs)), torch.device("cpu"))
+    interpreter = MaterializingInterpreter(gm, materialize=materialize, device=device,
+                                           garbage_collect_values=False)
     cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
                    if is_gpu(t.device)}, key=str)
     try:

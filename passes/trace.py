@@ -65,9 +65,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .codegen import place
 from .compare import difference, equal
 from .device import initialized_gpus
 from .errors import TraceError
+from .materialize import holds_meta
 from .signature import exported_signature, plain_varargs, traced_signature
 from .state import unchanged_state
 from .user_code import describe_frame, user_frame
@@ -420,7 +422,7 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
                 node.args = (concrete[name],)
         gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
     out_spec = None
-    if args or kwargs:
+    if (args or kwargs) and not holds_meta(model):   # a meta model has no values to compare
         mismatch, out_spec = _mismatch(model, gm, args, kwargs)
         if mismatch:
             raise _TraceFailure(f"the traced graph does not reproduce the model: {mismatch}", None)
@@ -458,10 +460,15 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
     inference = _InferenceModeWatch()
+    on_meta = holds_meta(model)
+    # A model on meta is captured from inputs on meta too (no op may meet two devices); its ops
+    # then name the inputs' device again, below.
+    given = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v,
+                            (tuple(args), dict(kwargs))) if on_meta else (tuple(args), dict(kwargs))
     try:
         with _quiet(), inference, attributes_restored(model):   # nothing export left there
-            program = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                          dynamic_shapes=_free_batch(model, args, kwargs, batch_dims))
+            program = torch.export.export(model, *given, strict=False,
+                                          dynamic_shapes=_free_batch(model, *given, batch_dims))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     if inference.site is not None:
@@ -470,7 +477,12 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
             f"leaves out of the graph: those ops would get gradients. Use torch.no_grad() there, "
             f"which the graph keeps", None)
     gm = _readable(program.module(), type(model).__name__)
-    mismatch, _ = _mismatch(model, gm, args, kwargs)
+    if on_meta:
+        place(gm, next((t.device for t in pytree.tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)), torch.device("cpu")))
+        mismatch = ""       # no values to compare: compile's check runs it streamed
+    else:
+        mismatch, _ = _mismatch(model, gm, args, kwargs)
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
     gm.meta["signature"] = exported_signature(gm, program.module_call_graph[0].signature)

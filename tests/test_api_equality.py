@@ -347,26 +347,6 @@ def test_a_plain_function_is_refused_with_how_to_wrap_it():
         fxpipe.compile(torch.tanh, ["cpu"], (torch.randn(4, 4),))
 
 
-@pytest.mark.parametrize("inputs_on", ["cpu", "meta"])
-def test_a_model_on_the_meta_device_is_refused_with_how_to_materialise_it(inputs_on, monkeypatch):
-    import fxpipe.api
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-    monkeypatch.setattr(fxpipe.api.Recipe, "trace", lambda *a: pytest.fail("traced"))
-    with pytest.raises(fxpipe.DeviceError, match=r"'0.weight' \(and 3 more tensors\) is on the "
-                                                 r"meta device.*not supported yet.*assign=True"
-                                                 r".*to_empty\(device='cpu'\)"):
-        fxpipe.compile(model, ["cpu"] * 2, (torch.randn(6, 4, device=inputs_on),))
-
-
-def test_a_model_partly_on_the_meta_device_names_a_tensor_there():
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-    model[2].to("meta")
-    with pytest.raises(fxpipe.DeviceError, match=r"'2.weight' \(and 1 more tensors\) is on the "
-                                                 r"meta device"):
-        fxpipe.compile(model, ["cpu"] * 2, (torch.randn(6, 4),))
-
-
 def test_an_example_input_on_the_meta_device_is_refused():
     model, x = small()
     with pytest.raises(fxpipe.DeviceError, match="example input is on the meta device"):

@@ -1,0 +1,148 @@
+"""Run a graph whose parameters and buffers are on the meta device, one node's weights at a time.
+
+A model built under `torch.device("meta")` has shapes but no values. To measure it, probe it
+or check it without ever holding it whole, `MaterializingInterpreter` runs its graph with real
+activations and, just before each node runs, asks a `Materialize` callback for real values of
+the meta tensors that node reads (a `call_module`'s module tensors, a `get_attr`'s target); the
+node runs on a shallow copy of its module holding them, and they are dropped once the node is
+done (a `get_attr`'s value once its last reader is). The graph's own modules, which an fx graph
+shares with the user's model, never hold a real tensor, not even for a moment.
+
+The callback is `read(like, device) -> {name: tensor}`: real tensors on `device` for every name
+of `like` (the meta tensors, by the model's names, that a stage holds under the same names),
+each with its shape and dtype; tied names (one tensor object in `like`) get one tensor. A
+`fxpipe.weights.Weights`'s `read` is one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .codegen import with_tensors
+from .graph_values import PlainInterpreter, attr_value
+from .signature import signature_of
+
+Materialize = Callable[[Mapping[str, torch.Tensor], torch.device], dict[str, torch.Tensor]]
+
+
+def release_freed_memory() -> None:
+    """Give the memory of freed tensors back to the system now (glibc's `malloc_trim`; nothing
+    elsewhere). Weights are allocated and freed node after node, on several threads: glibc keeps
+    what a thread's arena freed for that arena's next allocations, so without this the planning
+    process's resident memory would grow towards the whole model's, one layer at a time."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):      # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def holds_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of `module` is on the meta device (has no values)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def meta_tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
+    """The meta tensors `node` reads from `gm`, by their names in `gm` (the model's)."""
+    if node.op == "call_module":
+        prefix, value = node.target, gm.get_submodule(node.target)
+    elif node.op == "get_attr":
+        prefix, value = node.target, attr_value(gm, node.target)
+    else:
+        return {}
+    if isinstance(value, torch.Tensor):
+        return {prefix: value} if value.is_meta else {}
+    if not isinstance(value, nn.Module):
+        return {}
+    return {name: t for name, t in [
+        *value.named_parameters(prefix=prefix, remove_duplicate=False),
+        *value.named_buffers(prefix=prefix, remove_duplicate=False)] if t.is_meta}
+
+
+class MaterializingInterpreter(PlainInterpreter):
+    """A `PlainInterpreter` that, given `materialize`, runs each node of a graph holding meta
+    tensors on real values of those it reads (see the module docstring). Without it, or for a
+    node reading none, it runs as its parent does."""
+
+    def __init__(self, gm: fx.GraphModule, *, materialize: Materialize | None = None,
+                 device: torch.device | str = "cpu", **kwargs: Any):
+        super().__init__(gm, **kwargs)
+        self.materialize = materialize
+        self.weights_device = torch.device(device)
+        self.real: dict[int, torch.Tensor] = {}      # id of a meta tensor -> its value, for now
+
+    def run_node(self, n: fx.Node) -> Any:
+        return self.with_weights(n, self.run_plain)
+
+    def run_plain(self, n: fx.Node) -> Any:
+        """`n` run as a `PlainInterpreter` runs it (a subclass's `run_node` calls this inside
+        `with_weights`, around what it adds)."""
+        return super().run_node(n)
+
+    def with_weights(self, n: fx.Node, run: Callable[[fx.Node], Any]) -> Any:
+        """`run(n)` with real values of the meta tensors `n` reads, dropped after."""
+        like = meta_tensors_read(self.module, n) if self.materialize is not None else {}
+        if not like:
+            return run(n)
+        values = self.materialize(like, self.weights_device)
+        wrapped: dict[int, torch.Tensor] = {}       # tied names share one value, and one wrap
+        self.real = {id(t): wrapped.setdefault(id(values[name]), _like(t, values[name]))
+                     for name, t in like.items()}
+        del values, wrapped
+        try:
+            return run(n)
+        finally:
+            self.real = {}
+            release_freed_memory()
+
+    def fetch_attr(self, target: str) -> Any:
+        """The attribute with real values in place of the meta tensors of the node running."""
+        value = super().fetch_attr(target)
+        if not self.real:
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.real.get(id(value), value)
+        if isinstance(value, nn.Module):
+            return with_tensors(value, lambda t: self.real.get(id(t), t))
+        return value
+
+
+def _like(meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` as the meta tensor it stands for is: a Parameter stays a Parameter, with its
+    `requires_grad`."""
+    if isinstance(meta, nn.Parameter):
+        return nn.Parameter(value.detach(), requires_grad=meta.requires_grad)
+    return value.detach().requires_grad_(meta.requires_grad)
+
+
+def run_graph(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any],
+              materialize: Materialize, device: torch.device | str) -> Any:
+    """`gm(*args, **kwargs)`, the model's output in the model's own structure, run node by node
+    with each node's weights given by `materialize` on `device` (`MaterializingInterpreter`)."""
+    signature = signature_of(gm)
+    interpreter = _OutputsKept(gm, materialize=materialize, device=device)
+    interpreter.run(*signature.flatten_inputs(args, kwargs), enable_io_processing=False)
+    return signature.rebuild_outputs(interpreter.outputs)
+
+
+class _OutputsKept(MaterializingInterpreter):
+    """Keeps the values the output node returns, by node name (`Signature.rebuild_outputs`)."""
+
+    outputs: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "output":
+            self.outputs = {p.name: self.env[p] for p in n.all_input_nodes}
+        return super().run_node(n)
