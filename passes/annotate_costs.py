@@ -183,6 +183,8 @@ class Reuse:
 
     def ran(self, n: fx.Node, value: Any) -> None:
         """Record a node's value in the first run."""
+        if not self.enabled:
+            return
         self.types[n] = value_type(value)
         if n in self.crossing:
             self.kept[n] = value

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
+from hypothesis import given, strategies as st
 from torch.fx.passes.shape_prop import ShapeProp
 
 import fxpipe
@@ -71,6 +72,14 @@ def test_layers_of_other_widths_repeat_nothing_and_equal_ones_repeat_the_first(c
     gm = captured(Stack(hiddens=(16, 32, 16)), capture)
     assert {block_of(n) for n in repeated_blocks(gm)} == {"layers.2"}
     assert {block_of(first) for first in repeated_blocks(gm).values()} == {"layers.0"}
+
+
+@given(hiddens=st.lists(st.sampled_from([4, 8, 16]), min_size=1, max_size=5))
+def test_each_layer_repeats_the_first_layer_of_its_width(hiddens):
+    gm = captured(Stack(hiddens=tuple(hiddens)), "fx")
+    repeated = {block_of(n): block_of(first) for n, first in repeated_blocks(gm).items()}
+    assert repeated == {f"layers.{k}": f"layers.{hiddens.index(h)}"
+                        for k, h in enumerate(hiddens) if hiddens.index(h) < k}
 
 
 def test_a_block_of_unknown_types_repeats_nothing():
@@ -211,6 +220,15 @@ def test_nodes_over_the_byte_limit_are_estimated_and_their_values_flow_on():
     assert costs["layers_2_up"].source == "reused"           # layers.2 repeats layers.0
     assert costs["head"].source == "measured"
     assert [n.meta["shapes"] for n in gm.graph.nodes if n.name == "head"] == [((4, 3),)]
+
+
+def test_a_weight_over_the_limit_stays_on_meta_and_its_readers_are_estimated():
+    model, x = Stack(hiddens=(16, 64, 16)), torch.randn(4, 8)
+    gm = annotate_costs(captured(model, "export"), (x,), repeats=1, max_node_bytes=8 * 48 * 4)
+    sources = {n.name: n.meta["cost"].source for n in gm.graph.nodes if n.op != "output"}
+    assert {name for name, source in sources.items() if source == "estimated"} == {
+        "layers_1_up_weight", "layers_1_up", "layers_1_down_weight", "layers_1_down"}
+    assert sources["layers_1_up_bias"] == sources["layers_1_relu"] == "measured"
 
 
 def test_an_output_over_the_limit_stays_on_meta_and_its_readers_are_estimated():
