@@ -44,6 +44,7 @@ from .plan_data import Plan, make_plan, peak_rss_bytes, stage_param_bytes
 from .progress import Progress
 from .reference import copied
 from .schedules import ScheduleName
+from .weights import Init, open_weights
 from .wiring import Wiring
 
 
@@ -285,10 +286,8 @@ def _weights_of(model: nn.Module, spec: Any) -> Any:
                 "meta device): load them into the model instead (model.load_state_dict(...)), "
                 "or build it under torch.device('meta') to plan it without holding it")
         return None
-    if callable(getattr(spec, "read", None)):     # a fxpipe.weights.Weights, as it is
-        return spec
-    from .weights import Init, open_weights
-    return Init(model, seed=0) if spec is None else open_weights(spec)
+    weights = Init(model, seed=0) if spec is None else open_weights(spec)
+    return weights.bind(model) if isinstance(weights, Init) and weights.model is None else weights
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,

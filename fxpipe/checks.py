@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.passes.compare import difference, output_name
-from fxpipe.passes.errors import BatchError, VerificationError
+from fxpipe.passes.errors import BatchError, FxpipeError, VerificationError
 from fxpipe.passes.materialize import (Materialize, MaterializingInterpreter,
                                        release_freed_memory, run_graph)
 from fxpipe.passes.randomness import microbatch_seeds
@@ -346,6 +346,8 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
             parts = run_per_microbatch(copy, recipe.args, recipe.kwargs, chunks,
                                        seeds=microbatch_seeds(chunks),
                                        batch_dims=recipe.input_dims)
+    except FxpipeError:          # the weights' own (a tensor missing from a checkpoint)
+        raise
     except Exception as e:       # the model's forward cannot run module by module
         return replace(reference, verify=False), (
             f"no (the model's forward cannot run one module at a time on materialised weights: "

@@ -28,6 +28,7 @@ from fxpipe.passes.trace import CaptureMode
 from .devices import parse_devices
 from .plan_data import Plan
 from .schedules import SCHEDULES, ScheduleName
+from .weights import Weights
 
 Auto = Literal["auto"]
 Recompute = Literal["never", "always", "auto"]
@@ -99,13 +100,12 @@ class Options:
             raise CostError(f"link={self.link!r}: use 'default', 'measure', 'gloo' or a "
                             f"(src, dst) -> Link function")
         weights = self.weights
-        if weights is not None and not (isinstance(weights, (str, os.PathLike, Mapping))
-                                        or callable(getattr(weights, "read", None))):
+        if weights is not None and not isinstance(weights, (str, os.PathLike, Mapping, Weights)):
             raise InputError(f"weights={type(weights).__name__}: for a model built on the meta "
                              f"device, pass where its values come from: a checkpoint path (a "
                              f".safetensors file, a Hugging Face directory, a .pt state_dict), a "
-                             f"state_dict, an fxpipe.weights.Weights, or None for the values "
-                             f"the model initialises")
+                             f"state_dict, \"init\" or a fxpipe.weights.Weights, or None for the "
+                             f"values the model initialises")
         stages = self.num_stages
         if stages is not None and stages != "auto" and (
                 not isinstance(stages, int) or not 1 <= stages <= len(self.devices)):

@@ -52,7 +52,7 @@ from torch import nn
 from fxpipe.passes.codegen import place
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, format_bytes
-from fxpipe.passes.errors import DeviceError, FxpipeError
+from fxpipe.passes.errors import DeviceError, PlanFileError
 
 from .devices import DeviceLike, parse_devices
 from .plan_data import Plan
@@ -60,11 +60,6 @@ from .report import cost_sources
 
 FORMAT = 2
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
-
-
-class PlanFileError(FxpipeError):
-    """A plan that cannot be saved or loaded: a file missing or changed, other versions, a stage
-    that is not in it, stages that disagree; or a Pipeline pickled instead of its weights."""
 
 
 def versions() -> dict[str, str]:

@@ -59,6 +59,12 @@ class LossReductionError(LossError):
     say): micro-batch means weighted by rows would not give the whole batch's loss."""
 
 
+class PlanFileError(FxpipeError):
+    """A plan or checkpoint that cannot be saved or loaded: a file missing or changed, other
+    versions, a stage that is not in it, stages that disagree, a Pipeline pickled instead of its
+    weights; a checkpoint tensor missing, of another shape or dtype."""
+
+
 class StageError(FxpipeError):
     """A stage failed while the pipeline ran; names the stage, the micro-batch and the node."""
 

@@ -37,8 +37,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .device import is_gpu
-from .errors import TraceError
-from .graph_values import tensors
+from .errors import FxpipeError, TraceError
+from .graph_values import attr_value, tensors
 from .materialize import Materialize, MaterializingInterpreter
 from .signature import signature_of
 from .state import order_state_reads, unchanged_state
@@ -106,10 +106,12 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
         is_tensor = lambda node: isinstance(_meta_value(node), torch.Tensor)  # noqa: E731
         same_value = lambda a, b: a is b  # noqa: E731
     else:
-        values = _run_example(gm, tuple(args or ()), kwargs, materialize)
-        storages = {node: _storages(value) for node, value in values.items()}
+        values, storages, freed_at = _run_example(gm, tuple(args or ()), kwargs, materialize)
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        apart = lambda a, b: (freed_at.get(a, len(order)) < order[b]  # noqa: E731
+                              or freed_at.get(b, len(order)) < order[a])
         aliases_of = lambda node: [n for n, s in storages.items()  # noqa: E731
-                                   if s & storages.get(node, set())]
+                                   if s & storages.get(node, set()) and not apart(n, node)]
         is_tensor = holds_tensor = lambda node: isinstance(  # noqa: E731
             values.get(node), torch.Tensor)
         same_value = lambda a, b: values.get(a) is values.get(b)  # noqa: E731
@@ -249,25 +251,56 @@ def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None
 
 
 def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
-                 materialize: Materialize | None) -> dict[fx.Node, Any]:
+                 materialize: Materialize | None
+                 ) -> tuple[dict[fx.Node, Any], dict[fx.Node, set], dict[fx.Node, int]]:
     """Every node's value on copies of the example inputs, all kept alive (so no two values'
-    storages can be the same memory reused). Buffers the run updates, and the random generators
-    it draws from, are restored. Meta weights are given by `materialize` on the inputs' device,
-    node by node (a `get_attr`'s value stays alive, as every value does)."""
+    storages can be the same memory reused), and the storages of each. Buffers the run updates,
+    and the random generators it draws from, are restored.
+
+    Meta weights are given by `materialize` on the inputs' device, node by node; a weight a
+    `get_attr` read is freed after its last reader (`_WeightsFreed`): the third dict gives the
+    position in the graph after which its memory may be another value's."""
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
     device = next((t.device for t in tensors(inputs)), torch.device("cpu"))
-    interpreter = MaterializingInterpreter(gm, materialize=materialize, device=device,
-                                           garbage_collect_values=False)
+    interpreter = _WeightsFreed(gm, materialize=materialize, device=device)
     cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
                    if is_gpu(t.device)}, key=str)
     try:
         with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             interpreter.run(*inputs)
+    except FxpipeError:         # the weights' own (a tensor missing from a checkpoint), as it is
+        raise
     except Exception as e:
         raise TraceError(f"functionalize could not run the graph on the example inputs: "
                          f"{type(e).__name__}: {e}") from e
-    return interpreter.env
+    storages = {node: _storages(value) for node, value in interpreter.env.items()}
+    storages.update({node: found for node, (found, _) in interpreter.freed.items()})
+    return interpreter.env, storages, {node: at for node, (_, at) in interpreter.freed.items()}
+
+
+class _WeightsFreed(MaterializingInterpreter):
+    """Runs a graph keeping every value, but for a graph holding meta tensors, a weight that a
+    `get_attr` read is kept only until its last reader has run, so the model is never held
+    whole: its storages are noted then (`freed`, with the position of that reader), and the
+    node's value becomes its meta tensor again."""
+
+    def __init__(self, gm: fx.GraphModule, **kwargs: Any):
+        super().__init__(gm, garbage_collect_values=False, **kwargs)
+        self.freed: dict[fx.Node, tuple[set, int]] = {}
+        self.position = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if self.materialize is None:
+            return result
+        for p in n.all_input_nodes:
+            weight = attr_value(self.module, p.target) if p.op == "get_attr" else None
+            last = max(p.users, key=self.position.__getitem__)
+            if isinstance(weight, torch.Tensor) and weight.is_meta and last is n and p in self.env:
+                self.freed[p] = (_storages(self.env[p]), self.position[n])
+                self.env[p] = weight
+        return result
 
 
 def _storages(value: Any) -> set[tuple[str, int]]:
