@@ -5,7 +5,7 @@
 Each model is built from a `LlamaConfig` under `torch.device("meta")` (1B, 8B and 70B shapes;
 bf16 where the float32 model would not fit this machine) and planned for inference on CPU
 devices whose memory caps (`DeviceSpec("cpu", memory_bytes=...)`) are too small for the whole
-model, its weights drawn node by node from a seed of each tensor's name (`weights=`), never
+model, its weights drawn node by node as the model initialises them (`weights=None`), never
 held whole. The output check is left out (`verify=False`): planning is what is timed.
 
 Each model is planned in a subprocess of its own, so that its peak resident memory
@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import time
-import zlib
 from typing import Any
 
 import torch
@@ -58,18 +57,6 @@ SHAPES = {
 }
 BATCH, TOKENS = 4, 32         # one batch of 4 sequences of 32 tokens, one per micro-batch
 COMPARED = ("quick", "1B")    # also planned materialised, every node measured
-
-
-class Drawn:
-    """Weights drawn on the fly, each tensor from a seed of its own name (a `Weights`)."""
-
-    where = "values drawn from a seed per tensor name"
-
-    def read(self, like: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        return {name: 0.02 * torch.randn(t.shape, dtype=t.dtype, device=device,
-                                         generator=torch.Generator().manual_seed(
-                                             zlib.crc32(name.encode())))
-                for name, t in like.items()}
 
 
 def build(name: str, on_meta: bool):
@@ -144,7 +131,7 @@ def one(name: str) -> dict[str, Any]:
     model = build(name, on_meta=True)
     blocks = [*model.model.layers, model.model.embed_tokens, model.lm_head]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    made, seconds = plan(name, model, weights=Drawn())
+    made, seconds = plan(name, model)        # weights drawn as the model initialises them
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stage_s = [c.time_s for c in made.partition.stages]
     found = {"model": name, "plan_s": seconds, **cost_sources(made),
