@@ -56,7 +56,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             schedule: ScheduleName | Literal["auto"] = "gpipe", training: bool | None = None,
             threads_per_stage: int | None = None,
             link: LinkFn | Literal["default", "measure", "gloo"] = "default", repeats: int = 5,
-            batch_dims: BatchDims = 0, verify: bool = True,
+            reuse_blocks: bool = True, batch_dims: BatchDims = 0, verify: bool = True,
             verify_tolerance: float | None = None, costs: Plan | None = None,
             progress: bool | None = None,
             recompute: Literal["never", "always", "auto"] = "never",
@@ -81,7 +81,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     "measure" (timed here, see `fxpipe.devices.measure_links`), "gloo" (a message between two
     processes on this host, as `fxpipe.distributed` sends it, for every value: plan so for a
     run under torchrun; see `fxpipe.distributed.measure_link`) or your own `(src, dst) -> Link`
-    function. The plan records which (`plan.link`).
+    function. The plan records which (`plan.link`). With `reuse_blocks`, the nodes of a block
+    that repeats another (the layers of a decoder, equal op for op, in the same types) take the
+    first one's measured times (`fxpipe.passes.blocks`); the plan says how many nodes were
+    measured, reused and estimated.
 
     With `verify`, the pipeline's output on the example is checked against the model run once
     per micro-batch (see `fxpipe.reference`), in either mode, and the model's outputs on
@@ -124,9 +127,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     options = Options(devices, chunks=chunks, capture=capture, leaf_modules=leaf_modules,
                       concrete_args=concrete_args, num_stages=num_stages, schedule=schedule,
                       training=training, threads_per_stage=threads_per_stage, link=link,
-                      repeats=repeats, batch_dims=batch_dims, verify=verify,
-                      verify_tolerance=verify_tolerance, costs=costs, progress=progress,
-                      recompute=recompute, optimizer=optimizer, weights=weights)
+                      repeats=repeats, reuse_blocks=reuse_blocks, batch_dims=batch_dims,
+                      verify=verify, verify_tolerance=verify_tolerance, costs=costs,
+                      progress=progress, recompute=recompute, optimizer=optimizer,
+                      weights=weights)
     recipe = Recipe.of(model, example_inputs, example_kwargs, options)
     pipe = Pipeline(_plan(recipe))
     pipe._keep_recipe(recipe)

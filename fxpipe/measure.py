@@ -117,6 +117,7 @@ class Costs:
                 materialize = recipe.materialize
                 annotate_costs(gm, args, kwargs, device=device.name,
                                repeats=recipe.options.repeats, backward=self.training,
+                               reuse_blocks=recipe.options.reuse_blocks,
                                progress=recipe.progress.nodes, materialize=materialize)
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name),

@@ -52,6 +52,7 @@ class Options:
     threads_per_stage: int | None = None
     link: LinkFn | LinkName = "default"
     repeats: int = 5
+    reuse_blocks: bool = True
     batch_dims: BatchDims = 0
     verify: bool = True
     verify_tolerance: float | None = None
@@ -76,6 +77,9 @@ class Options:
                               f">= 1 for each CPU stage, or None to share the cores evenly")
         if not _count(repeats):
             raise CostError(f"repeats={repeats!r}: use a number of timed runs >= 1 per node")
+        if not isinstance(self.reuse_blocks, bool):
+            raise CostError(f"reuse_blocks={self.reuse_blocks!r}: use True (a block repeating "
+                            f"another takes its measured costs) or False (every node measured)")
         tolerance = self.verify_tolerance
         if tolerance is not None and not (isinstance(tolerance, (int, float))
                                           and 0 <= tolerance < math.inf):

@@ -48,6 +48,7 @@ def describe(plan: Plan) -> str:
         f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as "
         f"{LINK_DESCRIPTIONS[plan.link]}",
         *_measurement(plan),
+        *_sources(plan),
         *_activations(plan),
         *_comparison(plan),
         *_choice(plan),
@@ -71,6 +72,31 @@ def _measurement(plan: Plan) -> list[str]:
         lines.append("warning: the costs were unsteady: another process may be using the "
                      "cores; compile again when the machine is quiet")
     return lines
+
+
+def cost_sources(plan: Plan) -> dict[str, int]:
+    """How many of the plan's computing nodes had their costs measured, reused from the block
+    they repeat, and estimated (`NodeCost.source`): as the stages' nodes say, or on a loaded
+    plan (whose nodes keep no costs) as its measurement on the first stage's kind of device."""
+    kind = plan.partition.devices[0].kind
+    saved = next((m.costs for key, m in plan.measurements.items() if key[1] == kind), {})
+    counted = dict.fromkeys(("measured", "reused", "estimated"), 0)
+    for stage in plan.stages:
+        for n in stage.module.graph.nodes:
+            cost = n.meta.get("cost") or saved.get(n.name)
+            if n.op.startswith("call") and cost is not None:
+                counted[cost.source] += 1
+    return counted
+
+
+def _sources(plan: Plan) -> list[str]:
+    """How many nodes were measured, reused and estimated."""
+    counted = cost_sources(plan)
+    if not any(counted.values()):
+        return []
+    return [f"node costs: {counted['measured']} measured, {counted['reused']} reused from the "
+            f"first of the blocks they repeat, {counted['estimated']} estimated from their "
+            f"FLOPs and bytes (where a node could not run)"]
 
 
 def _activations(plan: Plan) -> list[str]:

@@ -57,6 +57,7 @@ from fxpipe.passes.errors import DeviceError, PlanFileError
 
 from .devices import DeviceLike, parse_devices
 from .plan_data import Plan
+from .report import cost_sources
 
 FORMAT = 3
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
@@ -386,7 +387,7 @@ def _description(plan: Plan) -> dict[str, Any]:
                     "outputs": list(s.outputs)} for s in plan.stages],
         "wiring": {"producer": dict(plan.wiring.producer),
                    "graph_outputs": list(plan.wiring.output_names)},
-        "costs": costs,
+        "costs": costs, "cost_sources": cost_sources(plan),
     }
 
 

@@ -14,13 +14,17 @@ the inputs.
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
+from .blocks import blocks, repeated_blocks, value_type
 from .codegen import placed_copy
 from .cost_model import NodeCost
 from .device import is_gpu, start_timer
@@ -34,11 +38,15 @@ from .state import StateWatch, storage_of, unchanged_state
 class CostInterpreter(MaterializingInterpreter):
     """An Interpreter that records the wall time and output size of every node it runs (with
     `materialize`, a node's weights are drawn before its timer starts: see
-    `fxpipe.passes.materialize`)."""
+    `fxpipe.passes.materialize`).
+
+    With `reuse_blocks`, a node of a repeated block runs in the first run only (see `Reuse`); a
+    node that cannot run here is not run, its output stood in for (see `Estimates`)."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, backward: bool = False,
                  progress: Callable[[int, int], None] | None = None,
-                 materialize: Materialize | None = None):
+                 materialize: Materialize | None = None, reuse_blocks: bool = False,
+                 max_node_bytes: int | None = None):
         super().__init__(gm, materialize=materialize, device=device)
         self.device = device
         self.backward = backward
@@ -53,8 +61,13 @@ class CostInterpreter(MaterializingInterpreter):
         self.saved_bytes: dict[fx.Node, int] = {}
         self.saved_values: dict[fx.Node, set[fx.Node]] = {}
         self.watch: StateWatch | None = None     # set for a run that finds the state written
+        self.runs = 0
+        self.reuse = Reuse(gm, reuse_blocks)
+        self.estimates = Estimates(self, max_node_bytes)
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.reuse.skips(n) or self.estimates.stands_in(n):
+            return self._not_measured(n)
         return self.with_weights(n, self._timed)
 
     def _timed(self, n: fx.Node) -> Any:
@@ -69,17 +82,37 @@ class CostInterpreter(MaterializingInterpreter):
             if self.backward and n.op.startswith("call"):
                 self.backward_s.setdefault(n, []).append(self._time_backward(n))
         except Exception as e:
+            if self.estimates.take(n, e):
+                return self._not_measured(n)
             raise CostError(f"node {n.name!r} failed while its cost was measured: "
                             f"{type(e).__name__}: {e}\n  node: {n.format_node()}") from e
+        return self._record(n, result)
+
+    def _not_measured(self, n: fx.Node) -> Any:
+        """The value of a node not run: an estimate's stand-in, or a repeat's from the first
+        run."""
+        if n in self.estimates.nodes:
+            return self._record(n, self.estimates.value(n))
+        self._count()
+        return self.reuse.value(n)
+
+    def _record(self, n: fx.Node, result: Any) -> Any:
         self.out_bytes[n] = tensor_bytes(result)
         self.shapes[n] = tuple(tuple(t.shape) for t in tensors(result))
+        if self.first and n not in self.estimates.nodes:    # an estimated block repeats nothing
+            self.reuse.ran(n, result)
+        self._count()
+        return result
+
+    def _count(self) -> None:
         self.done += 1
         if self.progress is not None:
             self.progress(self.done, self.total)
-        return result
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         self.done = 0       # nodes measured in this run
+        self.first = self.runs == 0
+        self.runs += 1
         return super().run(*args, **kwargs)
 
     def _time_backward(self, n: fx.Node) -> float:
@@ -133,6 +166,196 @@ class CostInterpreter(MaterializingInterpreter):
         return elapsed_s()
 
 
+class Reuse:
+    """Which nodes repeat a block measured before (`fxpipe.passes.blocks`), found from the types
+    of the first run; a repeat runs in that run only. Values that cross a block's edge are kept
+    through the first run (one per block's output: a decoder layer's hidden state), then only
+    those a measured node reads from a repeat, handed to it (copied) in later runs."""
+
+    def __init__(self, gm: fx.GraphModule, enabled: bool):
+        self.enabled = enabled
+        self.types: dict[fx.Node, Hashable] = {}     # value_type of each value of the first run
+        self.of: dict[fx.Node, fx.Node] = {}         # a repeat's node -> the node it repeats
+        self.kept: dict[fx.Node, Any] = {}
+        block = {n: name for name, nodes in (blocks(gm) if enabled else {}).items()
+                 for n in nodes}
+        self.crossing = {n for n in block if any(block.get(u) != block[n] for u in n.users)}
+
+    def ran(self, n: fx.Node, value: Any) -> None:
+        """Record a node's value in the first run."""
+        if not self.enabled:
+            return
+        self.types[n] = value_type(value)
+        if n in self.crossing:
+            self.kept[n] = value
+
+    def found(self, gm: fx.GraphModule) -> None:
+        """After the first run: find the repeats, keep only what measured nodes read of them."""
+        if self.enabled:
+            self.of = repeated_blocks(gm, self.types)
+        self.kept = {n: v for n, v in self.kept.items()
+                     if n in self.of and any(u not in self.of for u in n.users)}
+
+    def skips(self, n: fx.Node) -> bool:
+        return n in self.of
+
+    def value(self, n: fx.Node) -> Any:
+        return _clone(self.kept.get(n))
+
+
+class Estimates:
+    """Nodes that cannot run where costs are measured, and their costs from FLOPs and bytes.
+
+    A node's profile is a run on the meta device under `FlopCounterMode`: its FLOPs, the bytes
+    it reads and writes (inputs, parameters, output) and its output's types, at no cost in
+    memory. In the first run, a node without a kernel for the device, or whose parameters and
+    output take more than `max_node_bytes` (with a limit, every node is profiled first), or that
+    reads a value on meta (its input stood in for and too big, or a weight over the limit, which
+    a `get_attr` then leaves on meta: never materialised) is not run: its output is stood
+    in for by zeros (left on meta where it is over the limit). The run after profiles the nodes
+    that ran. Its time is a roofline fitted to the nodes that ran: the device's FLOPs per second
+    on nodes that count FLOPs, its bytes per second on those that do not, the slower of the two;
+    its backward the measured backward-to-forward ratio; what it keeps for backward, its inputs.
+    """
+
+    def __init__(self, interpreter: CostInterpreter, max_node_bytes: int | None):
+        self.interpreter = interpreter
+        self.max_node_bytes = max_node_bytes
+        self.nodes: set[fx.Node] = set()
+        self.profiles: dict[fx.Node, Profile] = {}
+
+    def stands_in(self, n: fx.Node) -> bool:
+        """Whether `n` is estimated instead of run (decided in the first run); profiles it where
+        needed: in the first run with a limit or when it reads a value on meta, and a measured
+        node in the run after one that estimated some (the fit's samples)."""
+        if n.op == "get_attr":
+            return self._weight_stands_in(n)
+        if n in self.nodes or not n.op.startswith("call"):
+            return n in self.nodes
+        first = self.interpreter.first
+        args, kwargs = self.interpreter.fetch_args_kwargs_from_env(n) if first else ((), {})
+        reads_meta = any(t.is_meta for t in tensors((args, kwargs)))
+        if (self.max_node_bytes is not None or reads_meta) if first else \
+                (self.nodes and n not in self.profiles):
+            self.profiles[n] = self._profile(n)
+        profile = self.profiles.get(n)
+        if first and profile is not None and (reads_meta or self._over_limit(profile)):
+            self._estimate(n)
+        return n in self.nodes
+
+    def _weight_stands_in(self, n: fx.Node) -> bool:
+        """Whether a `get_attr` of a tensor over the limit is left on meta (never materialised);
+        its readers are then estimated."""
+        if self.interpreter.first and self.max_node_bytes is not None:
+            value = attr_value(self.interpreter.module, n.target)
+            if isinstance(value, torch.Tensor) and tensor_bytes(value) > self.max_node_bytes:
+                self.profiles[n] = Profile(0, 0, tensor_bytes(value), _on_meta(value))
+                self.nodes.add(n)
+        return n in self.nodes
+
+    @property
+    def ready(self) -> bool:
+        """Whether the nodes that ran have the profiles the estimates are fitted to."""
+        return not self.nodes or self.max_node_bytes is not None or self.interpreter.runs >= 2
+
+    def take(self, n: fx.Node, error: Exception) -> bool:
+        """Whether `n`, failed with `error` in the first run for want of a kernel, is estimated."""
+        no_kernel = isinstance(error, NotImplementedError) or (
+            isinstance(error, RuntimeError) and "not implemented for" in str(error))
+        if self.interpreter.first and no_kernel:
+            self.profiles[n] = self._profile(n)
+            if self.profiles[n] is not None:
+                self._estimate(n)
+        return n in self.nodes
+
+    def value(self, n: fx.Node) -> Any:
+        """The stand-in for an estimated node's output: zeros, on meta where over the limit."""
+        profile = self.profiles[n]
+        if self._over_limit(profile, weights=False):
+            return profile.out
+        device = self.interpreter.device
+        return fx.node.map_aggregate(profile.out, lambda v: torch.zeros_like(v, device=device)
+                                     if isinstance(v, torch.Tensor) else v)
+
+    def fit(self, timed: Mapping[fx.Node, tuple[float, float, float]]
+            ) -> Callable[[fx.Node], tuple[float, float, float]]:
+        """The estimate of a node's (forward, backward, spread) from the measured nodes' times."""
+        ran = [(self.profiles[n], fwd_s, bwd_s) for n, (fwd_s, bwd_s, _) in timed.items()
+               if self.profiles.get(n) is not None and fwd_s > 0]
+        if not ran:
+            first = next(n for n in self.interpreter.module.graph.nodes if n in self.nodes)
+            raise CostError(
+                f"node {first.name!r} cannot run on {self.interpreter.device} and no node ran "
+                f"there to measure its speed for an estimate: measure on a device with kernels "
+                f"for the model's ops, or raise max_node_bytes")
+        overhead_s = min(fwd_s for _, fwd_s, _ in ran)     # what the smallest node costs
+        counting = [(p.flops, fwd_s) for p, fwd_s, _ in ran if p.flops > 0]
+        moving = [(p.moved_bytes, fwd_s) for p, fwd_s, _ in ran if p.flops == 0] or \
+                 [(p.moved_bytes, fwd_s) for p, fwd_s, _ in ran]
+
+        def rate(samples: list[tuple[int, float]]) -> float:    # per second, past the overhead
+            work_s = sum(t - overhead_s for _, t in samples)
+            return sum(amount for amount, _ in samples) / work_s if work_s > 0 else math.inf
+        flops_per_s = rate(counting) if counting else math.inf
+        bytes_per_s = rate(moving)
+        forward_s = sum(fwd_s for _, fwd_s, bwd_s in ran if bwd_s > 0)
+        backward = sum(bwd_s for *_, bwd_s in ran) / forward_s if forward_s > 0 else 0.0
+
+        def estimate(n: fx.Node) -> tuple[float, float, float]:
+            p = self.profiles[n]
+            fwd_s = overhead_s + max(p.flops / flops_per_s, p.moved_bytes / bytes_per_s)
+            return fwd_s, 0.0 if n.op == "get_attr" else fwd_s * backward, 0.0
+        return estimate
+
+    def _estimate(self, n: fx.Node) -> None:
+        self.nodes.add(n)
+        if self.interpreter.backward:   # it keeps its inputs, counted where they are made
+            self.interpreter.saved_values[n] = {p for p in n.all_input_nodes
+                                                if p.op != "get_attr"}
+
+    def _over_limit(self, profile: Profile, weights: bool = True) -> bool:
+        size = tensor_bytes(profile.out) + (profile.weight_bytes if weights else 0)
+        return self.max_node_bytes is not None and size > self.max_node_bytes
+
+    def _profile(self, n: fx.Node) -> Profile | None:
+        """`n` run on the meta device under `FlopCounterMode`; None where it cannot run there."""
+        interpreter = self.interpreter
+        args, kwargs = fx.node.map_aggregate(interpreter.fetch_args_kwargs_from_env(n), _on_meta)
+        args, kwargs = plain((args, kwargs))
+        if n.op == "call_module":
+            module = interpreter.module.get_submodule(n.target)
+            weights = {k: _on_meta(t) for k, t in [*module.named_parameters(),
+                                                    *module.named_buffers()]}
+            call = lambda: torch.func.functional_call(module, weights, tuple(args), kwargs)
+        else:
+            weights = {p: interpreter.env[p] for p in n.all_input_nodes if p.op == "get_attr"}
+            call = lambda: getattr(interpreter, n.op)(n.target, args, kwargs)
+        try:
+            with FlopCounterMode(display=False) as counter:
+                out = call()
+        except Exception:      # no meta kernel, or a value read on the host: no estimate
+            return None
+        weight_bytes = tensor_bytes(list(weights.values()))
+        moved_bytes = tensor_bytes((args, kwargs, out)) + (   # a module's weights are not args
+            weight_bytes if n.op == "call_module" else 0)
+        return Profile(counter.get_total_flops(), moved_bytes, weight_bytes, out)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a node does, from a run on the meta device: FLOPs, bytes read and written, the bytes
+    of the parameters it reads, and its output (on meta)."""
+
+    flops: int
+    moved_bytes: int
+    weight_bytes: int
+    out: Any
+
+
+def _on_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
 UNSTEADY = 0.25     # a measurement whose time-weighted spread is above this is taken again
 
 
@@ -141,7 +364,8 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
                    warmup: int = 1, backward: bool = False,
                    max_repeats: int | None = None,
                    progress: Callable[[int, int], None] | None = None,
-                   materialize: Materialize | None = None) -> fx.GraphModule:
+                   materialize: Materialize | None = None, reuse_blocks: bool = True,
+                   max_node_bytes: int | None = None) -> fx.GraphModule:
     """Run `gm` on the example inputs and write `node.meta["cost"]` on every node; returns `gm`.
 
     The first run also marks the nodes that touch a buffer some node writes (`node.meta["state"]`,
@@ -159,6 +383,14 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     the graph's time-weighted spread (`measurement_spread`) is above `UNSTEADY`, the graph runs
     again, up to `max_repeats` runs in all (default: three times `repeats`).
 
+    Repeated blocks (`fxpipe.passes.blocks`: the layers of a decoder, equal op for op, in the
+    types the first run met) are measured once: with `reuse_blocks`, a repeat's nodes run in the
+    first run only, which measures their own output and saved bytes, and take the times of the
+    node they repeat (`NodeCost.source` "reused"); what a measured node reads from them is kept
+    from that run. A node that cannot run here, having no kernel for the device or needing more
+    than `max_node_bytes` for its parameters and output (None: no limit), is estimated (see
+    `Estimates`).
+
     `progress(done, total)` is called as each node of a run is measured.
 
     A graph holding meta tensors (a model built under `torch.device("meta")`) needs
@@ -169,7 +401,8 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, args, kwargs)
     interpreter = CostInterpreter(measured, device, backward=backward, progress=progress,
-                                  materialize=materialize)
+                                  materialize=materialize, reuse_blocks=reuse_blocks,
+                                  max_node_bytes=max_node_bytes)
     generators = [device] if is_gpu(device) else []
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
     with unchanged_state(measured), torch.no_grad(), torch.random.fork_rng(devices=generators):
@@ -179,7 +412,8 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
             interpreter.run(*fresh)
             if run == 0:
                 interpreter.watch.mark()
-            if run + 1 >= warmup + repeats:
+                interpreter.reuse.found(measured)
+            if run + 1 >= warmup + repeats and interpreter.estimates.ready:
                 _write_costs(measured, interpreter, warmup)
                 if measurement_spread(measured) <= UNSTEADY:
                     break
@@ -195,20 +429,36 @@ _WRITTEN = ("cost", "shapes", "output_kept", "state")    # what measuring writes
 def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) -> None:
     owned = _param_bytes_by_node(gm)
     kept = {v for values in interpreter.saved_values.values() for v in values}
+    repeats, estimated = interpreter.reuse.of, interpreter.estimates.nodes
+    timed = {n: _times(interpreter, n, warmup) for n in gm.graph.nodes
+             if n.op != "output" and n not in repeats and n not in estimated}
+    guess = interpreter.estimates.fit(timed) if estimated else None
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
-        times = interpreter.times_s[n][warmup:] or interpreter.times_s[n]
-        backward_times = interpreter.backward_s.get(n, [0.0])
-        backward_times = backward_times[warmup:] or backward_times
-        n.meta["cost"] = NodeCost(fwd_s=statistics.median(times),
-                                  bwd_s=statistics.median(backward_times),
+        if n in estimated:
+            (fwd_s, bwd_s, spread_), source, first = guess(n), "estimated", ""
+        elif n in repeats:
+            (fwd_s, bwd_s, spread_), source, first = timed[repeats[n]], "reused", repeats[n].name
+        else:
+            (fwd_s, bwd_s, spread_), source, first = timed[n], "measured", ""
+        n.meta["cost"] = NodeCost(fwd_s=fwd_s, bwd_s=bwd_s,
                                   out_bytes=0 if n.op == "get_attr" else interpreter.out_bytes[n],
-                                  param_bytes=owned.get(n, 0), spread=spread(times),
+                                  param_bytes=owned.get(n, 0), spread=spread_,
                                   saved_bytes=interpreter.saved_bytes.get(n, 0) +
-                                  (interpreter.out_bytes[n] if n in kept else 0))
+                                  (interpreter.out_bytes[n] if n in kept else 0),
+                                  source=source, reused_from=first)
         n.meta["shapes"] = interpreter.shapes.get(n, ())
         n.meta["output_kept"] = n in kept      # in its saved_bytes: some node keeps it
+
+
+def _times(interpreter: CostInterpreter, n: fx.Node, warmup: int) -> tuple[float, float, float]:
+    """A measured node's forward and backward times (medians of the runs after `warmup`) and
+    its spread."""
+    times = interpreter.times_s[n][warmup:] or interpreter.times_s[n]
+    backward_times = interpreter.backward_s.get(n, [0.0])
+    backward_times = backward_times[warmup:] or backward_times
+    return statistics.median(times), statistics.median(backward_times), spread(times)
 
 
 def spread(times: Sequence[float]) -> float:

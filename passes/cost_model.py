@@ -14,13 +14,16 @@ import collections
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
 import torch.fx as fx
 
 from .device import is_cpu
 from .errors import CostError
 from .state import state_units
+
+
+CostSource = Literal["measured", "reused", "estimated"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,10 @@ class NodeCost:
     (tensors other than parameters, measured with saved-tensor hooks; 0 when not measured): the
     tensors it makes inside, and its own output when it or any node reading it keeps it, so a
     value kept by several nodes is counted once, at the node that makes it.
+
+    `source` says where the times come from: "measured" on this node, "reused" from `reused_from`,
+    the same node of the block this node's block repeats (`fxpipe.passes.blocks`), or
+    "estimated" from its FLOPs and bytes where it could not run.
     """
 
     fwd_s: float = 0.0
@@ -41,6 +48,8 @@ class NodeCost:
     param_bytes: int = 0
     spread: float = 0.0     # how unsteady the measurement was: (p90 - p10) / median of the repeats
     saved_bytes: int = 0
+    source: CostSource = "measured"
+    reused_from: str = ""   # the node measured for this one, when "reused"
 
 
 @dataclass(frozen=True)

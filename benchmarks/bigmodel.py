@@ -1,0 +1,201 @@
+"""Models bigger than one device: Llama-shaped decoders planned from the meta device.
+
+    python -m benchmarks.bigmodel [--quick] [--models 1B 8B 70B]
+
+Each model is built from a `LlamaConfig` under `torch.device("meta")` (1B, 8B and 70B shapes;
+bf16 where the float32 model would not fit this machine) and planned for inference on CPU
+devices whose memory caps (`DeviceSpec("cpu", memory_bytes=...)`) are too small for the whole
+model, its weights drawn node by node as the model initialises them (`weights=None`), never
+held whole. The output check is left out (`verify=False`): planning is what is timed.
+
+Each model is planned in a subprocess of its own, so that its peak resident memory
+(`resource.getrusage` maxrss, a high-water mark) is its planning's alone. Per model: the plan's
+time, its nodes measured, reused (repeated layers, `fxpipe.passes.blocks`) and estimated, the
+peak RSS against the model's size and its largest block (a decoder layer, or the embedding or
+output layer where larger), the stage balance (bottleneck over the mean stage time) and the
+predicted time per batch.
+
+For the 1B shape (and `--quick`'s), the same model materialised is planned too, every node
+measured (`reuse_blocks=False`): each partition is priced on the other's costs, and the meta
+plan's bottleneck must be within 3% of the materialised plan's on the same costs (block reuse
+must not cost balance). Reuse's error, the layers' forward time reused against each layer
+measured, is printed beside the measurement's own spread (the same layer code, timed again at
+each depth).
+
+Goals on a 2-core machine: the 70B shape in under 10 minutes with the planning process under
+4 GB; the 8B shape in under 2 minutes. `--quick` plans a tiny shape in about a minute. The big
+shapes take the whole machine: run them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+import fxpipe
+from fxpipe.passes.annotate_costs import annotate_costs
+from fxpipe.passes.blocks import block_of
+from fxpipe.passes.cost_model import DeviceSpec, cost_graph, format_bytes
+from fxpipe.passes.partition import evaluate
+from fxpipe.report import cost_sources
+
+# hidden, layers, attention heads, key/value heads, MLP width, vocabulary, dtype, stages
+SHAPES = {
+    "quick": (256, 4, 4, 2, 512, 1024, torch.float32, 2),
+    "1B": (2048, 16, 32, 8, 8192, 128256, torch.float32, 4),
+    "8B": (4096, 32, 32, 8, 14336, 128256, torch.bfloat16, 4),
+    "70B": (8192, 80, 64, 8, 28672, 128256, torch.bfloat16, 8),
+}
+BATCH, TOKENS = 4, 32         # one batch of 4 sequences of 32 tokens, one per micro-batch
+COMPARED = ("quick", "1B")    # also planned materialised, every node measured
+
+
+def build(name: str, on_meta: bool):
+    import transformers
+    hidden, layers, heads, kv_heads, mlp, vocab, dtype, _ = SHAPES[name]
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=mlp, vocab_size=vocab,
+        max_position_embeddings=4 * TOKENS, tie_word_embeddings=name in ("quick", "1B"),
+        use_cache=False)
+    torch.manual_seed(0)
+    if on_meta:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config).to(dtype).eval()
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def nbytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def plan(name: str, model: torch.nn.Module, **options: Any) -> tuple[fxpipe.Plan, float]:
+    stages = SHAPES[name][-1]
+    cap = 0.9 * nbytes(model) * 2 / stages     # no device holds the model whole
+    ids = torch.randint(0, SHAPES[name][5], (BATCH, TOKENS), generator=torch.Generator()
+                        .manual_seed(0))
+    start = time.perf_counter()
+    devices = [DeviceSpec(f"cpu:{s}", memory_bytes=cap) for s in range(stages)]  # one cap each
+    made = fxpipe.plan(model, devices,
+                       example_kwargs={"input_ids": ids}, chunks=BATCH, verify=False,
+                       **options)
+    return made, time.perf_counter() - start
+
+
+def bottleneck_on(costs: fxpipe.Plan, partition: fxpipe.Plan) -> float:
+    """`partition`'s stages priced on `costs`'s measured node costs, node by name. A node of one
+    capture that the other lacks (the meta capture keeps a `contiguous` per attention) goes with
+    the latest of its inputs."""
+    devices = costs.partition.devices
+    graph = cost_graph(costs.graph, kinds=list(dict.fromkeys(d.kind for d in devices)))
+    stage_of: list[int] = []
+    for i in range(len(graph.names)):
+        given = partition.partition.stage_of.get(graph.node_names(i)[0])
+        stage_of.append(given if given is not None else
+                        max((stage_of[p] for p in graph.preds[i]), default=0))
+    return evaluate(graph, stage_of, devices).bottleneck_s
+
+
+def layer_times(gm: torch.fx.GraphModule, container: str = "model.layers") -> list[float]:
+    """Each decoder layer's forward time, the sum of its nodes' costs."""
+    times: dict[str, float] = {}
+    for n in gm.graph.nodes:
+        block = block_of(n)
+        if block is not None and block.startswith(container + ".") and "cost" in n.meta:
+            times[block] = times.get(block, 0.0) + n.meta["cost"].fwd_s
+    return list(times.values())
+
+
+def reuse_error(gm: torch.fx.GraphModule, name: str) -> tuple[float, float]:
+    """The layers' times with reuse against each measured (the largest relative difference),
+    and the spread of the layers measured (the same code timed at each depth), both on one
+    micro-batch, uncalibrated."""
+    ids = torch.randint(0, SHAPES[name][5], (1, TOKENS))
+    reused = layer_times(annotate_costs(gm, (), {"input_ids": ids}, reuse_blocks=True))
+    measured = layer_times(annotate_costs(gm, (), {"input_ids": ids}, reuse_blocks=False))
+    return (max(abs(r - m) / m for r, m in zip(reused, measured)),
+            (max(measured) - min(measured)) / statistics.median(measured))
+
+
+def one(name: str) -> dict[str, Any]:
+    """Plan `name` from meta (and materialised, for the compared shapes); the figures."""
+    model = build(name, on_meta=True)
+    blocks = [*model.model.layers, model.model.embed_tokens, model.lm_head]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    made, seconds = plan(name, model)        # weights drawn as the model initialises them
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stage_s = [c.time_s for c in made.partition.stages]
+    found = {"model": name, "plan_s": seconds, **cost_sources(made),
+             "peak_rss": peak, "before_rss": before, "model_bytes": nbytes(model),
+             "largest_block": max(nbytes(b) for b in blocks),
+             "balance": max(stage_s) / statistics.mean(stage_s),
+             "predicted_s": made.predicted_step_s, "bottleneck_s": made.partition.bottleneck_s}
+    if name in COMPARED:
+        whole, _ = plan(name, build(name, on_meta=False), reuse_blocks=False)
+        error, spread = reuse_error(whole.graph, name)
+        found.update(whole_bottleneck_s=whole.partition.bottleneck_s,
+                     meta_on_whole_costs_s=bottleneck_on(whole, made),
+                     whole_on_meta_costs_s=bottleneck_on(made, whole),
+                     reuse_error=error, layer_spread=spread)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny shape, in about a minute")
+    parser.add_argument("--models", nargs="+", default=["1B", "8B", "70B"], choices=SHAPES)
+    parser.add_argument("--one", help=argparse.SUPPRESS)     # in the subprocess: one model
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one)))
+        return
+    rows, compared, reuse, failed = [], [], [], []
+    for name in ["quick"] if args.quick else args.models:
+        ran = subprocess.run([sys.executable, "-m", "benchmarks.bigmodel", "--one", name],
+                             capture_output=True, text=True)
+        if ran.returncode != 0:
+            print(f"{name}: failed\n{ran.stderr[-4000:]}", file=sys.stderr)
+            failed.append(name)
+            continue
+        r = json.loads(ran.stdout.strip().splitlines()[-1])
+        rows.append((name, f"{r['plan_s']:.1f}", r["measured"], r["reused"], r["estimated"],
+                     format_bytes(r["peak_rss"]), format_bytes(r["peak_rss"] - r["before_rss"]),
+                     format_bytes(r["model_bytes"]), format_bytes(r["largest_block"]),
+                     f"{r['balance']:.3f}", f"{r['predicted_s'] * 1e3:.1f}"))
+        if "whole_bottleneck_s" in r:
+            worse = r["meta_on_whole_costs_s"] / r["whole_bottleneck_s"] - 1
+            compared.append((name, f"{r['whole_bottleneck_s'] * 1e3:.3f}",
+                             f"{r['meta_on_whole_costs_s'] * 1e3:.3f}", f"{worse:+.1%}",
+                             "yes" if worse <= 0.03 else "NO",
+                             f"{r['bottleneck_s'] * 1e3:.3f}",
+                             f"{r['whole_on_meta_costs_s'] * 1e3:.3f}"))
+            reuse.append((name, f"{r['reuse_error']:.1%}", f"{r['layer_spread']:.1%}",
+                          "yes" if r["reuse_error"] <= r["layer_spread"] else "NO"))
+    print(tabulate(rows, headers=["model", "plan s", "measured", "reused", "estimated",
+                                  "peak RSS", "grew while planning", "model", "largest block",
+                                  "balance", "predicted ms"]))
+    if compared:
+        print("\nthe meta plan (layers reused) against the materialised one (every node "
+              "measured), each partition priced on both plans' costs:")
+        print(tabulate(compared, headers=[
+            "model", "whole: bottleneck ms", "meta's partition on it", "worse by",
+            "within 3%", "meta: bottleneck ms", "whole's partition on it"]))
+        print("\nreuse against every node measured (one micro-batch, uncalibrated): each "
+              "layer's forward time reused against measured, the largest difference, beside the "
+              "layers' own spread measured ((max - min) / median: the same code at each depth):")
+        print(tabulate(reuse, headers=["model", "reuse error", "layers' spread", "within"]))
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
