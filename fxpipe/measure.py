@@ -23,7 +23,7 @@ from torch import nn
 from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs
 from fxpipe.passes.device import is_cpu, start_timer
 from fxpipe.passes.codegen import placed_copy
-from fxpipe.passes.materialize import Materialize, MaterializingInterpreter, holds_meta
+from fxpipe.passes.materialize import holds_meta
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, cost_graph
 from fxpipe.passes.errors import CostError
 from fxpipe.passes.graph_values import tensors
@@ -114,14 +114,12 @@ class Costs:
 
         def run():
             with _intra_op_threads(device.threads):
-                materialize = recipe.materialize
                 annotate_costs(gm, args, kwargs, device=device.name,
                                repeats=recipe.options.repeats, backward=self.training,
                                reuse_blocks=recipe.options.reuse_blocks,
-                               progress=recipe.progress.nodes, materialize=materialize)
+                               progress=recipe.progress.nodes, materialize=recipe.materialize)
                 self.calibration[chunks, device.kind, worker] = calibrate(
-                    gm, args, kwargs, self.training, torch.device(device.name),
-                    materialize=materialize)
+                    gm, args, kwargs, self.training, torch.device(device.name))
         _on_worker_thread(run) if worker else run()
         return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
 
@@ -144,8 +142,7 @@ def _on_worker_thread(fn: Callable[[], None]) -> None:
 
 
 def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
-              device: torch.device | None = None, repeats: int = 3,
-              materialize: Materialize | None = None) -> tuple[float, float]:
+              device: torch.device | None = None, repeats: int = 3) -> tuple[float, float]:
     """Scale the nodes' measured costs so that they add up to the graph's own time, measured
     here in the same conditions (thread, threads, micro-batch); returns the factors applied to
     forward and backward times.
@@ -157,10 +154,10 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     where `gm` is elsewhere), timed as the nodes were (`start_timer`: CUDA events on a GPU);
     buffers and random generators are left as they were.
 
-    A graph holding meta tensors runs through `MaterializingInterpreter`, each node's weights
-    given by `materialize` (not timed) and dropped after it: its forward is calibrated, and
-    its backward factor is 1 (the nodes' own backward times stand), since a backward of the
-    whole graph would keep every node's weights alive at once.
+    A graph holding meta tensors (planned from the meta device) is not calibrated: factors 1,
+    the nodes' own times stand. Its whole run would time drawing every node's weights with the
+    nodes (several times the graph's own time), and run the whole model's weights through memory
+    once per repeat; its backward would keep them all alive at once.
     """
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     node_fwd_s = sum(n.meta["cost"].fwd_s for n in nodes)
@@ -169,10 +166,10 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     measured = placed_copy(gm, device)
     inputs = bind_inputs(gm, *pytree.tree_map(
         lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
-    streamed = holds_meta(measured)
-    params = [] if streamed else [p for p in measured.parameters() if p.requires_grad]
-    run = (_positional(measured) if not streamed else MaterializingInterpreter(
-        measured, materialize=materialize, device=device).run)
+    if holds_meta(measured):
+        return 1.0, 1.0
+    params = [p for p in measured.parameters() if p.requires_grad]
+    run = _positional(measured)
     forward_s, step_s = [], []
     with unchanged_state(measured), torch.random.fork_rng(devices=[]), microbatch_seed(0):
         for _ in range(repeats + 1):
@@ -189,7 +186,7 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     forward = statistics.median(forward_s[1:])
     backward = max(0.0, statistics.median(step_s[1:]) - forward)
     scale = (forward / node_fwd_s if node_fwd_s > 0 else 1.0,
-             backward / node_bwd_s if training and node_bwd_s > 0 and not streamed else 1.0)
+             backward / node_bwd_s if training and node_bwd_s > 0 else 1.0)
     for n in nodes:
         cost = n.meta["cost"]
         n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
