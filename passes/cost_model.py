@@ -450,8 +450,9 @@ class Pricing:
     when every value is read by at most one later stage over uniform links.
 
     Both views are read off one `StageTally` per stage (`tally`); the partitioner's incremental
-    forms (slicing, the DP's pairs) sum the same terms as they go and price them by the same
-    rules: transfers at `links`, `send_min`, `receive_min`, the driver's links, and memory
+    forms (slicing, the DP's pairs, branch and bound's sends) sum the same terms as they go and
+    price them by the same rules: every transfer from one column of `transfer` (the relaxed
+    `send_min` and `receive_min` are least values of those columns), and memory
     (`recompute_s`): what the stage holds (`Held`, `Memory.need`) must fit its device,
     recomputing its forward in the backward where `memory` allows and it must.
     """
@@ -475,34 +476,40 @@ class Pricing:
         self.columns = [t for t, _ in distinct] + [tuple(map(min, zip(*self.times)))]
         self.floor_column = len(distinct)
         self.forward_columns = [f for _, f in distinct] + [(0.0,) * len(graph)]
-        self.from_driver = [link(DRIVER_DEVICE, d) for d in devices]
-        self.to_driver = [link(d, DRIVER_DEVICE) for d in devices]
+        self._driver_links = ([link(DRIVER_DEVICE, d) for d in devices],
+                              [link(d, DRIVER_DEVICE) for d in devices])
+        self._over: dict[Link, list[float]] = {}
         # Stages whose memory never constrains them: nothing to price (the hot loops skip it).
         self.unbounded = [d.memory_bytes == math.inf and
                           not (memory.training and memory.recompute == "always")
                           for d in devices]
-        # The distinct links a stage may send to (later stages) or receive from (earlier ones).
-        self._later = [tuple(dict.fromkeys(self.links[s][t] for t in range(s + 1, k)))
-                       for s in range(k)]
-        self._earlier = [tuple(dict.fromkeys(self.links[t][s] for t in range(s)))
-                         for s in range(k)]
         self._send: dict[int, list[float]] = {}
         self._receive: dict[int, list[float]] = {}
+
+    def transfer(self, src: int | None, dst: int | None) -> list[float]:
+        """Per node: the time its value takes from stage `src` to stage `dst` (None: the
+        driver) over the link between their devices (`Link.time_s`), which both ends pay. The
+        one price of a transfer: every view, exact or relaxed, reads these columns."""
+        link = (self._driver_links[0][dst] if src is None else
+                self._driver_links[1][src] if dst is None else self.links[src][dst])
+        if link not in self._over:
+            self._over[link] = [link.time_s(b) for b in self.graph.out_bytes]
+        return self._over[link]
 
     def send_min(self, s: int) -> list[float]:
         """Per node: the least its value costs a stage-`s` sender to reach one later stage."""
         if s not in self._send:
-            self._send[s] = _cheapest(self._later[s], self.graph.out_bytes)
+            self._send[s] = _least([self.transfer(s, t) for t in range(s + 1, self.k)],
+                                   len(self.graph), 0.0)
         return self._send[s]
 
     def receive_min(self, s: int) -> list[float]:
-        """Per node: the least receiving its value can cost stage `s` (inf: it cannot)."""
+        """Per node: the least receiving its value can cost stage `s`: from the driver for a
+        graph input, else from the cheapest earlier stage (inf: there is none)."""
         if s not in self._receive:
-            out_bytes = self.graph.out_bytes
-            earlier = _cheapest(self._earlier[s], out_bytes) if s else [math.inf] * len(out_bytes)
-            driver = self.from_driver[s]
-            self._receive[s] = [driver.time_s(b) if is_input else t
-                                for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
+            earlier = _least([self.transfer(t, s) for t in range(s)], len(self.graph), math.inf)
+            self._receive[s] = [fed if is_input else t for fed, t, is_input in
+                                zip(self.transfer(None, s), earlier, self.graph.is_input)]
         return self._receive[s]
 
     def recompute_s(self, s: int, held: Held, forward_s: float) -> float:
@@ -529,7 +536,7 @@ class Pricing:
             if graph.is_input[i]:
                 for r in receivers:
                     tally = tallies[r]
-                    t = self.from_driver[r].time_s(nbytes)
+                    t = self.transfer(None, r)[i]
                     tally.exact_comm_s += t
                     tally.relaxed_comm_s += t
                     tally.received_bytes += nbytes
@@ -550,7 +557,7 @@ class Pricing:
             if receivers and relaxed:
                 tally.relaxed_comm_s += self.send_min(s)[i]
             for r in receivers:
-                t = self.links[s][r].time_s(nbytes)
+                t = self.transfer(s, r)[i]
                 tally.exact_comm_s += t
                 tally.sent_bytes += nbytes
                 reader = tallies[r]
@@ -560,7 +567,7 @@ class Pricing:
                 reader.received_bytes += nbytes
                 reader.activation_bytes += nbytes
             if to_output[i]:
-                t = self.to_driver[s].time_s(nbytes)
+                t = self.transfer(s, None)[i]
                 tally.exact_comm_s += t
                 tally.relaxed_comm_s += t
                 tally.sent_bytes += nbytes
@@ -594,14 +601,13 @@ class Pricing:
                 for s, t in enumerate(self.tally(stage_of, relaxed=True))]
 
 
-def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
-    """Per value size: its time over the fastest of `links` (0 when there is none)."""
-    times = [0.0] * len(out_bytes) if not links else None
-    for link in links:
-        latency, rate = link.latency_s, link.bytes_per_s
-        over = [latency + b / rate for b in out_bytes]
-        times = over if times is None else [min(t, u) for t, u in zip(times, over)]
-    return times
+def _least(columns: Sequence[list[float]], n: int, empty: float) -> list[float]:
+    """The least of `columns` per node (`empty` when there is no column); a column met
+    twice (two stages over one link) is read once."""
+    distinct = list({id(c): c for c in columns}.values())
+    if not distinct:
+        return [empty] * n
+    return list(map(min, *distinct)) if len(distinct) > 1 else list(distinct[0])
 
 
 def format_bytes(nbytes: float) -> str:

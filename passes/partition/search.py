@@ -117,7 +117,7 @@ def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
         total = 0.0
         for p in sending:
             for t in dict.fromkeys(stage_of[r] for r in graph.succs[p] if stage_of[r] > s):
-                total += model.links[s][t].time_s(graph.out_bytes[p])
+                total += model.transfer(s, t)[p]
         return total
 
     def visit(s: int, i: int, suffix: float) -> None:

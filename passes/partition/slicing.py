@@ -108,7 +108,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     for s in range(k):
         times = model.times[s]
         forward = model.forward_columns[model.column_of[s]]
-        to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
+        returned, fed = model.transfer(s, None), model.transfer(None, s)
         send_min = model.send_min(s)
         unbounded = model.unbounded[s]    # memory costs it nothing: skip pricing it per node
         final = s == k - 1
@@ -129,7 +129,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
             saved_bytes += saved[i]
             forward_s += forward[i]
             if to_output[i]:
-                fixed += to_driver.time_s(out_bytes[i])
+                fixed += returned[i]
             if last[i] > at:
                 sending += send_min[i]
             if last[i] > at or to_output[i]:
@@ -139,7 +139,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 if is_input[p]:
                     if p not in received:
                         received[p] = None
-                        fixed += from_driver.time_s(out_bytes[p])
+                        fixed += fed[p]
                         activation_bytes += out_bytes[p]
                         received_bytes += out_bytes[p]
                 elif position[p] >= start:
@@ -150,7 +150,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 elif p not in received:
                     received[p] = None
                     sender = stage_of[p]
-                    t = links[sender][s].time_s(out_bytes[p])
+                    t = model.transfer(sender, s)[p]
                     fixed += t
                     activation_bytes += out_bytes[p]
                     received_bytes += out_bytes[p]
