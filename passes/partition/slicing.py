@@ -94,8 +94,9 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     then says by how much later transfers pushed which earlier stages over the limit. Stage
     times are exact except that a value sent to later stages is first charged at the cheapest
     link to one of them; the receiving stage tops the charge up to the real link, and charges
-    again for every further receiving stage. Compute, received values and memory only grow as a
-    stage grows, so a stage stops growing as soon as they pass the limit.
+    again for every further receiving stage, and that recomputing part of a stage is charged at
+    its relaxed bound (`Pricing.recompute_s`). Compute, received values and memory only grow as
+    a stage grows, so a stage stops growing as soon as they pass the limit.
     """
     graph, k = model.graph, model.k
     out_bytes, params, saved = graph.out_bytes, graph.param_bytes, graph.saved_bytes
