@@ -508,14 +508,16 @@ RECOMPUTE_LARGEST = 400   # stages with more candidates recompute whole, rather 
 
 
 def choose_recomputed(nodes: StageNodes, *, memory: Memory, stage: int, held: Held,
-                      capacity: float) -> Choice | None:
+                      capacity: float, spend: Callable[[int], None] | None = None
+                      ) -> Choice | None:
     """The nodes of stage `stage` (holding `held`: its parameters, received and sent values) to
     recompute so that it fits `capacity` by `memory`'s rule (`Memory.need_partial`: what the
     nodes it keeps save per micro-batch in flight, and one micro-batch's recomputed run).
     Greedy: each step adds the run of up to `RECOMPUTE_WINDOW` consecutive candidates that
     frees the most bytes per second of forward it adds (a node alone often frees nothing: its
     neighbours keep its input and output), until the stage fits. None when no step frees more,
-    or on a stage too large to search."""
+    or on a stage too large to search. `spend`, when given, is told the work of each choice
+    tried (the stage's node count), and may raise to stop the search."""
     def need(choice: Choice) -> float:
         return memory.need_partial(stage, held, choice.kept_bytes, choice.transient_bytes)
 
@@ -529,6 +531,8 @@ def choose_recomputed(nodes: StageNodes, *, memory: Memory, stage: int, held: He
         free = [name for name in candidates if name not in chosen]
         for i in range(len(free)):
             for j in range(i + 1, min(i + RECOMPUTE_WINDOW, len(free)) + 1):
+                if spend is not None:
+                    spend(len(nodes.names))
                 trial = stage_memory(nodes, chosen | set(free[i:j]))
                 rate = (need(choice) - need(trial)) / max(trial.extra_s - choice.extra_s, 1e-9)
                 if rate > best_rate:
@@ -686,19 +690,20 @@ class Pricing:
                  if graph.recomputable[i] and graph.saved_bytes[i] > 0), default=math.inf)
         return self._per_byte[column]
 
-    def recompute_part(self, s: int, stage_of: Sequence[int], held: Held,
-                       forward_s: float) -> Choice | None:
+    def recompute_part(self, s: int, stage_of: Sequence[int], held: Held, forward_s: float,
+                       spend: Callable[[int], None] | None = None) -> Choice | None:
         """The part of its forward stage `s` recomputes instead of all of it ("auto" in
         training, a stage that must recompute to fit): the nodes `choose_recomputed` picks, when
         they add less than the whole forward `forward_s`; None where it recomputes whole. A
-        stage's `held` is a function of its members, so the choice is kept per members."""
+        stage's `held` is a function of its members, so the choice is kept per members;
+        `spend` is told the work of choosing (`choose_recomputed`)."""
         if not self.partial:
             return None
         members = tuple(i for i in self.graph.compute_nodes if stage_of[i] == s)
         if (s, members) not in self._parts:
             nodes = stage_nodes(self.graph, members, self.forward_columns[self.column_of[s]])
             choice = choose_recomputed(nodes, memory=self.memory, stage=s, held=held,
-                                       capacity=self.devices[s].memory_bytes)
+                                       capacity=self.devices[s].memory_bytes, spend=spend)
             self._parts[s, members] = (choice if choice is not None and
                                        choice.extra_s < forward_s else None)
         return self._parts[s, members]
@@ -755,14 +760,17 @@ class Pricing:
                 tally.sent_bytes += nbytes
         return tallies
 
-    def stage_costs(self, stage_of: Sequence[int]) -> list[StageCost]:
-        """Every stage's exact cost (see `stage_costs`)."""
+    def stage_costs(self, stage_of: Sequence[int],
+                    spend: Callable[[int], None] | None = None) -> list[StageCost]:
+        """Every stage's exact cost (see `stage_costs`); `spend` is told the work of choosing
+        what stages recompute (`recompute_part`)."""
         costs = []
         for s, tally in enumerate(self.tally(stage_of)):
             held = tally.held
             recompute = self.memory.recomputes(s, self.devices[s].memory_bytes, held)
             kept, recomputing = self.memory.need(s, held), self.memory.need(s, held, True)
-            part = self.recompute_part(s, stage_of, held, tally.forward_s) if recompute else None
+            part = (self.recompute_part(s, stage_of, held, tally.forward_s, spend) if recompute
+                    else None)
             if part is None:
                 extra, need = (tally.forward_s, recomputing) if recompute else (0.0, kept)
                 recomputed: tuple[str, ...] = ()
@@ -775,9 +783,10 @@ class Pricing:
                                    recomputing, recomputed))
         return costs
 
-    def bottleneck_s(self, stage_of: Sequence[int]) -> float:
-        """The exact bottleneck of a partition."""
-        return max(c.time_s for c in self.stage_costs(stage_of))
+    def bottleneck_s(self, stage_of: Sequence[int],
+                     spend: Callable[[int], None] | None = None) -> float:
+        """The exact bottleneck of a partition (`spend`: see `stage_costs`)."""
+        return max(c.time_s for c in self.stage_costs(stage_of, spend))
 
     def relaxed_stage_s(self, stage_of: Sequence[int]) -> list[float]:
         """Every stage's relaxed time (the definition the partitioner's incremental forms are
