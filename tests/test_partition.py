@@ -96,6 +96,13 @@ def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
 def test_training_memory_and_recomputation_match_brute_force(case: DagCase):
     # Stages hold micro-batches in flight, gradients and optimizer state, and recompute
     # ("always", or "auto" where they would not fit otherwise) at the cost of their forward.
+    assert_training_agrees_with_oracle(case)
+
+
+def assert_training_agrees_with_oracle(case: DagCase):
+    """The partition agrees with the oracle (or both find none), every stage fits, and it
+    recomputes (whole, or the nodes `recomputed` names) exactly when asked to always or when it
+    would not fit otherwise, paying those nodes' forward."""
     try:
         oracle = brute_force_partition(case.graph, case.devices, memory=case.memory)
     except PartitionError:
@@ -104,12 +111,6 @@ def test_training_memory_and_recomputation_match_brute_force(case: DagCase):
         return
     result = partition(case.graph, case.devices, memory=case.memory)
     assert_agrees_with_oracle(case.graph, result, oracle)
-    assert_recomputes_what_it_must(case, result)
-
-
-def assert_recomputes_what_it_must(case: DagCase, result):
-    """Every stage fits; it recomputes (whole, or the nodes `recomputed` names) exactly when
-    asked to always or when it would not fit otherwise, and pays those nodes' forward."""
     graph = case.graph
     for s, (cost, device) in enumerate(zip(result.stages, result.devices)):
         assert cost.memory_bytes <= device.memory_bytes
@@ -126,16 +127,7 @@ def assert_recomputes_what_it_must(case: DagCase, result):
 def test_recomputing_part_of_a_stage_matches_brute_force(drawn):
     # Devices so small that stages must recompute, some of them only part of their forward:
     # the partitioner prices what will run, as the oracle does.
-    case, _ = drawn
-    try:
-        oracle = brute_force_partition(case.graph, case.devices, memory=case.memory)
-    except PartitionError:
-        with pytest.raises(PartitionError):
-            partition(case.graph, case.devices, memory=case.memory)
-        return
-    result = partition(case.graph, case.devices, memory=case.memory)
-    assert_agrees_with_oracle(case.graph, result, oracle)
-    assert_recomputes_what_it_must(case, result)
+    assert_training_agrees_with_oracle(drawn[0])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
