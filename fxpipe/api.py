@@ -21,15 +21,15 @@ from torch import nn
 
 from fxpipe.passes.annotate_costs import measurement_spread
 from fxpipe.passes.codegen import Placed, held_by_stages, split_stages
-from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Held, Link, LinkFn, Memory,
-                                      default_link, lower_bound_s)
+from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Link, LinkFn, Memory,
+                                      default_link)
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
 from fxpipe.passes.functionalize import functionalize
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.materialize import Materialize, holds_meta
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.randomness import seed_random_ops
-from fxpipe.passes.recompute import checkpoint_regions, choose_recomputed
+from fxpipe.passes.recompute import checkpoint_regions
 from fxpipe.passes.signature import signature_of
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.trace import CaptureMode, trace, without_cache
@@ -40,7 +40,7 @@ from .devices import DeviceLike, measure_links
 from .measure import Costs, time_unpipelined
 from .options import BatchDims, Options, input_dims, placeholder_dims
 from .pipeline import Pipeline, carry_values
-from .plan_data import Plan, make_plan, peak_rss_bytes, stage_param_bytes
+from .plan_data import Plan, make_plan, peak_rss_bytes
 from .progress import Progress
 from .reference import copied
 from .schedules import ScheduleName
@@ -309,7 +309,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s)
     config = chosen.config
     specs = chosen.partition.devices
-    costed = costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
+    costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
     # The model's last runs, before any stage is placed (a stage holds copies of the tensors
     # that are not on its device): the pipeline is checked against what the model computes here.
     unverified = ""
@@ -324,10 +324,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own
     if held is not None:
         carry_values(held, gm)
-    part, recomputed = chosen.partition, ((),) * len(stages)
-    if training and o.recompute == "auto":
-        part, recomputed = _recompute_less(part, stages, config, o.optimizer_state,
-                                           lower_bound_s(costed.step, specs))
+    part = chosen.partition
+    recomputed = _recompute_part(part, stages)
     verified = unverified or ("yes" if o.verify else "skipped (verify=False)")
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
@@ -401,39 +399,14 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[i
     return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
 
 
-def _recompute_less(part: Partition, stages: Sequence[Stage], config: search.Config,
-                    optimizer_state: float, bound_s: float
-                    ) -> tuple[Partition, tuple[tuple[str, ...], ...]]:
-    """Where the partitioner has a stage recompute its whole forward to fit, recompute only its
-    cheapest nodes per byte when that fits (`fxpipe.passes.recompute`): the stages rewritten in
-    place, the partition repriced, and the nodes each stage recomputes."""
-    peaks = search.in_flight(True, config.schedule, config.chunks, len(stages))
-    memory = Memory(in_flight=tuple(peaks), training=True, optimizer_state=optimizer_state)
-    costs, recomputed = list(part.stages), []
-    for s, (stage, cost, device) in enumerate(zip(stages, part.stages, part.devices)):
-        choice = None
-        if cost.recompute:      # what the stage holds recomputing, but its saved activations
-            held = Held(param_bytes=stage_param_bytes(stage), received_bytes=cost.received_bytes,
-                        sent_bytes=cost.sent_bytes)
-            choice = choose_recomputed(stage.module, memory=memory, stage=s, held=held,
-                                       capacity=device.memory_bytes, speed=device.speed)
-        if choice is None or choice.extra_s >= cost.recompute_s:
-            recomputed.append(())
-            continue
-        checkpoint_regions(stage.module, set(choice.nodes))
-        saved_s = cost.recompute_s - choice.extra_s
-        costs[s] = replace(cost, compute_s=cost.compute_s - saved_s,
-                           backward_s=cost.backward_s - saved_s, recompute=False,
-                           recompute_s=choice.extra_s, memory_bytes=memory.need_partial(
-                               s, held, choice.kept_bytes, choice.transient_bytes))
-        recomputed.append(choice.nodes)
-    if costs == list(part.stages):
-        return part, tuple(recomputed)
-    # The partitioner's optimum was over stages recomputing whole: the bound left is compute's.
-    bottleneck = max(c.time_s for c in costs)
-    bound = min(bound_s, bottleneck)
-    return replace(part, stages=tuple(costs), bottleneck_s=bottleneck, lower_bound_s=bound,
-                   optimal=bottleneck <= bound * (1 + 1e-9)), tuple(recomputed)
+def _recompute_part(part: Partition, stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:
+    """The nodes each stage recomputes where the partitioner priced recomputing part of its
+    forward (`StageCost.recomputed`), those stages rewritten in place to do so
+    (`fxpipe.passes.recompute.checkpoint_regions`)."""
+    for stage, cost in zip(stages, part.stages):
+        if cost.recomputed:
+            checkpoint_regions(stage.module, set(cost.recomputed))
+    return tuple(cost.recomputed for cost in part.stages)
 
 
 def _chunk_options(model: nn.Module, recipe: Recipe, training: bool, devices: int) -> list[int]:

@@ -10,7 +10,7 @@ micro-batch. The alternatives move one node across the boundary: the last node o
 can go to stage `s+1` (nothing in stage `s` reads it), or the first node of stage `s+1` that can
 go to stage `s` (it reads nothing else of stage `s+1`), each priced by the same cost model and
 rules as the plan (`stage_costs` with the plan's links and `Memory`: a stage that would have to
-recompute its forward pays for it, and a moved cut that fits no device's memory says so); the
+recompute pays for what it recomputes, and a moved cut that fits no device's memory says so); the
 plan's bottleneck is the least of them when the partition is optimal.
 """
 

@@ -14,7 +14,7 @@ import collections
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, NamedTuple, Sequence
+from typing import Callable, Collection, Literal, Mapping, NamedTuple, Sequence
 
 import torch.fx as fx
 
@@ -125,7 +125,10 @@ class CostGraph:
     graph nodes that node `i` stands for (`cost_graph` contracts nodes that must share a stage
     into one); by default node `i` is the graph node `names[i]`.
 
-    `saved_bytes[i]` is what autograd keeps of node `i`'s forward for its backward (training).
+    `saved_bytes[i]` is what autograd keeps of node `i`'s forward for its backward (training);
+    `output_kept[i]` says that counts node `i`'s own output (some node keeps it), and
+    `recomputable[i]` that node `i` may be recomputed alone (one graph node, no side effects:
+    `choose_recomputed`). Both are False throughout when not given.
     `time_s` is the reference time of every node (forward, plus backward when training); `kinds`
     maps a device kind (`DeviceSpec.kind`) to its own forward and backward columns, and the key
     None to the reference's split. A device's time for node `i` (`device_times`) is its kind's
@@ -142,6 +145,8 @@ class CostGraph:
     members: tuple[tuple[str, ...], ...] | None = None
     kinds: Mapping[str | None, KindTimes] = field(default_factory=dict, hash=False)
     saved_bytes: tuple[int, ...] | None = None   # kept for the backward; None: not measured
+    output_kept: tuple[bool, ...] | None = None
+    recomputable: tuple[bool, ...] | None = None
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _device_times: dict = field(init=False, repr=False, compare=False)
 
@@ -149,8 +154,12 @@ class CostGraph:
         n = len(self.names)
         if self.saved_bytes is None:
             object.__setattr__(self, "saved_bytes", (0,) * n)
+        for name in ("output_kept", "recomputable"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, (False,) * n)
         for column in (self.time_s, self.out_bytes, self.param_bytes, self.preds, self.is_input,
                        self.to_output, self.members or self.names, self.saved_bytes,
+                       self.output_kept, self.recomputable,
                        *(c for t in self.kinds.values() for c in (t.fwd_s, t.bwd_s))):
             assert len(column) == n, "every CostGraph column needs one entry per node"
         succs: list[list[int]] = [[] for _ in range(n)]
@@ -235,6 +244,10 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
         out_bytes=tuple(_sent_bytes(nodes, members, outputs) for members in units),
         param_bytes=tuple(sum(c.param_bytes for c in cs) for cs in costs),
         saved_bytes=tuple(sum(c.saved_bytes for c in cs) if training else 0 for cs in costs),
+        output_kept=tuple(len(members) == 1 and nodes[members[0]].meta.get("output_kept", False)
+                          for members in units),
+        recomputable=tuple(len(members) == 1 and not nodes[members[0]].is_impure()
+                           for members in units),
         preds=tuple(tuple(dict.fromkeys(unit_of[p] for i in members for p in preds[i]
                                         if unit_of[p] != u)) for u, members in enumerate(units)),
         is_input=tuple(nodes[members[0]].op == "placeholder" for members in units),
@@ -298,7 +311,10 @@ class StageCost:
     forward action of the stage takes `forward_step_s`, a backward one `backward_step_s`:
     gradients cross the same links as the values they belong to. `memory_bytes` is what the stage
     holds at its peak (`Memory.need`); `memory_kept_bytes` what it would hold keeping every
-    activation, and `memory_recomputing_bytes` recomputing them (equal outside training).
+    activation, and `memory_recomputing_bytes` recomputing them (equal outside training). A
+    stage that recomputes part of its forward instead (`recomputed` names the nodes:
+    `Pricing.recompute_part`) has `recompute` False, their forward as `recompute_s` and
+    `Memory.need_partial` as `memory_bytes`.
     """
 
     compute_s: float
@@ -312,6 +328,7 @@ class StageCost:
     recompute_s: float = 0.0
     memory_kept_bytes: int = 0
     memory_recomputing_bytes: int = 0
+    recomputed: tuple[str, ...] = ()
 
     @property
     def time_s(self) -> float:
@@ -390,6 +407,12 @@ class Memory:
         return self._state(held) + self.held(s) * (
             held.received_bytes + held.sent_bytes + kept_bytes) + transient_bytes
 
+    def must_free(self, s: int, held: Held, capacity: float) -> float:
+        """The bytes per micro-batch in flight that the nodes stage `s` recomputes must save, at
+        the least, for it to fit `capacity` recomputing part of its forward: whatever it keeps,
+        the nodes it does not recompute keep what they save (`need_partial`)."""
+        return held.saved_bytes - (capacity - self.need_partial(s, held, 0, 0)) / self.held(s)
+
     def _state(self, held: Held) -> int:
         """Weights, their gradients and the optimizer's state."""
         return math.ceil(held.param_bytes * (2 + self.optimizer_state))
@@ -410,6 +433,123 @@ class Memory:
         way (priced over its device) as `recompute` has every stage do."""
         choice = self.choose(s, capacity, held)
         return self.training and self.recompute == "always" if choice is None else choice
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a stage recomputes: node names, the time that adds per micro-batch, and what the
+    stage keeps per micro-batch in flight and while one micro-batch is recomputed."""
+
+    nodes: tuple[str, ...]
+    extra_s: float
+    kept_bytes: int          # per micro-batch in flight
+    transient_bytes: int     # one micro-batch's recomputed activations, during its backward
+
+
+class StageNodes(NamedTuple):
+    """One stage's nodes in graph order, what choosing the ones it recomputes reads
+    (`stage_nodes`): per node its name, its forward time on the stage's device, what it saves
+    for its backward and what its output weighs, whether it may be recomputed, the stage's nodes
+    it reads whose output no node keeps (a recomputed run reading one keeps it), the stage's
+    nodes reading it, and whether anything outside the stage reads it (a later stage, the
+    output). Nodes are indices into the stage."""
+
+    names: tuple[str, ...]
+    fwd_s: tuple[float, ...]
+    saved_bytes: tuple[int, ...]
+    out_bytes: tuple[int, ...]
+    recomputable: tuple[bool, ...]
+    unkept_inputs: tuple[tuple[int, ...], ...]
+    readers: tuple[tuple[int, ...], ...]
+    read_outside: tuple[bool, ...]
+
+
+def stage_nodes(graph: CostGraph, members: Sequence[int], forward: Sequence[float]) -> StageNodes:
+    """The `StageNodes` of the stage of `graph`'s nodes `members` (in order), forward times
+    `forward` per graph node."""
+    local = {i: at for at, i in enumerate(members)}
+    return StageNodes(
+        tuple(graph.names[i] for i in members), tuple(forward[i] for i in members),
+        tuple(graph.saved_bytes[i] for i in members), tuple(graph.out_bytes[i] for i in members),
+        tuple(graph.recomputable[i] for i in members),
+        tuple(tuple(local[p] for p in graph.preds[i] if p in local and not graph.output_kept[p])
+              for i in members),
+        tuple(tuple(local[j] for j in graph.succs[i] if j in local) for i in members),
+        tuple(graph.to_output[i] or any(j not in local for j in graph.succs[i])
+              for i in members))
+
+
+def stage_memory(nodes: StageNodes, recomputed: Collection[str]) -> Choice:
+    """What the stage keeps when the nodes named in `recomputed` are recomputed (see `Choice`).
+
+    A recomputed node keeps nothing of its own; each maximal run of consecutive recomputed
+    nodes is one checkpoint, which keeps what enters the run (unless a node keeps it already),
+    while the nodes reading what leaves the run keep that; the transient is the largest run's
+    saved bytes, alive while that run is recomputed."""
+    chosen = [name in recomputed for name in nodes.names]
+    kept = sum(b for b, c in zip(nodes.saved_bytes, chosen) if not c)
+    transient = extra = 0.0
+    for run in _runs(chosen):
+        entering = {p for i in run for p in nodes.unkept_inputs[i] if p not in run}
+        leaving = {i for i in run if nodes.read_outside[i] or
+                   any(r not in run for r in nodes.readers[i])}
+        kept += sum(nodes.out_bytes[i] for i in entering | leaving)
+        transient = max(transient, sum(nodes.saved_bytes[i] for i in run))
+        extra += sum(nodes.fwd_s[i] for i in run)
+    return Choice(tuple(n for n, c in zip(nodes.names, chosen) if c), extra, int(kept),
+                  int(transient))
+
+
+def _runs(chosen: Sequence[bool]) -> list[range]:
+    """The maximal runs of consecutive chosen positions."""
+    runs, start = [], None
+    for at, c in enumerate([*chosen, False]):
+        if c and start is None:
+            start = at
+        elif not c and start is not None:
+            runs.append(range(start, at))
+            start = None
+    return runs
+
+
+RECOMPUTE_WINDOW = 4      # the longest run of nodes weighed as one step of `choose_recomputed`
+RECOMPUTE_LARGEST = 400   # stages with more candidates recompute whole, rather than search
+
+
+def choose_recomputed(nodes: StageNodes, *, memory: Memory, stage: int, held: Held,
+                      capacity: float, spend: Callable[[int], None] | None = None
+                      ) -> Choice | None:
+    """The nodes of stage `stage` (holding `held`: its parameters, received and sent values) to
+    recompute so that it fits `capacity` by `memory`'s rule (`Memory.need_partial`: what the
+    nodes it keeps save per micro-batch in flight, and one micro-batch's recomputed run).
+    Greedy: each step adds the run of up to `RECOMPUTE_WINDOW` consecutive candidates that
+    frees the most bytes per second of forward it adds (a node alone often frees nothing: its
+    neighbours keep its input and output), until the stage fits. None when no step frees more,
+    or on a stage too large to search. `spend`, when given, is told the work of each choice
+    tried (the stage's node count), and may raise to stop the search."""
+    def need(choice: Choice) -> float:
+        return memory.need_partial(stage, held, choice.kept_bytes, choice.transient_bytes)
+
+    candidates = [name for name, ok in zip(nodes.names, nodes.recomputable) if ok]
+    if len(candidates) > RECOMPUTE_LARGEST:
+        return None
+    chosen: set[str] = set()
+    choice = stage_memory(nodes, chosen)
+    while need(choice) > capacity:
+        best, best_rate = None, 0.0
+        free = [name for name in candidates if name not in chosen]
+        for i in range(len(free)):
+            for j in range(i + 1, min(i + RECOMPUTE_WINDOW, len(free)) + 1):
+                if spend is not None:
+                    spend(len(nodes.names))
+                trial = stage_memory(nodes, chosen | set(free[i:j]))
+                rate = (need(choice) - need(trial)) / max(trial.extra_s - choice.extra_s, 1e-9)
+                if rate > best_rate:
+                    best, best_rate = trial, rate
+        if best is None:
+            return None
+        chosen, choice = set(best.nodes), best
+    return choice
 
 
 def stage_costs(graph: CostGraph, stage_of: Sequence[int], devices: Sequence[DeviceSpec],
@@ -459,8 +599,9 @@ class Pricing:
     when every value is read by at most one later stage over uniform links.
 
     Both views are read off one `StageTally` per stage (`tally`); the partitioner's incremental
-    forms (slicing, the DP's pairs) sum the same terms as they go and price them by the same
-    rules: transfers at `links`, `send_min`, `receive_min`, the driver's links, and memory
+    forms (slicing, the DP's pairs, branch and bound's sends) sum the same terms as they go and
+    price them by the same rules: every transfer from one column of `transfer` (the relaxed
+    `send_min` and `receive_min` are least values of those columns), and memory
     (`recompute_s`): what the stage holds (`Held`, `Memory.need`) must fit its device,
     recomputing its forward in the backward where `memory` allows and it must.
     """
@@ -484,44 +625,97 @@ class Pricing:
         self.columns = [t for t, _ in distinct] + [tuple(map(min, zip(*self.times)))]
         self.floor_column = len(distinct)
         self.forward_columns = [f for _, f in distinct] + [(0.0,) * len(graph)]
-        self.from_driver = [link(DRIVER_DEVICE, d) for d in devices]
-        self.to_driver = [link(d, DRIVER_DEVICE) for d in devices]
+        self._driver_links = ([link(DRIVER_DEVICE, d) for d in devices],
+                              [link(d, DRIVER_DEVICE) for d in devices])
+        self._over: dict[Link, list[float]] = {}
         # Stages whose memory never constrains them: nothing to price (the hot loops skip it).
         self.unbounded = [d.memory_bytes == math.inf and
                           not (memory.training and memory.recompute == "always")
                           for d in devices]
-        # The distinct links a stage may send to (later stages) or receive from (earlier ones).
-        self._later = [tuple(dict.fromkeys(self.links[s][t] for t in range(s + 1, k)))
-                       for s in range(k)]
-        self._earlier = [tuple(dict.fromkeys(self.links[t][s] for t in range(s)))
-                         for s in range(k)]
         self._send: dict[int, list[float]] = {}
         self._receive: dict[int, list[float]] = {}
+        # Recomputing part of a stage ("auto"): the choice per (stage, members), and per column
+        # the least forward time per byte a node frees (`recompute_s`'s bound).
+        self.partial = (memory.training and memory.recompute == "auto" and
+                        any(graph.recomputable))
+        self._parts: dict[tuple[int, tuple[int, ...]], Choice | None] = {}
+        self._per_byte: dict[int, float] = {}
+
+    def transfer(self, src: int | None, dst: int | None) -> list[float]:
+        """Per node: the time its value takes from stage `src` to stage `dst` (None: the
+        driver) over the link between their devices (`Link.time_s`), which both ends pay. The
+        one price of a transfer: every view, exact or relaxed, reads these columns."""
+        link = (self._driver_links[0][dst] if src is None else
+                self._driver_links[1][src] if dst is None else self.links[src][dst])
+        if link not in self._over:
+            self._over[link] = [link.time_s(b) for b in self.graph.out_bytes]
+        return self._over[link]
 
     def send_min(self, s: int) -> list[float]:
         """Per node: the least its value costs a stage-`s` sender to reach one later stage."""
         if s not in self._send:
-            self._send[s] = _cheapest(self._later[s], self.graph.out_bytes)
+            self._send[s] = _least([self.transfer(s, t) for t in range(s + 1, self.k)],
+                                   len(self.graph), 0.0)
         return self._send[s]
 
     def receive_min(self, s: int) -> list[float]:
-        """Per node: the least receiving its value can cost stage `s` (inf: it cannot)."""
+        """Per node: the least receiving its value can cost stage `s`: from the driver for a
+        graph input, else from the cheapest earlier stage (inf: there is none)."""
         if s not in self._receive:
-            out_bytes = self.graph.out_bytes
-            earlier = _cheapest(self._earlier[s], out_bytes) if s else [math.inf] * len(out_bytes)
-            driver = self.from_driver[s]
-            self._receive[s] = [driver.time_s(b) if is_input else t
-                                for b, t, is_input in zip(out_bytes, earlier, self.graph.is_input)]
+            earlier = _least([self.transfer(t, s) for t in range(s)], len(self.graph), math.inf)
+            self._receive[s] = [fed if is_input else t for fed, t, is_input in
+                                zip(self.transfer(None, s), earlier, self.graph.is_input)]
         return self._receive[s]
 
     def recompute_s(self, s: int, held: Held, forward_s: float) -> float:
         """The time recomputation adds to a stage holding `held`, forward `forward_s`, on stage
-        `s`'s device: 0 when it keeps its activations, its forward when it recomputes them
-        (`Memory.choose`), inf when it fits neither way."""
+        `s`'s device, at most what it adds as `stage_costs` prices it: 0 when it keeps its
+        activations, inf when it fits neither way (`Memory.choose`), and when it must
+        recompute, its forward, or where it may recompute part of it (`recompute_part`) a
+        bound: the bytes it must free (`Memory.must_free`) at the least time per byte any
+        recomputable node frees, which a relaxed view can sum without knowing its nodes."""
         if self.unbounded[s]:
             return 0.0
-        choice = self.memory.choose(s, self.devices[s].memory_bytes, held)
-        return math.inf if choice is None else forward_s if choice else 0.0
+        capacity = self.devices[s].memory_bytes
+        choice = self.memory.choose(s, capacity, held)
+        if choice is None:
+            return math.inf
+        if not choice:
+            return 0.0
+        if not self.partial:
+            return forward_s
+        per_byte = self.per_byte(self.column_of[s])
+        if per_byte == math.inf:      # no recomputable node frees anything: all of it
+            return forward_s
+        return min(forward_s, max(0.0, self.memory.must_free(s, held, capacity)) * per_byte)
+
+    def per_byte(self, column: int) -> float:
+        """The least forward time per saved byte of a recomputable node in `column` (inf when
+        none saves anything)."""
+        if column not in self._per_byte:
+            graph, forward = self.graph, self.forward_columns[column]
+            self._per_byte[column] = min(
+                (forward[i] / graph.saved_bytes[i] for i in graph.compute_nodes
+                 if graph.recomputable[i] and graph.saved_bytes[i] > 0), default=math.inf)
+        return self._per_byte[column]
+
+    def recompute_part(self, s: int, stage_of: Sequence[int], held: Held, forward_s: float,
+                       spend: Callable[[int], None] | None = None) -> Choice | None:
+        """The part of its forward stage `s` recomputes instead of all of it ("auto" in
+        training, a stage that must recompute to fit): the nodes `choose_recomputed` picks, when
+        they add less than the whole forward `forward_s`; None where it recomputes whole. A
+        stage's `held` is a function of its members, so the choice is kept per members;
+        `spend` is told the work of choosing (`choose_recomputed`)."""
+        if not self.partial:
+            return None
+        members = tuple(i for i in self.graph.compute_nodes if stage_of[i] == s)
+        if (s, members) not in self._parts:
+            nodes = stage_nodes(self.graph, members, self.forward_columns[self.column_of[s]])
+            choice = choose_recomputed(nodes, memory=self.memory, stage=s, held=held,
+                                       capacity=self.devices[s].memory_bytes, spend=spend)
+            self._parts[s, members] = (choice if choice is not None and
+                                       choice.extra_s < forward_s else None)
+        return self._parts[s, members]
 
     def tally(self, stage_of: Sequence[int], relaxed: bool = False) -> list[StageTally]:
         """Every stage's sums under `stage_of` (`StageTally`), transfers priced exactly, and
@@ -538,7 +732,7 @@ class Pricing:
             if graph.is_input[i]:
                 for r in receivers:
                     tally = tallies[r]
-                    t = self.from_driver[r].time_s(nbytes)
+                    t = self.transfer(None, r)[i]
                     tally.exact_comm_s += t
                     tally.relaxed_comm_s += t
                     tally.received_bytes += nbytes
@@ -559,7 +753,7 @@ class Pricing:
             if receivers and relaxed:
                 tally.relaxed_comm_s += self.send_min(s)[i]
             for r in receivers:
-                t = self.links[s][r].time_s(nbytes)
+                t = self.transfer(s, r)[i]
                 tally.exact_comm_s += t
                 tally.sent_bytes += nbytes
                 reader = tallies[r]
@@ -569,30 +763,39 @@ class Pricing:
                 reader.received_bytes += nbytes
                 reader.activation_bytes += nbytes
             if to_output[i]:
-                t = self.to_driver[s].time_s(nbytes)
+                t = self.transfer(s, None)[i]
                 tally.exact_comm_s += t
                 tally.relaxed_comm_s += t
                 tally.sent_bytes += nbytes
         return tallies
 
-    def stage_costs(self, stage_of: Sequence[int]) -> list[StageCost]:
-        """Every stage's exact cost (see `stage_costs`)."""
+    def stage_costs(self, stage_of: Sequence[int],
+                    spend: Callable[[int], None] | None = None) -> list[StageCost]:
+        """Every stage's exact cost (see `stage_costs`); `spend` is told the work of choosing
+        what stages recompute (`recompute_part`)."""
         costs = []
         for s, tally in enumerate(self.tally(stage_of)):
             held = tally.held
             recompute = self.memory.recomputes(s, self.devices[s].memory_bytes, held)
-            extra = tally.forward_s if recompute else 0.0
             kept, recomputing = self.memory.need(s, held), self.memory.need(s, held, True)
-            costs.append(StageCost(tally.compute_s + extra, tally.exact_comm_s,
-                                   recomputing if recompute else kept, tally.sent_bytes,
-                                   tally.received_bytes, tally.num_nodes,
+            part = (self.recompute_part(s, stage_of, held, tally.forward_s, spend) if recompute
+                    else None)
+            if part is None:
+                extra, need = (tally.forward_s, recomputing) if recompute else (0.0, kept)
+                recomputed: tuple[str, ...] = ()
+            else:
+                extra, recomputed, recompute = part.extra_s, part.nodes, False
+                need = self.memory.need_partial(s, held, part.kept_bytes, part.transient_bytes)
+            costs.append(StageCost(tally.compute_s + extra, tally.exact_comm_s, need,
+                                   tally.sent_bytes, tally.received_bytes, tally.num_nodes,
                                    tally.backward_s + extra, recompute, extra, kept,
-                                   recomputing))
+                                   recomputing, recomputed))
         return costs
 
-    def bottleneck_s(self, stage_of: Sequence[int]) -> float:
-        """The exact bottleneck of a partition."""
-        return max(c.time_s for c in self.stage_costs(stage_of))
+    def bottleneck_s(self, stage_of: Sequence[int],
+                     spend: Callable[[int], None] | None = None) -> float:
+        """The exact bottleneck of a partition (`spend`: see `stage_costs`)."""
+        return max(c.time_s for c in self.stage_costs(stage_of, spend))
 
     def relaxed_stage_s(self, stage_of: Sequence[int]) -> list[float]:
         """Every stage's relaxed time (the definition the partitioner's incremental forms are
@@ -603,14 +806,13 @@ class Pricing:
                 for s, t in enumerate(self.tally(stage_of, relaxed=True))]
 
 
-def _cheapest(links: tuple[Link, ...], out_bytes: Sequence[int]) -> list[float]:
-    """Per value size: its time over the fastest of `links` (0 when there is none)."""
-    times = [0.0] * len(out_bytes) if not links else None
-    for link in links:
-        latency, rate = link.latency_s, link.bytes_per_s
-        over = [latency + b / rate for b in out_bytes]
-        times = over if times is None else [min(t, u) for t, u in zip(times, over)]
-    return times
+def _least(columns: Sequence[list[float]], n: int, empty: float) -> list[float]:
+    """The least of `columns` per node (`empty` when there is no column); a column met
+    twice (two stages over one link) is read once."""
+    distinct = list({id(c): c for c in columns}.values())
+    if not distinct:
+        return [empty] * n
+    return list(map(min, *distinct)) if len(distinct) > 1 else list(distinct[0])
 
 
 def format_bytes(nbytes: float) -> str:

@@ -3,11 +3,12 @@
 A training stage keeps, for every micro-batch in flight, what autograd saves for its backward.
 Recomputing the whole stage keeps only what it received and runs its forward again in the
 backward; often most of the bytes are kept by cheap nodes (activations, normalisations, dropout)
-and most of the time spent in expensive ones (matmuls, convolutions). `choose_recomputed` picks
-the nodes to recompute, cheapest per byte freed first, until the stage fits its memory, and
-`checkpoint_regions` rewrites the stage so that each run of consecutive recomputed nodes becomes
-one `Recomputed` submodule: `torch.utils.checkpoint` keeps the run's inputs, frees what its nodes
-save, and runs them again when the backward reaches them.
+and most of the time spent in expensive ones (matmuls, convolutions). The partitioner prices the
+choice (`cost_model.choose_recomputed`: the nodes to recompute, cheapest per byte freed first,
+until the stage fits its memory; `StageCost.recomputed` names them), and `checkpoint_regions`
+rewrites the stage so that each run of consecutive recomputed nodes becomes one `Recomputed`
+submodule: `torch.utils.checkpoint` keeps the run's inputs, frees what its nodes save, and runs
+them again when the backward reaches them.
 
 The generated code reads as before, with the runs called by name:
 
@@ -27,7 +28,6 @@ import contextlib
 import functools
 import operator
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -36,7 +36,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .codegen import StageTracer
-from .cost_model import Held, Memory
 from .randomness import current_seed, microbatch_seed
 
 
@@ -76,89 +75,6 @@ def _seeded_run(body: fx.GraphModule, seed: int | None, *args: Any) -> Any:
     """`body(*args)` drawing from micro-batch seed `seed`, on whatever thread runs it."""
     with microbatch_seed(seed):
         return body(*args)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What a stage recomputes: node names, the time that adds per micro-batch, and what the
-    stage keeps per micro-batch in flight and while one micro-batch is recomputed."""
-
-    nodes: tuple[str, ...]
-    extra_s: float
-    kept_bytes: int          # per micro-batch in flight
-    transient_bytes: int     # one micro-batch's recomputed activations, during its backward
-
-
-def _computing(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-
-
-def _candidates(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes that may be recomputed: costed and without side effects."""
-    return [n for n in _computing(gm) if "cost" in n.meta and not n.is_impure()]
-
-
-def stage_memory(gm: fx.GraphModule, recomputed: set[str]) -> Choice:
-    """What the stage keeps when the nodes named in `recomputed` are recomputed (see `Choice`).
-
-    Each node's `saved_bytes` holds what it makes and keeps, and its output when some node keeps
-    that (`node.meta["output_kept"]`). A recomputed node keeps nothing of its own; what enters a
-    run of them is kept by the checkpoint, and what leaves it by the nodes reading it; the
-    transient is the largest run's saved bytes, alive while that run is recomputed."""
-    nodes = _computing(gm)
-    kept = sum(n.meta["cost"].saved_bytes for n in nodes
-               if "cost" in n.meta and n.name not in recomputed)
-    transient = extra = 0.0
-    for run in _runs(gm, recomputed):
-        members = set(run)
-        entering = {p for n in run for p in n.all_input_nodes if p not in members
-                    and p.op not in ("placeholder", "get_attr")
-                    and not p.meta.get("output_kept", False)}
-        leaving = {n for n in run if any(u not in members for u in n.users)}
-        kept += sum(p.meta["cost"].out_bytes for p in entering | leaving if "cost" in p.meta)
-        transient = max(transient, sum(n.meta["cost"].saved_bytes for n in run))
-        extra += sum(n.meta["cost"].fwd_s for n in run)
-    return Choice(tuple(n.name for n in nodes if n.name in recomputed), extra, int(kept),
-                  int(transient))
-
-
-WINDOW = 4          # the longest run of nodes weighed as one step of `choose_recomputed`
-LARGEST = 400       # stages with more candidates recompute whole, rather than search
-
-
-def choose_recomputed(gm: fx.GraphModule, *, memory: Memory, stage: int, held: Held,
-                      capacity: float, speed: float = 1.0) -> Choice | None:
-    """The nodes of stage `stage` (holding `held`: its parameters, received and sent values) to
-    recompute so that it fits `capacity` by `memory`'s rule (`Memory.need_partial`: what the
-    nodes it keeps save per micro-batch in flight, and one micro-batch's recomputed run). Greedy:
-    each step adds the run of up to `WINDOW` consecutive nodes that frees the most bytes per
-    second of forward it adds (a node alone often frees nothing: its neighbours keep its input
-    and output), until the stage fits. None when no step frees more, or on a stage too large to
-    search."""
-    def need(choice: Choice) -> float:
-        return memory.need_partial(stage, held, choice.kept_bytes, choice.transient_bytes)
-
-    candidates = _candidates(gm)
-    if len(candidates) > LARGEST:
-        return None
-    chosen: set[str] = set()
-    choice = stage_memory(gm, chosen)
-    while need(choice) > capacity:
-        best, best_rate = None, 0.0
-        free = [n for n in candidates if n.name not in chosen]
-        for i in range(len(free)):
-            for j in range(i + 1, min(i + WINDOW, len(free)) + 1):
-                names = {n.name for n in free[i:j]}
-                trial = stage_memory(gm, chosen | names)
-                rate = (need(choice) - need(trial)) / max(trial.extra_s - choice.extra_s, 1e-9)
-                if rate > best_rate:
-                    best, best_rate = (names, trial), rate
-        if best is None:
-            return None
-        chosen |= best[0]
-        choice = best[1]
-    return Choice(choice.nodes, choice.extra_s / speed, choice.kept_bytes,
-                  choice.transient_bytes)
 
 
 def _runs(gm: fx.GraphModule, names: set[str]) -> list[list[fx.Node]]:

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fxpipe.testing import DagCase, brute_force_partition, dags, synthetic_graph
+from fxpipe.testing import (DagCase, brute_force_partition, dags, recomputing_dags,
+                            synthetic_graph)
 from fxpipe.passes.cost_model import (PEER_DEVICE, CostGraph, DeviceSpec, Memory, NodeCost, Pricing,
                                lower_bound_s, stage_costs)
 from fxpipe.passes.errors import PartitionError
@@ -95,6 +96,13 @@ def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
 def test_training_memory_and_recomputation_match_brute_force(case: DagCase):
     # Stages hold micro-batches in flight, gradients and optimizer state, and recompute
     # ("always", or "auto" where they would not fit otherwise) at the cost of their forward.
+    assert_training_agrees_with_oracle(case)
+
+
+def assert_training_agrees_with_oracle(case: DagCase):
+    """The partition agrees with the oracle (or both find none), every stage fits, and it
+    recomputes (whole, or the nodes `recomputed` names) exactly when asked to always or when it
+    would not fit otherwise, paying those nodes' forward."""
     try:
         oracle = brute_force_partition(case.graph, case.devices, memory=case.memory)
     except PartitionError:
@@ -103,15 +111,23 @@ def test_training_memory_and_recomputation_match_brute_force(case: DagCase):
         return
     result = partition(case.graph, case.devices, memory=case.memory)
     assert_agrees_with_oracle(case.graph, result, oracle)
-    for cost, device in zip(result.stages, result.devices):
+    graph = case.graph
+    for s, (cost, device) in enumerate(zip(result.stages, result.devices)):
         assert cost.memory_bytes <= device.memory_bytes
-        assert cost.recompute == (case.memory.recompute == "always" or
-                                  cost.memory_kept_bytes > device.memory_bytes)
+        assert bool(cost.recompute or cost.recomputed) == (
+            case.memory.recompute == "always" or cost.memory_kept_bytes > device.memory_bytes)
         assert cost.recompute_s == pytest.approx(
-            sum(case.graph.kind_times(device.kind).fwd_s[i] / device.speed
-                for i in case.graph.compute_nodes
-                if result.stage_of[case.graph.names[i]] == result.stages.index(cost))
-            if cost.recompute else 0.0)
+            sum(graph.kind_times(device.kind).fwd_s[i] / device.speed
+                for i in graph.compute_nodes if result.stage_of[graph.names[i]] == s and
+                (cost.recompute or graph.names[i] in cost.recomputed)))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recomputing_dags())
+def test_recomputing_part_of_a_stage_matches_brute_force(drawn):
+    # Devices so small that stages must recompute, some of them only part of their forward:
+    # the partitioner prices what will run, as the oracle does.
+    assert_training_agrees_with_oracle(drawn[0])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -352,6 +352,7 @@ def costed_chain():
     gm = fx.symbolic_trace(f)
     times = {"relu": 1e-6, "matmul": 1e-3, "relu_1": 1e-6, "exp": 2e-6}
     for n in gm.graph.nodes:
+        n.meta["cost"] = NodeCost()
         if n.op in ("call_function", "call_method"):
             n.meta["cost"] = NodeCost(fwd_s=times[n.name], out_bytes=100, saved_bytes=200)
             n.meta["output_kept"] = True
@@ -359,19 +360,20 @@ def costed_chain():
 
 
 def test_the_cheapest_runs_are_recomputed_until_the_stage_fits():
-    from fxpipe.passes.cost_model import Held, Memory
-    from fxpipe.passes.recompute import choose_recomputed, stage_memory
-    gm = costed_chain()
+    from fxpipe.passes.cost_model import (Held, Memory, choose_recomputed, cost_graph,
+                                          stage_memory, stage_nodes)
+    graph = cost_graph(costed_chain(), training=True)
+    nodes = stage_nodes(graph, graph.compute_nodes, graph.kind_times(None).fwd_s)   # one stage
     # Four micro-batches in flight, nothing held but what the nodes save.
     rules = dict(memory=Memory(in_flight=4, training=True, optimizer_state=0.0), stage=0,
                  held=Held())
-    assert stage_memory(gm, set()).kept_bytes == 800
+    assert stage_memory(nodes, set()).kept_bytes == 800
     # Recomputing relu_1 and exp: the run keeps its input (matmul's output, counted there) and
     # its output (leaving the stage), 100 bytes, instead of 400.
-    both = stage_memory(gm, {"relu_1", "exp"})
+    both = stage_memory(nodes, {"relu_1", "exp"})
     assert (both.kept_bytes, both.transient_bytes) == (400 + 100, 400)
     assert both.extra_s == pytest.approx(3e-6)
-    choice = choose_recomputed(gm, **rules, capacity=4 * 500 + 400)
+    choice = choose_recomputed(nodes, **rules, capacity=4 * 500 + 400)
     assert set(choice.nodes) == {"relu_1", "exp"}          # not the matmul: it costs 1 ms
-    assert choose_recomputed(gm, **rules, capacity=4 * 800).nodes == ()
-    assert choose_recomputed(gm, **rules, capacity=100) is None
+    assert choose_recomputed(nodes, **rules, capacity=4 * 800).nodes == ()
+    assert choose_recomputed(nodes, **rules, capacity=100) is None

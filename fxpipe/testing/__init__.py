@@ -10,13 +10,15 @@
 
 `models` generates random valid nn.Modules, `assert_pipeline_matches` compiles one and compares
 the pipeline with the model, naming the first stage whose values differ. `dags` generates costed
-graphs and devices for partitioner tests, and `brute_force_partition` is the oracle that tries
-every valid assignment of a small graph.
+graphs and devices for partitioner tests (`recomputing_dags` ones whose stages must recompute to
+fit, `assignments` valid stages for their nodes), and `brute_force_partition` is the oracle
+that tries every valid assignment of a small graph.
 """
 
 from ._check import assert_pipeline_matches
-from ._dags import DagCase, brute_force_partition, dags, synthetic_graph
+from ._dags import (DagCase, assignments, brute_force_partition, dags, recomputing_dags,
+                    synthetic_graph)
 from ._modelgen import GeneratedModel, ModelCase, models
 
 __all__ = ["models", "ModelCase", "GeneratedModel", "assert_pipeline_matches", "dags", "DagCase",
-           "brute_force_partition", "synthetic_graph"]
+           "assignments", "recomputing_dags", "brute_force_partition", "synthetic_graph"]

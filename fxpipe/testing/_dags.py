@@ -17,13 +17,14 @@ enough for `brute_force_partition`, which tries every valid assignment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from hypothesis import strategies as st
 
 from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, Held, KindTimes, LinkFn, Memory,
-                                      default_link, stage_costs)
+                                      Pricing, default_link, stage_costs, stage_memory,
+                                      stage_nodes)
 from fxpipe.passes.device import is_gpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Method, Partition, evaluate
@@ -55,8 +56,9 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
     be a fraction of what the whole graph needs, so that some cases cannot fit. With `kinds`, half
     the cases give the cuda kinds a GPU-like column: 20x faster than the reference on nodes of
     1 ms or more, barely faster (0.9x) on smaller ones, split 1:2 into forward and backward.
-    With `training`, nodes keep up to 16 MB for their backward, stages hold 1 to 4 micro-batches
-    in flight and the optimizer's state, and recompute "never", "always" or "auto".
+    With `training`, nodes keep up to 16 MB for their backward (their output among it, or not),
+    some may be recomputed alone, stages hold 1 to 4 micro-batches in flight and the optimizer's
+    state, and recompute "never", "always" or "auto".
     """
     k = draw(st.integers(min_stages, max_stages), label="stages")
     inputs = draw(st.integers(0, max_inputs), label="inputs")
@@ -84,7 +86,11 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
                       is_input=tuple(i < inputs for i in range(n)), to_output=tuple(to_output),
                       kinds=columns, saved_bytes=tuple(
                           draw(st.integers(0, 8)) * 2_000_000 if training and i >= inputs else 0
-                          for i in range(n)))
+                          for i in range(n)),
+                      output_kept=tuple(training and i >= inputs and draw(st.booleans())
+                                        for i in range(n)),
+                      recomputable=tuple(training and i >= inputs and draw(st.booleans())
+                                         for i in range(n)))
     rules = Memory()
     if training:
         rules = Memory(in_flight=tuple(draw(st.integers(1, 4)) for _ in range(k)), training=True,
@@ -100,6 +106,42 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
                                   speed=draw(st.sampled_from(SPEEDS)),
                                   memory_bytes=math.inf if fraction is None else need * fraction))
     return DagCase(graph, tuple(devices), rules)
+
+
+@st.composite
+def assignments(draw: st.DrawFn, graph: CostGraph, num_stages: int) -> list[int]:
+    """A valid stage for every computing node of `graph` (-1 for inputs): never before a stage
+    it reads from; stages may be empty."""
+    stage_of = [-1] * len(graph)
+    for i in graph.compute_nodes:
+        earliest = max((stage_of[p] for p in graph.preds[i] if not graph.is_input[p]), default=0)
+        stage_of[i] = draw(st.integers(earliest, num_stages - 1))
+    return stage_of
+
+
+@st.composite
+def recomputing_dags(draw: st.DrawFn, **kwargs) -> tuple[DagCase, list[int]]:
+    """A `dags(training=True, **kwargs)` case where recomputing pays (nodes save four times as
+    much, four micro-batches in flight, recompute "auto"), and an assignment of it
+    (`assignments`) whose every stage must recompute to fit: each device's memory is drawn
+    between the most of what its stage needs recomputing whole and recomputing every node it
+    may (`cost_model.stage_memory`), and what it needs keeping its activations. Recomputing
+    part of a stage then decides which partitions fit and what they cost."""
+    case = draw(dags(training=True, **kwargs))
+    graph = replace(case.graph, saved_bytes=tuple(4 * b for b in case.graph.saved_bytes))
+    memory = replace(case.memory, recompute="auto", in_flight=4)
+    stage_of = draw(assignments(graph, len(case.devices)))
+    devices = []
+    for s, (d, t) in enumerate(zip(case.devices, Pricing(graph, case.devices, memory=memory)
+                                   .tally(stage_of))):
+        members = [i for i in graph.compute_nodes if stage_of[i] == s]
+        every = stage_memory(stage_nodes(graph, members, graph.time_s),
+                             [graph.names[i] for i in members if graph.recomputable[i]])
+        least = max(memory.need(s, t.held, True),
+                    memory.need_partial(s, t.held, every.kept_bytes, every.transient_bytes))
+        room = draw(st.floats(0, 1)) * max(0, memory.need(s, t.held) - least)
+        devices.append(replace(d, memory_bytes=least + room))
+    return DagCase(graph, tuple(devices), memory), stage_of
 
 
 def brute_force_partition(graph: CostGraph, devices: Sequence[DeviceSpec],

@@ -55,9 +55,8 @@ class _Lattice:
     param_bytes: list[int] = field(default_factory=lambda: [0])
     saved_bytes: list[int] = field(default_factory=lambda: [0])
     out_bytes: list[int] = field(default_factory=lambda: [0])
-    output_count: list[int] = field(default_factory=lambda: [0])
-    output_bytes: list[int] = field(default_factory=lambda: [0])
     frontier: list[int] = field(default_factory=lambda: [0])   # members read outside, a mask
+    output_mask: int = 0                                       # the graph's outputs
     _pairs: dict[tuple[int, int], _Pair] = field(default_factory=dict)
     _open: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     _sorted: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
@@ -71,7 +70,9 @@ class _Lattice:
                         [tuple(bit[p] for p in graph.preds[i] if p in bit) for i in nodes],
                         [i for i in range(len(graph)) if graph.is_input[i]], columns,
                         forward_columns, time_s=[[0.0] for _ in columns],
-                        forward_s=[[0.0] for _ in columns])
+                        forward_s=[[0.0] for _ in columns],
+                        output_mask=sum(1 << b for b, i in enumerate(nodes)
+                                        if graph.to_output[i]))
 
     @staticmethod
     def ideals(graph: CostGraph, columns: list[tuple[float, ...]],
@@ -132,9 +133,6 @@ class _Lattice:
         self.param_bytes.append(self.param_bytes[parent] + graph.param_bytes[i])
         self.saved_bytes.append(self.saved_bytes[parent] + graph.saved_bytes[i])
         self.out_bytes.append(self.out_bytes[parent] + graph.out_bytes[i])
-        output = graph.to_output[i]
-        self.output_count.append(self.output_count[parent] + output)
-        self.output_bytes.append(self.output_bytes[parent] + output * graph.out_bytes[i])
         frontier = self.frontier[parent]
         if self.reader_mask[i] & ~mask:
             frontier |= 1 << b
@@ -157,12 +155,12 @@ class _Lattice:
             received += [p for p in self.inputs if self.reader_mask[p] & stage]
             received_bytes = sum(graph.out_bytes[p] for p in received)
             sending = tuple(p for b, p in self._frontier(i) if stage >> b & 1)
-            output_bytes = self.output_bytes[i] - self.output_bytes[j]
-            sent_bytes = output_bytes + sum(graph.out_bytes[p] for p in sending
-                                            if not graph.to_output[p])
+            returned = tuple(self.members(stage & self.output_mask))
+            sent_bytes = sum(graph.out_bytes[p] for p in returned) + sum(
+                graph.out_bytes[p] for p in sending if not graph.to_output[p])
             self._pairs[key] = _Pair(
                 tuple(times[i] - times[j] for times in self.time_s), tuple(received), sending,
-                self.output_count[i] - self.output_count[j], output_bytes,
+                returned,
                 Held(self.param_bytes[i] - self.param_bytes[j],
                      self.out_bytes[i] - self.out_bytes[j] + received_bytes,
                      self.saved_bytes[i] - self.saved_bytes[j], received_bytes, sent_bytes),
@@ -222,8 +220,7 @@ class _Pair(NamedTuple):
     time_s: tuple[float, ...]      # compute per column
     received: tuple[int, ...]      # producers outside the stage read inside it
     sending: tuple[int, ...]       # members read after the ideal I
-    output_count: int
-    output_bytes: int
+    returned: tuple[int, ...]      # members sent to the driver (graph outputs)
     held: Held                     # sent: values read after the ideal I or returned, each once
     forward_s: tuple[float, ...]   # per column
 
@@ -236,7 +233,7 @@ class _StageCost:
         self.column = model.column_of[s]
         self.receive = model.receive_min(s)
         self.send = model.send_min(s)
-        self.out = model.to_driver[s]
+        self.returned = model.transfer(s, None)
         self.unbounded = model.unbounded[s]    # memory costs it nothing: skip pricing it
 
     def __call__(self, pair: _Pair) -> float:
@@ -244,8 +241,7 @@ class _StageCost:
             self.s, pair.held, pair.forward_s[self.column])
         if extra == math.inf:
             return math.inf
-        out = pair.output_count * self.out.latency_s + pair.output_bytes / self.out.bytes_per_s
-        return (pair.time_s[self.column] + extra + out +
+        return (pair.time_s[self.column] + extra + sum(self.returned[p] for p in pair.returned) +
                 sum(self.receive[p] for p in pair.received) + self.relaxed_send(pair))
 
     def relaxed_send(self, pair: _Pair) -> float:

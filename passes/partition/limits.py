@@ -17,7 +17,8 @@ class Limits:
 
     `ideals`: ideals listed before the exact DP is given up (~0.3 s to list 50,000);
     `prefix_nodes`: nodes up to which each order's slicing is also solved exactly;
-    `work`: subset tests + 8 per candidate stage, per device order (~1 s here);
+    `work`: subset tests + 8 per candidate stage + a stage's node count per recomputation
+    choice tried (`cost_model.choose_recomputed`), per device order (~1 s here);
     `device_orders`: device orders `reorder_devices` may try.
     """
 

@@ -107,7 +107,8 @@ def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
     A stage chosen after the later ones knows where its values go, so its sends are priced
     exactly (one per receiving stage, over the real link); what precedes it is bounded by the
     DP's value. A branch is cut when either reaches the best exact bottleneck found so far.
-    Raises _OverBudget when `budget` runs out.
+    Raises _OverBudget when `budget` runs out, choosing what a complete chain's stages
+    recompute included.
     """
     graph = model.graph
     stage_of = [-1] * len(graph)
@@ -117,7 +118,7 @@ def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
         total = 0.0
         for p in sending:
             for t in dict.fromkeys(stage_of[r] for r in graph.succs[p] if stage_of[r] > s):
-                total += model.links[s][t].time_s(graph.out_bytes[p])
+                total += model.transfer(s, t)[p]
         return total
 
     def visit(s: int, i: int, suffix: float) -> None:
@@ -145,8 +146,8 @@ def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
             if max(suffix, cost, best[s - 1][j][0] if s else 0.0) < cut:
                 if s > 0:
                     visit(s - 1, j, max(suffix, cost))
-                else:
-                    exact = model.bottleneck_s(stage_of)
+                else:    # choosing what its stages recompute counts as the search's work
+                    exact = model.bottleneck_s(stage_of, budget.spend)
                     if exact < state["best_s"]:
                         state["best"], state["best_s"] = list(stage_of), exact
             for node in members:

@@ -94,8 +94,9 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     then says by how much later transfers pushed which earlier stages over the limit. Stage
     times are exact except that a value sent to later stages is first charged at the cheapest
     link to one of them; the receiving stage tops the charge up to the real link, and charges
-    again for every further receiving stage. Compute, received values and memory only grow as a
-    stage grows, so a stage stops growing as soon as they pass the limit.
+    again for every further receiving stage, and that recomputing part of a stage is charged at
+    its relaxed bound (`Pricing.recompute_s`). Compute, received values and memory only grow as
+    a stage grows, so a stage stops growing as soon as they pass the limit.
     """
     graph, k = model.graph, model.k
     out_bytes, params, saved = graph.out_bytes, graph.param_bytes, graph.saved_bytes
@@ -108,7 +109,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     for s in range(k):
         times = model.times[s]
         forward = model.forward_columns[model.column_of[s]]
-        to_driver, from_driver, links = model.to_driver[s], model.from_driver[s], model.links
+        returned, fed = model.transfer(s, None), model.transfer(None, s)
         send_min = model.send_min(s)
         unbounded = model.unbounded[s]    # memory costs it nothing: skip pricing it per node
         final = s == k - 1
@@ -129,7 +130,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
             saved_bytes += saved[i]
             forward_s += forward[i]
             if to_output[i]:
-                fixed += to_driver.time_s(out_bytes[i])
+                fixed += returned[i]
             if last[i] > at:
                 sending += send_min[i]
             if last[i] > at or to_output[i]:
@@ -139,7 +140,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 if is_input[p]:
                     if p not in received:
                         received[p] = None
-                        fixed += from_driver.time_s(out_bytes[p])
+                        fixed += fed[p]
                         activation_bytes += out_bytes[p]
                         received_bytes += out_bytes[p]
                 elif position[p] >= start:
@@ -150,7 +151,7 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 elif p not in received:
                     received[p] = None
                     sender = stage_of[p]
-                    t = links[sender][s].time_s(out_bytes[p])
+                    t = model.transfer(sender, s)[p]
                     fixed += t
                     activation_bytes += out_bytes[p]
                     received_bytes += out_bytes[p]
