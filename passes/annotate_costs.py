@@ -234,7 +234,9 @@ class Estimates:
             return n in self.nodes
         first = self.interpreter.first
         args, kwargs = self.interpreter.fetch_args_kwargs_from_env(n) if first else ((), {})
-        reads_meta = any(t.is_meta for t in tensors((args, kwargs)))
+        # A value left on meta (over the limit) where the graph runs on real ones.
+        reads_meta = (self.interpreter.device.type != "meta" and
+                      any(t.is_meta for t in tensors((args, kwargs))))
         if (self.max_node_bytes is not None or reads_meta) if first else \
                 (self.nodes and n not in self.profiles):
             self.profiles[n] = self._profile(n)
