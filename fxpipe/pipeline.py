@@ -241,8 +241,9 @@ class Pipeline(nn.Module):
 
         Stopping early (leaving the loop, an exception in `items`, Ctrl-C) joins every worker
         and writes no `.grad` and no optimizer state afterwards; a window that fails leaves
-        `.grad` zeroed (the weights are those after the last window yielded), and a failing item
-        raises a `StageError` naming its stage and the item's index in the stream.
+        `.grad` zeroed and the weights those after the last window yielded (buffers keep the
+        forwards that ran, as after a failed `train_step`), and a failing item raises a
+        `StageError` naming its stage and the item's index in the stream.
         """
         check_reduction(reduction)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 from torch.nn import functional as F
 
@@ -86,7 +87,7 @@ def state_of(module) -> dict[str, torch.Tensor]:
 
 def windows_of(items, window, partial):
     cut = [items[i:i + window] for i in range(0, len(items), window)]
-    return cut if partial == "train" or len(cut[-1]) == window else cut[:-1]
+    return cut if partial == "train" else [w for w in cut if len(w) == window]
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
@@ -106,6 +107,31 @@ def test_each_window_equals_the_model_trained_on_the_same_windows(stages, window
     for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
     assert not ours()
+
+
+@pytest.fixture(scope="module")
+def two_stages():
+    return compiled(2)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(count=st.integers(0, 8), window=st.integers(1, 4),
+       partial=st.sampled_from(["train", "drop"]))
+def test_any_stream_cut_into_windows_equals_the_model_trained_on_them(two_stages, count, window,
+                                                                     partial):
+    pipe, untrained, _, _ = two_stages
+    pipe.load_state_dict(untrained.state_dict())
+    reference = copy.deepcopy(untrained)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    items = stream_of(count)
+    torch.manual_seed(0)
+    states = [(loss, state_of(pipe))
+              for loss in pipe.stream_train(items, F.mse_loss, opt, window=window,
+                                            partial=partial)]
+    torch.testing.assert_close(
+        states, trained_on_windows(reference, ref_opt, windows_of(items, window, partial)))
 
 
 def test_1f1b_windows_equal_the_model_trained_on_the_same_windows():
