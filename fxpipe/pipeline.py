@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import weakref
@@ -16,8 +17,8 @@ from torch.utils.hooks import RemovableHandle
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link
 from fxpipe.passes.device import initialized_gpus
-from fxpipe.passes.errors import (BatchError, CostError, DeviceError, ModelChangedError,
-                                  StageError)
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
+                                  ModelChangedError, StageError)
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
@@ -26,7 +27,9 @@ from . import microbatch
 from .plan_data import Plan, refuse_without_weights
 from .runtime import Run, Runtime
 from .saved import PlanFileError, save_stage_weights
-from .runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
+from .runtime.orchestrator import item_error
+from .runtime.step import (DeferredScale, StepLoss, check_reduction, check_target,
+                           step_inputs)
 from .explain import explain
 from .schedules import Action, Phase, Slot, gpipe, timetable_for
 
@@ -193,22 +196,113 @@ class Pipeline(nn.Module):
         self._check_hooks()
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split(values, self.chunks, self._batch_dims)
+        check_target(target, microbatch.batch_size(values, self._batch_dims))
+        return self._train(chunks, microbatch.split(target, self.chunks), loss_fn, reduction,
+                           leaves=tensors(values))
+
+    def _train(self, chunks: list[dict[str, Any]], targets: list[Any],
+               loss_fn: Callable[[Any, Any], Any], reduction: Literal["mean", "sum"], *,
+               leaves: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of these micro-batches (graph inputs by placeholder, with their
+        targets) following the plan's schedule, each from its own seed; the step's loss.
+        `leaves`: the caller's input tensors, whose gradients accumulate as the parameters'."""
         step = StepLoss(loss_fn, self._signature, reduction,
-                        DeferredScale([*self.parameters(), *tensors(values)]),
+                        DeferredScale([*self.parameters(), *leaves]),
                         check_rows_mean=not self._rows_mean_checked,
                         output_dims=self._output_dims)
-        step.split_targets(target, self.chunks, self._stages[-1].device,
-                           microbatch.batch_size(values, self._batch_dims))
-        timetable = timetable_for(self.schedule, len(self._stages), self.chunks, backward=True)
+        step.take_targets(targets, self._stages[-1].device)
+        timetable = timetable_for(self.schedule, len(self._stages), len(chunks), backward=True)
         try:
             losses, _ = self._runtime.run(timetable, chunks, loss_of=step,
-                                          seeds=microbatch_seeds(self.chunks))
+                                          seeds=microbatch_seeds(len(chunks)))
         except BaseException:
             step.finish([])     # the gradients held aside are given back
             raise
         loss = step.finish(losses)
         self._rows_mean_checked = self._rows_mean_checked or bool(step.kept)
         return loss
+
+    def stream_train(self, items: Iterable[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any],
+                     optimizer: torch.optim.Optimizer, *, window: int = 1,
+                     partial: Literal["train", "drop"] = "train",
+                     reduction: Literal["mean", "sum"] = "mean") -> Iterator[torch.Tensor]:
+        """Learn from a stream of `(input, target)` items as they come, `window` items at a
+        time; yields each window's loss once `optimizer` stepped on it.
+
+        Each window is one `train_step` whose micro-batches are the window's items, each run
+        whole (an item's input is a tensor, a tuple of positional inputs or a dict of keyword
+        inputs; its target has one row per input row): `optimizer.zero_grad()`, forward and
+        backward of the items on the plan's schedule, the stages working on different items at
+        once, then `optimizer.step()`. So the losses, weights and buffers after each window
+        equal those of the model trained on the same windows one after another, each item
+        drawing from its own seed and updating buffers in order. A last window of fewer items is
+        trained (`partial="train"`) or dropped (`"drop"`). `reduction` is `train_step`'s: with
+        "mean" a window's loss is the mean over its rows.
+
+        Stopping early (leaving the loop, an exception in `items`, Ctrl-C) joins every worker
+        and writes no `.grad` and no optimizer state afterwards; a window that fails leaves
+        `.grad` zeroed and the weights those after the last window yielded (buffers keep the
+        forwards that ran, as after a failed `train_step`), and a failing item raises a
+        `StageError` naming its stage and the item's index in the stream.
+        """
+        check_reduction(reduction)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise BatchError(f"window={window!r}: use a number of items >= 1 per optimizer step")
+        if partial not in ("train", "drop"):
+            raise BatchError(f"partial={partial!r}: use 'train' to train a last window of fewer "
+                             f"items than window={window}, or 'drop' to leave it out")
+        held = {id(p) for p in self.parameters()}
+        if not any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+            raise InputError("the optimizer holds none of the pipeline's parameters, so nothing "
+                             "would learn: make it from them, e.g. "
+                             "torch.optim.SGD(pipe.parameters(), lr=1e-2)")
+        return self._windows(iter(items), loss_fn, optimizer, window, partial == "train",
+                             reduction)
+
+    def _windows(self, items: Iterator[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any],
+                 optimizer: torch.optim.Optimizer, window: int, train_partial: bool,
+                 reduction: Literal["mean", "sum"]) -> Iterator[torch.Tensor]:
+        """`stream_train`'s loop (a generator of its own, so that its arguments are checked
+        when it is called)."""
+        first = 0          # the stream's index of the window's first item
+        while True:
+            taken = list(itertools.islice(items, window))
+            if not taken or (len(taken) < window and not train_partial):
+                return
+            self._check_model()
+            self._check_hooks()
+            chunks, targets = zip(*(self._stream_item(first + i, item)
+                                    for i, item in enumerate(taken)))
+            optimizer.zero_grad()
+            try:
+                loss = self._train(list(chunks), list(targets), loss_fn, reduction,
+                                   leaves=tensors(chunks))
+            except StageError as e:
+                optimizer.zero_grad()       # no part of a window's gradients is left
+                error = item_error(e, first)
+                raise error from error.__cause__
+            except BaseException:
+                optimizer.zero_grad()
+                raise
+            optimizer.step()
+            yield loss
+            first += len(taken)
+
+    def _stream_item(self, index: int, item: Any) -> tuple[dict[str, Any], Any]:
+        """Item `index` of `stream_train`'s stream: its graph inputs by placeholder, and its
+        target; an item that is no `(input, target)` pair is refused, naming its index."""
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            what = f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
+            raise InputError(f"item {index} of the stream is a {type(item).__name__}{what}: "
+                             f"stream_train takes (input, target) pairs, the input a tensor, a "
+                             f"tuple of positional inputs or a dict of keyword inputs")
+        inputs, target = item
+        try:
+            values = step_inputs(self._signature, inputs)
+            check_target(target, microbatch.batch_size(values, self._batch_dims), "stream_train")
+        except (InputError, BatchError) as e:
+            raise type(e)(f"item {index} of the stream: {e}") from e
+        return values, target
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`).

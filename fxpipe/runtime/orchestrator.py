@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import re
 import threading
 import time
 import traceback
@@ -233,10 +234,9 @@ class _Stream(_Rows):
                 executor.make_caller_wait()
             record.wall_s = time.perf_counter() - start
         if self.errors:
-            error = self.errors[0]
-            record.error = str(error)
-            raise StageError(str(error).replace("on micro-batch", "on item", 1),
-                             stage=error.stage, microbatch=error.microbatch) from error.__cause__
+            record.error = str(self.errors[0])
+            error = item_error(self.errors[0])
+            raise error from error.__cause__
 
     def feed(self, m: int, values: dict[str, Any]) -> None:
         """Item m's graph inputs (or the stream's end) to every stage that reads them."""
@@ -558,6 +558,16 @@ def stage_error(stage: Stage, action: Action, error: BaseException) -> StageErro
                f"  print(pipe.stages[{stage.index}].code) shows the stage's code")
     result = StageError(message, stage=stage.index, microbatch=action.microbatch)
     result.__cause__ = error
+    return result
+
+
+def item_error(error: StageError, first: int = 0) -> StageError:
+    """`error` (a stage's, on a run's micro-batch m) as the failure of a stream's item
+    `first + m`: a stream runs each item as one micro-batch, numbered from `first`."""
+    item = (error.microbatch or 0) + first
+    message = re.sub(r"on micro-batch \d+", f"on item {item}", str(error), count=1)
+    result = StageError(message, stage=error.stage, microbatch=item)
+    result.__cause__ = error.__cause__
     return result
 
 

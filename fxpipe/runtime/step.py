@@ -74,6 +74,18 @@ def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
             "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
 
 
+def check_target(target: Any, rows_in: int, what: str = "train_step") -> None:
+    """Refuse a target without rows, or with other rows than the inputs' (`rows_in`)."""
+    if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
+        raise InputError(f"{what} needs a target with one row per sample (dimension 0 the batch), "
+                         f"split into micro-batches with the inputs and given to "
+                         f"loss_fn(output, target); got {target!r:.80}")
+    rows = microbatch.batch_size(target)
+    if rows != rows_in:
+        raise BatchError(f"{what}: the target has {rows} rows but the inputs have {rows_in}: "
+                         f"pass one target row per sample")
+
+
 def check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
         raise LossError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
@@ -107,19 +119,17 @@ class StepLoss:
     def split_targets(self, target: Any, chunks: int, device: torch.device, rows_in: int) -> None:
         """`target` in `chunks` micro-batches on `device` (the last stage's), one row per input
         row (`rows_in`), and each micro-batch's weight."""
-        if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
-            raise InputError(f"train_step needs a target with one row per sample (dimension 0 "
-                             f"the batch), split into micro-batches with the inputs and given "
-                             f"to loss_fn(output, target); got {target!r:.80}")
-        # The loss runs on the last stage, with the output there: the target joins it.
-        self.targets = [microbatch.on_device(t, device) for t in microbatch.split(target, chunks)]
+        check_target(target, rows_in)
+        self.take_targets(microbatch.split(target, chunks), device)
+
+    def take_targets(self, targets: Sequence[Any], device: torch.device) -> None:
+        """Each micro-batch's target, moved to `device` (the last stage's: the loss runs there,
+        with the output), and each micro-batch's weight (its share of the rows, for "mean")."""
+        self.targets = [microbatch.on_device(t, device) for t in targets]
         rows = [microbatch.batch_size(t) for t in self.targets]
-        if sum(rows) != rows_in:
-            raise BatchError(f"the target has {sum(rows)} rows but the inputs have "
-                             f"{rows_in}: pass one target row per sample")
         self.weights = [self.share * r / sum(rows) if self.reduction == "mean" else 1.0
                         for r in rows]
-        self.check_rows_mean = self.check_rows_mean and chunks > 1
+        self.check_rows_mean = self.check_rows_mean and len(targets) > 1
 
     def __call__(self, m: int, graph_values: dict[str, Any]) -> torch.Tensor:
         """Micro-batch m's loss, weighted (or its loss sum, its count kept)."""
