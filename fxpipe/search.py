@@ -147,21 +147,26 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
     """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
     candidate that does not fit says why. `memory`'s rules hold with this configuration's
     micro-batches in flight. With `graph` (costed as `costed`), nodes costing more than a
-    stage's share are split (`split_wide`, on a copy) where that lowers the predicted
-    bottleneck: the candidate then names them (`Candidate.split`, what `split_chosen` does)."""
-    plain = _consider(config, costed, devices, link, training, cores, memory)
-    parts = {} if graph is None else wide_nodes(graph, config.num_stages, training)
-    if not parts:
-        return plain
-    nodes = fx.Graph()
-    nodes.output(nodes.graph_copy(graph.graph, {}))    # the nodes keep their names and meta
-    split = _consider(config, _costed(split_wide(fx.GraphModule(graph, nodes), parts), costed,
-                                      training), devices,
-                      link, training, cores, memory)
-    if split.partition is None or (plain.partition is not None and
-                                   split.partition.bottleneck_s >= plain.partition.bottleneck_s):
-        return plain
-    return replace(split, split=tuple(parts.items()))
+    stage's share are split (`split_wide`, on a copy) into 2 to `num_stages` parts, the count
+    that lowers the predicted bottleneck most, where it does by more than `TIE`: the candidate
+    then names them (`Candidate.split`, what `split_chosen` does)."""
+    best = plain = _consider(config, costed, devices, link, training, cores, memory)
+    most = {} if graph is None else wide_nodes(graph, config.num_stages, training)
+    for count in range(2, max(most.values(), default=0) + 1):
+        # The parts that balance best depend on what the rest of the graph leaves to them.
+        parts = {name: min(count, top) for name, top in most.items()}
+        nodes = fx.Graph()
+        nodes.output(nodes.graph_copy(graph.graph, {}))    # the nodes keep their names and meta
+        split = _consider(config, _costed(split_wide(fx.GraphModule(graph, nodes), parts),
+                                          costed, training),
+                          devices, link, training, cores, memory)
+        if split.partition is not None and (best.partition is None or split.partition.bottleneck_s
+                                            < best.partition.bottleneck_s):
+            best = replace(split, split=tuple(parts.items()))
+    if plain.partition is not None and best.partition.bottleneck_s > (
+            plain.partition.bottleneck_s * (1 - TIE)):
+        return plain        # a gain within TIE does not pay for the join, which is not priced
+    return best
 
 
 def split_chosen(gm: fx.GraphModule, chosen: Candidate, costed: Costed,

@@ -28,7 +28,6 @@ slices and the `cat` are priced at no compute (the bytes they pass on are counte
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -93,17 +92,17 @@ def splittable(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def wide_nodes(gm: fx.GraphModule, num_stages: int, training: bool = False) -> dict[str, int]:
     """The nodes of `gm` (costed: `node.meta["cost"]`) whose cost exceeds a stage's share of the
-    graph's (its total over `num_stages`) and that can be split, each with the parts that bring
-    it to a share or under: `ceil(cost / share)`, at most `num_stages` and its features. In
-    training a node's cost is its forward plus its backward."""
-    costs = {n: n.meta["cost"] for n in gm.graph.nodes if n.meta.get("cost") is not None}
-    time_s = {n: c.fwd_s + (c.bwd_s if training else 0.0) for n, c in costs.items()}
+    graph's (its total over `num_stages`) and that can be split, each with the most parts worth
+    making: one per stage, at most one per output feature. In training a node's cost is its
+    forward plus its backward."""
+    time_s = {n: c.fwd_s + (c.bwd_s if training else 0.0) for n in gm.graph.nodes
+              if (c := n.meta.get("cost")) is not None}
     share_s = sum(time_s.values()) / num_stages
     found = {}
     for n, t in time_s.items():
         split = _split_of(gm, n) if num_stages > 1 and t > share_s else None
         if split is not None:
-            found[n.name] = min(math.ceil(t / share_s), num_stages, split.features)
+            found[n.name] = min(num_stages, split.features)
     return found
 
 
