@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-import fxpipe.measure
 from fxpipe import search
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, StageCost
 from fxpipe.passes.errors import PartitionError
@@ -68,27 +67,6 @@ def built(model_class):
 
 EXAMPLES = {Head: lambda: torch.randn(8, 16), ConvHead: lambda: torch.randn(4, 3, 10, 10),
             TiedLM: lambda: torch.randint(0, 300, (8, 5))}
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """Node costs set by hand, as `annotate_costs` would leave them: every computing node 1 ms
-    (forward, and backward in training), the nodes named in the returned dict their own ms (a
-    name matches every node whose name starts with it); costs not scaled by calibration."""
-    heavy: dict[str, float] = {}
-
-    def annotate(gm, *args, backward=False, **kwargs):
-        for n in gm.graph.nodes:
-            if n.op in ("placeholder", "get_attr", "output"):
-                n.meta["cost"] = NodeCost()
-                continue
-            ms = next((v for k, v in heavy.items() if n.name.startswith(k)), 1.0)
-            n.meta["cost"] = NodeCost(fwd_s=ms * 1e-3, bwd_s=ms * 1e-3 if backward else 0.0,
-                                      out_bytes=64)
-        return gm
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", annotate)
-    monkeypatch.setattr(fxpipe.measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
-    return heavy
 
 
 # A split input gradient is a sum over the parts: the same terms, added in another order.
@@ -193,9 +171,9 @@ def test_a_node_that_cannot_be_split_is_refused_by_name():
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("model_class, capture", [(Head, "fx"), (Head, "export"),
                                                   (ConvHead, "fx"), (ConvHead, "export")])
-def test_a_split_head_trains_as_the_model_on_several_stages(scripted, model_class, capture,
-                                                             stages):
-    scripted["head"] = 12.0            # 12 ms of about 16: no stage count balances it whole
+def test_a_split_head_trains_as_the_model_on_several_stages(scripted_costs, model_class,
+                                                             capture, stages):
+    scripted_costs["head"] = 12.0       # 12 ms of about 16: no stage count balances it whole
     model, x = built(model_class), EXAMPLES[model_class]()
     target = model(x).detach().normal_()
     reference = copy.deepcopy(model)
@@ -215,8 +193,8 @@ def test_a_split_head_trains_as_the_model_on_several_stages(scripted, model_clas
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
-def test_a_split_head_tied_to_the_embedding_trains_the_one_parameter(scripted, capture):
-    scripted["head"] = 20.0
+def test_a_split_head_tied_to_the_embedding_trains_the_one_parameter(scripted_costs, capture):
+    scripted_costs["head"] = 20.0
     model, ids = built(TiedLM), EXAMPLES[TiedLM]()
     reference = copy.deepcopy(model)
     token_loss(reference(ids), ids).backward()
@@ -236,16 +214,16 @@ def test_a_split_head_tied_to_the_embedding_trains_the_one_parameter(scripted, c
     torch.testing.assert_close(model.embed.weight, reference.embed.weight)
 
 
-def test_a_split_is_kept_only_where_it_lowers_the_bottleneck(scripted):
-    scripted["head"] = 1.5       # over a share of 4 stages, but the nodes around it cost more
+def test_a_split_is_kept_only_where_it_lowers_the_bottleneck(scripted_costs):
+    scripted_costs["head"] = 1.5    # over a share of 4 stages, but the nodes around it cost more
     model, x = built(Head), EXAMPLES[Head]()
     pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=2)
     assert pipe.plan.chosen.split == ()
     assert "head" in pipe.plan.partition.stage_of
 
 
-def test_a_saved_plan_with_a_split_node_loads_and_equals_the_model(scripted, tmp_path):
-    scripted["head"] = 12.0
+def test_a_saved_plan_with_a_split_node_loads_and_equals_the_model(scripted_costs, tmp_path):
+    scripted_costs["head"] = 12.0
     model, x = built(Head), EXAMPLES[Head]()
     plan = fxpipe.plan(model, ["cpu"] * 3, (x,), chunks=2)
     assert plan.chosen.split
@@ -253,9 +231,13 @@ def test_a_saved_plan_with_a_split_node_loads_and_equals_the_model(scripted, tmp
     loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
     torch.testing.assert_close(loaded(x), model(x))
     assert set(loaded.state_dict()) == set(model.state_dict())
+    # Its measurements are of the graph as captured: planning again from them splits it again.
+    again = fxpipe.plan(model, ["cpu"] * 3, (x,), chunks=2,
+                        costs=fxpipe.load_plan(tmp_path / "plan"))
+    assert again.chosen.split == plan.chosen.split
 
 
-def test_gpt2_head_is_split_and_no_stage_idles(scripted):
+def test_gpt2_head_is_split_and_no_stage_idles(scripted_costs):
     """GPT-2's vocabulary head as one node costs as much as the rest of the model: on 4 stages
     it is the bottleneck alone, and the partitioner may leave a stage next to empty. Split, the
     stages balance."""
@@ -267,7 +249,7 @@ def test_gpt2_head_is_split_and_no_stage_idles(scripted):
     ids = torch.randint(0, 4000, (4, 8))
     gm = trace(model, (), {"input_ids": ids, "use_cache": False})
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    scripted["lm_head"] = float(len(computing))      # the head: as much as all the rest
+    scripted_costs["lm_head"] = float(len(computing))      # the head: as much as all the rest
     plan = fxpipe.plan(model, ["cpu"] * 4, example_kwargs={"input_ids": ids}, chunks=2)
     assert dict(plan.chosen.split)["lm_head"] >= 2
     bottleneck = plan.partition.bottleneck_s
