@@ -195,6 +195,8 @@ def _read(graph: fx.Graph, value: fx.Node | str | None) -> fx.Node | None:
 def _split_of(gm: fx.GraphModule, node: fx.Node) -> _Split | None:
     """How `node` splits along its output features, or None when it does not."""
     args, kwargs = tuple(node.args), dict(node.kwargs)
+    if node.meta.get("state"):      # touches a buffer written in forward: its unit stays whole
+        return None
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         if type(module) not in (nn.Linear, nn.Conv2d) or _hooked(module) or len(args) != 1 or (
