@@ -147,9 +147,10 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
     """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
     candidate that does not fit says why. `memory`'s rules hold with this configuration's
     micro-batches in flight. With `graph` (costed as `costed`), nodes costing more than a
-    stage's share are split (`split_wide`, on a copy) into 2 to `num_stages` parts, the count
-    that lowers the predicted bottleneck most, where it does by more than `TIE`: the candidate
-    then names them (`Candidate.split`, what `split_chosen` does)."""
+    stage's share are split (`split_wide`, on a copy) into 2, 3, ... parts (up to `num_stages`,
+    while each count lowers the predicted bottleneck), the best kept where it lowers the
+    bottleneck by more than `TIE`: the candidate then names them (`Candidate.split`, what
+    `split_chosen` does)."""
     best = plain = _consider(config, costed, devices, link, training, cores, memory)
     most = {} if graph is None else wide_nodes(graph, config.num_stages, training)
     for count in range(2, max(most.values(), default=0) + 1):
@@ -160,9 +161,10 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
         split = _consider(config, _costed(split_wide(fx.GraphModule(graph, nodes), parts),
                                           costed, training),
                           devices, link, training, cores, memory)
-        if split.partition is not None and (best.partition is None or split.partition.bottleneck_s
-                                            < best.partition.bottleneck_s):
-            best = replace(split, split=tuple(parts.items()))
+        if split.partition is None or (best.partition is not None and
+                                       split.partition.bottleneck_s >= best.partition.bottleneck_s):
+            break   # more parts stop paying once others bound the bottleneck: save partitions
+        best = replace(split, split=tuple(parts.items()))
     if plain.partition is not None and best.partition.bottleneck_s > (
             plain.partition.bottleneck_s * (1 - TIE)):
         return plain        # a gain within TIE does not pay for the join, which is not priced
