@@ -119,8 +119,9 @@ def split_wide(gm: fx.GraphModule, parts: Mapping[str, int]) -> fx.GraphModule:
             raise PartitionError(
                 f"cannot split node {name!r} into {count} parts: "
                 + ("the graph has no such node" if node is None else
-                   f"{node.format_node()} is not a linear layer, matmul by a 2-D weight or "
-                   f"one-group 2-D convolution" if split is None else
+                   f"{node.format_node()} is not a node split_wide splits (a linear layer, "
+                   f"addmm, mm or matmul by a 2-D weight, a one-group conv2d; with no hooks, "
+                   f"touching no buffer written in forward)" if split is None else
                    f"it has {split.features} output features")
                 + "; split only nodes `splittable` accepts, into 2 to their features' parts")
         _rewrite(gm, node, split, count)
@@ -130,9 +131,14 @@ def split_wide(gm: fx.GraphModule, parts: Mapping[str, int]) -> fx.GraphModule:
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int) -> None:
+    """Replace `node` by `count` parts of nearly equal features, their slices and their join,
+    which takes its place in its readers; each new node keeps its stack trace, module and grad
+    mode, and gets its share of the costs."""
     graph, name = gm.graph, node.name
     kept = {k: v for k, v in node.meta.items() if k in KEPT_META}
-    weight_bytes = _bytes(gm, split.weight)
+    if node.op == "call_module":      # the functional calls still name the module they ran in
+        kept.setdefault("nn_module_stack", {node.target: (
+            node.target, type(gm.get_submodule(node.target)))})
 
     def made(op: Callable, args: tuple, kwargs: dict, suffix: str,
              share: Callable[[NodeCost], NodeCost]) -> fx.Node:
@@ -150,14 +156,12 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int) -> No
         for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
             fraction = (end - start) / split.features
             args, kwargs = list(split.args), dict(split.kwargs)
-            sliced = NodeCost(out_bytes=round(weight_bytes * fraction))   # no compute: a view
-            split.weight_at.write(args, kwargs, made(
-                torch.narrow, (weight, split.weight_dim, start, end - start), {},
-                f"weight_{i}", lambda c: sliced))
-            if bias is not None:
-                split.bias_at.write(args, kwargs, made(
-                    torch.narrow, (bias, split.bias_dim, start, end - start), {}, f"bias_{i}",
-                    lambda c: NodeCost()))
+            for role, whole, at, dim in (("weight", weight, split.weight_at, split.weight_dim),
+                                         ("bias", bias, split.bias_at, split.bias_dim)):
+                if whole is not None:       # a view: no compute, its share of the bytes
+                    sliced = NodeCost(out_bytes=round(_bytes(gm, whole) * fraction))
+                    at.write(args, kwargs, made(torch.narrow, (whole, dim, start, end - start),
+                                                {}, f"{role}_{i}", lambda c: sliced))
             pieces.append(made(split.target, tuple(args), kwargs, f"part_{i}",
                                lambda c: _share(c, fraction)))
         joined = made(torch.cat, (pieces, split.out_dim), {}, "cat",
@@ -177,13 +181,9 @@ def _share(cost: NodeCost, fraction: float) -> NodeCost:
         saved_bytes=round(cost.saved_bytes * fraction))
 
 
-def _bytes(gm: fx.GraphModule, weight: fx.Node | str) -> int:
+def _bytes(gm: fx.GraphModule, weight: fx.Node) -> int:
     """The bytes of a weight a parameter read gives (0 where the graph does not hold it)."""
-    if isinstance(weight, fx.Node):
-        if weight.op != "get_attr":
-            return 0
-        weight = weight.target
-    value = attr_value(gm, weight)
+    value = attr_value(gm, weight.target) if weight.op == "get_attr" else None
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
