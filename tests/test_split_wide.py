@@ -284,3 +284,22 @@ def test_fewer_stages_as_fast_win_over_a_stage_doing_next_to_nothing():
     faster = candidate([10.0, 0.09, 9.0], 0.5)
     chosen, reason = search.choose([faster, fewer], None)
     assert chosen is faster and "fewer stages are predicted over 2% slower" in reason
+
+
+def test_a_split_tied_head_trains_as_the_model_across_processes(scripted_costs, tmp_path):
+    """Under torchrun (one process per stage), every rank holding the tied weight (the
+    embedding's, and a part's) ends the step with its whole gradient, the model's; a part whose
+    slice the home stage sends holds no parameter."""
+    from test_distributed import held_by, ran, results, tied_batch
+    scripted_costs["linear"] = 12.0      # the tied output layer, `F.linear(h, emb.weight)`
+    model, x, target, pipe, out = ran(tmp_path, 3, 3, **tied_batch())
+    assert dict(pipe.plan.chosen.split)["linear"] >= 2
+    assert len(held_by(tmp_path / "plan", "emb.weight")) >= 2
+    ranks = results(out, 3)
+    torch.testing.assert_close(ranks[-1]["loss"], F.mse_loss(model(x), target))
+    F.mse_loss(model(x), target).backward()
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+    assert {name for r in ranks for name in r["grads"]} == set(expected)
