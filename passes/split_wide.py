@@ -17,10 +17,11 @@ feature dimension) where the result is read:
     lm_head_part_1 = linear(x, lm_head_weight_1)
     lm_head_cat = cat([lm_head_part_0, lm_head_part_1], -1)
 
-The parts read slices (views, `narrow`) of the one parameter, the model's own: every stage that
-computes a part reads that parameter (codegen's `get_attr` rule: the same tensor on its home's
-device, sent from the home stage to another device), so gradients from every part add up in its
-`.grad` and `state_dict()` keeps the model's names and the whole weight. Costs: a node's measured
+The parts read slices (views, `narrow`) of the one parameter, the model's own, so gradients
+from every part add up in its `.grad` and `state_dict()` keeps the model's names and the whole
+weight. Each slice is a node of its own: in the part's stage, that stage reads the parameter
+(codegen's `get_attr` rule: the same tensor on its home's device, sent from the home stage to
+another device); in the stage holding the weight, the part's stage receives the slice alone. Costs: a node's measured
 cost (every device kind's) is shared among its parts in proportion to their features; the
 slices and the `cat` are priced at no compute (the bytes they pass on are counted).
 """
