@@ -21,9 +21,13 @@ The parts read slices (views, `narrow`) of the one parameter, the model's own, s
 from every part add up in its `.grad` and `state_dict()` keeps the model's names and the whole
 weight. Each slice is a node of its own: in the part's stage, that stage reads the parameter
 (codegen's `get_attr` rule: the same tensor on its home's device, sent from the home stage to
-another device); in the stage holding the weight, the part's stage receives the slice alone. Costs: a node's measured
-cost (every device kind's) is shared among its parts in proportion to their features; the
-slices and the `cat` are priced at no compute (the bytes they pass on are counted).
+another device); in the stage holding the weight, the part's stage receives the slice alone.
+
+Costs: a node's measured cost (every device kind's) is shared among its parts in proportion to
+their features, each part, slice and join priced at least the graph's cheapest node (an op's
+overhead), with the bytes it passes on. Not priced: the join's copy of the output, and in
+training each slice's backward, which writes a gradient the size of the whole weight (torch's
+`narrow` backward) before it is added to `.grad`.
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ def split_wide(gm: fx.GraphModule, parts: Mapping[str, int]) -> fx.GraphModule:
     `n_weight_<i>` (and `n_bias_<i>`) slices, `n_part_<i>` parts and `n_cat`, its readers'
     value. Costs on the node (`meta["cost"]`, `meta["costs"]`) are shared among its parts."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    floors = _floors(gm)
     for name, count in parts.items():
         node = by_name.get(name)
         split = None if node is None else _split_of(gm, node)
@@ -125,16 +130,17 @@ def split_wide(gm: fx.GraphModule, parts: Mapping[str, int]) -> fx.GraphModule:
                    f"touching no buffer written in forward)" if split is None else
                    f"it has {split.features} output features")
                 + "; split only nodes `splittable` accepts, into 2 to their features' parts")
-        _rewrite(gm, node, split, count)
+        _rewrite(gm, node, split, count, floors)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int) -> None:
+def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int,
+             floors: Mapping[str | None, NodeCost]) -> None:
     """Replace `node` by `count` parts of nearly equal features, their slices and their join,
     which takes its place in its readers; each new node keeps its stack trace, module and grad
-    mode, and gets its share of the costs."""
+    mode, and gets its share of the costs (per device kind, at least that kind's `floors`)."""
     graph, name = gm.graph, node.name
     kept = {k: v for k, v in node.meta.items() if k in KEPT_META}
     if node.op == "call_module":      # the functional calls still name the module they ran in
@@ -145,9 +151,15 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int) -> No
              share: Callable[[NodeCost], NodeCost]) -> fx.Node:
         new = graph.create_node("call_function", op, args, kwargs, name=f"{name}_{suffix}")
         new.meta.update(kept)
+
+        def priced(cost: NodeCost, floor: NodeCost) -> NodeCost:
+            mine = share(cost)
+            return dataclasses.replace(mine, fwd_s=max(mine.fwd_s, floor.fwd_s),
+                                       bwd_s=max(mine.bwd_s, floor.bwd_s) if cost.bwd_s else 0.0)
         if "cost" in node.meta:
-            new.meta["cost"] = share(node.meta["cost"])
-            new.meta["costs"] = {k: share(c) for k, c in node.meta.get("costs", {}).items()}
+            new.meta["cost"] = priced(node.meta["cost"], floors[None])
+            new.meta["costs"] = {k: priced(c, floors.get(k, floors[None]))
+                                 for k, c in node.meta.get("costs", {}).items()}
         return new
 
     with graph.inserting_before(node):
@@ -159,19 +171,36 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int) -> No
             args, kwargs = list(split.args), dict(split.kwargs)
             for role, whole, at, dim in (("weight", weight, split.weight_at, split.weight_dim),
                                          ("bias", bias, split.bias_at, split.bias_dim)):
-                if whole is not None:       # a view: no compute, its share of the bytes
+                if whole is not None:       # a view: an op's overhead, its share of the bytes
                     sliced = NodeCost(out_bytes=round(_bytes(gm, whole) * fraction))
                     at.write(args, kwargs, made(torch.narrow, (whole, dim, start, end - start),
                                                 {}, f"{role}_{i}", lambda c: sliced))
             pieces.append(made(split.target, tuple(args), kwargs, f"part_{i}",
                                lambda c: _share(c, fraction)))
         joined = made(torch.cat, (pieces, split.out_dim), {}, "cat",
-                      lambda c: NodeCost(out_bytes=c.out_bytes))     # priced at no compute
+                      lambda c: NodeCost(out_bytes=c.out_bytes))     # an op's overhead
     for key in ("val", "tensor_meta"):
         if key in node.meta:
             joined.meta[key] = node.meta[key]
     node.replace_all_uses_with(joined)
     graph.erase_node(node)
+
+
+def _floors(gm: fx.GraphModule) -> dict[str | None, NodeCost]:
+    """Per device kind (None: `meta["cost"]`), the cheapest computing node's forward and
+    backward times: what any op costs however little it computes (its dispatch), the least a
+    part, slice or join is priced at, so splitting a small node does not look free."""
+    found: dict[str | None, list[NodeCost]] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module") and "cost" in n.meta:
+            for kind, cost in [(None, n.meta["cost"]), *n.meta.get("costs", {}).items()]:
+                found.setdefault(kind, []).append(cost)
+
+    def least(times: list[float]) -> float:
+        return min((t for t in times if t > 0), default=0.0)
+    return {kind: NodeCost(fwd_s=least([c.fwd_s for c in costs]),
+                           bwd_s=least([c.bwd_s for c in costs]))
+            for kind, costs in found.items()} or {None: NodeCost()}
 
 
 def _share(cost: NodeCost, fraction: float) -> NodeCost:

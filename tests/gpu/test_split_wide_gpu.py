@@ -29,7 +29,7 @@ class Head(nn.Module):
                                      pytest.param(["cuda:0", "cuda:1", "cuda:1"], marks=two_gpus),
                                      pytest.param(["cuda:0", "cuda:1"], marks=two_gpus)])
 def test_a_split_head_on_gpus_trains_as_the_model(scripted_costs, devices):
-    scripted_costs["head"] = 12.0
+    scripted_costs["head"] = 40.0
     torch.manual_seed(0)
     model, x = Head().train(), torch.randn(8, 32)
     target = torch.randn(8, 512)
