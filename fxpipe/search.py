@@ -167,7 +167,7 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
         best = replace(split, split=tuple(parts.items()))
     if plain.partition is not None and best.partition.bottleneck_s > (
             plain.partition.bottleneck_s * (1 - TIE)):
-        return plain        # a gain within TIE does not pay for the join, which is not priced
+        return plain        # a gain within TIE is within what the split's pricing leaves out
     return best
 
 
@@ -191,6 +191,7 @@ def _costed(gm: fx.GraphModule, like: Costed, training: bool) -> Costed:
 
 def _consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
               training: bool, cores: float | None, memory: Memory) -> Candidate:
+    """The configuration partitioned and predicted on the graph as `costed` (see `consider`)."""
     specs = list(devices[:config.num_stages])
     factors = in_flight(training, config.schedule, config.chunks, config.num_stages)
     try:
@@ -233,7 +234,7 @@ def choose(candidates: Sequence[Candidate], unpipelined: Candidate | None) -> tu
                 f"micro-batch, under {NEAR_EMPTY:.0%} of the bottleneck): " +
                 (f"num_stages={best.config.num_stages} was asked for; num_stages='auto' uses "
                  f"the fewest stages within {TIE:.0%} of the fastest" if fixed else
-                 f"fewer stages are predicted over {TIE:.0%} slower"))
+                 f"fewer stages are predicted over {TIE:.0%} slower, or do not fit"))
     return best, why
 
 
