@@ -146,13 +146,15 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
              graph: fx.GraphModule | None = None) -> Candidate:
     """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
     candidate that does not fit says why. `memory`'s rules hold with this configuration's
-    micro-batches in flight. With `graph` (costed as `costed`), nodes costing more than a
-    stage's share are split (`split_wide`, on a copy) into 2, 3, ... parts (up to `num_stages`,
-    while each count lowers the predicted bottleneck), the best kept where it lowers the
-    bottleneck by more than `TIE`: the candidate then names them (`Candidate.split`, what
-    `split_chosen` does)."""
+    micro-batches in flight. With `graph` (costed as `costed`), where the configuration fits,
+    nodes costing more than a stage's share are split (`split_wide`, on a copy) into 2, 3, ...
+    parts (up to `num_stages`, while each count lowers the predicted bottleneck), the best kept
+    where it lowers the bottleneck by more than `TIE`: the candidate then names them
+    (`Candidate.split`, what `split_chosen` does)."""
     best = plain = _consider(config, costed, devices, link, training, cores, memory)
-    most = {} if graph is None else wide_nodes(graph, config.num_stages, training)
+    if graph is None or plain.partition is None:    # a graph too small or too big stays so
+        return plain
+    most = wide_nodes(graph, config.num_stages, training)
     for count in range(2, max(most.values(), default=0) + 1):
         # The parts that balance best depend on what the rest of the graph leaves to them.
         parts = {name: min(count, top) for name, top in most.items()}
@@ -161,12 +163,10 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
         split = _consider(config, _costed(split_wide(fx.GraphModule(graph, nodes), parts),
                                           costed, training),
                           devices, link, training, cores, memory)
-        if split.partition is None or (best.partition is not None and
-                                       split.partition.bottleneck_s >= best.partition.bottleneck_s):
+        if split.partition is None or split.partition.bottleneck_s >= best.partition.bottleneck_s:
             break   # more parts stop paying once others bound the bottleneck: save partitions
         best = replace(split, split=tuple(parts.items()))
-    if plain.partition is not None and best.partition.bottleneck_s > (
-            plain.partition.bottleneck_s * (1 - TIE)):
+    if best.partition.bottleneck_s > plain.partition.bottleneck_s * (1 - TIE):
         return plain        # a gain within TIE is within what the split's pricing leaves out
     return best
 
