@@ -310,6 +310,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     config = chosen.config
     specs = chosen.partition.devices
     costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
+    search.split_chosen(gm, chosen)     # nodes split to balance, their costs shared by the parts
     # The model's last runs, before any stage is placed (a stage holds copies of the tensors
     # that are not on its device): the pipeline is checked against what the model computes here.
     unverified = ""
@@ -385,7 +386,8 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[i
                                       f"micro-batch{'es' * (chunks > 1)}")
                 devices = costs.devices(config, specs)
                 candidates.append(search.consider(config, costs.measure(config, devices),
-                                                  devices, link, training, cores, memory))
+                                                  devices, link, training, cores, memory,
+                                                  graph=costs.gm))
     as_is = None
     # The model as it is: one stage, whole batch, the caller's threads, and its own tensors,
     # so only where they all are on the first device (there the stage holds them, not copies).

@@ -12,7 +12,7 @@ from fxpipe.passes.annotate_costs import UNSTEADY
 from fxpipe.passes.cost_model import format_bytes
 
 from .plan_data import Measurement, Plan  # noqa: F401 (Measurement: saved plans' pickles)
-from .search import in_flight
+from .search import in_flight, notes
 
 
 # What `Plan.link` says transfers were priced as.
@@ -47,6 +47,7 @@ def describe(plan: Plan) -> str:
         f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
         f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as "
         f"{LINK_DESCRIPTIONS[plan.link]}",
+        *notes(plan.chosen),
         *_measurement(plan),
         *_sources(plan),
         *_activations(plan),

@@ -8,6 +8,12 @@ smaller one (fewer stages, fewer micro-batches) among those within `TIE` of it; 
 that is predicted slower than the model run whole without a pipeline, which is itself a candidate:
 one stage, one micro-batch, the caller's threads.
 
+A node costing more than a stage's share of the graph bounds every partition's bottleneck from
+below: each configuration is also partitioned with such nodes split along their output features
+(`fxpipe.passes.split_wide`), and keeps the split where it lowers the predicted bottleneck. A
+stage doing next to nothing (under `NEAR_EMPTY` of the bottleneck) is a device idling: with
+`num_stages="auto"` fewer stages within `TIE` win anyway; the plan's reason names such a stage.
+
 Everything here is plain data and pure functions of it; measuring is the caller's (`measure`).
 """
 
@@ -17,14 +23,18 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn, Memory
+import torch.fx as fx
+
+from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn, Memory, cost_graph
 from fxpipe.passes.device import is_cpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
+from fxpipe.passes.split_wide import split_wide, wide_nodes
 
 from .schedules import SCHEDULES, Phase, Slot, gpipe, simulate, timetable_for
 
 TIE = 0.02     # configurations within 2% of the fastest count as equally fast
+NEAR_EMPTY = 0.05   # a stage under 5% of the bottleneck does next to nothing
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,20 @@ class Candidate:
     memory_bytes: int               # the fullest stage's memory
     partition: Partition | None = None
     problem: str = ""               # why it cannot run, when it cannot
+    split: tuple[tuple[str, int], ...] = ()    # nodes split along their features: (name, parts)
 
     def __str__(self) -> str:
         c = self.config
         return (f"{c.num_stages} stage{'s' * (c.num_stages > 1)} x {c.chunks} "
                 f"micro-batch{'es' * (c.chunks > 1)} ({c.schedule}, {c.threads} "
                 f"thread{'s' * (c.threads > 1)})")
+
+    def near_empty(self) -> list[int]:
+        """The stages doing next to nothing: under `NEAR_EMPTY` of the bottleneck."""
+        part = self.partition
+        return [] if part is None or part.num_stages < 2 else [
+            s for s, cost in enumerate(part.stages)
+            if cost.time_s < NEAR_EMPTY * part.bottleneck_s]
 
 
 @dataclass(frozen=True)
@@ -124,10 +142,52 @@ def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
 
 
 def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
-             training: bool, cores: float | None = None, memory: Memory = Memory()) -> Candidate:
+             training: bool, cores: float | None = None, memory: Memory = Memory(),
+             graph: fx.GraphModule | None = None) -> Candidate:
     """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
     candidate that does not fit says why. `memory`'s rules hold with this configuration's
-    micro-batches in flight."""
+    micro-batches in flight. With `graph` (costed as `costed`), where the configuration fits,
+    nodes costing more than a stage's share are split (`split_wide`, on a copy) into 2, 3, ...
+    parts (up to `num_stages`, while each count lowers the predicted bottleneck), the best kept
+    where it lowers the bottleneck by more than `TIE`: the candidate then names them
+    (`Candidate.split`, what `split_chosen` does)."""
+    best = plain = _consider(config, costed, devices, link, training, cores, memory)
+    if graph is None or plain.partition is None:    # a graph too small or too big stays so
+        return plain
+    most = wide_nodes(graph, config.num_stages, training)
+    for count in range(2, max(most.values(), default=0) + 1):
+        # The parts that balance best depend on what the rest of the graph leaves to them.
+        parts = {name: min(count, top) for name, top in most.items()}
+        nodes = fx.Graph()
+        nodes.output(nodes.graph_copy(graph.graph, {}))    # the nodes keep their names and meta
+        split = _consider(config, _costed(split_wide(fx.GraphModule(graph, nodes), parts),
+                                          costed, training),
+                          devices, link, training, cores, memory)
+        if split.partition is None or split.partition.bottleneck_s >= best.partition.bottleneck_s:
+            break   # more parts stop paying once others bound the bottleneck: save partitions
+        best = replace(split, split=tuple(parts.items()))
+    if best.partition.bottleneck_s > plain.partition.bottleneck_s * (1 - TIE):
+        return plain        # a gain within TIE is within what the split's pricing leaves out
+    return best
+
+
+def split_chosen(gm: fx.GraphModule, chosen: Candidate) -> None:
+    """Split `gm`'s nodes, in place, as the chosen candidate was partitioned (`Candidate.split`)."""
+    if chosen.split:
+        split_wide(gm, dict(chosen.split))
+        missing = set(chosen.partition.stage_of) - {n.name for n in gm.graph.nodes}
+        assert not missing, f"the split graph lacks the partitioned nodes {sorted(missing)}"
+
+
+def _costed(gm: fx.GraphModule, like: Costed, training: bool) -> Costed:
+    """`gm` costed from its nodes' costs, with the device kinds `like` carries."""
+    kinds = [kind for kind in like.forward.kinds if kind is not None]
+    return Costed(cost_graph(gm, kinds=kinds), cost_graph(gm, training=training, kinds=kinds))
+
+
+def _consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
+              training: bool, cores: float | None, memory: Memory) -> Candidate:
+    """The configuration partitioned and predicted on the graph as `costed` (see `consider`)."""
     specs = list(devices[:config.num_stages])
     factors = in_flight(training, config.schedule, config.chunks, config.num_stages)
     try:
@@ -157,10 +217,32 @@ def choose(candidates: Sequence[Candidate], unpipelined: Candidate | None) -> tu
                              f"({best} predicted {best.predicted_s * 1e3:.3f} ms, the model "
                              f"{unpipelined.predicted_s * 1e3:.3f} ms measured)")
     if len(fitting) == 1:
-        return best, "the only configuration asked for"
-    why = "fastest predicted" if best.predicted_s == best_s else (
-        f"smallest within {TIE:.0%} of the fastest predicted")
+        why = "the only configuration asked for"
+    else:
+        why = "fastest predicted" if best.predicted_s == best_s else (
+            f"smallest within {TIE:.0%} of the fastest predicted")
+    idle = best.near_empty()
+    if idle:
+        fixed = len({c.config.num_stages for c in candidates}) == 1
+        times = ", ".join(f"{best.partition.stages[s].time_s * 1e3:.3f}" for s in idle)
+        why += (f"; stage{'s' * (len(idle) > 1)} {', '.join(map(str, idle))} "
+                f"{'do' if len(idle) > 1 else 'does'} next to nothing ({times} ms per "
+                f"micro-batch, under {NEAR_EMPTY:.0%} of the bottleneck): " +
+                (f"num_stages={best.config.num_stages} was asked for; num_stages='auto' uses "
+                 f"the fewest stages within {TIE:.0%} of the fastest" if fixed else
+                 f"fewer stages are predicted over {TIE:.0%} slower, or do not fit"))
     return best, why
+
+
+def notes(chosen: Candidate | None) -> list[str]:
+    """What `print(plan)` says of the chosen candidate beyond its table: the nodes split to
+    balance the stages, and the stages doing next to nothing."""
+    if chosen is None:
+        return []
+    lines = [("split to balance the stages, along output features: " + ", ".join(
+        f"{name} into {parts} parts" for name, parts in chosen.split))] if chosen.split else []
+    return lines + [f"stage {s} does next to nothing: under {NEAR_EMPTY:.0%} of the bottleneck"
+                    for s in chosen.near_empty()]
 
 
 def chunk_options(rows: int, max_stages: int) -> list[int]:

@@ -4,6 +4,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fxpipe import measure
+from fxpipe.passes.cost_model import NodeCost
+
 # Two cores: one intra-op thread keeps pipeline stages from fighting over them.
 torch.set_num_threads(1)
 
@@ -33,3 +36,25 @@ def host_reads(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     monkeypatch.setattr(torch, "equal", counted("torch.equal", torch.equal))
     return reads
+
+
+@pytest.fixture
+def scripted_costs(monkeypatch):
+    """Node costs set by hand where compile measures them, as `annotate_costs` would leave them:
+    every computing node 1 ms (forward, and backward in training), the nodes named in the
+    returned dict their own ms (a name matches every node whose name starts with it); costs not
+    scaled by calibration. No timing is then asserted, and plans do not depend on the load."""
+    heavy: dict[str, float] = {}
+
+    def annotate(gm, *args, backward=False, **kwargs):
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "get_attr", "output"):
+                n.meta["cost"] = NodeCost()
+                continue
+            ms = next((v for k, v in heavy.items() if n.name.startswith(k)), 1.0)
+            n.meta["cost"] = NodeCost(fwd_s=ms * 1e-3, bwd_s=ms * 1e-3 if backward else 0.0,
+                                      out_bytes=64)
+        return gm
+    monkeypatch.setattr(measure, "annotate_costs", annotate)
+    monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
+    return heavy

@@ -194,7 +194,7 @@ class OneHeavyLayer(nn.Module):
         self.heavy = nn.Linear(1024, 1024)
 
     def forward(self, x):
-        h = self.heavy(x)                       # one node: no split can beat its time
+        h = self.heavy(x)                       # one node, split at most in its features
         for _ in range(6):
             h = torch.tanh(h) * 0.5
         return h
@@ -203,7 +203,9 @@ class OneHeavyLayer(nn.Module):
 def test_auto_stage_count_stops_where_more_devices_stop_helping():
     model, x = OneHeavyLayer().eval(), torch.randn(256, 1024)
     auto = fxpipe.compile(model, ["cpu"] * 8, (x,), num_stages="auto")
-    assert auto.plan.partition.num_stages <= 2
+    # Split along its features, the layer's parts run side by side on the input, the tail after
+    # them: on 2 cores, at most 3 stages help.
+    assert auto.plan.partition.num_stages <= 3
     every = fxpipe.compile(model, ["cpu"] * 8, (x,))
     assert every.plan.partition.num_stages == 8
     two = fxpipe.compile(model, ["cpu"] * 8, (x,), num_stages=2)
