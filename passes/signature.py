@@ -208,7 +208,7 @@ class Signature:
             if dim is None:
                 continue
             line = self.fixed_at.get((i, dim))
-            where = f" at\n    {line}\n" if line else " "
+            where = f"\n    {line}\n" if line else " "
             raise InputError(
                 f"input {name!r} has shape {tuple(leaf.shape)}, but the graph was exported for "
                 f"shape ({wanted}), * marking a free size: dimension {dim} is fixed to "
