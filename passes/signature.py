@@ -14,9 +14,9 @@ values. `Signature` maps between the two, for both front-ends:
   one is refused by name, up front, since the graph computes with the traced one.
 - torch.export graphs have one placeholder per leaf of the example's `(args, kwargs)`, in the
   order of the graph's `in_spec`, and return flat values that `out_spec` puts back together. They
-  take positionally what the example gave positionally, the rest by keyword. Export fixed every
-  size but the batch dimension to the example's, so `flatten_inputs` checks sizes up front: a
-  wrong shape fails here, naming the input, not deep inside a stage. Export also fixed every
+  take positionally what the example gave positionally, the rest by keyword. Export fixed the
+  sizes the model's code needs fixed, so `flatten_inputs` checks sizes up front: a wrong shape
+  fails here, naming the input, not deep inside a stage. Export also fixed every
   input that is not a tensor (a flag, a step count, a temperature) to its example value, so any
   other value, or a tensor in its place, is refused by name too.
   Export leaves every size free that the model's code lets vary (`fxpipe.passes.trace` asks it

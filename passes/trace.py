@@ -6,8 +6,8 @@ Front-ends, in order (`capture="auto"`):
    whole, as one node), found one at a time from where tracing failed.
 3. `export`: `torch.export.export(..., strict=False)`, which runs the Python and records ATen ops,
    so it follows what fx cannot (size-dependent loops, `**kwargs` forwards, Hugging Face models).
-   The batch dimension of every tensor input (0 unless `batch_dims` says otherwise) is left free,
-   so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured
+   Every size of every tensor input is left free where the model's code allows it (the batch, so
+   every micro-batch size runs; a sequence length; see `_free_sizes`). The graph is captured
    in the model's current mode (`.train()` or `.eval()`): export bakes dropout and BatchNorm
    behaviour into the ops.
 
