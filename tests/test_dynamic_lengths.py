@@ -168,3 +168,9 @@ def test_a_position_table_sliced_to_the_length_serves_every_length_up_to_its_row
     x = torch.randn(batch, tokens, 8)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_length_beyond_the_position_table_is_refused_naming_the_bound():
+    _, pipe = positions_pipeline()
+    with pytest.raises(fxpipe.InputError, match=r"break a condition .*: x\.shape\[1\] <= 32"):
+        pipe(torch.randn(3, 40, 8))
