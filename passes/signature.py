@@ -107,9 +107,12 @@ class Signature:
             return "any input sizes the model's code takes (torch.fx traced it shape-free)"
         shapes = [f"{name} ({', '.join('*' if n is None else str(n) for n in sizes)})"
                   for name, sizes in zip(self.placeholders, self.sizes) if sizes is not None]
-        return (f"inputs {', '.join(shapes)}, * marking a size free to vary"
-                + (f" ({len(self.size_rules)} conditions on them checked)" if self.size_rules
-                   else ""))
+        served = f"inputs {', '.join(shapes)}, * marking a size free to vary"
+        if not self.size_rules:
+            return served
+        more = len(self.size_rules) - 3
+        return (f"{served}, under {'; '.join(rule.shown for rule in self.size_rules[:3])}"
+                + (f" and {more} more conditions" if more > 0 else ""))
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """The value of every placeholder, in order, from inputs given as the model takes them."""

@@ -613,7 +613,8 @@ def _size_rules(program: torch.export.ExportedProgram,
                 conditions.append(f"{here} >= {int(bounds.lower)}")
             if bounds.upper != int_oo:
                 conditions.append(f"{here} <= {int(bounds.upper)}")
-    conditions += getattr(program, "_guards_code", [])
+    conditions += [c for c in getattr(program, "_guards_code", [])   # a size fixed is a size
+                   if not re.fullmatch(r".*\.size\(\)\[\d+\] == \d+", c)]   # the signature checks
     rules = [(sources.code(c), sources.show(c)) for c in dict.fromkeys(conditions)]
     return tuple(SizeRule(code, shown) for code, shown in rules if code is not None)
 
