@@ -567,22 +567,33 @@ class _InputSources:
 
 def _input_sources(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
                    batch_dims: Any) -> _InputSources | None:
-    """The sources of the example's leaves, in export's placeholder order; None where forward's
-    signature does not bind them."""
+    """The sources of the example's leaves in export's placeholder order, that of `(args,
+    kwargs)` as given, named by forward's parameters; None where they do not bind."""
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return None
-    leaves = pytree.tree_leaves_with_path(bound)
-    values, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY,
+                                                             p.POSITIONAL_OR_KEYWORD)]
+    star = {p.kind: n for n, p in params.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    names = []
+    for (side, key, *rest), _ in leaves:
+        if side.idx == 1:
+            name = (f"['{key.key}']" if key.key in params else
+                    f"['{star.get(inspect.Parameter.VAR_KEYWORD)}']['{key.key}']")
+        elif key.idx < len(positional):
+            name = f"['{positional[key.idx]}']"
+        else:
+            name = f"['{star.get(inspect.Parameter.VAR_POSITIONAL)}'][{key.idx - len(positional)}]"
+        names.append(name + pytree.keystr(tuple(rest)))
     dims = pytree._broadcast_to_and_flatten(batch_dims, spec)
-    if dims is None or len(leaves) != len(values):
+    if dims is None:
         return None
     batch = tuple(d % v.dim() if isinstance(v, torch.Tensor) and d is not None
-                  and -v.dim() <= d < v.dim() else None for v, d in zip(values, dims))
-    return _InputSources(tuple("L" + pytree.keystr(path) for path, _ in leaves),
-                         tuple(path[0].key + pytree.keystr(path[1:]) for path, _ in leaves),
-                         batch)
+                  and -v.dim() <= d < v.dim() else None for (_, v), d in zip(leaves, dims))
+    return _InputSources(tuple("L" + name for name in names),
+                         tuple(re.sub(r"^\['([^']*)'\]", r"\1", name) for name in names), batch)
 
 
 def _size_rules(program: torch.export.ExportedProgram,

@@ -174,3 +174,27 @@ def test_a_length_beyond_the_position_table_is_refused_naming_the_bound():
     _, pipe = positions_pipeline()
     with pytest.raises(fxpipe.InputError, match=r"break a condition .*: x\.shape\[1\] <= 32"):
         pipe(torch.randn(3, 40, 8))
+
+
+class MaskedWithBias(nn.Module):
+    """Three keyword inputs of related lengths: the mask's is x's, the bias's at least x's."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x, mask=None, bias=None):
+        return self.proj(x) * mask[:, :, None] + bias[:, :x.shape[1]]
+
+
+def test_keyword_inputs_in_any_order_are_held_to_the_relations_of_their_lengths():
+    model = MaskedWithBias()
+    example = {"bias": torch.randn(4, 10, 3), "x": torch.randn(4, 8, 3), "mask": torch.ones(4, 8)}
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], example_kwargs=example, chunks=2,
+                          capture="export")
+    inputs = {"x": torch.randn(6, 12, 3), "mask": torch.rand(6, 12), "bias": torch.randn(6, 15, 3)}
+    torch.testing.assert_close(pipe(**inputs), model(**inputs))
+    with pytest.raises(fxpipe.InputError, match=r"mask.shape\[1\] == x.shape\[1\]"):
+        pipe(**{**inputs, "mask": torch.ones(6, 11)})
+    with pytest.raises(fxpipe.InputError, match=r"x.shape\[1\] <= bias.shape\[1\]"):
+        pipe(**{**inputs, "bias": torch.randn(6, 9, 3)})
