@@ -43,6 +43,7 @@ def describe(plan: Plan) -> str:
     return "\n".join([
         f"fxpipe plan: {_count(p.num_stages, 'stage')}, {_count(plan.chunks, 'micro-batch')}, "
         f"captured by {plan.capture}",
+        *_sizes(plan),
         table(plan),
         f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
         f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as "
@@ -55,6 +56,13 @@ def describe(plan: Plan) -> str:
         *_choice(plan),
         f"outputs checked against the model: {plan.verified}",
     ])
+
+
+def _sizes(plan: Plan) -> list[str]:
+    """The input sizes the plan serves, and that it was balanced for the example's."""
+    if plan.signature is None:
+        return []
+    return [f"serves {plan.signature.sizes_served()}; balanced for the example's sizes"]
 
 
 def _measurement(plan: Plan) -> list[str]:

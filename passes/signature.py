@@ -14,11 +14,16 @@ values. `Signature` maps between the two, for both front-ends:
   one is refused by name, up front, since the graph computes with the traced one.
 - torch.export graphs have one placeholder per leaf of the example's `(args, kwargs)`, in the
   order of the graph's `in_spec`, and return flat values that `out_spec` puts back together. They
-  take positionally what the example gave positionally, the rest by keyword. Export fixed every
-  size but the batch dimension to the example's, so `flatten_inputs` checks sizes up front: a
-  wrong shape fails here, naming the input, not deep inside a stage. Export also fixed every
+  take positionally what the example gave positionally, the rest by keyword. Export fixed the
+  sizes the model's code needs fixed, so `flatten_inputs` checks sizes up front: a wrong shape
+  fails here, naming the input, not deep inside a stage. Export also fixed every
   input that is not a tensor (a flag, a step count, a temperature) to its example value, so any
   other value, or a tensor in its place, is refused by name too.
+  Export leaves every size free that the model's code lets vary (`fxpipe.passes.trace` asks it
+  to, for every dimension of every tensor input): a sequence length, an image's height. What the
+  graph assumes of the free sizes (two inputs of one length, a length below the model's position
+  table, a multiple of the heads) is kept as `SizeRule`s, checked up front too, and a size the
+  code fixed is refused naming the model's line that fixed it.
 
 Each front-end knows its convention (`fxpipe.passes.trace` builds it with `traced_signature` or
 `exported_signature` and keeps it in `gm.meta["signature"]`); `signature_of(gm)` returns it with
@@ -36,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, is_concrete_int
 
 from .errors import InputError
 
@@ -46,6 +51,22 @@ class Constant:
     """An output leaf that is a value, not a node (e.g. `None` returned next to the logits)."""
 
     value: Any
+
+
+_RULE_NAMES = {**SYMPY_INTERP, "__builtins__": {"max": max, "min": min, "abs": abs}}
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """A condition export's graph assumes of the free input sizes: two sizes equal, a bound, a
+    divisibility. `code` evaluates it over the placeholders' values (`args[i]`, in placeholder
+    order); `shown` says it with the model's input names, for the error."""
+
+    code: str
+    shown: str
+
+    def holds(self, values: Sequence[Any]) -> bool:
+        return bool(eval(self.code, dict(_RULE_NAMES), {"args": values}))
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +81,8 @@ class Signature:
     `var_keyword` name the fx placeholders of `*args` and `**kwargs` (also in `names`), and
     `specialised` maps the inputs fx traced at a fixed value to that value; `constants` maps the
     index of each export placeholder holding a non-tensor input to the value it was exported with.
+    `size_rules` are what the export graph assumes of its free sizes, and `fixed_at[(i, d)]` the
+    model's line that fixed size `d` of placeholder `i`, where it is known.
     """
 
     placeholders: tuple[str, ...]
@@ -74,6 +97,22 @@ class Signature:
     var_keyword: str | None = None
     specialised: Mapping[str, Any] = field(default_factory=dict)
     constants: Mapping[int, Any] = field(default_factory=dict)
+    size_rules: tuple[SizeRule, ...] = ()
+    fixed_at: Mapping[tuple[int, int], str] = field(default_factory=dict)
+
+    def sizes_served(self) -> str:
+        """The input sizes one compile serves, as the plan prints them: each tensor input's
+        shape with `*` for a free size (fx graphs: every size their code takes)."""
+        if self.in_spec is None:
+            return "any input sizes the model's code takes (torch.fx traced it shape-free)"
+        shapes = [f"{name} ({', '.join('*' if n is None else str(n) for n in sizes)})"
+                  for name, sizes in zip(self.placeholders, self.sizes) if sizes is not None]
+        served = f"inputs {', '.join(shapes)}, * marking a size free to vary"
+        if not self.size_rules:
+            return served
+        more = len(self.size_rules) - 3
+        return (f"{served}, under {'; '.join(rule.shown for rule in self.size_rules[:3])}"
+                + (f" and {more} more conditions" if more > 0 else ""))
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """The value of every placeholder, in order, from inputs given as the model takes them."""
@@ -90,6 +129,7 @@ class Signature:
                 f"pass inputs shaped like the example, or compile with an example like these")
         self._check_constants(tree)
         self._check_sizes(leaves)
+        self._check_size_rules(leaves)
         return leaves
 
     def rebuild_outputs(self, values: Mapping[str, Any]) -> Any:
@@ -157,18 +197,44 @@ class Signature:
                 f"value), or pass the input as a tensor if the model computes with it")
 
     def _check_sizes(self, leaves: list[Any]) -> None:
-        for name, sizes, leaf in zip(self.placeholders, self.sizes, leaves):
+        for i, (name, sizes, leaf) in enumerate(zip(self.placeholders, self.sizes, leaves)):
             if sizes is None or not isinstance(leaf, torch.Tensor):
                 continue
-            if leaf.dim() != len(sizes) or any(s is not None and s != n
-                                               for s, n in zip(sizes, leaf.shape)):
-                wanted = ", ".join("*" if s is None else str(s) for s in sizes)
+            wanted = ", ".join("*" if s is None else str(s) for s in sizes)
+            if leaf.dim() != len(sizes):
                 raise InputError(
-                    f"input {name!r} has shape {tuple(leaf.shape)}, but the graph was exported for "
-                    f"shape ({wanted}), * marking a free size: torch.export fixes the others to "
-                    f"the example's (the batch size too, where the model's code depends on it). "
-                    f"Pass inputs of that shape, or compile with an example of this shape "
-                    f"(and chunks=1 if the batch size is fixed)")
+                    f"input {name!r} has shape {tuple(leaf.shape)}, but the graph was exported "
+                    f"for shape ({wanted}), * marking a free size: pass inputs with "
+                    f"{len(sizes)} dimensions, as the example had")
+            dim = next((d for d, (s, n) in enumerate(zip(sizes, leaf.shape))
+                        if s is not None and s != n), None)
+            if dim is None:
+                continue
+            line = self.fixed_at.get((i, dim))
+            where = f"\n    {line}\n" if line else " "
+            raise InputError(
+                f"input {name!r} has shape {tuple(leaf.shape)}, but the graph was exported for "
+                f"shape ({wanted}), * marking a free size: dimension {dim} is fixed to "
+                f"{sizes[dim]} by the model's code{where}(torch.export keeps free every size the "
+                f"code lets vary; the batch size too, unless the code depends on it). Fix: "
+                f"compute that size from the input in the model (x.shape[{dim}], or -1 in a "
+                f"view or reshape) and compile again; or pass inputs of that shape, or compile "
+                f"one pipeline per shape with an example of it (and chunks=1 if the batch size "
+                f"is fixed)")
+
+    def _check_size_rules(self, leaves: list[Any]) -> None:
+        """Refuse inputs whose free sizes break a condition the exported graph assumes."""
+        for rule in self.size_rules:
+            if not rule.holds(leaves):
+                shapes = ", ".join(f"{name} {tuple(leaf.shape)}"
+                                   for name, leaf in zip(self.placeholders, leaves)
+                                   if isinstance(leaf, torch.Tensor))
+                raise InputError(
+                    f"the inputs' sizes ({shapes}) break a condition the graph was exported "
+                    f"under: {rule.shown}. torch.export assumes it of every size it leaves "
+                    f"free, since the model's code (a branch on a size, a view, a table of "
+                    f"positions) needs it. Pass inputs meeting it, or compile a pipeline with an "
+                    f"example of these sizes")
 
 
 def signature_of(gm: fx.GraphModule) -> Signature:

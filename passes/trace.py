@@ -6,8 +6,8 @@ Front-ends, in order (`capture="auto"`):
    whole, as one node), found one at a time from where tracing failed.
 3. `export`: `torch.export.export(..., strict=False)`, which runs the Python and records ATen ops,
    so it follows what fx cannot (size-dependent loops, `**kwargs` forwards, Hugging Face models).
-   The batch dimension of every tensor input (0 unless `batch_dims` says otherwise) is left free,
-   so every micro-batch size runs; other sizes are fixed to the example's. The graph is captured
+   Every size of every tensor input is left free where the model's code allows it (the batch, so
+   every micro-batch size runs; a sequence length; see `_free_sizes`). The graph is captured
    in the model's current mode (`.train()` or `.eval()`): export bakes dropout and BatchNorm
    behaviour into the ops.
 
@@ -64,13 +64,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._sympy.numbers import int_oo
 
 from .codegen import place
 from .compare import difference, equal
 from .device import initialized_gpus
 from .errors import TraceError
 from .materialize import holds_meta
-from .signature import exported_signature, plain_varargs, traced_signature
+from .signature import SizeRule, exported_signature, plain_varargs, traced_signature
 from .state import unchanged_state
 from .user_code import describe_frame, user_frame
 
@@ -460,16 +461,16 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     if not args and not kwargs:
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
-    inference = _InferenceModeWatch()
+    inference, fixes = _InferenceModeWatch(), _SizeFixes()
     on_meta = holds_meta(model)
     # A model on meta is captured from inputs on meta too (no op may meet two devices); its ops
     # then name the inputs' device again, below.
     given = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v,
                             (tuple(args), dict(kwargs))) if on_meta else (tuple(args), dict(kwargs))
     try:
-        with _quiet(), inference, attributes_restored(model):   # nothing export left there
+        with _quiet(), inference, fixes, attributes_restored(model):   # nothing export left there
             program = torch.export.export(model, *given, strict=False,
-                                          dynamic_shapes=_free_batch(model, *given, batch_dims))
+                                          dynamic_shapes=_free_sizes(model, *given))
     except Exception as e:  # export raises many kinds; each becomes a reported failure
         raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
     if inference.site is not None:
@@ -486,7 +487,10 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
         mismatch, _ = _mismatch(model, gm, args, kwargs)
     if mismatch:
         raise _TraceFailure(f"the exported graph does not reproduce the model: {mismatch}", None)
-    gm.meta["signature"] = exported_signature(gm, program.module_call_graph[0].signature)
+    signature = exported_signature(gm, program.module_call_graph[0].signature)
+    sources = _input_sources(model, args, kwargs, batch_dims)
+    gm.meta["signature"] = replace(signature, size_rules=_size_rules(program, sources),
+                                   fixed_at=fixes.placeholder_dims(program, sources))
     return gm
 
 
@@ -532,30 +536,149 @@ def _quiet() -> Iterator[None]:
             _log.debug("torch's output while exporting:\n%s", captured.getvalue())
 
 
-def _free_batch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
-                batch_dims: Any = 0) -> dict | None:
-    """`dynamic_shapes` leaving the batch dimension of every tensor input free, so micro-batches
-    run. `batch_dims` is an int for every input or a pytree prefix of `(args, kwargs)` (None: the
-    input has none).
+def _free_sizes(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict | None:
+    """`dynamic_shapes` leaving every size of every tensor input free (`Dim.AUTO`): the batch,
+    so micro-batches run, and every other size (a sequence length, an image's height), so one
+    compile serves every size the model takes.
 
-    `Dim.AUTO` lets export keep a size fixed where the model's code needs it fixed (then inputs
-    of another batch size are refused by name, see `fxpipe.passes.signature`), instead of failing.
+    `Dim.AUTO` lets export keep a size fixed where the model's code needs it fixed (a literal
+    in a view, a weight's width) instead of failing; inputs of another size are then refused by
+    name (see `fxpipe.passes.signature`), as are sizes breaking a condition the graph assumes of
+    the free ones (`_size_rules`).
     """
-    values, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    free = pytree.tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())}
+                           if isinstance(v, torch.Tensor) else None, (tuple(args), dict(kwargs)))
+    try:
+        return inspect.signature(model.forward).bind(*free[0], **free[1]).arguments
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class _InputSources:
+    """The export placeholders' sources, as torch names them in its size conditions
+    (`L['input_ids']`, `L['x'][0]`), with each one's name and batch dimension (None: none)."""
+
+    names: tuple[str, ...]
+    shown: tuple[str, ...]
+    batch: tuple[int | None, ...]
+
+    def code(self, condition: str) -> str | None:
+        """`condition` over `args[i]`, or None where it names another source or a batch size
+        (the batch is split into micro-batches of other sizes; it stays free)."""
+        for i, source in sorted(enumerate(self.names), key=lambda s: -len(s[1])):
+            if self.batch[i] is not None and f"{source}.size()[{self.batch[i]}]" in condition:
+                return None
+            condition = condition.replace(source, f"args[{i}]")
+        return None if "L[" in condition else condition
+
+    def show(self, condition: str) -> str:
+        for source, name in sorted(zip(self.names, self.shown), key=lambda s: -len(s[0])):
+            condition = condition.replace(source, name)
+        return re.sub(r"\.size\(\)\[(\d+)\]", r".shape[\1]", condition)
+
+
+def _input_sources(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                   batch_dims: Any) -> _InputSources | None:
+    """The sources of the example's leaves in export's placeholder order, that of `(args,
+    kwargs)` as given, named by forward's parameters; None where they do not bind."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY,
+                                                             p.POSITIONAL_OR_KEYWORD)]
+    star = {p.kind: n for n, p in params.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    names = []
+    for (side, key, *rest), _ in leaves:
+        if side.idx == 1:
+            name = (f"['{key.key}']" if key.key in params else
+                    f"['{star.get(inspect.Parameter.VAR_KEYWORD)}']['{key.key}']")
+        elif key.idx < len(positional):
+            name = f"['{positional[key.idx]}']"
+        else:
+            name = f"['{star.get(inspect.Parameter.VAR_POSITIONAL)}'][{key.idx - len(positional)}]"
+        names.append(name + pytree.keystr(tuple(rest)))
     dims = pytree._broadcast_to_and_flatten(batch_dims, spec)
     if dims is None:
         return None
+    batch = tuple(d % v.dim() if isinstance(v, torch.Tensor) and d is not None
+                  and -v.dim() <= d < v.dim() else None for (_, v), d in zip(leaves, dims))
+    return _InputSources(tuple("L" + name for name in names),
+                         tuple(re.sub(r"^\['([^']*)'\]", r"\1", name) for name in names), batch)
 
-    def free(value, dim):
-        if (not isinstance(value, torch.Tensor) or dim is None
-                or not -value.dim() <= dim < value.dim()):
-            return None
-        return {dim % value.dim(): torch.export.Dim.AUTO}
-    free_args, free_kwargs = pytree.tree_unflatten(list(map(free, values, dims)), spec)
-    try:
-        return inspect.signature(model.forward).bind(*free_args, **free_kwargs).arguments
-    except (TypeError, ValueError):
-        return None
+
+def _size_rules(program: torch.export.ExportedProgram,
+                sources: _InputSources | None) -> tuple[SizeRule, ...]:
+    """What the exported graph assumes of its inputs' free sizes, but of their batch sizes:
+    sizes that share a symbol are equal, a symbol's range (its lower bound only above 2: export
+    assumes no free size is 0 or 1, which the eager ops the graph runs do not need), and the
+    conditions the model's code added (`ExportedProgram._guards_code`, which torch turns into
+    the checks of `program.module()`)."""
+    if sources is None:
+        return ()
+    conditions, first = [], {}
+    inputs = program.graph_signature.user_inputs
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in inputs]
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is None or expr not in program.range_constraints:
+                continue
+            here = f"{sources.names[i]}.size()[{d}]"
+            if expr in first:
+                conditions.append(f"{here} == {first[expr]}")
+                continue
+            first[expr] = here
+            bounds = program.range_constraints[expr]
+            if bounds.lower != -int_oo and bounds.lower > 2:
+                conditions.append(f"{here} >= {int(bounds.lower)}")
+            if bounds.upper != int_oo:
+                conditions.append(f"{here} <= {int(bounds.upper)}")
+    conditions += [c for c in getattr(program, "_guards_code", [])   # a size fixed is a size
+                   if not re.fullmatch(r".*\.size\(\)\[\d+\] == \d+", c)]   # the signature checks
+    rules = [(sources.code(c), sources.show(c)) for c in dict.fromkeys(conditions)]
+    return tuple(SizeRule(code, shown) for code, shown in rules if code is not None)
+
+
+class _SizeFixes(TorchFunctionMode):
+    """Notes, while torch.export runs, the user's line where a free size became fixed: the
+    torch call during which the size's symbol was replaced by a number (`x.view(b, 32, -1)`
+    fixes the length to 32). A size fixed by Python comparing it outside a torch call is not
+    seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: dict[Any, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        fake = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+        env = fake.shape_env if fake is not None else None
+        before = set(env.replacements) if env is not None else set()
+        result = func(*args, **(kwargs or {}))
+        if env is not None and len(env.replacements) > len(before):
+            frame = user_frame()
+            for symbol in env.replacements.keys() - before:
+                if env.replacements[symbol].is_number and frame is not None:
+                    self.lines.setdefault(symbol, describe_frame(frame, "", one_line=True))
+        return result
+
+    def placeholder_dims(self, program: torch.export.ExportedProgram,
+                         sources: _InputSources | None) -> dict[tuple[int, int], str]:
+        """The lines noted, by (placeholder index, dimension) of the size each one fixed."""
+        env = next((n.meta["val"].fake_mode.shape_env for n in program.graph.nodes
+                    if isinstance(n.meta.get("val"), torch._subclasses.FakeTensor)), None)
+        if env is None or sources is None or not self.lines:
+            return {}
+        where = {}
+        for symbol, line in self.lines.items():
+            for source in env.var_to_sources.get(symbol, ()):
+                match = re.fullmatch(r"(.*)\.size\(\)\[(\d+)\]", source.name)
+                if match and match.group(1) in sources.names:
+                    where[sources.names.index(match.group(1)), int(match.group(2))] = line
+        return where
 
 
 def _readable(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
