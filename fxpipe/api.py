@@ -194,18 +194,26 @@ class Recipe:
     def materialize(self) -> Materialize | None:
         """The model's tensors read from `weights` by the model's first name for each (a tied
         tensor is read once, whichever module asks), for `fxpipe.passes.materialize`; None for
-        a model that holds its own values."""
+        a model that holds its own values. What no checkpoint holds (non-persistent buffers:
+        rotary `inv_freq`) is computed as the model initialises it (`Init`)."""
         if self.weights is None:
             return None
         first: dict[int, str] = {}
         for name, t in [*self.model.named_parameters(remove_duplicate=False),
                         *self.model.named_buffers(remove_duplicate=False)]:
             first.setdefault(id(t), name)
+        stored = set(self.model.state_dict(keep_vars=True))
         weights = self.weights
+        computed = weights if isinstance(weights, Init) else Init(self.model, seed=0)
 
         def read(like: Mapping[str, torch.Tensor], device: torch.device
                  ) -> dict[str, torch.Tensor]:
-            values = weights.read({first.get(id(t), name): t for name, t in like.items()}, device)
+            asked = {first.get(id(t), name): t for name, t in like.items()}
+            values = {}
+            for source, names in ((weights, [n for n in asked if n in stored]),
+                                  (computed, [n for n in asked if n not in stored])):
+                if names:
+                    values.update(source.read({n: asked[n] for n in names}, device))
             return {name: values[first.get(id(t), name)] for name, t in like.items()}
         return read
 

@@ -156,9 +156,12 @@ class _Safetensors(Weights):
         by_file: dict[Path, list[str]] = {}
         for name in like:
             by_file.setdefault(self.files[name], []).append(name)
-        # safetensors reads onto a CUDA device by its index ("cuda:0"), not a bare "cuda"
+        # safetensors names a CUDA device by its index ("cuda:0"), not a bare "cuda", and the
+        # CPU only as "cpu" (a plan's "cpu:1" is the same memory)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type == "cpu":
+            device = torch.device("cpu")
         out = {}
         for file, names in by_file.items():
             if not file.is_file():

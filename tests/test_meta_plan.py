@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -145,7 +144,6 @@ def test_the_plan_says_it_was_planned_from_meta_and_its_peak_memory(tmp_path):
 
 def test_a_small_llama_built_on_meta_plans_and_its_plan_runs_as_the_model():
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     from examples.zoo.hf import build_hf
     real, inputs = build_hf("llama", size="tiny", batch=4)
     with torch.device("meta"):
@@ -156,6 +154,26 @@ def test_a_small_llama_built_on_meta_plans_and_its_plan_runs_as_the_model():
     with torch.no_grad():
         torch.testing.assert_close(fxpipe.Pipeline(given_values(plan, values))(**inputs).logits,
                                    real(**inputs).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_llama_built_on_meta_plans_from_its_checkpoint_and_runs_from_it(tmp_path):
+    """The checkpoint holds what the model's state_dict holds: the rotary inv_freq, which it
+    lacks, is computed as the model initialises it, for planning and for running; stages on
+    "cpu:N" devices read safetensors onto the CPU."""
+    transformers = pytest.importorskip("transformers")
+    from examples.zoo.hf import build_hf
+    from fxpipe.weights import save_weights
+    real, inputs = build_hf("llama", size="tiny", batch=4)
+    save_weights(real.state_dict(), tmp_path / "ckpt")
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(real.config).eval()
+    plan = fxpipe.plan(meta, ["cpu:0", "cpu:1"], example_kwargs=inputs, chunks=2,
+                       weights=tmp_path / "ckpt")
+    assert plan.verified == "yes"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fxpipe.Pipeline(plan.with_weights(tmp_path / "ckpt", model=meta))(**inputs).logits,
+            real(**inputs).logits, rtol=1e-4, atol=1e-5)
 
 
 def layers():
@@ -189,7 +207,6 @@ def test_weights_missing_a_tensor_or_of_another_shape_are_refused_naming_it():
 
 def test_a_small_llama_built_on_meta_plans_on_the_values_it_initialises():
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     from examples.zoo.hf import build_hf
     real, inputs = build_hf("llama", size="tiny", batch=4)
     with torch.device("meta"):
