@@ -258,7 +258,7 @@ def measured(load: Callable[[], Any], name: str) -> dict[str, Any]:
         found["loaded"] = load()
         touch(found["loaded"].parameters())
         found["load_s"] = time.perf_counter() - start
-        with torch.no_grad():       # a checkpoint may be mapped lazily: use the weights
+        with torch.no_grad():
             found["output"] = found["loaded"](input_ids=ids)
     found["grew"] = peak_bytes(load_and_call)
     return found
