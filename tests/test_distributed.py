@@ -79,11 +79,26 @@ def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run",
     out.mkdir()
     code, text = torchrun([str(WORKER), str(plan), str(data), str(out), mode], processes,
                           {"FXPIPE_TIMEOUT": str(timeout)})
+    if ok and code != 0 and _aborted_at_exit(text, out):
+        # A known defect, intermittent and older than these tests (about 1 run in 8 of the
+        # recomputing 1F1B case on 2 ranks): a rank finishes its work, then aborts in the
+        # interpreter's finalization ("terminate called without an active exception", no
+        # Python frame). Launched once more; anything else fails at once.
+        for result in out.iterdir():
+            result.unlink()
+        code, text = torchrun([str(WORKER), str(plan), str(data), str(out), mode], processes,
+                              {"FXPIPE_TIMEOUT": str(timeout)})
     if ok:
         assert code == 0, text[-3000:]
     else:
         assert code != 0, text[-3000:]
     return text
+
+
+def _aborted_at_exit(text: str, out: Path) -> bool:
+    """Whether torchrun failed by a rank's abort at exit, no rank having failed before."""
+    return ("terminate called without an active exception" in text and
+            not any(out.glob("*.err")))
 
 
 class Tied(nn.Module):
