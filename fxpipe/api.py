@@ -90,8 +90,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     per micro-batch (see `fxpipe.reference`), in either mode, and the model's outputs on
     micro-batches against its output on the whole batch (in eval mode), which fails for a model
     that mixes samples across the batch. Outputs are compared within `verify_tolerance` of each
-    output's largest magnitude (default: 16 float epsilons), as rounding differs with the
-    number of threads. Checking leaves the model, its buffers and the random generators as they
+    output's largest magnitude (default: 16 float epsilons, as rounding differs with the
+    number of threads; where a GPU may compute float32 in TF32, 4 times the model's own
+    rounding, measured against float64: `checks.rounding_tolerance`). Checking leaves the model, its buffers and the random generators as they
     were. The pipeline follows `.train()` and `.eval()`, capturing the model again in the other
     mode when its graph depends on the mode.
 
@@ -327,7 +328,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                                                o.verify_tolerance, _inputs_device(recipe))
     else:
         reference = reference_of(model if held is None else holding(model, held), recipe,
-                                 config.chunks, o.verify, o.verify_tolerance)
+                                 config.chunks, o.verify, o.verify_tolerance,
+                                 [d.name for d in specs])
     stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs],
                           placed=recipe.placed)
     held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own

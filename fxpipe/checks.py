@@ -77,18 +77,23 @@ class Reference:
     expected: Any = None
     verify: bool = False
     random: bool = False
+    tolerance: float | None = None      # the one asked, or widened by `rounding_tolerance`
 
 
 def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
-                 tolerance: float | None) -> Reference:
+                 tolerance: float | None, devices: Sequence[str] = ()) -> Reference:
     """The model's runs that compile's checks need, all made before any of its tensors is
     placed on a stage device: each output's batch dimension, the micro-batch check
     (`_check_batch_independent`), and with `verify` the outputs the pipeline must reproduce
-    (see `fxpipe.reference`). On copies of the example, from fixed seeds; the model's buffers
-    and the caller's random state are left as they were."""
+    (see `fxpipe.reference`), compared within `tolerance` or, where the stages' `devices` or the
+    model's may compute float32 in TF32, the model's own rounding (`rounding_tolerance`). On
+    copies of the example, from fixed seeds; the model's buffers and the caller's random state
+    are left as they were."""
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     if chunks == 1 and not verify:
         return Reference(None)
+    if verify and tolerance is None:
+        tolerance = rounding_tolerance(model, args, kwargs, devices)
     with unchanged(model):
         torch.manual_seed(0)
         seeds = microbatch_seeds(chunks)        # those the pipeline draws after manual_seed(0)
@@ -106,7 +111,7 @@ def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
     random = _draws_random_numbers(model, args, kwargs)
     if chunks > 1:
         _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts, random)
-    return Reference(output_dims, microbatch.merge(parts, output_dims), True, random)
+    return Reference(output_dims, microbatch.merge(parts, output_dims), True, random, tolerance)
 
 
 def verify(plan: Plan, recipe: Recipe, reference: Reference,
@@ -121,7 +126,8 @@ def verify(plan: Plan, recipe: Recipe, reference: Reference,
     with unchanged(plan.graph), runtime.in_order():
         torch.manual_seed(0)
         actual = call_stages(plan, runtime, copied(recipe.args), copied(recipe.kwargs))
-    problem = difference(actual, reference.expected, tolerance)
+    problem = difference(actual, reference.expected,
+                         tolerance if reference.tolerance is None else reference.tolerance)
     if problem and reference.random:
         raise VerificationError(
             f"the pipeline differs from the model run once per micro-batch under the same seeds: "
@@ -135,6 +141,66 @@ def verify(plan: Plan, recipe: Recipe, reference: Reference,
             f"verify_tolerance= (a tolerance relative to each output's largest value) or skip it "
             f"with verify=False; otherwise this is a bug in fxpipe: please report it with the "
             f"model")
+
+
+def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
+                       devices: Sequence[str] = ()) -> float | None:
+    """The tolerance the float32 model's own rounding calls for where a GPU computes float32 in
+    reduced precision (the model's or its inputs' GPU, else the first GPU in `devices`, those
+    of the stages), or None (then 16 epsilons of each output's dtype, `difference`).
+
+    With TF32 allowed (`torch.backends.cudnn.allow_tf32`, on by default for convolutions, or
+    `torch.backends.cuda.matmul.allow_tf32`), a GPU rounds float32 products to 10 bits, and a
+    run on micro-batches, on other kernels or on another device differs from the model's run by
+    far more than float32's epsilons. How far is measured, not guessed: the model in eval mode
+    on the example, in float32 on that GPU, against the same in float64 where the model is
+    (never reduced); two runs that differ only in rounding are each that far from the exact
+    values, so the tolerance is 4 times the largest relative error. Where the float64 run fails
+    (code that fixes a dtype), or gives no float32 output, None.
+    """
+    tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *model.parameters(),
+                           *model.buffers()] if isinstance(t, torch.Tensor)]
+    gpu = next((t.device for t in tensors if t.device.type == "cuda"),
+               next((torch.device(d) for d in devices if torch.device(d).type == "cuda"), None))
+    if any(t.device.type == "meta" for t in tensors) or not _reduced_float32(tensors, gpu):
+        return None
+    inner, values = (model.model, model.values) if isinstance(model, _Holding) else (model, {})
+    state = {**dict([*inner.named_parameters(), *inner.named_buffers()]), **values}
+    double = lambda v: (v.detach().double() if isinstance(v, torch.Tensor)  # noqa: E731
+                        and v.dtype == torch.float32 else v)
+    onto = lambda v: (v.to(gpu) if isinstance(v, torch.Tensor) and gpu is not None  # noqa: E731
+                      else v)
+    flags = {m: m.training for m in inner.modules()}
+    try:
+        inner.eval()
+        with unchanged(inner):
+            torch.manual_seed(0)
+            rounded = torch.func.functional_call(
+                inner, {n: onto(t) for n, t in state.items()},
+                pytree.tree_map(onto, copied(args)), pytree.tree_map(onto, copied(kwargs)))
+            torch.manual_seed(0)
+            exact = torch.func.functional_call(
+                inner, {n: double(t) for n, t in state.items()},
+                pytree.tree_map(double, copied(args)), pytree.tree_map(double, copied(kwargs)))
+    except Exception:       # the model cannot run in float64: no measure of its rounding
+        return None
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    errors = [((r.double() - e.to(r.device)).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+              for r, e in zip(pytree.tree_leaves(rounded), pytree.tree_leaves(exact))
+              if isinstance(r, torch.Tensor) and r.dtype == torch.float32
+              and isinstance(e, torch.Tensor) and e.dtype == torch.float64 and r.numel()]
+    if not errors:
+        return None
+    return max(16 * torch.finfo(torch.float32).eps, 4 * max(errors))
+
+
+def _reduced_float32(tensors: Sequence[torch.Tensor], gpu: torch.device | None) -> bool:
+    """Whether the float32 work among `tensors` may run in TF32 on `gpu`: there is a GPU and
+    float32 work, and torch lets convolutions or matrix products there use TF32."""
+    return gpu is not None and any(t.dtype == torch.float32 for t in tensors) and \
+        (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32)
 
 
 def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],

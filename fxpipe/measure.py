@@ -151,8 +151,9 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     engine walking the whole graph, gradients accumulated across nodes), and adds what timing a
     node costs: the graph run whole measures what a stage will see. The median of `repeats` runs
     after a warm-up, on `device` (default: where `gm`'s parameters are; a copy placed there
-    where `gm` is elsewhere), timed as the nodes were (`start_timer`: CUDA events on a GPU);
-    buffers and random generators are left as they were.
+    where `gm` is elsewhere), by the host's clock until the device's work is done (on a GPU the
+    nodes' CUDA events time kernels alone; the graph's launches, which a small batch waits on,
+    count here); buffers and random generators are left as they were.
 
     A graph holding meta tensors (planned from the meta device) is not calibrated: factors 1,
     the nodes' own times stand. Its whole run would time drawing every node's weights with the
@@ -174,7 +175,7 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     with unchanged_state(measured), torch.random.fork_rng(devices=[]), microbatch_seed(0):
         for _ in range(repeats + 1):
             fresh = copied(inputs)
-            elapsed_s = start_timer(device)
+            elapsed_s = start_timer(device, wall=True)
             with torch.set_grad_enabled(training and bool(params)):
                 out = run(*fresh)
                 forward_s.append(elapsed_s())

@@ -110,7 +110,8 @@ def dependencies(action: Action, reads_from: Mapping[int, Sequence[int]],
 def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
              reads_from: Mapping[int, Sequence[int]], *,
              message_s: Callable[[Action, Action], float] = lambda a, b: 0.0,
-             cores: float | None = None, demand: Sequence[float] = ()) -> list[Slot]:
+             cores: float | None = None, demand: Sequence[float] = (),
+             pools: Sequence[tuple[float, Sequence[float]]] = ()) -> list[Slot]:
     """Run the timetable on an ideal machine: each stage does its actions in order, each action
     starts when its stage is free and its dependencies have finished (plus `message_s` for a
     dependency on another stage). Raises if the timetable deadlocks, showing where.
@@ -118,14 +119,18 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
     `duration_s` is an action's time with the cores it asks for. With `cores`, stage `s` asks
     for `demand[s]` of them (its intra-op threads; a GPU stage's launching thread): while the
     running actions ask for more than there are, they share them, each progressing at
-    `cores / asked` of its speed (processor sharing, as the OS time-slices threads).
+    `cores / asked` of its speed (processor sharing, as the OS time-slices threads). `pools`
+    are more resources shared alike, each a capacity and every stage's demand on it (a GPU that
+    several stages run on: capacity 1, demand 1 each); an action progresses at the smallest of
+    its pools' shares.
     """
     read_by: dict[int, list[int]] = {}
     for s, sources in reads_from.items():
         for p in sources:
             read_by.setdefault(p, []).append(s)
-    if cores is not None and sum(demand) > cores:
-        return _shared(timetable, duration_s, reads_from, read_by, message_s, cores, demand)
+    pools = [*([(cores, demand)] if cores is not None else []), *pools]
+    if any(sum(asks) > capacity for capacity, asks in pools):
+        return _shared(timetable, duration_s, reads_from, read_by, message_s, pools)
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
     free_at = [0.0] * len(timetable)
@@ -156,10 +161,11 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
 
 def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             reads_from: Mapping[int, Sequence[int]], read_by: Mapping[int, Sequence[int]],
-            message_s: Callable[[Action, Action], float], cores: float,
-            demand: Sequence[float]) -> list[Slot]:
-    """`simulate` on cores the stages share: events are an action's start and its end, and
-    between two events every running action progresses at its share of the cores."""
+            message_s: Callable[[Action, Action], float],
+            pools: Sequence[tuple[float, Sequence[float]]]) -> list[Slot]:
+    """`simulate` on resources the stages share: events are an action's start and its end, and
+    between two events every running action progresses at its smallest share of the pools it
+    asks of."""
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
     running: dict[int, list] = {}       # stage -> [action, start_s, work left in seconds]
@@ -192,8 +198,10 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
                                     f"(first blocked: {stuck})\n"
                                     f"{format_timetable(timetable, stuck)}")
             return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
-        asked = sum(demand[s] for s in running)
-        rate = {s: min(1.0, cores / asked) if demand[s] > 0 else 1.0 for s in running}
+        shares = [min(1.0, capacity / max(sum(asks[s] for s in running), 1e-30))
+                  for capacity, asks in pools]
+        rate = {s: min([share for share, (_, asks) in zip(shares, pools) if asks[s] > 0],
+                       default=1.0) for s in running}
         step = min([left / rate[s] for s, (_, _, left) in running.items()] +
                    [w - now for w in waits])
         now += step

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
+import torch
 import torch.fx as fx
 
 from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn, Memory, cost_graph
@@ -102,20 +103,31 @@ def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
     """The timeline the cost model predicts for one step (a call, or a `train_step`): the
     timetable the runtime would execute, each forward action taking its stage's
     `forward_step_s` and each backward action its `backward_step_s`. With `cores`, CPU stages
-    whose threads add up to more share them while they run at once (`simulate`)."""
+    whose threads add up to more share them while they run at once; stages on one GPU always
+    share it (`simulate`)."""
     k = part.num_stages
     timetable = (timetable_for(schedule, k, chunks, backward=True) if training
                  else gpipe(k, chunks))
     return simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
                                           if a.phase is Phase.FORWARD
                                           else part.stages[a.stage].backward_step_s),
-                    reads_from, cores=cores, demand=cpu_demand(part.devices))
+                    reads_from, cores=cores, demand=cpu_demand(part.devices),
+                    pools=gpu_pools(part.devices))
 
 
 def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
     """The cores each stage's device asks for: a CPU stage's intra-op threads; a GPU stage one,
     for the thread that launches its kernels (starved of a core, it leaves its GPU idle)."""
     return [(d.threads or 1) if is_cpu(d.name) else 1 for d in devices]
+
+
+def gpu_pools(devices: Sequence[DeviceSpec]) -> list[tuple[float, list[int]]]:
+    """Each GPU that several stages run on, as a pool they share (`simulate`): their kernels
+    queue on one device, so two stages there overlap their launches but not their work."""
+    names = [torch.device(d.name) for d in devices]
+    return [(1.0, [int(n == gpu) for n in names])
+            for gpu in dict.fromkeys(n for n in names if n.type == "cuda")
+            if names.count(gpu) > 1]
 
 
 def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,

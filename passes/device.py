@@ -49,11 +49,21 @@ def synchronize(*devices: torch.device) -> None:
             torch.cuda.synchronize(device)
 
 
-def start_timer(device: torch.device) -> Callable[[], float]:
+def start_timer(device: torch.device, *, wall: bool = False) -> Callable[[], float]:
     """Start timing the work done on `device` from now on; the function returned waits for that
     work and says its seconds. On a GPU, CUDA events on the device's current stream time the
     GPU's own work, not the host's launches (which run ahead of it); elsewhere, the host's clock.
+    With `wall`, a GPU too is timed by the host's clock, from the device idle to its work done:
+    launches and kernels together, what a run takes where launching costs more than computing.
     """
+    if wall and is_gpu(device):
+        synchronize(device)
+        start = time.perf_counter()
+
+        def waited_s() -> float:
+            synchronize(device)
+            return time.perf_counter() - start
+        return waited_s
     if not is_gpu(device):
         start = time.perf_counter()
         return lambda: time.perf_counter() - start

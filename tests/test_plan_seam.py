@@ -99,8 +99,11 @@ def test_a_plan_prints_as_the_pipeline_compiled_with_it():
     assert text.endswith("outputs checked against the model: yes")
     assert str(fxpipe.Pipeline(plan).plan) == text
     compiled = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2).plan
-    assert [line.split()[0] for line in str(compiled).splitlines()] == \
-        [line.split()[0] for line in text.splitlines()]
+
+    def shape(plan_text):       # warnings follow this run's timings (a loaded machine adds some)
+        return [line.split()[0] for line in plan_text.splitlines()
+                if not line.startswith("warning:")]
+    assert shape(str(compiled)) == shape(text)
     assert compiled.output_dims == plan.output_dims == (0,)
 
 

@@ -99,6 +99,17 @@ def test_stages_asking_for_more_cores_than_there_are_share_them():
                                          demand=[1, 1])) == 2.0
 
 
+def test_stages_on_one_gpu_share_it_while_the_cores_have_room():
+    # Two stages of 1 s per micro-batch on one GPU, 4 micro-batches through a chain: alone they
+    # would overlap (5 s); sharing the GPU, its 8 s of work end at 8 s. On two GPUs, 5 s.
+    one_gpu, two_gpus = [(1.0, [1, 1])], [(1.0, [1, 0]), (1.0, [0, 1])]
+    assert max(s.end_s for s in simulate(gpipe(2, 4), lambda a: 1.0, chain(2))) == 5.0
+    assert max(s.end_s for s in simulate(gpipe(2, 4), lambda a: 1.0, chain(2), cores=8,
+                                         demand=[1, 1], pools=one_gpu)) == pytest.approx(8.0)
+    assert max(s.end_s for s in simulate(gpipe(2, 4), lambda a: 1.0, chain(2), cores=8,
+                                         demand=[1, 1], pools=two_gpus)) == 5.0
+
+
 @given(st.integers(1, 5), st.integers(1, 8), st.sampled_from(["gpipe", "1f1b"]),
        st.lists(st.integers(1, 9), min_size=5, max_size=5), st.integers(1, 6))
 def test_shared_cores_slow_a_timetable_at_most_to_running_it_on_one_core(k, m, schedule,

@@ -170,3 +170,9 @@ def test_a_gpu_stage_keeps_a_core_for_the_thread_that_launches_its_kernels():
     assert search.stage_threads(devices, 3, cores=8, fixed=None) == 3
     assert search.stage_threads(devices, 2, cores=8, fixed=None) == 4
     assert search.cpu_demand([DeviceSpec("cpu", threads=3), DeviceSpec("cuda:0")]) == [3, 1]
+
+
+def test_stages_on_one_gpu_are_one_pool_and_a_gpu_alone_none():
+    devices = [DeviceSpec("cuda:0"), CPU, DeviceSpec("cuda:1"), DeviceSpec("cuda:0")]
+    assert search.gpu_pools(devices) == [(1.0, [1, 0, 0, 1])]
+    assert search.gpu_pools([DeviceSpec("cuda:0"), DeviceSpec("cuda:1"), CPU]) == []

@@ -24,8 +24,9 @@ waiting thread. All workers stop within one action, `_workers` joins them whatev
 the caller gets the first `StageError`, naming the stage, the micro-batch and the statement that
 failed (or its own `KeyboardInterrupt`). The driver waits with timeouts, so a signal reaches it
 while it waits. `Run` records the actions that finished, for a failed run too. A GPU stage's
-actions are recorded as the GPU ran them (CUDA events on its stream, read once the run's work is
-done), not as the host launched them.
+actions are recorded as the GPU ran them (CUDA events on its stream), not as the host launched
+them; the events are read when the record is first read, so a call returns as soon as its work is
+queued, as the model's own call does, and the host never waits per micro-batch.
 """
 
 from __future__ import annotations
@@ -58,13 +59,37 @@ class Run:
     """What the latest run did, action by action (seconds from its start), for reports and traces.
 
     A run that stopped early keeps the actions that finished, and `error` says what stopped it.
+    A GPU stage's actions are read off their CUDA events when `slots` is first read, which waits
+    for that work (`gpu_done`).
     """
 
-    slots: list[Slot] = field(default_factory=list)
     wall_s: float = 0.0
     num_stages: int = 0
     error: str | None = None
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
+    _slots: list[Slot] = field(default_factory=list, repr=False)
+    # GPU actions not read yet: (action, seconds at its stream's origin event, that event,
+    # the events before and after the action), all on one stream per stage.
+    _gpu: list[tuple] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Every action that finished, by start time."""
+        if self._gpu:
+            pending, self._gpu = self._gpu, []
+            last = {id(origin): ended for _, _, origin, _, ended in pending}
+            for ended in last.values():     # a stream's events complete in order
+                ended.synchronize()
+            self._slots += [Slot(action, start_s + origin.elapsed_time(began) / 1e3,
+                                 start_s + origin.elapsed_time(ended) / 1e3)
+                            for action, start_s, origin, began, ended in pending]
+            self._slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
+        return self._slots
+
+    def gpu_done(self, action: Action, start_s: float, origin: torch.cuda.Event,
+                 began: torch.cuda.Event, ended: torch.cuda.Event) -> None:
+        """Record a GPU action by its events, read later (see `slots`)."""
+        self._gpu.append((action, start_s, origin, began, ended))
 
     @property
     def failed(self) -> bool:
@@ -76,7 +101,7 @@ class Run:
 
     def done(self, action: Action, began: float) -> None:
         """Record `action`, which began at `began` (its inputs arrived) and just finished."""
-        self.slots.append(Slot(action, began, self.clock()))
+        self._slots.append(Slot(action, began, self.clock()))
 
 
 class Runtime:
@@ -267,10 +292,8 @@ class _Execution(_Rows):
         self.executors = [self.executor(stage) for stage in runtime.stages]
         self.record = Run(num_stages=len(runtime.stages))
         # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
-        # there as the run starts: (seconds at that start, its event) per stage; (action, event
-        # before, event after) per action done.
+        # there as the run starts: (seconds at that start, its event) per stage.
         self.origins: dict[int, tuple[float, torch.cuda.Event]] = {}
-        self.gpu_slots: list[tuple[Action, torch.cuda.Event, torch.cuda.Event]] = []
 
     def executor(self, stage: Stage) -> StageExecutor:
         """`stage`'s executor for this run, made on the caller's thread to capture its modes."""
@@ -310,8 +333,6 @@ class _Execution(_Rows):
                 outputs = self.collect()
                 for t in threads:      # a signal must reach this thread while it waits
                     t.wait()
-                if not self.errors:
-                    self.time_gpu_slots()
         except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
             self.record.error = f"{type(e).__name__} in the caller's thread"
             raise
@@ -319,7 +340,7 @@ class _Execution(_Rows):
             for executor in self.executors:
                 executor.make_caller_wait()
             self.record.wall_s = self.record.clock()
-            self.record.slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
+            self.record._slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         if self.errors:
             self.record.error = str(self.errors[0])
             raise self.errors[0] from self.errors[0].__cause__
@@ -353,18 +374,10 @@ class _Execution(_Rows):
         stream = executor.stream
         clock, done = (self.record.clock, self.record.done) if stream is None else (
             lambda: _event(stream),
-            lambda action, began: self.gpu_slots.append((action, began, _event(stream))))
+            lambda action, began: self.record.gpu_done(action, *self.origins[index], began,
+                                                       _event(stream)))
         self.walk(StageRow(executor, self.timetable[index], self.flow, self.transport),
                   clock=clock, done=done)
-
-    def time_gpu_slots(self) -> None:
-        """The GPU stages' slots, read off their events once the GPU has done that work: the
-        time each action took on the GPU, where the host only launched it."""
-        for action, began, ended in self.gpu_slots:
-            start_s, origin = self.origins[action.stage]
-            ended.synchronize()
-            self.record.slots.append(Slot(action, start_s + origin.elapsed_time(began) / 1e3,
-                                          start_s + origin.elapsed_time(ended) / 1e3))
 
 
 

@@ -103,3 +103,34 @@ def test_the_calibration_of_two_gpus_agrees():
         _, _, pipe = compiled_on([device], num_stages=1, verify=False)
         times.append(pipe.plan.partition.stages[0].compute_s)
     assert max(times) <= 2 * min(times), times
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(c, 32, 3, padding=1), nn.ReLU())
+                                    for c in (3, 32, 32, 32)])
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("where", ["cuda:0", "cpu"])
+def test_a_float32_model_the_gpu_runs_in_tf32_compiles_and_equals_its_microbatches(where):
+    """cuDNN runs float32 convolutions in TF32 by default: micro-batches (and a GPU against the
+    model's CPU) round otherwise than the whole batch, by the model's own rounding, which the
+    checks measure against float64 instead of refusing the model as mixing samples."""
+    torch.manual_seed(0)
+    model, x = ConvNet().to(where).eval(), torch.randn(32, 3, 16, 16, device=where)
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        pipe = fxpipe.compile(model, ["cuda:0"] * 2, (x,), chunks=4)
+        with torch.no_grad():
+            got = pipe(x.cuda()).to(where)
+            expected = torch.cat([model(part) for part in x.chunk(4)])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+    assert "checked against the model: yes" in str(pipe.plan)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-3)
