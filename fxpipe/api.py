@@ -376,8 +376,7 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[i
     to build, why, and all those considered (the model as is last, when it was one)."""
     o = recipe.options
     specs, link, num_stages = o.devices, recipe.link, o.num_stages
-    stage_counts = (range(1, len(specs) + 1) if num_stages == "auto" else
-                    [num_stages or len(specs)])
+    stage_counts = search.stage_counts(specs, num_stages)
     schedules = list(search.SCHEDULES if o.schedule == "auto" and training else
                      ["gpipe" if o.schedule == "auto" else o.schedule])
     cores = os.cpu_count() or 1

@@ -94,10 +94,10 @@ class Pipeline(nn.Module):
         return list(self._stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_model()
         model = self._as_is()
-        if model is not None:      # the model's own forward: every hook fires
+        if model is not None:      # the model's own forward, as it is now: every hook fires
             return self._run_as_is(model, args, kwargs)
+        self._check_model()
         self._check_hooks()
         return call_stages(self.plan, self._runtime, args, kwargs)
 

@@ -121,6 +121,17 @@ def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
     return [(d.threads or 1) if is_cpu(d.name) else 1 for d in devices]
 
 
+def stage_counts(specs: Sequence[DeviceSpec], num_stages: int | str | None) -> list[int]:
+    """The stage counts to consider: the one asked for (None: every device), or with "auto"
+    each count whose stages (the first devices) put no two on one GPU. Stages on one GPU share
+    its work (`gpu_pools`) and gain at most the overlap of their launches, which their threads
+    contend for under the GIL; measured on an H100 (`benchmarks/gpu.py`), two stages on it ran
+    at 0.09x to 0.6x of the model, so "auto" never weighs them; asked for, they run."""
+    if num_stages != "auto":
+        return [num_stages or len(specs)]
+    return [k for k in range(1, len(specs) + 1) if not gpu_pools(specs[:k])]
+
+
 def gpu_pools(devices: Sequence[DeviceSpec]) -> list[tuple[float, list[int]]]:
     """Each GPU that several stages run on, as a pool they share (`simulate`): their kernels
     queue on one device, so two stages there overlap their launches but not their work."""

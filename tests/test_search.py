@@ -172,6 +172,15 @@ def test_a_gpu_stage_keeps_a_core_for_the_thread_that_launches_its_kernels():
     assert search.cpu_demand([DeviceSpec("cpu", threads=3), DeviceSpec("cuda:0")]) == [3, 1]
 
 
+def test_auto_never_weighs_two_stages_on_one_gpu_and_a_fixed_count_is_kept():
+    gpu0, gpu1 = DeviceSpec("cuda:0"), DeviceSpec("cuda:1")
+    assert search.stage_counts([gpu0, gpu0], "auto") == [1]
+    assert search.stage_counts([gpu0, CPU, gpu1, gpu0], "auto") == [1, 2, 3]
+    assert search.stage_counts([CPU] * 3, "auto") == [1, 2, 3]
+    assert search.stage_counts([gpu0, gpu0], 2) == [2]
+    assert search.stage_counts([gpu0, gpu0], None) == [2]
+
+
 def test_stages_on_one_gpu_are_one_pool_and_a_gpu_alone_none():
     devices = [DeviceSpec("cuda:0"), CPU, DeviceSpec("cuda:1"), DeviceSpec("cuda:0")]
     assert search.gpu_pools(devices) == [(1.0, [1, 0, 0, 1])]
