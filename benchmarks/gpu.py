@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 from tabulate import tabulate
 from torch import nn
 
 import fxpipe
+from benchmarks.pipeline_throughput import side_by_side
 from benchmarks.predict import Block
 from examples.zoo import build as zoo
 
@@ -44,19 +43,6 @@ def synced(fn):
         fn()
         torch.cuda.synchronize()
     return run
-
-
-def side_by_side(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, timed in interleaved rounds so drift hits all alike."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 CONFIGS = {
