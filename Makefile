@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-all bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -q -m "slow or not slow"
 
 # Each benchmark runs as a module from the repository root, where it imports `benchmarks` and
 # `examples` as packages.

@@ -26,7 +26,7 @@ def case(request):
     return request.param, *build_hf(request.param, size="tiny", batch=4)
 
 
-@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_pipeline_matches_outputs_and_gradients(case, stages):
     name, model, inputs = case
     pipe = assert_pipeline_matches(model, (), inputs, devices=["cpu"] * stages, chunks=2,

@@ -28,7 +28,7 @@ def case(name: str) -> ZooCase:
     return _cases[name]
 
 
-@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 @pytest.mark.parametrize("name", NAMES)
 def test_zoo_model_pipeline_matches_outputs_and_gradients(name, stages):
     c = case(name)
@@ -42,7 +42,7 @@ def test_zoo_model_pipeline_matches_outputs_and_gradients(name, stages):
         assert capture.method == "fx"
 
 
-@pytest.mark.parametrize("stages", [2, 8])
+@pytest.mark.parametrize("stages", [2, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", NAMES)
 def test_zoo_model_captured_by_export_matches_outputs_and_gradients(name, stages):
     c = case(name)
