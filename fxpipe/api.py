@@ -37,7 +37,7 @@ from fxpipe.passes.trace import CaptureMode, trace, without_cache
 from . import microbatch, search
 from .checks import holding, meta_reference, reference_of, streamed_stages, verify
 from .devices import DeviceLike, measure_links
-from .measure import Costs, time_unpipelined
+from .measure import Costs, race, time_unpipelined
 from .options import BatchDims, Options, input_dims, placeholder_dims
 from .pipeline import Pipeline, carry_values
 from .plan_data import Plan, make_plan, peak_rss_bytes
@@ -300,10 +300,11 @@ def _weights_of(model: nn.Module, spec: Any) -> Any:
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
-           held: nn.Module | None = None) -> Plan:
+           held: nn.Module | None = None, *, pipelines: bool = True) -> Plan:
     """The passes after capture, on `model` in its current mode, then the checks: the complete
     plan, before any Pipeline exists. With `held` (the other mode's pipeline's tensors), the
-    stages compute with its values, and the model it is checked against too (`holding`)."""
+    stages compute with its values, and the model it is checked against too (`holding`).
+    Without `pipelines`, only the model as is is weighed (see `_raced`)."""
     o = recipe.options
     training = model.training if o.training is None else o.training
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
@@ -315,7 +316,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     functionalize(gm, copied(first_args), copied(first_kwargs), materialize=materialize)
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
     costs = Costs(gm, recipe, training)
-    chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s)
+    chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s,
+                                         pipelines)
     config = chosen.config
     specs = chosen.partition.devices
     costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
@@ -361,7 +363,32 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     # The model as is runs the model's own ops, so it takes the model's time.
     predicted_s = (unpipelined_s if plan.runs_as_is else
                    max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
-    return replace(plan, predicted_step_s=predicted_s)
+    plan = replace(plan, predicted_step_s=predicted_s)
+    weighed_as_is = o.num_stages == "auto" and bool(considered) and \
+        considered[-1].config == search.as_is_config(considered[-1].config.schedule)
+    # Raced in this process: not a plan priced for another runtime (gloo ranks, your links).
+    in_process = o.link_name in ("default", "measure")
+    if pipelines and weighed_as_is and in_process and not training and not plan.runs_as_is:
+        return _raced(plan, model if held is None else holding(model, held), recipe, held)
+    return plan
+
+
+def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None) -> Plan:
+    """An inference pipeline chosen over the model as is on its prediction, kept only where it
+    is measured faster: both run on the example in interleaved rounds (`measure.race`), and
+    each one's least time counts, the least disturbed by other work on the machine (the model's
+    all-core run is the first a busy core slows). Where the pipeline is not faster by over
+    `search.TIE`, the plan is made again weighing the model as is alone, on the costs measured."""
+    pipeline_s, model_s, rounds = race(plan, model, recipe)
+    measured = (f"{plan.chosen} measured {pipeline_s * 1e3:.3f} ms, the model "
+                f"{model_s * 1e3:.3f} ms (the least of {rounds} interleaved runs each; predicted "
+                f"{plan.predicted_step_s * 1e3:.3f} ms)")
+    if pipeline_s < model_s * (1 - search.TIE):
+        return replace(plan, reason=f"{plan.reason}; {measured}")
+    again = replace(recipe, options=replace(recipe.options, costs=plan))
+    as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False)
+    return replace(as_is, considered=plan.considered, chosen=plan.considered[-1],
+                   reason=f"no pipeline is measured faster than the model run whole: {measured}")
 
 
 def _inputs_device(recipe: Recipe) -> torch.device:
@@ -370,19 +397,20 @@ def _inputs_device(recipe: Recipe) -> torch.device:
 
 
 def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[int],
-            unpipelined_s: float | None
+            unpipelined_s: float | None, pipelines: bool = True
             ) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
     """Every configuration the options leave open, costed, partitioned and predicted; the one
-    to build, why, and all those considered (the model as is last, when it was one)."""
+    to build, why, and all those considered (the model as is last, when it was one). Without
+    `pipelines`, the model as is alone."""
     o = recipe.options
     specs, link, num_stages = o.devices, recipe.link, o.num_stages
-    stage_counts = search.stage_counts(specs, num_stages)
+    stage_counts = search.stage_counts(specs, num_stages) if pipelines else []
     schedules = list(search.SCHEDULES if o.schedule == "auto" and training else
                      ["gpipe" if o.schedule == "auto" else o.schedule])
     cores = os.cpu_count() or 1
     memory = Memory(training=training, optimizer_state=o.optimizer_state,
                     recompute=o.recompute)
-    as_is_config = search.Config(1, 1, schedules[0], torch.get_num_threads())
+    as_is_config = search.as_is_config(schedules[0])
     candidates = []
     for k in stage_counts:
         threads = search.stage_threads(specs, k, cores, o.threads_per_stage)

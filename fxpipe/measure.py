@@ -32,7 +32,8 @@ from fxpipe.passes.state import unchanged_state
 
 from . import microbatch, search
 from .devices import shared_memory, synchronize
-from .plan_data import Measurement
+from .pipeline import call_stages, runtime_of
+from .plan_data import Measurement, Plan
 from .reference import copied, unchanged
 
 if TYPE_CHECKING:
@@ -242,3 +243,37 @@ def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
             synchronize(*devices)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 7,
+         budget_s: float = 2.0) -> tuple[float, float, int]:
+    """The plan's pipeline (a call, as `Pipeline.forward` makes it: `call_stages`) and the model
+    run whole, on the example, timed in interleaved rounds (the order alternating) after one
+    warm-up each: the least time of each, and the rounds run (`rounds`, or fewer, at least 3,
+    once `budget_s` is spent). Each run ends with its devices' work done. Without gradients or
+    side effects: the model's and the stages' buffers and the random generators are restored."""
+    runtime = runtime_of(plan)
+    args, kwargs = recipe.args, recipe.kwargs
+    devices = {t.device for t in [*model.parameters(), *model.buffers(), *tensors((args, kwargs))]}
+    devices |= {torch.device(stage.device) for stage in plan.stages}
+
+    def pipeline() -> None:
+        call_stages(plan, runtime, copied(args), copied(kwargs))
+
+    def whole() -> None:
+        model(*copied(args), **copied(kwargs))
+    times: dict[Callable, list[float]] = {pipeline: [], whole: []}
+    with unchanged(model), unchanged(plan.graph):
+        pipeline()
+        whole()
+        start = time.perf_counter()
+        for r in range(rounds):
+            for run in (pipeline, whole) if r % 2 == 0 else (whole, pipeline):
+                synchronize(*devices)
+                began = time.perf_counter()
+                run()
+                synchronize(*devices)
+                times[run].append(time.perf_counter() - began)
+            if r >= 2 and time.perf_counter() - start > budget_s:
+                break
+    return min(times[pipeline]), min(times[whole]), len(times[whole])

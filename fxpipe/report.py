@@ -144,7 +144,8 @@ def _comparison(plan: Plan) -> list[str]:
     model = (f"{plan.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
              f"{_count(plan.unpipelined_threads, 'thread')})")
     if plan.runs_as_is:
-        return [f"per batch: the model as is, {model}: no pipeline was predicted faster, "
+        how = "measured" if plan.reason.startswith("no pipeline is measured") else "predicted"
+        return [f"per batch: the model as is, {model}: no pipeline was {how} faster, "
                 f"so the one stage runs the whole batch on the caller's thread"]
     lines = [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
              f"unpipelined {model}: {plan.speedup:.2f}x"]

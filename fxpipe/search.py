@@ -121,6 +121,11 @@ def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
     return [(d.threads or 1) if is_cpu(d.name) else 1 for d in devices]
 
 
+def as_is_config(schedule: str = "gpipe") -> Config:
+    """The model as it is: one stage, the whole batch, the caller's threads."""
+    return Config(1, 1, schedule, torch.get_num_threads())
+
+
 def stage_counts(specs: Sequence[DeviceSpec], num_stages: int | str | None) -> list[int]:
     """The stage counts to consider: the one asked for (None: every device), or with "auto"
     each count whose stages (the first devices) put no two on one GPU. Stages on one GPU share

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fxpipe import measure
+from fxpipe import api, measure
 from fxpipe.passes.cost_model import NodeCost
 
 # Two cores: one intra-op thread keeps pipeline stages from fighting over them.
@@ -43,7 +43,8 @@ def scripted_costs(monkeypatch):
     """Node costs set by hand where compile measures them, as `annotate_costs` would leave them:
     every computing node 1 ms (forward, and backward in training), the nodes named in the
     returned dict their own ms (a name matches every node whose name starts with it); costs not
-    scaled by calibration. No timing is then asserted, and plans do not depend on the load."""
+    scaled by calibration; an inference pipeline raced against the model as is runs in its
+    predicted time. No timing is then asserted, and plans do not depend on the load."""
     heavy: dict[str, float] = {}
 
     def annotate(gm, *args, backward=False, **kwargs):
@@ -57,4 +58,6 @@ def scripted_costs(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
+    monkeypatch.setattr(api, "race", lambda plan, model, recipe: (
+        plan.predicted_step_s, plan.unpipelined_s, 0))
     return heavy

@@ -205,13 +205,15 @@ def test_auto_stage_count_stops_where_more_devices_stop_helping():
     auto = fxpipe.compile(model, ["cpu"] * 8, (x,), num_stages="auto")
     # Split along its features, the layer's parts run side by side on the input, the tail after
     # them. Whatever this machine's timings, the plan takes the fewest stages predicted within
-    # 2% of the fastest, or the model as is where no pipeline is predicted faster than it.
+    # 2% of the fastest, or the model as is where no pipeline is predicted (or, raced against
+    # it, measured) faster than it.
     plan, tie = auto.plan, fxpipe.search.TIE
     pipelines = [c for c in plan.considered if c is not plan.considered[-1]]
     best_s = min(c.predicted_s for c in pipelines)
     fewest = min(c.config.num_stages for c in pipelines if c.predicted_s <= best_s * (1 + tie))
     if plan.runs_as_is:
-        assert plan.considered[-1].predicted_s <= best_s / (1 - tie)
+        assert plan.reason.startswith("no pipeline is measured faster") or \
+            plan.considered[-1].predicted_s <= best_s / (1 - tie)
     else:
         assert plan.partition.num_stages == fewest
     every = fxpipe.compile(model, ["cpu"] * 8, (x,))

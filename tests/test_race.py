@@ -1,0 +1,96 @@
+"""An inference pipeline chosen over the model as is on its prediction is raced against the model
+on the example, and kept only where it is measured faster (`fxpipe.api._raced`).
+
+The prediction is steered by hand (the model's own time scripted as slow, or the race's result
+scripted), so what is tested is the rule, not this machine's timings.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+import fxpipe.api
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+
+    def forward(self, x):
+        return torch.relu(self.layers(x))
+
+
+@pytest.fixture
+def model_predicted_slow(monkeypatch):
+    """The model's own time scripted at 1 s: every pipeline is predicted faster than it."""
+    monkeypatch.setattr(fxpipe.api, "time_unpipelined", lambda *args: 1.0)
+
+
+def raced_as(monkeypatch, pipeline_s, model_s):
+    calls = []
+
+    def race(plan, model, recipe):
+        calls.append(plan)
+        return pipeline_s, model_s, 7
+    monkeypatch.setattr(fxpipe.api, "race", race)
+    return calls
+
+
+def test_a_pipeline_measured_slower_than_the_model_gives_way_to_the_model(
+        model_predicted_slow, monkeypatch):
+    calls = raced_as(monkeypatch, pipeline_s=0.004, model_s=0.002)
+    torch.manual_seed(0)
+    model, x = Tiny().eval(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
+    assert len(calls) == 1 and not calls[0].runs_as_is     # the pipeline predicted fastest
+    plan = pipe.plan
+    assert plan.runs_as_is and plan.reason.startswith("no pipeline is measured faster")
+    assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.reason
+    assert plan.chosen is plan.considered[-1]                        # the model as is
+    assert any(c.config.num_stages == 2 for c in plan.considered)    # beside what was weighed
+    torch.testing.assert_close(pipe(x), model(x))
+    assert "no pipeline is measured faster" in str(plan)
+
+
+def test_a_pipeline_measured_faster_is_kept_and_says_so(model_predicted_slow, monkeypatch):
+    calls = raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002)
+    torch.manual_seed(0)
+    model, x = Tiny().eval(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto")
+    assert len(calls) == 1 and not pipe.plan.runs_as_is
+    assert "measured 1.000 ms, the model 2.000 ms" in pipe.plan.reason
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_within_two_percent_the_model_as_is_wins(model_predicted_slow, monkeypatch):
+    raced_as(monkeypatch, pipeline_s=0.00199, model_s=0.002)
+    model, x = Tiny().eval(), torch.randn(8, 16)
+    assert fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan.runs_as_is
+
+
+@pytest.mark.parametrize("options", [dict(num_stages=2), dict(training=True)])
+def test_no_race_where_the_model_as_is_is_not_weighed_or_in_training(
+        model_predicted_slow, monkeypatch, options):
+    calls = raced_as(monkeypatch, pipeline_s=1.0, model_s=0.001)
+    model, x = Tiny(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), **{"num_stages": "auto", **options})
+    assert calls == [] and not pipe.plan.runs_as_is
+
+
+def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).train()
+    x = torch.randn(8, 16)
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    pipeline_s, model_s, rounds = fxpipe.measure.race(plan, model, plan_recipe(model, x))
+    assert 0 < pipeline_s and 0 < model_s and 3 <= rounds <= 7
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def plan_recipe(model, x):
+    return fxpipe.api.Recipe.of(model, (x,), None, fxpipe.options.Options(["cpu"] * 2))
