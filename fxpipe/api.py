@@ -72,7 +72,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     by running the model on the whole example and on micro-batches; an output that reduces or
     mixes the batch is refused by name.
     `num_stages` uses only the first devices: a number, or "auto" for the fewest whose
-    bottleneck is within 2% of using them all (you have 8 GPUs; how many pay off?).
+    bottleneck is within 2% of using them all (you have 8 GPUs; how many pay off?), never two
+    on one GPU; "auto" also weighs the model as is, and in inference a pipeline predicted
+    faster than it must be measured faster on the example too (see the README).
     `schedule` ("gpipe" or "1f1b") orders forwards and backwards in `Pipeline.train_step`.
     `training` (default: `model.training`) also measures backward costs and balances stages on
     forward plus backward time. `threads_per_stage` sets each CPU stage's intra-op threads
@@ -92,9 +94,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     that mixes samples across the batch. Outputs are compared within `verify_tolerance` of each
     output's largest magnitude (default: 16 float epsilons, as rounding differs with the
     number of threads; where a GPU may compute float32 in TF32, 4 times the model's own
-    rounding, measured against float64: `checks.rounding_tolerance`). Checking leaves the model, its buffers and the random generators as they
-    were. The pipeline follows `.train()` and `.eval()`, capturing the model again in the other
-    mode when its graph depends on the mode.
+    rounding, measured against float64: `checks.rounding_tolerance`). Checking leaves the
+    model, its buffers and the random generators as they were. The pipeline follows `.train()`
+    and `.eval()`, capturing the model again in the other mode when its graph depends on the
+    mode.
 
     `costs`, a plan of the same model (`pipe.plan`, or `fxpipe.load_plan(path)`), plans again
     from the costs it measured: each measurement it holds (a micro-batch size, a kind of device,
