@@ -376,22 +376,35 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     return plan
 
 
+# Below this share of its threads' time, the model's run says other processes hold the cores.
+BUSY_SHARE = 0.85
+
+
 def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None) -> Plan:
     """An inference pipeline chosen over the model as is on its prediction, kept only where it
     is measured faster: both run on the example in interleaved rounds (`measure.race`), and
     each one's least time counts, the least disturbed by other work on the machine (the model's
     all-core run is the first a busy core slows). Where the pipeline is not faster by over
-    `search.TIE`, the plan is made again weighing the model as is alone, on the costs measured."""
-    pipeline_s, model_s, rounds = race(plan, model, recipe)
-    measured = (f"{plan.chosen} measured {pipeline_s * 1e3:.3f} ms, the model "
-                f"{model_s * 1e3:.3f} ms (the least of {rounds} interleaved runs each; predicted "
-                f"{plan.predicted_step_s * 1e3:.3f} ms)")
-    if pipeline_s < model_s * (1 - search.TIE):
+    `search.TIE`, the plan is made again weighing the model as is alone, on the costs measured;
+    so it is where the model's run on CPUs got under `BUSY_SHARE` of its threads' time: the
+    machine is too busy to tell, and the model as is is the choice that cannot lose much."""
+    raced = race(plan, model, recipe)
+    measured = (f"{plan.chosen} measured {raced.pipeline_s * 1e3:.3f} ms, the model "
+                f"{raced.model_s * 1e3:.3f} ms (the least of {raced.rounds} interleaved runs "
+                f"each; predicted {plan.predicted_step_s * 1e3:.3f} ms)")
+    if raced.cpu_share is not None and raced.cpu_share < BUSY_SHARE:
+        reason = (f"no pipeline is weighed on a busy machine: the model's fastest run had "
+                  f"{raced.cpu_share:.0%} of the time of its {torch.get_num_threads()} "
+                  f"thread(s), other processes holding cores, so neither time would hold on a "
+                  f"quiet machine; compile where the cores are free to weigh pipelines "
+                  f"({measured})")
+    elif raced.pipeline_s < raced.model_s * (1 - search.TIE):
         return replace(plan, reason=f"{plan.reason}; {measured}")
+    else:
+        reason = f"no pipeline is measured faster than the model run whole: {measured}"
     again = replace(recipe, options=replace(recipe.options, costs=plan))
     as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False)
-    return replace(as_is, considered=plan.considered, chosen=plan.considered[-1],
-                   reason=f"no pipeline is measured faster than the model run whole: {measured}")
+    return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason)
 
 
 def _inputs_device(recipe: Recipe) -> torch.device:

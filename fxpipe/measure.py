@@ -13,7 +13,7 @@ import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -245,13 +245,28 @@ def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
     return statistics.median(times[1:])
 
 
+class Race(NamedTuple):
+    """What `race` measured: each one's least time, the rounds run, and on CPUs the share of
+    its threads' time the model's fastest run got (None where a GPU runs)."""
+
+    pipeline_s: float
+    model_s: float
+    rounds: int
+    cpu_share: float | None = None
+
+
 def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 7,
-         budget_s: float = 2.0) -> tuple[float, float, int]:
+         budget_s: float = 2.0) -> Race:
     """The plan's pipeline (a call, as `Pipeline.forward` makes it: `call_stages`) and the model
     run whole, on the example, timed in interleaved rounds (the order alternating) after one
     warm-up each: the least time of each, and the rounds run (`rounds`, or fewer, at least 3,
     once `budget_s` is spent). Each run ends with its devices' work done. Without gradients or
-    side effects: the model's and the stages' buffers and the random generators are restored."""
+    side effects: the model's and the stages' buffers and the random generators are restored.
+
+    On CPUs, also the process's CPU time over the model's fastest run, as a share of its
+    threads' wall time: all its threads work through a run (OpenMP's wait by spinning), so a
+    share well under 1 means other processes held the cores (0.99 here on a quiet machine, 0.71
+    with one core busy)."""
     runtime = runtime_of(plan)
     args, kwargs = recipe.args, recipe.kwargs
     devices = {t.device for t in [*model.parameters(), *model.buffers(), *tensors((args, kwargs))]}
@@ -262,7 +277,7 @@ def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 7,
 
     def whole() -> None:
         model(*copied(args), **copied(kwargs))
-    times: dict[Callable, list[float]] = {pipeline: [], whole: []}
+    times: dict[Callable, list[tuple[float, float]]] = {pipeline: [], whole: []}
     with unchanged(model), unchanged(plan.graph):
         pipeline()
         whole()
@@ -270,10 +285,13 @@ def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 7,
         for r in range(rounds):
             for run in (pipeline, whole) if r % 2 == 0 else (whole, pipeline):
                 synchronize(*devices)
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.process_time()
                 run()
                 synchronize(*devices)
-                times[run].append(time.perf_counter() - began)
+                times[run].append((time.perf_counter() - began, time.process_time() - cpu))
             if r >= 2 and time.perf_counter() - start > budget_s:
                 break
-    return min(times[pipeline]), min(times[whole]), len(times[whole])
+    model_s, model_cpu_s = min(times[whole])
+    share = (model_cpu_s / (model_s * torch.get_num_threads())
+             if all(is_cpu(d) for d in devices) and model_s > 0 else None)
+    return Race(min(times[pipeline])[0], model_s, len(times[whole]), share)

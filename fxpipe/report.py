@@ -144,9 +144,12 @@ def _comparison(plan: Plan) -> list[str]:
     model = (f"{plan.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
              f"{_count(plan.unpipelined_threads, 'thread')})")
     if plan.runs_as_is:
-        how = "measured" if plan.reason.startswith("no pipeline is measured") else "predicted"
-        return [f"per batch: the model as is, {model}: no pipeline was {how} faster, "
-                f"so the one stage runs the whole batch on the caller's thread"]
+        why = ("the machine was too busy to weigh pipelines" if plan.reason.startswith(
+                   "no pipeline is weighed on a busy machine") else
+               "no pipeline was measured faster" if plan.reason.startswith(
+                   "no pipeline is measured") else "no pipeline was predicted faster")
+        return [f"per batch: the model as is, {model}: {why}, so the one stage runs the whole "
+                f"batch on the caller's thread"]
     lines = [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
              f"unpipelined {model}: {plan.speedup:.2f}x"]
     if plan.speedup < 1:

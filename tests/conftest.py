@@ -58,6 +58,6 @@ def scripted_costs(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
-    monkeypatch.setattr(api, "race", lambda plan, model, recipe: (
+    monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
         plan.predicted_step_s, plan.unpipelined_s, 0))
     return heavy

@@ -11,6 +11,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
+from fxpipe.measure import Race
 
 
 class Tiny(nn.Module):
@@ -28,12 +29,12 @@ def model_predicted_slow(monkeypatch):
     monkeypatch.setattr(fxpipe.api, "time_unpipelined", lambda *args: 1.0)
 
 
-def raced_as(monkeypatch, pipeline_s, model_s):
+def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
     calls = []
 
     def race(plan, model, recipe):
         calls.append(plan)
-        return pipeline_s, model_s, 7
+        return Race(pipeline_s, model_s, 7, cpu_share)
     monkeypatch.setattr(fxpipe.api, "race", race)
     return calls
 
@@ -70,6 +71,18 @@ def test_within_two_percent_the_model_as_is_wins(model_predicted_slow, monkeypat
     assert fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan.runs_as_is
 
 
+def test_on_a_busy_machine_the_model_as_is_is_kept_and_the_plan_says_why(
+        model_predicted_slow, monkeypatch):
+    raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002, cpu_share=0.7)
+    model, x = Tiny().eval(), torch.randn(8, 16)
+    plan = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan
+    assert plan.runs_as_is and plan.reason.startswith("no pipeline is weighed on a busy machine")
+    assert "had 70% of the time of its" in plan.reason and "measured 1.000 ms" in plan.reason
+    assert "the machine was too busy to weigh pipelines" in str(plan)
+    raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002, cpu_share=0.95)    # cores free
+    assert not fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan.runs_as_is
+
+
 @pytest.mark.parametrize("options", [dict(num_stages=2), dict(training=True)])
 def test_no_race_where_the_model_as_is_is_not_weighed_or_in_training(
         model_predicted_slow, monkeypatch, options):
@@ -86,8 +99,9 @@ def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time(
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
-    pipeline_s, model_s, rounds = fxpipe.measure.race(plan, model, plan_recipe(model, x))
-    assert 0 < pipeline_s and 0 < model_s and 3 <= rounds <= 7
+    raced = fxpipe.measure.race(plan, model, plan_recipe(model, x))
+    assert 0 < raced.pipeline_s and 0 < raced.model_s and 3 <= raced.rounds <= 7
+    assert 0 < raced.cpu_share <= 1.5       # the CPU time of the model's threads, over theirs
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), state)
 
