@@ -255,8 +255,8 @@ class Race(NamedTuple):
     cpu_share: float | None = None
 
 
-def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 7,
-         budget_s: float = 2.0) -> Race:
+def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 5,
+         budget_s: float = 1.0) -> Race:
     """The plan's pipeline (a call, as `Pipeline.forward` makes it: `call_stages`) and the model
     run whole, on the example, timed in interleaved rounds (the order alternating) after one
     warm-up each: the least time of each, and the rounds run (`rounds`, or fewer, at least 3,

@@ -100,7 +100,7 @@ def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
     raced = fxpipe.measure.race(plan, model, plan_recipe(model, x))
-    assert 0 < raced.pipeline_s and 0 < raced.model_s and 3 <= raced.rounds <= 7
+    assert 0 < raced.pipeline_s and 0 < raced.model_s and 3 <= raced.rounds <= 5
     assert 0 < raced.cpu_share <= 1.5       # the CPU time of the model's threads, over theirs
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), state)
