@@ -23,10 +23,12 @@ from fxpipe.passes.annotate_costs import measurement_spread
 from fxpipe.passes.codegen import Placed, held_by_stages, split_stages
 from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Link, LinkFn, Memory,
                                       default_link)
+from fxpipe.passes.device import same_memory
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
-from fxpipe.passes.functionalize import functionalize
+from fxpipe.passes.functionalize import RUN_FAILED, functionalize
 from fxpipe.passes.graph_values import tensors
-from fxpipe.passes.materialize import Materialize, holds_meta
+from fxpipe.passes.materialize import (Materialize, Tiled, holds_meta, release_freed_memory,
+                                       unfilled)
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.randomness import seed_random_ops
 from fxpipe.passes.recompute import checkpoint_regions
@@ -193,6 +195,19 @@ class Recipe:
     # Where the values of a model built on the meta device come from (a fxpipe.weights.Weights);
     # None for a model that holds its own.
     weights: Any = None
+    tiled: Tiled | None = field(default=None, repr=False)    # `plausible`, once made
+
+    @property
+    def plausible(self) -> Materialize | None:
+        """What runs that need plausible values only read (timing nodes, finding which values
+        share memory, finding the outputs' batch dimensions): `materialize`, but where the
+        values are drawn (`Init`, no checkpoint given), each parameter's are tiled from the
+        first drawn for its role (`Tiled`), one object for every such run."""
+        if not isinstance(self.weights, Init):
+            return self.materialize
+        if self.tiled is None:
+            self.tiled = Tiled(self.materialize)
+        return self.tiled
 
     @property
     def materialize(self) -> Materialize | None:
@@ -302,6 +317,25 @@ def _weights_of(model: nn.Module, spec: Any) -> Any:
     return weights.bind(model) if isinstance(weights, Init) and weights.model is None else weights
 
 
+def _functionalize(gm: fx.GraphModule, recipe: Recipe, args: tuple, kwargs: dict) -> None:
+    """`functionalize` on the example's first micro-batch. A model on meta runs there on
+    unfilled weights (which values share memory does not depend on theirs: nothing drawn, a
+    large weight never resident), or, where a node fails on them, on plausible ones. The run
+    keeps every value it made until the pass ends: their memory is handed back after."""
+    try:
+        if recipe.materialize is not None:
+            try:
+                functionalize(gm, copied(args), copied(kwargs),
+                              materialize=unfilled(recipe.materialize))
+                return
+            except TraceError as e:
+                if not str(e).startswith(RUN_FAILED):    # the graph's own fault, not the values'
+                    raise
+        functionalize(gm, copied(args), copied(kwargs), materialize=recipe.plausible)
+    finally:
+        release_freed_memory()
+
+
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
            held: nn.Module | None = None, *, pipelines: bool = True) -> Plan:
     """The passes after capture, on `model` in its current mode, then the checks: the complete
@@ -316,7 +350,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     unpipelined_s = None if materialize else time_unpipelined(model, recipe, training)
     chunk_list = _chunk_options(model, recipe, training, len(o.devices))
     first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
-    functionalize(gm, copied(first_args), copied(first_kwargs), materialize=materialize)
+    _functionalize(gm, recipe, first_args, first_kwargs)
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
     costs = Costs(gm, recipe, training)
     chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s,
@@ -444,7 +478,7 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[i
     as_is = None
     # The model as it is: one stage, whole batch, the caller's threads, and its own tensors,
     # so only where they all are on the first device (there the stage holds them, not copies).
-    if num_stages == "auto" and all(t.device == torch.device(specs[0].name) for t in
+    if num_stages == "auto" and all(same_memory(t.device, specs[0].name) for t in
                                     [*recipe.model.parameters(), *recipe.model.buffers()]):
         devices = costs.devices(as_is_config, specs)
         as_is = search.consider(as_is_config, costs.measure(as_is_config, devices), devices,

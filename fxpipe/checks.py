@@ -25,6 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.passes.codegen import placed_copy
 from fxpipe.passes.compare import difference, output_name
 from fxpipe.passes.errors import BatchError, FxpipeError, VerificationError
 from fxpipe.passes.materialize import (Materialize, MaterializingInterpreter,
@@ -401,8 +402,9 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
     """`reference_of` for a model on the meta device (see the module docstring), and why its
     outputs could not be checked ("" when they can be)."""
     materialize = recipe.materialize
-    reference = reference_of(_GraphRun(gm, materialize, device), recipe, chunks, verify,
-                             tolerance)
+    dims = _output_dims_on_meta(gm, recipe, chunks) if chunks > 1 and not verify else None
+    reference = Reference(dims) if dims is not None else reference_of(
+        _GraphRun(gm, recipe.plausible, device), recipe, chunks, verify, tolerance)
     if not reference.verify:
         return reference, ""
     copy = streamed(model, materialize, device)
@@ -419,6 +421,35 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
             f"no (the model's forward cannot run one module at a time on materialised weights: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
     return replace(reference, expected=microbatch.merge(parts, reference.output_dims)), ""
+
+
+def _output_dims_on_meta(gm: nn.Module, recipe: Recipe, chunks: int
+                         ) -> tuple[int | None, ...] | None:
+    """Each output's batch dimension, as `reference_of` finds it, from the graph run on the
+    meta device (shapes alone: no weight read, no op computed); None where that cannot tell:
+    an op with no meta kernel, or naming another device, or an output whose shape does not
+    follow the batch (a constant and a reduction differ in their values alone)."""
+    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
+    parts = microbatch.split((args, kwargs), chunks, dims)
+    shapes = placed_copy(gm, "meta")         # its ops naming a device name meta
+
+    def on_meta(batch: Any) -> Any:
+        moved = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v,
+                                batch)
+        return run_graph(shapes, *moved, None, "meta")
+    try:
+        whole, outputs = on_meta((args, kwargs)), [on_meta(part) for part in parts]
+    except Exception:
+        return None
+    columns = zip(*(pytree.tree_leaves(o) for o in outputs))
+    if not all(isinstance(w, torch.Tensor) and any(c.shape != w.shape for c in column)
+               for w, column in zip(pytree.tree_leaves(whole), columns)):
+        return None
+    try:
+        return tuple(_output_dims(whole, outputs, [microbatch.batch_size(p, dims) for p in parts],
+                                  None))
+    except BatchError:         # the run on values says it with the outputs' values
+        return None
 
 
 def streamed_stages(plan: Plan, materialize: Materialize) -> Plan:

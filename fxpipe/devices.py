@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from fxpipe.passes.cost_model import DeviceSpec, Link, LinkFn
-from fxpipe.passes.device import is_cpu, is_gpu, synchronize
+from fxpipe.passes.device import is_cpu, is_gpu, same_memory, synchronize
 from fxpipe.passes.errors import DeviceError
 
 DeviceLike = str | torch.device | DeviceSpec
@@ -145,23 +145,24 @@ def set_malloc_thresholds(*, mmap_bytes: int, trim_bytes: int) -> bool:
 def measure_links(devices: Sequence[DeviceSpec], *, repeats: int = 20) -> LinkFn:
     """A link function measured on this machine, for the cost model.
 
-    Between two stages on one device nothing is copied: the link is the hand-off itself, a queue
-    put and a thread wake-up, timed as half a ping-pong between two threads. Between devices,
-    copies of 64 KB and 16 MB give the latency and the bandwidth. Pairs are measured once each.
+    Between two stages on one device, or on the CPU under two names (`same_memory`), nothing is
+    copied: the link is the hand-off itself, a queue put and a thread wake-up, timed as half a
+    ping-pong between two threads. Between devices, copies of 64 KB and 16 MB give the latency
+    and the bandwidth. Pairs are measured once each.
     """
-    names = sorted({d.name for d in devices})
-    links = {(name, name): Link(latency_s=_handoff_s(repeats)) for name in names}
-    for src in names:
-        for dst in names:
-            if src != dst:
-                links[src, dst] = _copy_link(torch.device(src), torch.device(dst), repeats)
+    handoff = Link(latency_s=_handoff_s(repeats))
+    links: dict[tuple[str, str], Link] = {}
 
     def link(src: DeviceSpec, dst: DeviceSpec) -> Link:
-        if (src.name, dst.name) not in links:      # the driver (host) to a stage, and back
+        if (src.name, dst.name) not in links:
             links[src.name, dst.name] = (
-                links[src.name, src.name] if src.name == dst.name else
+                handoff if same_memory(src.name, dst.name) else
                 _copy_link(torch.device(src.name), torch.device(dst.name), repeats))
         return links[src.name, dst.name]
+    names = sorted({d.name for d in devices})
+    for src in names:
+        for dst in names:
+            link(DeviceSpec(src), DeviceSpec(dst))
     return link
 
 

@@ -118,7 +118,7 @@ class Costs:
                 annotate_costs(gm, args, kwargs, device=device.name,
                                repeats=recipe.options.repeats, backward=self.training,
                                reuse_blocks=recipe.options.reuse_blocks,
-                               progress=recipe.progress.nodes, materialize=recipe.materialize)
+                               progress=recipe.progress.nodes, materialize=recipe.plausible)
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))
         _on_worker_thread(run) if worker else run()

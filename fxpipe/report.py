@@ -75,8 +75,10 @@ def _measurement(plan: Plan) -> list[str]:
                                          if backward != 1.0 else "")
     steady = plan.spread is None or plan.spread <= UNSTEADY
     lines = [f"node costs: measured one by one (spread {plan.spread or 0:.0%}, "
-             f"{'steady' if steady else 'unsteady'}), scaled ({scaled}) to the time of the "
-             f"whole graph measured as a stage runs it"]
+             f"{'steady' if steady else 'unsteady'}), " + (
+                 "not scaled to the whole graph's time (a model on meta never runs whole)"
+                 if plan.weights is not None else
+                 f"scaled ({scaled}) to the time of the whole graph measured as a stage runs it")]
     if not steady:
         lines.append("warning: the costs were unsteady: another process may be using the "
                      "cores; compile again when the machine is quiet")

@@ -53,6 +53,7 @@ from torch import nn
 from fxpipe.passes.codegen import place
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, format_bytes
+from fxpipe.passes.device import same_memory
 from fxpipe.passes.errors import DeviceError, PlanFileError
 
 from .devices import DeviceLike, parse_devices
@@ -508,7 +509,7 @@ def _on_devices(plan: Plan, devices: Sequence[DeviceLike], what: str) -> Plan:
     for stage in moved.stages:
         for name, tensor in _tensors(stage.module):
             first, _ = first_holder.setdefault(id(tensor), (stage, name))
-            if first.device != stage.device:
+            if not same_memory(first.device, stage.device):
                 raise DeviceError(
                     f"stages {first.index} and {stage.index} of {what} share {name!r} (a tied "
                     f"tensor), but devices= puts them on {first.device} and {stage.device}: a "

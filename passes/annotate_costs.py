@@ -101,7 +101,8 @@ class CostInterpreter(MaterializingInterpreter):
         self.shapes[n] = tuple(tuple(t.shape) for t in tensors(result))
         if self.first and n not in self.estimates.nodes:    # an estimated block repeats nothing
             self.reuse.ran(n, result)
-        self._count()
+        if n.op != "output":                                # not among the nodes counted
+            self._count()
         return result
 
     def _count(self) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .device import same_memory
 from .errors import DeviceError, PartitionError
 from .graph_values import attr_value
 from .stage import Stage
@@ -73,7 +74,8 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int],
         where[n] = _stages_holding(n, stage_of, owner[n])
         if n.op == "get_attr" and id(attr_value(gm, n.target)) in home:
             h = owner[n] = home[id(attr_value(gm, n.target))]
-            local = {s for s in where[n] if devices[s] == devices[h] and not send_parameters}
+            local = {s for s in where[n]
+                     if same_memory(devices[s], devices[h]) and not send_parameters}
             where[n] = local | ({h} if n in graph_outputs or local != where[n] else set())
 
     stages = []
@@ -137,7 +139,7 @@ def placed_copy(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModul
     same node names and meta) `place`d there, for a pass to run and drop: `gm`, and the model
     whose tensors it holds, stay as they are."""
     device = torch.device(device)
-    if all(t.device == device for t in [*gm.parameters(), *gm.buffers()]) and all(
+    if all(same_memory(t.device, device) for t in [*gm.parameters(), *gm.buffers()]) and all(
             named == device for m in gm.modules() if isinstance(m, fx.GraphModule)
             for n in m.graph.nodes for named in _named_devices(n)):
         return gm
@@ -198,9 +200,10 @@ def _replace_tensors(module: nn.Module, replacement: Callable[[torch.Tensor], to
 
 
 def _placed_tensor(t: torch.Tensor, device: torch.device, placed: Placed) -> torch.Tensor:
-    """`t` if it is on `device`, else its one copy there. A meta tensor has no values to copy:
-    it stays itself, wherever it is placed (its values are given when the stage runs)."""
-    if t.device == device or t.is_meta:
+    """`t` if it is usable on `device` as it is (`same_memory`), else its one copy there. A meta
+    tensor has no values to copy: it stays itself, wherever it is placed (its values are given
+    when the stage runs)."""
+    if same_memory(t.device, device) or t.is_meta:
         return t
     key = (id(t), device)
     if key not in placed:
@@ -341,7 +344,7 @@ def _move(stages: Sequence[Stage], placed: Placed) -> None:
     for stage in stages:
         for name, t in list(stage.module.named_parameters()) + list(stage.module.named_buffers()):
             first = home.setdefault(id(t), stage)
-            if first.device != stage.device:
+            if not same_memory(first.device, stage.device):
                 raise DeviceError(
                     f"{name!r} is used by stage {first.index} on {first.device} and by stage "
                     f"{stage.index} on {stage.device}, inside a submodule both call: a parameter "

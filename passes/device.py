@@ -1,5 +1,6 @@
-"""What fxpipe asks of a device, in one place: is it the host's CPU or a GPU, a GPU stage's
-stream, waiting for a device's work and timing it, the GPUs whose generators exist.
+"""What fxpipe asks of a device, in one place: is it the host's CPU or a GPU, which devices
+share memory, a GPU stage's stream, waiting for a device's work and timing it, the GPUs whose
+generators exist.
 
 A device comes as a name ("cpu", "cuda:1", a DeviceSpec's `name`) or a `torch.device`; every
 test of its kind goes through `is_cpu` / `is_gpu`. A CUDA call here names its device, never
@@ -28,6 +29,14 @@ def is_cpu(device: DeviceName) -> bool:
 def is_gpu(device: DeviceName) -> bool:
     """Whether `device` is a CUDA GPU."""
     return _type(device) == "cuda"
+
+
+def same_memory(a: DeviceName, b: DeviceName) -> bool:
+    """Whether a tensor on `a` is usable on `b` as it is: one device, or the host's CPU under two
+    names (`cpu:0`, `cpu:1`: stages with thread pools of their own, in one memory), where a copy
+    would cost time and memory and buy nothing."""
+    a, b = torch.device(a), torch.device(b)
+    return a == b or (is_cpu(a) and is_cpu(b))
 
 
 def stream_for(device: torch.device) -> torch.cuda.Stream | None:

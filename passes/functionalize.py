@@ -252,6 +252,9 @@ def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None
         node.kwargs = kwargs
 
 
+RUN_FAILED = "functionalize could not run the graph on the example inputs"
+
+
 def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
                  materialize: Materialize | None
                  ) -> tuple[dict[fx.Node, Any], dict[fx.Node, set], dict[fx.Node, int]]:
@@ -274,8 +277,7 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     except FxpipeError:         # the weights' own (a tensor missing from a checkpoint), as it is
         raise
     except Exception as e:
-        raise TraceError(f"functionalize could not run the graph on the example inputs: "
-                         f"{type(e).__name__}: {e}") from e
+        raise TraceError(f"{RUN_FAILED}: {type(e).__name__}: {e}") from e
     storages = {node: _storages(value) for node, value in interpreter.env.items()}
     storages.update({node: found for node, (found, _) in interpreter.freed.items()})
     return interpreter.env, storages, {node: at for node, (_, at) in interpreter.freed.items()}

@@ -30,6 +30,15 @@ def test_every_node_gets_a_cost_with_output_bytes():
             assert n.meta["cost"].out_bytes == 8 * 4 * 4
 
 
+def test_progress_counts_each_node_of_a_run_once_up_to_the_total():
+    calls = []
+    annotate_costs(fx.symbolic_trace(Shared()), (torch.randn(8, 4),), repeats=2,
+                   progress=lambda done, total: calls.append((done, total)))
+    total = calls[0][1]
+    assert total == 4                     # x, lin, lin_1, bn: the output is not a node measured
+    assert [done for done, _ in calls] == [1, 2, 3, 4] * (len(calls) // 4)
+
+
 def test_parameters_are_counted_once_at_their_first_user():
     gm = annotate_costs(fx.symbolic_trace(Shared()), (torch.randn(8, 4),), repeats=1)
     owned = {n.name: n.meta["cost"].param_bytes for n in gm.graph.nodes if n.op != "output"}

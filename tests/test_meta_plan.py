@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
@@ -336,3 +338,61 @@ def test_planning_memory_grows_by_one_layer_and_a_fixed_overhead_not_by_the_mode
     # weights, one micro-batch's activations (KBs here) and what does not depend on the model
     assert big - small < layer, (small, big)
     assert big < 16 * layer / 3, big
+
+
+# ---- plausible values, drawn once per role ----------------------------------------------------
+
+def test_tiled_values_draw_each_role_once_and_repeat_it_elsewhere():
+    """The first read of a role (name without block numbers, shape, dtype) draws; the same
+    layer again and the next layer copy its values; tied names share one tensor; buffers are
+    read every time, as they are."""
+    from fxpipe.passes.materialize import Tiled
+
+    real, meta = built(layers=3)
+    values = values_of(real)
+    tiled = Tiled(values.read)
+    named = dict([*meta.named_parameters(), *meta.named_buffers()])
+
+    def like(*names):
+        return {name: named[name] for name in names}
+    first = tiled(like("layers.0.weight", "layers.0.bias", "scale"), torch.device("cpu"))
+    torch.testing.assert_close(first["layers.0.weight"], real.layers[0].weight)
+    again = tiled(like("layers.2.weight", "scale"), torch.device("cpu"))
+    assert values.asked == [["layers.0.bias", "layers.0.weight", "scale"], ["scale"]]
+    torch.testing.assert_close(again["layers.2.weight"], real.layers[0].weight)
+    tied = tiled({"layers.1.weight": named["layers.1.weight"],
+                  "layers.2.weight": named["layers.1.weight"]}, torch.device("cpu"))
+    assert tied["layers.1.weight"] is tied["layers.2.weight"]
+    assert len(values.asked) == 2
+
+
+@given(numel=st.integers(1, 5000), sample=st.integers(1, 700))
+@settings(max_examples=40, deadline=None)
+def test_a_tiled_tensor_repeats_its_sample_to_the_last_element(numel, sample):
+    from fxpipe.passes.materialize import _tiled
+
+    values = torch.randn(sample)
+    out = _tiled(values, torch.Size([numel]))
+    expected = values.repeat(numel // sample + 1)[:numel]
+    assert torch.equal(out, expected)
+
+
+def test_finding_aliases_on_unfilled_weights_falls_back_to_drawn_ones_where_a_node_fails(
+        monkeypatch):
+    """Which values share memory is found on unfilled weights; where a node fails on those
+    (here: every one), on plausible ones, and the plan is the one it would be."""
+    import fxpipe.api
+
+    real, meta = built()
+    x = torch.randn(8, 16)
+    expected = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2, weights=values_of(real))
+
+    def failing(read):
+        def given(like, device):
+            raise RuntimeError("no kernel for these values")
+        return given
+    monkeypatch.setattr(fxpipe.api, "unfilled", failing)
+    plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2, weights=values_of(real),
+                       costs=expected)
+    assert plan.verified == "yes"
+    assert plan.partition.stage_of == expected.partition.stage_of

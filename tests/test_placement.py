@@ -243,3 +243,44 @@ def test_compile_keeps_stages_on_one_device_within_its_memory_together():
     pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", memory_bytes=2.2 * budget)] * 2, (x,))
     assert sum(c.memory_bytes for c in pipe.plan.partition.stages) <= 2.2 * budget
     assert [d.memory_bytes for d in pipe.plan.partition.devices] == pytest.approx([1.1 * budget] * 2)
+
+
+class TiedEnds(nn.Module):
+    """An embedding, layers, and an output layer reading the embedding's weight again."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.layers(self.emb(ids))))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_stages_on_two_names_of_the_cpu_share_a_tied_weight_rather_than_send_or_copy_it(capture):
+    """`cpu:0` and `cpu:1` are one memory: the output layer's stage holds the embedding's own
+    Parameter, no stage receives a parameter as a value, and the gradients both
+    stages leave in the one Parameter add up to the model's."""
+    torch.manual_seed(0)
+    model, ids, target = TiedEnds(), torch.randint(0, 50, (8, 6)), torch.randn(8, 6, 50)
+    pipe = fxpipe.compile(copy.deepcopy(model), ["cpu:0", "cpu:1"], (ids,), chunks=2,
+                          capture=capture, training=True)
+    first, last = pipe.plan.stages
+    assert [stage.device for stage in pipe.plan.stages] == [torch.device("cpu:0"),
+                                                            torch.device("cpu:1")]
+    held = [{id(p) for p in stage.module.parameters()} for stage in pipe.plan.stages]
+    (shared,) = held[0] & held[1]
+    assert [p.shape for p in first.module.parameters() if id(p) == shared] == [(50, 32)]
+    parameters = {n.name for n in pipe.plan.graph.graph.nodes if n.op == "get_attr"}
+    assert not parameters & set(last.inputs), last.inputs
+    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    loss = pipe.train_step((ids,), target, mse)
+    expected = mse(model(ids), target)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    grads = {name: p.grad for name, p in pipe.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)

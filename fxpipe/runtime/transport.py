@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Protocol
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.device import is_gpu
+from fxpipe.passes.device import is_gpu, same_memory
 from fxpipe.passes.graph_values import tensors
 
 from ..schedules import Phase
@@ -177,7 +177,7 @@ def _to(value: Any, device: torch.device) -> Any:
     def move(v):
         if not isinstance(v, torch.Tensor):
             return v
-        if v.device == device:
+        if same_memory(v.device, device):
             if is_gpu(device):
                 v.record_stream(torch.cuda.current_stream(device))
             return v
