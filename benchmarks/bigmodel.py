@@ -389,6 +389,7 @@ def main() -> None:
             failed.append(name)
             continue
         r = json.loads(ran.stdout.strip().splitlines()[-1])
+        print(f"{name}: planned in {r['plan_s']:.1f} s", flush=True)    # the tables come last
         rows.append((name, f"{r['plan_s']:.1f}", r["measured"], r["reused"], r["estimated"],
                      format_bytes(r["peak_rss"]), format_bytes(r["peak_rss"] - r["before_rss"]),
                      format_bytes(r["model_bytes"]), format_bytes(r["largest_block"]),
