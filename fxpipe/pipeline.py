@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.cost_model import default_link
+from fxpipe.passes.cost_model import default_link, format_bytes
 from fxpipe.passes.device import initialized_gpus
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
                                   ModelChangedError, StageError)
@@ -27,6 +27,7 @@ from . import microbatch
 from .plan_data import Plan, refuse_without_weights
 from .runtime import Run, Runtime
 from .saved import PlanFileError, save_stage_weights
+from .runtime.asynchronous import AsyncTraining
 from .runtime.orchestrator import item_error
 from .runtime.step import (DeferredScale, StepLoss, check_reduction, check_target,
                            step_inputs)
@@ -225,9 +226,23 @@ class Pipeline(nn.Module):
     def stream_train(self, items: Iterable[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any],
                      optimizer: torch.optim.Optimizer, *, window: int = 1,
                      partial: Literal["train", "drop"] = "train",
-                     reduction: Literal["mean", "sum"] = "mean") -> Iterator[torch.Tensor]:
+                     reduction: Literal["mean", "sum"] = "mean",
+                     mode: Literal["exact", "async"] = "exact",
+                     max_staleness: int | None = None) -> Iterator[torch.Tensor]:
         """Learn from a stream of `(input, target)` items as they come, `window` items at a
         time; yields each window's loss once `optimizer` stepped on it.
+
+        `mode="exact"` (below) equals the model trained on the same windows one after another.
+        `mode="async"` keeps every stage busy instead, as `stream()` does: an item's forward
+        enters while earlier items' backwards are still to come, against the weights of the
+        latest optimizer step then (kept for its backward: weight stashing), so its gradient is
+        that of the model at those weights, applied up to `max_staleness` steps later (default:
+        the stages less one, which keeps them all busy; 0 is the exact mode with window 1).
+        `pipe.last_run.versions[i]` and `.staleness[i]` say, per item, which weights it used
+        and how many steps old its gradient was when applied. Each stage then holds up to
+        `max_staleness + 1` copies of its parameters (`plan.stream_train_memory`); a stream
+        that would not fit a device's memory is refused before it starts. See
+        `fxpipe.runtime.asynchronous`.
 
         Each window is one `train_step` whose micro-batches are the window's items, each run
         whole (an item's input is a tensor, a tuple of positional inputs or a dict of keyword
@@ -256,8 +271,48 @@ class Pipeline(nn.Module):
             raise InputError("the optimizer holds none of the pipeline's parameters, so nothing "
                              "would learn: make it from them, e.g. "
                              "torch.optim.SGD(pipe.parameters(), lr=1e-2)")
-        return self._windows(iter(items), loss_fn, optimizer, window, partial == "train",
-                             reduction)
+        if mode == "exact":
+            if max_staleness is not None:
+                raise BatchError(f"max_staleness={max_staleness!r} bounds mode='async': the "
+                                 f"exact mode applies every gradient before the next window "
+                                 f"enters. Pass mode='async', or leave max_staleness out")
+            return self._windows(iter(items), loss_fn, optimizer, window, partial == "train",
+                                 reduction)
+        if mode != "async":
+            raise BatchError(f"mode={mode!r}: use 'exact' (equal to the model trained window "
+                             f"after window) or 'async' (all stages busy, stale gradients)")
+        bound = len(self._stages) - 1 if max_staleness is None else max_staleness
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+            raise BatchError(f"max_staleness={max_staleness!r}: use a number of optimizer "
+                             f"steps >= 0")
+        self._check_async_memory(bound, window)
+        return self._async(iter(items), loss_fn, optimizer, window, bound, partial == "train",
+                           reduction)
+
+    def _check_async_memory(self, max_staleness: int, window: int) -> None:
+        """Refuse an asynchronous stream whose stashed weights would not fit a device."""
+        need = self.plan.stream_train_memory(max_staleness, window)
+        for s, (bytes_, device) in enumerate(zip(need, self.plan.partition.devices)):
+            if bytes_ > device.memory_bytes:
+                params = sum(p.numel() * p.element_size() for p in self.stages[s].parameters())
+                raise DeviceError(
+                    f"stage {s} would hold {format_bytes(bytes_)} in stream_train(mode='async', "
+                    f"max_staleness={max_staleness}, window={window}), more than {device.name}'s "
+                    f"{format_bytes(device.memory_bytes)}: each step of staleness stashes one more "
+                    f"copy of its parameters ({format_bytes(params)}). Lower max_staleness, or use "
+                    f"mode='exact'")
+
+    def _async(self, items: Iterator[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any],
+               optimizer: torch.optim.Optimizer, window: int, max_staleness: int,
+               train_partial: bool, reduction: Literal["mean", "sum"]) -> Iterator[torch.Tensor]:
+        """`stream_train(mode="async")`'s loop (see `fxpipe.runtime.asynchronous`)."""
+        self._check_model()
+        self._check_hooks()
+        run = AsyncTraining(self._runtime, list(self.parameters()), loss_fn=loss_fn,
+                            signature=self._signature, optimizer=optimizer, window=window,
+                            max_staleness=max_staleness, reduction=reduction,
+                            train_partial=train_partial, seed=lambda: microbatch_seeds(1)[0])
+        yield from run.run(self._stream_item(i, item) for i, item in enumerate(items))
 
     def _windows(self, items: Iterator[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any],
                  optimizer: torch.optim.Optimizer, window: int, train_partial: bool,

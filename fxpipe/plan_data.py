@@ -25,7 +25,7 @@ from fxpipe.passes.signature import Signature
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.trace import Capture, module_path
 
-from .schedules import Slot
+from .schedules import Slot, async_warmup
 from .search import predict_slots
 from .wiring import Wiring
 
@@ -122,6 +122,24 @@ class Plan:
         rate = 1 / max(c.forward_step_s for c in part.stages)
         alone = predict_slots(part, 1, "gpipe", False, self.wiring.reads_from(False))
         return rate, max(slot.end_s for slot in alone)
+
+    def stream_train_memory(self, max_staleness: int, window: int = 1) -> tuple[int, ...]:
+        """The bytes each stage holds in `stream_train(mode="async", max_staleness=...)`: its
+        buffers, its parameters with their gradients and optimizer state (two bytes per
+        parameter byte: Adam's; SGD holds less), `max_staleness + 1` stashed copies of its
+        parameters (the weight versions items inside may use), and for each item its row holds
+        at once (`schedules.async_warmup`) what autograd keeps and the values it receives, each
+        item the size of the plan's micro-batch."""
+        n = len(self.stages)
+        need = []
+        for s, stage in enumerate(self.stages):
+            params = sum(p.numel() * p.element_size() for p in stage.module.parameters())
+            buffers = self.stage_param_bytes[s] - params
+            per_item = (self.stage_saved_bytes[s] if self.stage_saved_bytes else 0) + \
+                self.partition.stages[s].received_bytes
+            need.append(buffers + params * (1 + 1 + 2) + params * (max_staleness + 1) +
+                        per_item * async_warmup(s, n, max_staleness, window))
+        return tuple(need)
 
     @property
     def placeholder_dims(self) -> dict[str, Any]:

@@ -72,6 +72,14 @@ def one_f_one_b(num_stages: int, chunks: int) -> Timetable:
     return timetable
 
 
+def async_warmup(stage: int, num_stages: int, max_staleness: int, window: int) -> int:
+    """The forwards stage `stage` runs before its first backward in an asynchronous stream
+    (`stream_train(mode="async")`), and so the items it holds at once: 1F1B's (the stages
+    after it, plus one), but never more than `max_staleness * window + 1`, or a stage would wait
+    for a forward the staleness bound holds back until the backward it has not run yet."""
+    return max(1, min(num_stages - stage, max_staleness * window + 1))
+
+
 def timetable_for(schedule: ScheduleName, num_stages: int, chunks: int, *,
                   backward: bool) -> Timetable:
     if schedule not in SCHEDULES:

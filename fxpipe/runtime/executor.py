@@ -42,6 +42,26 @@ LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph v
 Grads = dict[str, list[torch.Tensor | None]]             # value name -> gradient of each tensor
 
 
+class _Every(Collection[int]):
+    """Every micro-batch (a stream's items): `backward_for=EVERY` keeps each forward for its
+    backward."""
+
+    def __contains__(self, m: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("every item: not to be listed")
+
+    def __len__(self) -> int:
+        raise TypeError("every item: not to be counted")
+
+    def __bool__(self) -> bool:
+        return True
+
+
+EVERY = _Every()
+
+
 @dataclass
 class _Saved:
     """What a forward keeps for its backward."""
@@ -68,7 +88,7 @@ class StageExecutor:
         self.stage = stage
         self.recompute = recompute
         self.from_stages = tuple(from_stages)
-        self.backward_for = frozenset(backward_for)
+        self.backward_for = backward_for if backward_for is EVERY else frozenset(backward_for)
         self.loss_of = loss_of
         self.seeds = seeds
         self.stream = stream

@@ -66,6 +66,10 @@ class Run:
     wall_s: float = 0.0
     num_stages: int = 0
     error: str | None = None
+    # An asynchronous `stream_train`'s items, in order: the optimizer steps taken before each
+    # item's forward (the weights it used), and the steps between those and its own update.
+    versions: list[int] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
     _slots: list[Slot] = field(default_factory=list, repr=False)
     # GPU actions not read yet: (action, seconds at its stream's origin event, that event,
@@ -403,22 +407,32 @@ class StageRow:
     def walk(self, *, stopping: Callable[[], bool] = lambda: False,
              clock: Callable[[], float] = time.perf_counter,
              done: Callable[[Action, float], None] | None = None,
-             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None = None
-             ) -> None:
+             forwarded: Callable[[int, dict[str, Any], dict[str, Any]], None] | None = None,
+             drain: bool = False) -> None:
         """Run every action in order, until `stopping()`. After each, `done(action, began)`
         (`began`: the `clock()` when its inputs had arrived); after each forward,
-        `forwarded(m, received, outputs)`."""
+        `forwarded(m, received, outputs)`. A stream's end stops the row, or with `drain` (a
+        stream that learns) skips the forwards after it and stops at the first backward of an
+        item that never came."""
+        end: int | None = None
         for action in self.actions:
             if stopping():
                 return
             self.action = action
             m = action.microbatch
+            if end is not None and m >= end:
+                if action.phase is Phase.BACKWARD:
+                    return
+                continue
             if action.phase is Phase.FORWARD:
                 values = receive_values(self.flow, self.transport, self.index, m)
-                if END in values:      # a stream ended: pass it on, and stop
+                if END in values:      # a stream ended: pass it on, and stop (or drain)
                     for dst in self.flow.sends.get(self.index, {}):
                         self.transport.send(Phase.FORWARD, self.index, dst, m, {END: None})
-                    return
+                    if not drain:
+                        return
+                    end = m
+                    continue
                 began = clock()
                 out = self.forward(m, values)
                 if forwarded is not None:
