@@ -37,6 +37,7 @@ class Measurement:
 
     costs: Mapping[str, NodeCost]
     calibration: tuple[float, float]
+    interference: float = 1.0     # two such stages computing at once slow each other so much
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Plan:
     chosen: object = None                     # the one chosen (a search.Candidate)
     reason: str = ""                          # why
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
+    interference: float = 1.0     # CPU stages computing at once each run this much slower
     spread: float | None = None               # how unsteady the measurement was
     # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
     # dimension of each graph input and model output leaf, the schedule, each stage's threads.
@@ -96,7 +98,7 @@ class Plan:
         """The timeline the cost model predicts for one call (or one `train_step`): the
         timetable the runtime executes, each action taking its stage's predicted time."""
         return predict_slots(self.partition, self.chunks, self.schedule, training,
-                             self.wiring.reads_from(training), os.cpu_count())
+                             self.wiring.reads_from(training), os.cpu_count(), self.interference)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,

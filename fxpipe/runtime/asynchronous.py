@@ -25,6 +25,7 @@ parameter: nothing the caller or another stage reads is touched.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
@@ -39,7 +40,7 @@ from .. import microbatch
 from ..schedules import Action, Phase, async_warmup
 from .executor import EVERY, StageExecutor
 from .orchestrator import (DRIVER, END, Run, Runtime, StageRow, _NO_MORE, _Rows, _Worker,
-                           _workers, item_error, send_inputs)
+                           _kept_thread_count, _workers, item_error, send_inputs)
 from .step import check_loss
 from .transport import POLL_S, Aborted
 
@@ -186,7 +187,7 @@ class AsyncTraining(_Rows):
         """The current version's stash, copied from the parameters now if it is new."""
         stash = self.stashes.get(self.version)
         if stash is None:
-            with torch.no_grad():
+            with torch.no_grad(), _one_thread():
                 stash = _Stash([{key: nn.Parameter(self.params[key].detach().clone(),
                                                    self.params[key].requires_grad)
                                  for key in keys} for keys in self.stage_keys])
@@ -223,13 +224,16 @@ class AsyncTraining(_Rows):
                         # What finished while the source was waited for is applied first, so
                         # a late item enters with the newest weights.
                         yield from self._apply_finished(wait=False)
-                        self._feed(self.fed, item)
+                        with _one_thread():
+                            self._feed(self.fed, item)
                         self.fed += not ended
                     else:
                         yield from self._apply_finished(wait=True)
                 if self.window_items.rows:
                     if self.train_partial:
-                        yield self._step(self.window_items)
+                        with _one_thread():
+                            loss = self._step(self.window_items)
+                        yield loss
                     else:
                         self.optimizer.zero_grad()
         except GeneratorExit:
@@ -279,10 +283,14 @@ class AsyncTraining(_Rows):
             wait = False
             self.arrived.setdefault(m, {})[stage] = grads
             while len(self.arrived.get(self.applied, ())) == len(self.rt.stages):
-                self._apply(self.applied, self.arrived.pop(self.applied), self.window_items)
+                with _one_thread():
+                    self._apply(self.applied, self.arrived.pop(self.applied),
+                                self.window_items)
                 self.applied += 1
                 if self.applied % self.window == 0:
-                    yield self._step(self.window_items)
+                    with _one_thread():
+                        loss = self._step(self.window_items)
+                    yield loss
                     self.window_items = Window()
 
     def _apply(self, m: int, grads: dict[int, dict[int, torch.Tensor]], window: Window) -> None:
@@ -344,3 +352,13 @@ class AsyncTraining(_Rows):
         record = self.rt.last_run
         self.walk(StageRow(executor, self.rows[index], self.flow, self.transport),
                   clock=record.clock, done=record.done, drain=True)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The driver's own work (copying a version, adding gradients, the optimizer's step) on one
+    intra-op thread: the stages' threads use the cores, and a team of OpenMP threads the driver
+    started would spin on them between its ops (measured: ViT at 20.8 items/s, 28.1 with it)."""
+    with _kept_thread_count():
+        torch.set_num_threads(1)
+        yield
