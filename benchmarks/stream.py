@@ -14,7 +14,8 @@ noise.
 With `--train`, learning on a drifting stream instead (a regression target that rotates a
 quarter turn over the stream): the model trained one item at a time (SGD) on 1 and on all
 cores' threads, `pipe.stream_train` in windows of 4 and 16 items (the exact mode) and in the
-asynchronous mode (a step per item, gradients up to one step stale) on 2 one-thread stages, all
+asynchronous mode (a step per item or per 4 items, gradients up to one step stale) on 2
+one-thread stages, all
 from the same weights; samples/s, the loss over the last tenth of the stream (and against the
 exact mode's in windows of 4), and the loss over the stream drawn into `--picture` (an SVG).
 """
@@ -166,10 +167,11 @@ def train(options, cores: int) -> None:
                 lambda m, xs, w=window: trained_in_windows(
                     fxpipe.compile(m, ["cpu", "cpu"], (x,), threads_per_stage=1, training=True,
                                    progress=False), xs, w, options.lr))
-        runs["stream_train async, 2 stages x 1 thread"] = (
-            lambda m, xs: trained_in_windows(
-                fxpipe.compile(m, ["cpu", "cpu"], (x,), threads_per_stage=1, training=True,
-                               progress=False), xs, 1, options.lr, mode="async"))
+        for window in (1, 4):
+            runs[f"stream_train async window {window}, 2 stages x 1 thread"] = (
+                lambda m, xs, w=window: trained_in_windows(
+                    fxpipe.compile(m, ["cpu", "cpu"], (x,), threads_per_stage=1, training=True,
+                                   progress=False), xs, w, options.lr, mode="async"))
         for run in runs.values():       # warm-up, on copies
             run(copy.deepcopy(model), items[:32])
         results = {label: run(copy.deepcopy(model), items) for label, run in runs.items()}

@@ -408,7 +408,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
         considered[-1].config == search.as_is_config(considered[-1].config.schedule)
     # Raced in this process: not a plan priced for another runtime (gloo ranks, your links).
     in_process = o.link_name in ("default", "measure")
-    if pipelines and weighed_as_is and in_process and not training and not plan.runs_as_is:
+    if pipelines and weighed_as_is and in_process and not plan.runs_as_is:
         return _raced(plan, model if held is None else holding(model, held), recipe, held)
     return plan
 
@@ -417,31 +417,72 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
 BUSY_SHARE = 0.85
 
 
+# The pipelines raced at most: the one predicted fastest, and the next ones predicted within
+# `SHORTLIST_SLACK` of it (a prediction off by more is off by more than the race can mend).
+SHORTLIST = 3
+SHORTLIST_SLACK = 1.25
+
+
 def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None) -> Plan:
-    """An inference pipeline chosen over the model as is on its prediction, kept only where it
-    is measured faster: both run on the example in interleaved rounds (`measure.race`), and
-    each one's least time counts, the least disturbed by other work on the machine (the model's
-    all-core run is the first a busy core slows). Where the pipeline is not faster by over
-    `search.TIE`, the plan is made again weighing the model as is alone, on the costs measured;
-    so it is where the model's run on CPUs got under `BUSY_SHARE` of its threads' time: the
-    machine is too busy to tell, and the model as is is the choice that cannot lose much."""
-    raced = race(plan, model, recipe)
-    measured = (f"{plan.chosen} measured {raced.pipeline_s * 1e3:.3f} ms, the model "
+    """A pipeline chosen over the model as is on its prediction is kept only where it is
+    measured faster. The shortlist (the chosen pipeline and the next best predicted, built
+    from the costs already measured: `_runners_up`) and the model run on the example in
+    interleaved rounds (`measure.race`: calls in inference, train steps in training), and each
+    one's least time counts, the least disturbed by other work on the machine (the model's
+    all-core run is the first a busy core slows). The pipeline measured fastest is kept where
+    it beats the model by over `search.TIE`; otherwise the plan is made again weighing the model
+    as is alone, on the costs measured; so it is where the model's run on CPUs got under
+    `BUSY_SHARE` of its threads' time: the machine is too busy to tell, and the model as is is
+    the choice that cannot lose much. The plan records each one's predicted and measured time
+    (`Plan.raced`)."""
+    shortlist = [plan, *_runners_up(plan, recipe, held)]
+    raced = race(shortlist, model, recipe)
+    rows = tuple((p.chosen.config, p.predicted_step_s, t)
+                 for p, t in zip(shortlist, raced.pipelines_s)) + (
+        (plan.considered[-1].config, plan.unpipelined_s, raced.model_s),)
+    fastest = min(range(len(shortlist)), key=lambda i: raced.pipelines_s[i])
+    best = shortlist[fastest]
+    also = f", fastest of {len(shortlist)} pipelines raced" if len(shortlist) > 1 else ""
+    measured = (f"{best.chosen} measured {raced.pipelines_s[fastest] * 1e3:.3f} ms, the model "
                 f"{raced.model_s * 1e3:.3f} ms (the least of {raced.rounds} interleaved runs "
-                f"each; predicted {plan.predicted_step_s * 1e3:.3f} ms)")
+                f"each{also}; predicted {best.predicted_step_s * 1e3:.3f} ms)")
     if raced.cpu_share is not None and raced.cpu_share < BUSY_SHARE:
         reason = (f"no pipeline is weighed on a busy machine: the model's fastest run had "
                   f"{raced.cpu_share:.0%} of the time of its {torch.get_num_threads()} "
                   f"thread(s), other processes holding cores, so neither time would hold on a "
                   f"quiet machine; compile where the cores are free to weigh pipelines "
                   f"({measured})")
-    elif raced.pipeline_s < raced.model_s * (1 - search.TIE):
-        return replace(plan, reason=f"{plan.reason}; {measured}")
+    elif raced.pipelines_s[fastest] < raced.model_s * (1 - search.TIE):
+        why = plan.reason if best is plan else (
+            f"measured fastest, though {plan.chosen} was predicted fastest")
+        chosen = next(c for c in plan.considered if c.config == best.chosen.config)
+        return replace(best, considered=plan.considered, chosen=chosen, raced=rows,
+                       reason=f"{why}; {measured}")
     else:
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
     again = replace(recipe, options=replace(recipe.options, costs=plan))
     as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False)
-    return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason)
+    return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason,
+                   raced=rows)
+
+
+def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan]:
+    """The plans of the configurations predicted next best after the chosen one (at most
+    `SHORTLIST - 1`, within `SHORTLIST_SLACK` of it and faster than the model), each built
+    as `compile` builds one asked for, on the costs already measured."""
+    best = plan.chosen.predicted_s
+    others = sorted((c for c in plan.considered[:-1] if c.predicted_s is not None and
+                     c.config != plan.chosen.config and c.predicted_s <= best * SHORTLIST_SLACK
+                     and c.predicted_s < (plan.unpipelined_s or math.inf)),
+                    key=lambda c: c.predicted_s)
+    built = []
+    for c in others[:SHORTLIST - 1]:
+        config = c.config
+        again = replace(recipe, options=replace(
+            recipe.options, costs=plan, num_stages=config.num_stages, chunks=config.chunks,
+            schedule=config.schedule, threads_per_stage=config.threads))
+        built.append(_build(recipe.model, again.trace(recipe.model), again, held))
+    return built
 
 
 def _inputs_device(recipe: Recipe) -> torch.device:

@@ -33,7 +33,7 @@ from fxpipe.passes.state import unchanged_state
 
 from . import microbatch, search
 from .devices import shared_memory, synchronize
-from .pipeline import call_stages, runtime_of
+from .pipeline import call_stages, runtime_of, train_stages
 from .plan_data import Measurement, Plan
 from .reference import copied, unchanged
 
@@ -319,52 +319,67 @@ def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
 
 
 class Race(NamedTuple):
-    """What `race` measured: each one's least time, the rounds run, and on CPUs the share of
-    its threads' time the model's fastest run got (None where a GPU runs)."""
+    """What `race` measured: each pipeline's least time and the model's, the rounds run, and
+    on CPUs the share of its threads' time the model's fastest run got (None where a GPU runs)."""
 
-    pipeline_s: float
+    pipelines_s: tuple[float, ...]
     model_s: float
     rounds: int
     cpu_share: float | None = None
 
 
-def race(plan: Plan, model: nn.Module, recipe: Recipe, rounds: int = 5,
+def race(plans: Sequence[Plan], model: nn.Module, recipe: Recipe, rounds: int = 5,
          budget_s: float = 1.0) -> Race:
-    """The plan's pipeline (a call, as `Pipeline.forward` makes it: `call_stages`) and the model
-    run whole, on the example, timed in interleaved rounds (the order alternating) after one
-    warm-up each: the least time of each, and the rounds run (`rounds`, or fewer, at least 3,
-    once `budget_s` is spent). Each run ends with its devices' work done. Without gradients or
-    side effects: the model's and the stages' buffers and the random generators are restored.
+    """The plans' pipelines and the model run whole, on the example, timed in interleaved
+    rounds (the order turning each round) after one warm-up each: the least time of each, and
+    the rounds run (`rounds`, or fewer, at least 3, once `budget_s` is spent). In inference a
+    run is a call, as `Pipeline.forward` makes it (`call_stages`); in training (the plans'
+    mode) one train step with the sum of the outputs as the loss (`train_stages`) against the
+    model's forward and backward. Each run ends with its devices' work done. Without side
+    effects: `.grad`, the model's and the stages' buffers and the random generators are
+    restored.
 
     On CPUs, also the process's CPU time over the model's fastest run, as a share of its
     threads' wall time: all its threads work through a run (OpenMP's wait by spinning), so a
     share well under 1 means other processes held the cores (0.99 here on a quiet machine, 0.71
     with one core busy)."""
-    runtime = runtime_of(plan)
+    training = bool(plans[0].training)
     args, kwargs = recipe.args, recipe.kwargs
     devices = {t.device for t in [*model.parameters(), *model.buffers(), *tensors((args, kwargs))]}
-    devices |= {torch.device(stage.device) for stage in plan.stages}
+    devices |= {torch.device(stage.device) for plan in plans for stage in plan.stages}
+    params = [p for p in model.parameters() if p.requires_grad]
 
-    def pipeline() -> None:
-        call_stages(plan, runtime, copied(args), copied(kwargs))
+    def pipeline(plan: Plan) -> Callable[[], None]:
+        runtime = runtime_of(plan)
+        step = train_stages if training else call_stages
+        return lambda: step(plan, runtime, copied(args), copied(kwargs))
 
     def whole() -> None:
-        model(*copied(args), **copied(kwargs))
-    times: dict[Callable, list[tuple[float, float]]] = {pipeline: [], whole: []}
-    with unchanged(model), unchanged(plan.graph):
-        pipeline()
-        whole()
+        out = model(*copied(args), **copied(kwargs))
+        loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and t.requires_grad)
+        if training and isinstance(loss, torch.Tensor):
+            torch.autograd.grad(loss, params, allow_unused=True)    # .grad left alone
+    runs = [*map(pipeline, plans), whole]
+    times: list[list[tuple[float, float]]] = [[] for _ in runs]
+    with contextlib.ExitStack() as kept:
+        for module in {id(m): m for m in [model, *(p.graph for p in plans)]}.values():
+            kept.enter_context(unchanged(module))
+        kept.enter_context(torch.set_grad_enabled(training))
+        for run in runs:
+            run()
         start = time.perf_counter()
         for r in range(rounds):
-            for run in (pipeline, whole) if r % 2 == 0 else (whole, pipeline):
+            turn = r % len(runs)
+            for i in [*range(turn, len(runs)), *range(turn)]:
                 synchronize(*devices)
                 began, cpu = time.perf_counter(), time.process_time()
-                run()
+                runs[i]()
                 synchronize(*devices)
-                times[run].append((time.perf_counter() - began, time.process_time() - cpu))
+                times[i].append((time.perf_counter() - began, time.process_time() - cpu))
             if r >= 2 and time.perf_counter() - start > budget_s:
                 break
-    model_s, model_cpu_s = min(times[whole])
+    model_s, model_cpu_s = min(times[-1])
     share = (model_cpu_s / (model_s * torch.get_num_threads())
              if all(is_cpu(d) for d in devices) and model_s > 0 else None)
-    return Race(min(times[pipeline])[0], model_s, len(times[whole]), share)
+    return Race(tuple(min(t)[0] for t in times[:-1]), model_s, len(times[-1]), share)

@@ -540,6 +540,30 @@ def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any
                              for chunk, out in zip(chunks, outputs)], plan.output_dims)
 
 
+def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> None:
+    """One train step of `plan`'s stages on the model's inputs, as `train_step` runs it (its
+    schedule, each micro-batch from its seed), the sum of the outputs as the loss: what
+    compile's race times in training. `.grad` is left as it was."""
+    signature = plan.signature
+    values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
+    chunks = microbatch.split(values, plan.chunks, plan.placeholder_dims)
+    params = list({id(p): p for stage in plan.stages for p in stage.module.parameters()}.values())
+    before = [p.grad for p in params]
+
+    def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
+        out = signature.rebuild_outputs(graph_values)
+        return sum((t.float().sum() for t in tensors(out) if t.requires_grad),
+                   torch.zeros((), device=plan.stages[-1].device))
+    try:
+        for p in params:
+            p.grad = None
+        runtime.run(timetable_for(plan.schedule, len(plan.stages), plan.chunks, backward=True),
+                    chunks, loss_of=loss_of, seeds=microbatch_seeds(plan.chunks))
+    finally:
+        for p, grad in zip(params, before):
+            p.grad = grad
+
+
 def carry_values(source: nn.Module, target: nn.Module) -> None:
     """`target`'s tensors given `source`'s values where the two hold other tensors under one
     name (the two modes' stages placed copies of it on different devices), so the mode switched

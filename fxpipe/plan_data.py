@@ -64,6 +64,9 @@ class Plan:
     considered: tuple = ()                    # search.Candidate: the configurations weighed
     chosen: object = None                     # the one chosen (a search.Candidate)
     reason: str = ""                          # why
+    # The configurations raced on the example (the shortlist, the model as is last): each
+    # one's (search.Config, predicted time, least measured time) per batch.
+    raced: tuple = ()
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
     interference: float = 1.0     # CPU stages computing at once each run this much slower
     spread: float | None = None               # how unsteady the measurement was

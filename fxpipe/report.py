@@ -165,18 +165,25 @@ def _choice(plan: Plan) -> list[str]:
     """The configurations weighed (when more than one) and why this one was chosen."""
     if len(plan.considered) < 2:
         return []
+    measured = {config: s for config, _, s in plan.raced}
     rows = []
     for c in plan.considered:
         as_is = c is plan.considered[-1] and plan.reason.startswith("no pipeline")
-        rows.append(("*" if c is plan.chosen else "", c.config.num_stages, c.config.chunks,
-                     c.config.schedule, c.config.threads,
-                     "-" if c.predicted_s is None else f"{c.predicted_s * 1e3:.3f}",
-                     c.memory_bytes / 1e6,
-                     "the model as is, measured" if as_is else c.problem))
-    return ["configurations considered (predicted time per batch):",
-            tabulate(rows, headers=["", "stages", "chunks", "schedule", "threads",
-                                    "predicted ms", "memory MB", ""], floatfmt=".3f",
-                     maxcolwidths=[None] * 7 + [60]),
+        row = ["*" if c is plan.chosen else "", c.config.num_stages, c.config.chunks,
+               c.config.schedule, c.config.threads,
+               "-" if c.predicted_s is None else f"{c.predicted_s * 1e3:.3f}",
+               c.memory_bytes / 1e6, "the model as is, measured" if as_is else c.problem]
+        if measured:
+            row.insert(6, f"{measured[c.config] * 1e3:.3f}" if c.config in measured else "")
+        rows.append(row)
+    headers = ["", "stages", "chunks", "schedule", "threads", "predicted ms", "memory MB", ""]
+    if measured:
+        headers.insert(6, "raced ms")
+    title = "configurations considered (predicted time per batch" + (
+        "; the shortlist and the model raced on the example, the least of interleaved runs"
+        if measured else "") + "):"
+    return [title, tabulate(rows, headers=headers, floatfmt=".3f",
+                            maxcolwidths=[None] * (len(headers) - 1) + [60]),
             f"chosen: {plan.reason}"]
 
 

@@ -53,8 +53,11 @@ _local = threading.local()
 
 
 def microbatch_seeds(chunks: int) -> list[int]:
-    """The seeds of one call's `chunks` micro-batches; advances the caller's CPU generator once."""
-    base = int(torch.randint(0, _SEED_RANGE, (), dtype=torch.int64))
+    """The seeds of one call's `chunks` micro-batches; advances the caller's CPU generator once.
+    Under the lock `seeded` draws under: a stream draws each item's seed while stages draw,
+    each with its own state installed in the same generator for the while."""
+    with _LOCK:
+        base = int(torch.randint(0, _SEED_RANGE, (), dtype=torch.int64))
     return [(base + m) % _SEED_RANGE for m in range(chunks)]
 
 

@@ -1,9 +1,12 @@
-"""An inference pipeline chosen over the model as is on its prediction is raced against the model
-on the example, and kept only where it is measured faster (`fxpipe.api._raced`).
+"""A pipeline chosen over the model as is on its prediction is raced, with the next best
+predicted (the shortlist), against the model on the example, and kept only where it is measured
+faster (`fxpipe.api._raced`), in inference and in training.
 
 The prediction is steered by hand (the model's own time scripted as slow, or the race's result
 scripted), so what is tested is the rule, not this machine's timings.
 """
+
+import copy
 
 import pytest
 import torch
@@ -30,11 +33,14 @@ def model_predicted_slow(monkeypatch):
 
 
 def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
+    """The race scripted: the shortlist's pipelines measured `pipeline_s` (one time each, or
+    the same time for all), the model `model_s`. Returns the shortlists raced."""
     calls = []
 
-    def race(plan, model, recipe):
-        calls.append(plan)
-        return Race(pipeline_s, model_s, 7, cpu_share)
+    def race(plans, model, recipe):
+        calls.append(plans)
+        times = pipeline_s if isinstance(pipeline_s, tuple) else (pipeline_s,) * len(plans)
+        return Race(times[:len(plans)], model_s, 7, cpu_share)
     monkeypatch.setattr(fxpipe.api, "race", race)
     return calls
 
@@ -45,7 +51,7 @@ def test_a_pipeline_measured_slower_than_the_model_gives_way_to_the_model(
     torch.manual_seed(0)
     model, x = Tiny().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
-    assert len(calls) == 1 and not calls[0].runs_as_is     # the pipeline predicted fastest
+    assert len(calls) == 1 and not calls[0][0].runs_as_is     # the pipeline predicted fastest
     plan = pipe.plan
     assert plan.runs_as_is and plan.reason.startswith("no pipeline is measured faster")
     assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.reason
@@ -83,13 +89,52 @@ def test_on_a_busy_machine_the_model_as_is_is_kept_and_the_plan_says_why(
     assert not fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan.runs_as_is
 
 
-@pytest.mark.parametrize("options", [dict(num_stages=2), dict(training=True)])
-def test_no_race_where_the_model_as_is_is_not_weighed_or_in_training(
-        model_predicted_slow, monkeypatch, options):
+def test_no_race_where_the_model_as_is_is_not_weighed(model_predicted_slow, monkeypatch):
     calls = raced_as(monkeypatch, pipeline_s=1.0, model_s=0.001)
     model, x = Tiny(), torch.randn(8, 16)
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), **{"num_stages": "auto", **options})
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages=2)
     assert calls == [] and not pipe.plan.runs_as_is
+
+
+def test_the_shortlist_races_the_next_best_predicted_and_keeps_the_one_measured_fastest(
+        model_predicted_slow, monkeypatch):
+    calls = raced_as(monkeypatch, pipeline_s=(0.004, 0.001, 0.003), model_s=0.002)
+    monkeypatch.setattr(fxpipe.api, "SHORTLIST_SLACK", 100.0)   # every pipeline a runner-up
+    torch.manual_seed(0)
+    model, x = Tiny().eval(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
+    [shortlist] = calls
+    assert 2 <= len(shortlist) <= fxpipe.api.SHORTLIST
+    predicted = [p.predicted_step_s for p in shortlist]
+    assert predicted[0] == min(predicted) and predicted == sorted(predicted)
+    plan = pipe.plan
+    assert plan.chosen.config == shortlist[1].chosen.config and not plan.runs_as_is
+    assert "measured fastest, though" in plan.reason and "measured 1.000 ms" in plan.reason
+    # Every one raced, the model as is last, predicted against measured; print shows both.
+    assert [config for config, _, _ in plan.raced] == [
+        *(p.chosen.config for p in shortlist), plan.considered[-1].config]
+    assert [s for _, _, s in plan.raced] == [0.004, 0.001, 0.003][:len(shortlist)] + [0.002]
+    assert "raced ms" in str(plan) and "1.000" in str(plan)
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+@pytest.mark.parametrize("pipeline_s, as_is", [(0.004, True), (0.001, False)])
+def test_training_races_train_steps_and_keeps_the_faster(model_predicted_slow, monkeypatch,
+                                                          pipeline_s, as_is):
+    calls = raced_as(monkeypatch, pipeline_s=pipeline_s, model_s=0.002)
+    torch.manual_seed(0)
+    model, x = Tiny().train(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", training=True)
+    assert len(calls) == 1 and all(p.training for p in calls[0])
+    assert pipe.plan.runs_as_is == as_is
+    target = torch.randn(8, 16)
+    loss = pipe.train_step(x, target, torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time():
@@ -99,10 +144,27 @@ def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time(
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
-    raced = fxpipe.measure.race(plan, model, plan_recipe(model, x))
-    assert 0 < raced.pipeline_s and 0 < raced.model_s and 3 <= raced.rounds <= 5
+    raced = fxpipe.measure.race([plan], model, plan_recipe(model, x))
+    assert 0 < raced.pipelines_s[0] and 0 < raced.model_s and 3 <= raced.rounds <= 5
     assert 0 < raced.cpu_share <= 1.5       # the CPU time of the model's threads, over theirs
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_training_race_runs_train_steps_without_side_effects():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1), nn.Linear(16, 4)).train()
+    x = torch.randn(8, 16)
+    plans = [fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages=2, chunks=c, training=True)
+             for c in (1, 2)]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    raced = fxpipe.measure.race(plans, model, plan_recipe(model, x))
+    assert len(raced.pipelines_s) == 2 and all(t > 0 for t in raced.pipelines_s)
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), state)
 
 

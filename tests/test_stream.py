@@ -142,3 +142,36 @@ def test_a_stream_orders_against_the_callers_streams_as_a_call_does(monkeypatch)
     assert calls == [("wait_for_caller", 0, True), ("wait_for_caller", 1, True)]
     list(flowing)
     assert calls[2:] == [("make_caller_wait", 0, True), ("make_caller_wait", 1, True)]
+
+
+class Noisy(nn.Module):
+    """Dropout in training mode throughout: every stage draws for every item."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return x
+
+
+def test_item_seeds_drawn_while_stages_draw_are_the_callers_own():
+    """Each item's seed is drawn from the caller's generator as it is fed, while stages draw
+    with their own states installed in that generator: the seeds (and so every item's draws)
+    are those the caller's generator gives, in order."""
+    torch.manual_seed(0)
+    model = Noisy().train()
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (torch.randn(4, 32),), progress=False)
+    items = [torch.randn(4, 32) for _ in range(120)]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        outputs = list(pipe.stream(items, max_in_flight=6))
+    torch.manual_seed(1)
+    seeds = [fxpipe.passes.randomness.microbatch_seeds(1)[0] for _ in items]
+    with torch.no_grad():
+        for out, x, seed in zip(outputs, items, seeds):
+            torch.manual_seed(seed)
+            torch.testing.assert_close(out, model(x))

@@ -25,7 +25,6 @@ parameter: nothing the caller or another stage reads is touched.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
@@ -72,7 +71,7 @@ def private_tree(module: nn.Module) -> nn.Module:
 class _Stash:
     """One version's copies of every stage's parameters, and the items inside that use it."""
 
-    copies: list[dict[int, nn.Parameter]]      # per stage: id(live parameter) -> its copy
+    copies: list[dict[int, torch.Tensor]]      # per stage: id(live parameter) -> its copy
     users: int = 0
 
 
@@ -101,14 +100,14 @@ class _StashingExecutor(StageExecutor):
     hands the stash's gradients to the driver after m's backward."""
 
     def __init__(self, stage: Stage, holders: list[tuple[nn.Module, str, int]],
-                 stash_of: Callable[[int], dict[int, nn.Parameter]],
+                 stash_of: Callable[[int], dict[int, torch.Tensor]],
                  finished: Callable[[int, int, dict[int, torch.Tensor]], None], **kwargs: Any):
         super().__init__(stage, **kwargs)
         self.holders = holders          # (submodule of the private tree, name, id(live))
         self.stash_of = stash_of
         self.finished = finished
 
-    def _use(self, m: int) -> dict[int, nn.Parameter]:
+    def _use(self, m: int) -> dict[int, torch.Tensor]:
         stash = self.stash_of(m)
         for owner, name, key in self.holders:
             owner._parameters[name] = stash[key]
@@ -132,7 +131,7 @@ class _StashingExecutor(StageExecutor):
 
 
 @dataclass
-class Window:
+class _Window:
     """One optimizer step's items as they are applied: their rows and losses, for its loss."""
 
     rows: list[int] = field(default_factory=list)
@@ -177,19 +176,23 @@ class AsyncTraining(_Rows):
                 loss_of=self.loss if stage.index == n - 1 else None, seeds=self.seeds,
                 stream=runtime.streams[stage.index], recompute=runtime.recompute[stage.index]))
         self.stage_keys = [{key for _, _, key in e.holders} for e in self.executors]
+        self.rows = [row(s, async_warmup(s, n, max_staleness, window)) for s in range(n)]
+        self.fed = self.applied = 0       # items sent in, and items whose gradient was added
+        self.arrived: dict[int, dict[int, dict[int, torch.Tensor]]] = {}   # item -> stage -> grads
+        self.window_items = _Window()
 
     # --- the stashes ---------------------------------------------------------------------------
 
-    def _stash_for(self, stage: int) -> Callable[[int], dict[int, nn.Parameter]]:
+    def _stash_for(self, stage: int) -> Callable[[int], dict[int, torch.Tensor]]:
         return lambda m: self.stashes[self.item_version[m]].copies[stage]
 
     def _stash(self) -> _Stash:
         """The current version's stash, copied from the parameters now if it is new."""
         stash = self.stashes.get(self.version)
         if stash is None:
-            with torch.no_grad(), _one_thread():
-                stash = _Stash([{key: nn.Parameter(self.params[key].detach().clone(),
-                                                   self.params[key].requires_grad)
+            with torch.no_grad():
+                stash = _Stash([{key: self.params[key].detach().clone().requires_grad_(
+                                     self.params[key].requires_grad)
                                  for key in keys} for keys in self.stage_keys])
             for device in {p.device for p in self.params.values() if p.device.type == "cuda"}:
                 torch.cuda.current_stream(device).synchronize()   # stages copy on their own
@@ -204,19 +207,20 @@ class AsyncTraining(_Rows):
     def run(self, items: Iterator[tuple[dict[str, Any], Any]]) -> Iterator[torch.Tensor]:
         """Feed items while the bound allows, apply finished items' gradients in order, step
         the optimizer every `window` of them and yield that window's loss."""
-        n = len(self.rt.stages)
-        self.rows = [row(s, async_warmup(s, n, self.k, self.window)) for s in range(n)]
         threads = [_Worker(self.work, stage.index, "fxpipe-learn") for stage in self.rt.stages]
-        record = self.rt.last_run = Run(num_stages=n)
+        record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
         for executor in self.executors:
             executor.wait_for_caller()
-        self.fed = self.applied = 0
-        self.arrived: dict[int, dict[int, dict[int, torch.Tensor]]] = {}
-        self.window_items = Window()
         ended = False
         self.optimizer.zero_grad()
         try:
-            with _workers(threads, self.abort):
+            with _workers(threads, self.abort), _kept_thread_count():
+                # The driver's own work (copying a version, adding gradients, the optimizer's
+                # step) on one intra-op thread: the stages' threads hold the cores, and a team
+                # of OpenMP threads of the caller's would spin on them between its ops
+                # (measured: ViT 20.8 items/s, 28.1 with it). Switching back and forth costs
+                # ~0.2 ms a time, so the loop's body runs so too, until the stream ends.
+                torch.set_num_threads(1)
                 while not ended or self.applied < self.fed:
                     if not ended and self.fed // self.window - self.version <= self.k:
                         item = next(items, _NO_MORE)
@@ -224,16 +228,13 @@ class AsyncTraining(_Rows):
                         # What finished while the source was waited for is applied first, so
                         # a late item enters with the newest weights.
                         yield from self._apply_finished(wait=False)
-                        with _one_thread():
-                            self._feed(self.fed, item)
+                        self._feed(self.fed, item)
                         self.fed += not ended
                     else:
                         yield from self._apply_finished(wait=True)
                 if self.window_items.rows:
                     if self.train_partial:
-                        with _one_thread():
-                            loss = self._step(self.window_items)
-                        yield loss
+                        yield self._step(self.window_items)
                     else:
                         self.optimizer.zero_grad()
         except GeneratorExit:
@@ -283,17 +284,13 @@ class AsyncTraining(_Rows):
             wait = False
             self.arrived.setdefault(m, {})[stage] = grads
             while len(self.arrived.get(self.applied, ())) == len(self.rt.stages):
-                with _one_thread():
-                    self._apply(self.applied, self.arrived.pop(self.applied),
-                                self.window_items)
+                self._apply(self.applied, self.arrived.pop(self.applied), self.window_items)
                 self.applied += 1
                 if self.applied % self.window == 0:
-                    with _one_thread():
-                        loss = self._step(self.window_items)
-                    yield loss
-                    self.window_items = Window()
+                    yield self._step(self.window_items)
+                    self.window_items = _Window()
 
-    def _apply(self, m: int, grads: dict[int, dict[int, torch.Tensor]], window: Window) -> None:
+    def _apply(self, m: int, grads: dict[int, dict[int, torch.Tensor]], window: _Window) -> None:
         """Add item m's gradient to `.grad` (weighted by its rows for a mean), release its
         stash, and keep its loss for its window."""
         rows = microbatch.batch_size(self.loss.targets.pop(m))
@@ -319,7 +316,7 @@ class AsyncTraining(_Rows):
             raise LossError("loss_fn returned (loss_sum, count) for one item but not for "
                             "another: return the same for every item")
 
-    def _step(self, window: Window) -> torch.Tensor:
+    def _step(self, window: _Window) -> torch.Tensor:
         """Scale the window's gradients, step the optimizer, start the next version; the
         window's loss."""
         losses = torch.stack([loss.double() for loss in window.losses])
@@ -353,12 +350,3 @@ class AsyncTraining(_Rows):
         self.walk(StageRow(executor, self.rows[index], self.flow, self.transport),
                   clock=record.clock, done=record.done, drain=True)
 
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """The driver's own work (copying a version, adding gradients, the optimizer's step) on one
-    intra-op thread: the stages' threads use the cores, and a team of OpenMP threads the driver
-    started would spin on them between its ops (measured: ViT at 20.8 items/s, 28.1 with it)."""
-    with _kept_thread_count():
-        torch.set_num_threads(1)
-        yield
