@@ -131,8 +131,10 @@ class Costs:
                                progress=recipe.progress.nodes, materialize=recipe.plausible)
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))
+                # Stages overlap on several micro-batches (a DAG's branches aside: not priced).
                 threads = device.threads or 1
-                if worker and is_cpu(device.name) and 2 * threads <= (os.cpu_count() or 1):
+                if worker and chunks > 1 and is_cpu(device.name) and \
+                        2 * threads <= (os.cpu_count() or 1):
                     self.interference[chunks, device.kind, worker] = interference(
                         gm, args, kwargs, self.training, threads)
         _on_worker_thread(run) if worker else run()

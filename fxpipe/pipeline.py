@@ -241,8 +241,9 @@ class Pipeline(nn.Module):
         `pipe.last_run.versions[i]` and `.staleness[i]` say, per item, which weights it used
         and how many steps old its gradient was when applied. Each stage then holds up to
         `max_staleness + 1` copies of its parameters (`plan.stream_train_memory`); a stream
-        that would not fit a device's memory is refused before it starts. See
-        `fxpipe.runtime.asynchronous`.
+        that would not fit a device's memory is refused before it starts. While it runs, the
+        caller's thread (the loop's body) computes with one intra-op thread: the stages hold
+        the cores. See `fxpipe.runtime.asynchronous`.
 
         Each window is one `train_step` whose micro-batches are the window's items, each run
         whole (an item's input is a tensor, a tuple of positional inputs or a dict of keyword

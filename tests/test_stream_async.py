@@ -131,6 +131,18 @@ def test_a_sum_reduction_and_a_partial_window():
                                       partial="drop"))) == 2
 
 
+def test_a_loss_sum_and_count_weighs_items_by_their_counts():
+    """Items of equal counts: (loss_sum, count) gives the window's mean, as "mean" does."""
+    items = stream_of(6)
+    runs = []
+    for loss_fn in (F.mse_loss, lambda o, t: (F.mse_loss(o, t, reduction="sum"), t.numel())):
+        pipe, _, opt, _ = compiled(2)
+        torch.manual_seed(0)
+        losses = list(pipe.stream_train(items, loss_fn, opt, mode="async", window=3))
+        runs.append((losses, params_of(pipe)))
+    torch.testing.assert_close(runs[0], runs[1])
+
+
 def test_stashed_versions_are_counted_in_the_memory_and_refused_where_they_do_not_fit():
     pipe, *_ = compiled(2)
     params = [sum(p.numel() * p.element_size() for p in s.parameters()) for s in pipe.stages]

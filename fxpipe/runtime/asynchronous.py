@@ -160,6 +160,7 @@ class AsyncTraining(_Rows):
         self.version = 0
         self.item_version: dict[int, int] = {}
         self.stashes: dict[int, _Stash] = {}
+        self.spare: list[_Stash] = []        # released versions, their copies to reuse
         self.done: queue.Queue = queue.Queue()
         self.trees = [private_tree(stage.module) for stage in runtime.stages]
         n = len(runtime.stages)
@@ -191,9 +192,15 @@ class AsyncTraining(_Rows):
         stash = self.stashes.get(self.version)
         if stash is None:
             with torch.no_grad():
-                stash = _Stash([{key: self.params[key].detach().clone().requires_grad_(
-                                     self.params[key].requires_grad)
-                                 for key in keys} for keys in self.stage_keys])
+                if self.spare:     # a released version's copies, written over in one call
+                    stash = _Stash(self.spare.pop().copies)
+                    copies = [t for copies in stash.copies for t in copies.values()]
+                    torch._foreach_copy_(copies, [self.params[key] for copies in stash.copies
+                                                  for key in copies])
+                else:
+                    stash = _Stash([{key: self.params[key].detach().clone().requires_grad_(
+                                         self.params[key].requires_grad)
+                                     for key in keys} for keys in self.stage_keys])
             for device in {p.device for p in self.params.values() if p.device.type == "cuda"}:
                 torch.cuda.current_stream(device).synchronize()   # stages copy on their own
             self.stashes[self.version] = stash
@@ -338,7 +345,7 @@ class AsyncTraining(_Rows):
         self.optimizer.zero_grad()
         self.version += 1
         for version in [v for v, s in self.stashes.items() if s.users == 0 and v < self.version]:
-            del self.stashes[version]
+            self.spare.append(self.stashes.pop(version))
         return loss.to(window.losses[0].dtype)
 
     # --- the workers ---------------------------------------------------------------------------
