@@ -9,7 +9,6 @@ measured in the same conditions; `time_unpipelined` times the model as given, wh
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import threading
 import time
@@ -50,7 +49,6 @@ class Costs:
         self.gm, self.recipe, self.training = gm, recipe, training
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
-        self.interference: dict[tuple, float] = {}    # see `interference`
         saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
             key: m for key, m in (saved.measurements if saved is not None else {}).items()
@@ -72,8 +70,7 @@ class Costs:
         for (chunks, kind, worker), costs in self.measured.items():
             found[self._key(chunks, kind, worker)] = Measurement(
                 {n.name: cost for n, cost in costs.items()},
-                self.calibration[chunks, kind, worker],
-                self.interference.get((chunks, kind, worker), 1.0))
+                self.calibration[chunks, kind, worker])
         return found
 
     def _key(self, chunks: int, kind: str, worker: bool) -> tuple:
@@ -105,20 +102,13 @@ class Costs:
                 n.meta["costs"] = {k: self.measured[config.chunks, k, worker][n] for k in kinds}
                 n.meta["cost"] = n.meta["costs"][kinds[0]]
         return search.Costed(cost_graph(self.gm, kinds=kinds),
-                             cost_graph(self.gm, training=self.training, kinds=kinds),
-                             self.interference_of(config.chunks, kinds, worker))
-
-    def interference_of(self, chunks: int, kinds: Sequence[str], worker: bool) -> float:
-        """The most two CPU stages of these kinds slow each other (1: none measured)."""
-        return max((self.interference.get((chunks, kind, worker), 1.0) for kind in kinds),
-                   default=1.0)
+                             cost_graph(self.gm, training=self.training, kinds=kinds))
 
     def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
         gm, recipe = self.gm, self.recipe
         reused = self.saved.get(self._key(chunks, device.kind, worker))
         if reused is not None:
             self.calibration[chunks, device.kind, worker] = reused.calibration
-            self.interference[chunks, device.kind, worker] = reused.interference
             return {n: reused.costs[n.name] for n in gm.graph.nodes if n.op != "output"}
         args, kwargs = microbatch.split((recipe.args, recipe.kwargs), chunks,
                                         recipe.input_dims)[0]
@@ -131,12 +121,6 @@ class Costs:
                                progress=recipe.progress.nodes, materialize=recipe.plausible)
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))
-                # Stages overlap on several micro-batches (a DAG's branches aside: not priced).
-                threads = device.threads or 1
-                if worker and chunks > 1 and is_cpu(device.name) and \
-                        2 * threads <= (os.cpu_count() or 1):
-                    self.interference[chunks, device.kind, worker] = interference(
-                        gm, args, kwargs, self.training, threads)
         _on_worker_thread(run) if worker else run()
         return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
 
@@ -209,65 +193,6 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
         cost = n.meta["cost"]
         n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
     return scale
-
-
-def interference(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
-                 threads: int, budget_s: float = 0.5) -> float:
-    """How many times slower the graph runs on this thread while a second thread runs it too,
-    each with `threads` intra-op threads on cores of their own: what two CPU stages computing
-    at once cost each other (memory bandwidth, shared caches), which timing nodes alone misses
-    (two one-thread stages of the residual MLP on two cores ran 12-20% over their prediction).
-
-    The least of up to 3 runs alone against the least of as many runs while the partner loops
-    beside them (in training forward and backward, as `calibrate` runs them), stopping after
-    one each where `budget_s` is spent; at least 1. Buffers and random generators are left as
-    they were; a graph on meta is not run (1)."""
-    if holds_meta(gm):
-        return 1.0
-    run = _positional(gm)
-    inputs = bind_inputs(gm, args, kwargs)
-    params = [p for p in gm.parameters() if p.requires_grad]
-
-    def step() -> None:
-        with torch.set_grad_enabled(training and bool(params)):
-            out = run(*copied(inputs))
-            loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
-                       if isinstance(t, torch.Tensor) and t.requires_grad)
-            if isinstance(loss, torch.Tensor):
-                torch.autograd.grad(loss, params, allow_unused=True)
-
-    def timed(rounds: int) -> float:
-        times = []
-        for _ in range(rounds):
-            began = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - began)
-            if sum(times) > budget_s / 2:
-                break
-        return min(times)
-
-    stop, running = threading.Event(), threading.Event()
-
-    def partner() -> None:
-        with _intra_op_threads(threads):
-            while not stop.is_set():
-                step()
-                running.set()
-
-    with unchanged_state(gm), torch.random.fork_rng(devices=[]), _intra_op_threads(threads):
-        step()
-        alone_s = timed(3)
-        beside = threading.Thread(target=partner, name="fxpipe-measure-partner", daemon=True)
-        beside.start()
-        try:
-            while not running.wait(0.05) and beside.is_alive():
-                pass
-            together_s = timed(3)
-        finally:
-            stop.set()
-            while beside.is_alive():
-                beside.join(0.05)
-    return max(1.0, together_s / alone_s)
 
 
 def _positional(gm: fx.GraphModule) -> fx.GraphModule:

@@ -37,7 +37,6 @@ class Measurement:
 
     costs: Mapping[str, NodeCost]
     calibration: tuple[float, float]
-    interference: float = 1.0     # two such stages computing at once slow each other so much
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,6 @@ class Plan:
     # one's (search.Config, predicted time, least measured time) per batch.
     raced: tuple = ()
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
-    interference: float = 1.0     # CPU stages computing at once each run this much slower
     spread: float | None = None               # how unsteady the measurement was
     # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
     # dimension of each graph input and model output leaf, the schedule, each stage's threads.
@@ -101,7 +99,7 @@ class Plan:
         """The timeline the cost model predicts for one call (or one `train_step`): the
         timetable the runtime executes, each action taking its stage's predicted time."""
         return predict_slots(self.partition, self.chunks, self.schedule, training,
-                             self.wiring.reads_from(training), os.cpu_count(), self.interference)
+                             self.wiring.reads_from(training), os.cpu_count())
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,

@@ -119,8 +119,7 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
              reads_from: Mapping[int, Sequence[int]], *,
              message_s: Callable[[Action, Action], float] = lambda a, b: 0.0,
              cores: float | None = None, demand: Sequence[float] = (),
-             pools: Sequence[tuple[float, Sequence[float]]] = (),
-             interference: float = 1.0, contended: Sequence[bool] = ()) -> list[Slot]:
+             pools: Sequence[tuple[float, Sequence[float]]] = ()) -> list[Slot]:
     """Run the timetable on an ideal machine: each stage does its actions in order, each action
     starts when its stage is free and its dependencies have finished (plus `message_s` for a
     dependency on another stage). Raises if the timetable deadlocks, showing where.
@@ -131,19 +130,15 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
     `cores / asked` of its speed (processor sharing, as the OS time-slices threads). `pools`
     are more resources shared alike, each a capacity and every stage's demand on it (a GPU that
     several stages run on: capacity 1, demand 1 each); an action progresses at the smallest of
-    its pools' shares. `interference` is how much slower a `contended` stage (a CPU stage)
-    computes while another contended stage computes at the same time on other cores (memory
-    bandwidth and caches they share): its progress is divided by it then.
+    its pools' shares.
     """
     read_by: dict[int, list[int]] = {}
     for s, sources in reads_from.items():
         for p in sources:
             read_by.setdefault(p, []).append(s)
     pools = [*([(cores, demand)] if cores is not None else []), *pools]
-    slowed = interference if interference > 1 and sum(map(bool, contended)) > 1 else 1.0
-    if slowed > 1 or any(sum(asks) > capacity for capacity, asks in pools):
-        return _shared(timetable, duration_s, reads_from, read_by, message_s, pools,
-                       slowed, contended)
+    if any(sum(asks) > capacity for capacity, asks in pools):
+        return _shared(timetable, duration_s, reads_from, read_by, message_s, pools)
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
     free_at = [0.0] * len(timetable)
@@ -175,11 +170,10 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
 def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             reads_from: Mapping[int, Sequence[int]], read_by: Mapping[int, Sequence[int]],
             message_s: Callable[[Action, Action], float],
-            pools: Sequence[tuple[float, Sequence[float]]], interference: float = 1.0,
-            contended: Sequence[bool] = ()) -> list[Slot]:
+            pools: Sequence[tuple[float, Sequence[float]]]) -> list[Slot]:
     """`simulate` on resources the stages share: events are an action's start and its end, and
     between two events every running action progresses at its smallest share of the pools it
-    asks of, divided by `interference` for a contended stage while another one runs."""
+    asks of."""
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
     running: dict[int, list] = {}       # stage -> [action, start_s, work left in seconds]
@@ -216,9 +210,6 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
                   for capacity, asks in pools]
         rate = {s: min([share for share, (_, asks) in zip(shares, pools) if asks[s] > 0],
                        default=1.0) for s in running}
-        if sum(bool(contended[s]) for s in running if s < len(contended)) > 1:
-            rate = {s: r / interference if s < len(contended) and contended[s] else r
-                    for s, r in rate.items()}
         step = min([left / rate[s] for s, (_, _, left) in running.items()] +
                    [w - now for w in waits])
         now += step

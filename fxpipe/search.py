@@ -81,7 +81,6 @@ class Costed:
 
     forward: CostGraph
     step: CostGraph
-    interference: float = 1.0    # a CPU stage's slowdown while another computes beside it
 
 
 def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> list[int]:
@@ -100,14 +99,12 @@ def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> li
 
 
 def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
-                  reads_from: Mapping[int, Sequence[int]], cores: float | None = None,
-                  interference: float = 1.0) -> list[Slot]:
+                  reads_from: Mapping[int, Sequence[int]], cores: float | None = None) -> list[Slot]:
     """The timeline the cost model predicts for one step (a call, or a `train_step`): the
     timetable the runtime would execute, each forward action taking its stage's
     `forward_step_s` and each backward action its `backward_step_s`. With `cores`, CPU stages
     whose threads add up to more share them while they run at once; stages on one GPU always
-    share it; CPU stages computing at once each run `interference` times slower (`simulate`;
-    measured: `measure.interference`)."""
+    share it (`simulate`)."""
     k = part.num_stages
     timetable = (timetable_for(schedule, k, chunks, backward=True) if training
                  else gpipe(k, chunks))
@@ -115,8 +112,7 @@ def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
                                           if a.phase is Phase.FORWARD
                                           else part.stages[a.stage].backward_step_s),
                     reads_from, cores=cores, demand=cpu_demand(part.devices),
-                    pools=gpu_pools(part.devices), interference=interference,
-                    contended=[is_cpu(d.name) for d in part.devices])
+                    pools=gpu_pools(part.devices))
 
 
 def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
@@ -156,7 +152,7 @@ def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
     stage_of = [part.stage_of.get(name, -1) for name in costed.forward.names]
     reads = reads_from(costed.forward, stage_of, part.num_stages, training)
     return max((slot.end_s for slot in predict_slots(part, chunks, schedule, training, reads,
-                                                     cores, costed.interference)), default=0.0)
+                                                     cores)), default=0.0)
 
 
 def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,
@@ -214,8 +210,7 @@ def split_chosen(gm: fx.GraphModule, chosen: Candidate) -> None:
 def _costed(gm: fx.GraphModule, like: Costed, training: bool) -> Costed:
     """`gm` costed from its nodes' costs, with the device kinds `like` carries."""
     kinds = [kind for kind in like.forward.kinds if kind is not None]
-    return Costed(cost_graph(gm, kinds=kinds), cost_graph(gm, training=training, kinds=kinds),
-                  like.interference)
+    return Costed(cost_graph(gm, kinds=kinds), cost_graph(gm, training=training, kinds=kinds))
 
 
 def _consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,

@@ -110,20 +110,6 @@ def test_stages_on_one_gpu_share_it_while_the_cores_have_room():
                                          demand=[1, 1], pools=two_gpus)) == 5.0
 
 
-def test_cpu_stages_computing_at_once_slow_each_other_by_the_interference():
-    # 2 stages, 2 micro-batches of 1 s: 0F0 alone (0-1 s), then 0F1 and 1F0 at once, each at
-    # 1/1.5 of its speed (1-2.5 s), then 1F1 alone (2.5-3.5 s).
-    slots = simulate(gpipe(2, 2), lambda a: 1.0, chain(2), interference=1.5,
-                     contended=[True, True])
-    assert [(str(s.action), s.start_s, pytest.approx(s.end_s)) for s in slots] == [
-        ("0F0", 0.0, 1.0), ("0F1", 1.0, 2.5), ("1F0", 1.0, 2.5), ("1F1", 2.5, 3.5)]
-    # A stage off the CPU neither slows nor is slowed; one micro-batch never overlaps.
-    assert max(s.end_s for s in simulate(gpipe(2, 2), lambda a: 1.0, chain(2),
-                                         interference=1.5, contended=[True, False])) == 3.0
-    assert max(s.end_s for s in simulate(gpipe(2, 1), lambda a: 1.0, chain(2),
-                                         interference=1.5, contended=[True, True])) == 2.0
-
-
 @given(st.integers(1, 5), st.integers(1, 8), st.sampled_from(["gpipe", "1f1b"]),
        st.lists(st.integers(1, 9), min_size=5, max_size=5), st.integers(1, 6))
 def test_shared_cores_slow_a_timetable_at_most_to_running_it_on_one_core(k, m, schedule,
