@@ -453,14 +453,17 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
         why = plan.reason if best is plan else (
             f"measured fastest, though {plan.chosen} was predicted fastest")
         chosen = next(c for c in plan.considered if c.config == best.chosen.config)
+        # The model's time the configurations were weighed against (a runner-up's build
+        # timed the model again).
         return replace(best, considered=plan.considered, chosen=chosen, raced=rows,
-                       reason=f"{why}; {measured}")
+                       reason=f"{why}; {measured}", unpipelined_s=plan.unpipelined_s)
     else:
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
     again = replace(recipe, options=replace(recipe.options, costs=plan))
     as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False)
     return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason,
-                   raced=rows)
+                   raced=rows, unpipelined_s=plan.unpipelined_s,
+                   predicted_step_s=plan.unpipelined_s)
 
 
 def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan]:
