@@ -337,17 +337,20 @@ def _functionalize(gm: fx.GraphModule, recipe: Recipe, args: tuple, kwargs: dict
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
-           held: nn.Module | None = None, *, pipelines: bool = True) -> Plan:
+           held: nn.Module | None = None, *, pipelines: bool = True,
+           unpipelined_s: float | None = None) -> Plan:
     """The passes after capture, on `model` in its current mode, then the checks: the complete
     plan, before any Pipeline exists. With `held` (the other mode's pipeline's tensors), the
     stages compute with its values, and the model it is checked against too (`holding`).
-    Without `pipelines`, only the model as is is weighed (see `_raced`)."""
+    Without `pipelines`, only the model as is is weighed (see `_raced`); `unpipelined_s`: the
+    model's own time, measured already (a plan built again for the race)."""
     o = recipe.options
     training = model.training if o.training is None else o.training
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     materialize = recipe.materialize
     # A model on meta cannot run whole anywhere: its own time is not measured.
-    unpipelined_s = None if materialize else time_unpipelined(model, recipe, training)
+    if unpipelined_s is None and not materialize:
+        unpipelined_s = time_unpipelined(model, recipe, training)
     chunk_list = _chunk_options(model, recipe, training, len(o.devices))
     first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
     _functionalize(gm, recipe, first_args, first_kwargs)
@@ -453,17 +456,15 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
         why = plan.reason if best is plan else (
             f"measured fastest, though {plan.chosen} was predicted fastest")
         chosen = next(c for c in plan.considered if c.config == best.chosen.config)
-        # The model's time the configurations were weighed against (a runner-up's build
-        # timed the model again).
         return replace(best, considered=plan.considered, chosen=chosen, raced=rows,
-                       reason=f"{why}; {measured}", unpipelined_s=plan.unpipelined_s)
+                       reason=f"{why}; {measured}")
     else:
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
     again = replace(recipe, options=replace(recipe.options, costs=plan))
-    as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False)
+    as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False,
+                   unpipelined_s=plan.unpipelined_s)
     return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason,
-                   raced=rows, unpipelined_s=plan.unpipelined_s,
-                   predicted_step_s=plan.unpipelined_s)
+                   raced=rows)
 
 
 def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan]:
@@ -481,7 +482,8 @@ def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan
         again = replace(recipe, options=replace(
             recipe.options, costs=plan, num_stages=config.num_stages, chunks=config.chunks,
             schedule=config.schedule, threads_per_stage=config.threads))
-        built.append(_build(recipe.model, again.trace(recipe.model), again, held))
+        built.append(_build(recipe.model, again.trace(recipe.model), again, held,
+                            unpipelined_s=plan.unpipelined_s))
     return built
 
 
