@@ -1,6 +1,7 @@
 """Is a pipeline ever slower than the model? The plan's own choice, measured against the model.
 
     python -m benchmarks.never_slower [--repeats 7] [--stages 2] [--training] [--load]
+                                      [--models NAME ...]
 
 For each model (the residual MLP of the planner issue, the quickstart's branching CNN, a chain of
 convolutions, the zoo's ViT, ResNet-50 and DenseNet at "small" size), fxpipe compiles with every choice left
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import subprocess
 import sys
+import time
 
 import torch
 from tabulate import tabulate
@@ -59,15 +61,21 @@ def main() -> None:
     parser.add_argument("--training", action="store_true")
     parser.add_argument("--load", action="store_true",
                         help="keep one core busy while compiling")
+    parser.add_argument("--models", nargs="+", metavar="NAME",
+                        help="only these models (names as the table prints them)")
     options = parser.parse_args()
     fxpipe.tune_cpu_allocator()
     cores = torch.get_num_threads()
     rows = []
     for name, model, x in models():
+        if options.models and name not in options.models:
+            continue
         model.train(options.training)
+        start = time.perf_counter()
         with one_core_busy(options.load):
             pipe = fxpipe.compile(model, ["cpu"] * options.stages, (x,), num_stages="auto",
                                   chunks="auto", schedule="auto")
+        compile_s = time.perf_counter() - start
         chosen = pipe.plan.chosen.config
         if options.training:
             loss = nn.functional.mse_loss
@@ -86,13 +94,14 @@ def main() -> None:
         # Raced at compile: a pipeline predicted faster than the model as is was measured too.
         choice += " (raced)" if " measured " in pipe.plan.reason else ""
         rows.append((name, choice, t["pipe"] * 1e3, t["model"] * 1e3, t["model"] / t["pipe"],
-                     pipe.plan.speedup))
+                     pipe.plan.speedup, compile_s))
+        print(f"{name}: compiled in {compile_s:.0f} s", flush=True)
     mode = "training (train_step)" if options.training else "inference"
     load = ", compiled with one core busy" if options.load else ""
     print(f"{mode}, {options.stages} CPU devices, {cores} cores{load}; ms per call "
           f"(median of {options.repeats}, interleaved)")
     print(tabulate(rows, headers=["model", "plan chose", "pipeline", f"model {cores} threads",
-                                  "measured x", "predicted x"], floatfmt=".2f"))
+                                  "measured x", "predicted x", "compile s"], floatfmt=".2f"))
 
 
 if __name__ == "__main__":

@@ -175,15 +175,14 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
     """Partition and predict one configuration (on `cores` CPU cores the CPU stages share); a
     candidate that does not fit says why. `memory`'s rules hold with this configuration's
     micro-batches in flight. With `graph` (costed as `costed`), where the configuration fits,
-    nodes costing more than a stage's share are split (`split_wide`, on a copy) into 2, 3, ...
-    parts (up to `num_stages`, while each count lowers the predicted bottleneck), the best kept
-    where it lowers the bottleneck by more than `TIE`: the candidate then names them
-    (`Candidate.split`, what `split_chosen` does)."""
+    nodes costing more than a stage's share are split (`split_wide`, on a copy) into each of
+    `part_counts` parts, the best kept where it lowers the bottleneck by more than `TIE`: the
+    candidate then names them (`Candidate.split`, what `split_chosen` does)."""
     best = plain = _consider(config, costed, devices, link, training, cores, memory)
     if graph is None or plain.partition is None:    # a graph too small or too big stays so
         return plain
     most = wide_nodes(graph, config.num_stages, training)
-    for count in range(2, max(most.values(), default=0) + 1):
+    for count in part_counts(config.num_stages, max(most.values(), default=0)):
         # The parts that balance best depend on what the rest of the graph leaves to them.
         parts = {name: min(count, top) for name, top in most.items()}
         nodes = fx.Graph()
@@ -191,12 +190,21 @@ def consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link
         split = _consider(config, _costed(split_wide(fx.GraphModule(graph, nodes), parts),
                                           costed, training),
                           devices, link, training, cores, memory)
-        if split.partition is None or split.partition.bottleneck_s >= best.partition.bottleneck_s:
-            break   # more parts stop paying once others bound the bottleneck: save partitions
-        best = replace(split, split=tuple(parts.items()))
+        if split.partition is not None and \
+                split.partition.bottleneck_s < best.partition.bottleneck_s:
+            best = replace(split, split=tuple(parts.items()))
     if best.partition.bottleneck_s > plain.partition.bottleneck_s * (1 - TIE):
         return plain        # a gain within TIE is within what the split's pricing leaves out
     return best
+
+
+def part_counts(num_stages: int, most: int) -> list[int]:
+    """The numbers of parts `consider` tries for nodes split on `num_stages` stages, up to
+    `most`: 2 to one per stage, then 2 and 4 per stage. The bottleneck is not monotone in the
+    count (on 2 stages a head of 1.5 shares gains nothing from 2 parts, and from 4 balances),
+    and each count costs a partition: these few cover the coarse and the fine."""
+    counts = {*range(2, num_stages + 1), 2 * num_stages, 4 * num_stages}
+    return sorted(c for c in counts if c <= most)
 
 
 def split_chosen(gm: fx.GraphModule, chosen: Candidate) -> None:

@@ -147,8 +147,10 @@ def test_costs_are_shared_among_the_parts_by_their_features():
     for n in gm.graph.nodes:
         ms = {"head": 9, "x": 0, "output": 0}.get(n.name, 1)
         n.meta["cost"] = NodeCost(fwd_s=ms * 1e-3, out_bytes=96)
-    assert wide_nodes(gm, 3) == {"head": 3}         # 9 ms of 13: over a third; up to 3 parts
-    assert wide_nodes(gm, 2) == {"head": 2}
+    assert wide_nodes(gm, 3) == {"head": 12}        # 9 ms of 13: over a third; 4 parts a stage
+    assert wide_nodes(gm, 2) == {"head": 8}
+    assert wide_nodes(gm, 30)["head"] == 96         # at most one part per output feature
+
     assert wide_nodes(gm, 1) == {}
     split_wide(gm, {"head": 2})
     parts = [n.meta["cost"] for n in gm.graph.nodes if n.name.startswith("head_part_")]
@@ -226,6 +228,24 @@ def test_a_split_is_kept_only_where_it_lowers_the_bottleneck(scripted_costs):
     pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=2)
     assert pipe.plan.chosen.split == ()
     assert "head" in pipe.plan.partition.stage_of
+
+
+def test_a_head_that_two_parts_cannot_balance_is_split_finer(scripted_costs):
+    """On 2 stages a body of 40 ms and a head of 70: in 2 parts (35 ms, each with its slices) a
+    stage holds the body and one part, or both parts, no better than the head whole; in 4 the
+    stages balance near 60 ms."""
+    scripted_costs.update(body_0=37.0, head=70.0)   # the body's 4 nodes: 37 + 1 + 1 + 1 ms
+    model, x = built(Head).eval(), EXAMPLES[Head]()
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
+    assert dict(plan.chosen.split)["head"] > 2
+    assert plan.partition.bottleneck_s < 0.9 * 70e-3
+    torch.testing.assert_close(fxpipe.Pipeline(plan)(x), model(x))
+
+
+def test_part_counts_cover_the_coarse_and_the_fine():
+    assert search.part_counts(2, 8) == [2, 4, 8]
+    assert search.part_counts(4, 16) == [2, 3, 4, 8, 16]
+    assert search.part_counts(3, 5) == [2, 3]      # no more parts than output features
 
 
 def test_a_saved_plan_with_a_split_node_loads_and_equals_the_model(scripted_costs, tmp_path):
