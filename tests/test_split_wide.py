@@ -6,6 +6,7 @@ gradients and the model's parameters stay the model's. Costs are scripted (no ti
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -150,6 +151,9 @@ def test_costs_are_shared_among_the_parts_by_their_features():
     assert wide_nodes(gm, 3) == {"head": 12}        # 9 ms of 13: over a third; 4 parts a stage
     assert wide_nodes(gm, 2) == {"head": 8}
     assert wide_nodes(gm, 30)["head"] == 96         # at most one part per output feature
+    for n in gm.graph.nodes:
+        n.meta["cost"] = dataclasses.replace(n.meta["cost"], bwd_s=n.meta["cost"].fwd_s)
+    assert wide_nodes(gm, 3, training=True) == {"head": 3}    # in training, one per stage
 
     assert wide_nodes(gm, 1) == {}
     split_wide(gm, {"head": 2})
