@@ -106,7 +106,7 @@ def wide_nodes(gm: fx.GraphModule, num_stages: int, training: bool = False) -> d
     stages balances in 4 parts, not in 2); in training one per stage, since what the split
     leaves unpriced grows with the parts (each slice's backward writes a gradient the size of
     the whole weight: a 40000-word head in 8 parts on 2 stages under torchrun, predicted 5%
-    faster than whole, ran at 0.69x torch's hand split, whole at 1.15x). In training a node's
+    faster than whole, ran at 0.69x torch's hand split, whole at 1.13x). In training a node's
     cost is its forward plus its backward."""
     time_s = {n: c.fwd_s + (c.bwd_s if training else 0.0) for n in gm.graph.nodes
               if (c := n.meta.get("cost")) is not None}

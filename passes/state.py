@@ -117,7 +117,7 @@ def state_units(nodes: Sequence[fx.Node], preds: Sequence[Iterable[int]]) -> lis
     units = _disjoint(groups.values())
     while True:
         units = _disjoint([u | (_reach(u, succs) & _reach(u, preds)) for u in units])  # hulls
-        merged = _disjoint(_on_cycles(units, preds))
+        merged = _on_cycles(units, preds)
         if len(merged) == len(units):
             return sorted((sorted(u) for u in units), key=lambda u: u[0])
         units = merged
@@ -139,8 +139,8 @@ def _disjoint(sets: Iterable[set[int]]) -> list[set[int]]:
 
 
 def _on_cycles(units: list[set[int]], preds: Sequence[Iterable[int]]) -> list[set[int]]:
-    """`units` with those on a common cycle of the graph, each unit contracted into one node,
-    put together with the nodes of that cycle."""
+    """`units` (disjoint) with those on a common cycle of the graph, each unit contracted into
+    one node, put together with the nodes of that cycle: still disjoint."""
     unit_of = {i: k for k, u in enumerate(units) for i in u}
     contracted = nx.DiGraph()
     contracted.add_nodes_from(("unit", k) for k in range(len(units)))
@@ -153,9 +153,11 @@ def _on_cycles(units: list[set[int]], preds: Sequence[Iterable[int]]) -> list[se
     found = []
     for component in nx.strongly_connected_components(contracted):
         joined = [units[v[1]] for v in component if isinstance(v, tuple)]
-        found.append(set().union(*joined, (v for v in component if not isinstance(v, tuple)))
-                     if len(joined) > 1 else joined[0] if joined else set())
-    return [u for u in found if u]
+        if len(joined) > 1:         # units on a cycle, with the nodes between them
+            found.append(set().union(*joined, (v for v in component if isinstance(v, int))))
+        elif joined:
+            found.append(joined[0])
+    return found
 
 
 def _reach(start: set[int], edges: Sequence[Iterable[int]]) -> set[int]:
