@@ -5,6 +5,8 @@
     print(pipe.plan)     # how the model was split
 """
 
+__version__ = "0.4.0"   # the one place the version lives (pyproject.toml reads it)
+
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, Link, NodeCost
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
@@ -20,6 +22,7 @@ from .plan_data import Plan
 from .saved import PlanFileError, load_plan
 
 __all__ = [
+    "__version__",
     "compile", "plan", "load_plan", "PlanFileError", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
     "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
     "CostError", "StageError", "ModelChangedError", "ScheduleError", "LossError",

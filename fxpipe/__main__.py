@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fxpipe {fxpipe.__version__}")
     commands = parser.add_subparsers(required=True, metavar="command")
 
     plan = commands.add_parser("plan", help="plan a model and print the plan")
