@@ -11,6 +11,7 @@ from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, Link, NodeCost
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                                   LossError, LossReductionError, ModelChangedError, PartitionError,
+                                  PipelineClosedError,
                                   ScheduleError, StageError, TraceError, VerificationError)
 from fxpipe.passes.partition import Partition
 
@@ -26,5 +27,5 @@ __all__ = [
     "compile", "plan", "load_plan", "PlanFileError", "tune_cpu_allocator", "Pipeline", "Plan", "Partition", "Stage", "DeviceSpec", "Link", "NodeCost",
     "FxpipeError", "TraceError", "DeviceError", "BatchError", "InputError", "PartitionError",
     "CostError", "StageError", "ModelChangedError", "ScheduleError", "LossError",
-    "LossReductionError", "VerificationError",
+    "LossReductionError", "VerificationError", "PipelineClosedError",
 ]

@@ -70,7 +70,8 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `devices[0]`. `chunks` is the number of micro-batches each call is split into, along
     `batch_dims`: dimension 0 of every input unless given, as an int for all inputs or per input
     (`{"x": 1}` or `{0: 1}` for a sequence-first input; None for an input given whole to every
-    micro-batch). Each output's batch dimension is found
+    micro-batch); a call or train step on fewer rows than `chunks` runs one micro-batch per row
+    (the example must have at least `chunks`). Each output's batch dimension is found
     by running the model on the whole example and on micro-batches; an output that reduces or
     mixes the batch is refused by name.
     `num_stages` uses only the first devices: a number, or "auto" for the fewest whose
@@ -94,9 +95,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     per micro-batch (see `fxpipe.reference`), in either mode, and the model's outputs on
     micro-batches against its output on the whole batch (in eval mode), which fails for a model
     that mixes samples across the batch. Outputs are compared within `verify_tolerance` of each
-    output's largest magnitude (default: 16 float epsilons, as rounding differs with the
-    number of threads; where a GPU may compute float32 in TF32, 4 times the model's own
-    rounding, measured against float64: `checks.rounding_tolerance`). Checking leaves the
+    output's largest magnitude (default: 4 times the model's own rounding, at least 16 float
+    epsilons, as rounding differs with the number of threads, the CPU's kernels and the device:
+    its float32 outputs on the example measured against one float64 run, on the GPU where a
+    GPU may compute float32 in TF32; `checks.rounding_tolerance`). Checking leaves the
     model, its buffers and the random generators as they were. The pipeline follows `.train()`
     and `.eval()`, capturing the model again in the other mode when its graph depends on the
     mode.

@@ -34,6 +34,7 @@ from . import microbatch, search
 from .devices import shared_memory, synchronize
 from .pipeline import call_stages, runtime_of, train_stages
 from .plan_data import Measurement, Plan
+from .runtime import Runtime
 from .reference import copied, unchanged
 
 if TYPE_CHECKING:
@@ -276,8 +277,9 @@ def race(plans: Sequence[Plan], model: nn.Module, recipe: Recipe, rounds: int = 
     devices |= {torch.device(stage.device) for plan in plans for stage in plan.stages}
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def pipeline(plan: Plan) -> Callable[[], None]:
-        runtime = runtime_of(plan)
+    runtimes = [runtime_of(plan) for plan in plans]
+
+    def pipeline(plan: Plan, runtime: Runtime) -> Callable[[], None]:
         step = train_stages if training else call_stages
         return lambda: step(plan, runtime, copied(args), copied(kwargs))
 
@@ -287,9 +289,11 @@ def race(plans: Sequence[Plan], model: nn.Module, recipe: Recipe, rounds: int = 
                    if isinstance(t, torch.Tensor) and t.requires_grad)
         if training and isinstance(loss, torch.Tensor):
             torch.autograd.grad(loss, params, allow_unused=True)    # .grad left alone
-    runs = [*map(pipeline, plans), whole]
+    runs = [*map(pipeline, plans, runtimes), whole]
     times: list[list[tuple[float, float]]] = [[] for _ in runs]
     with contextlib.ExitStack() as kept:
+        for runtime in runtimes:          # the raced pipelines' workers end with the race
+            kept.callback(runtime.close)
         for module in {id(m): m for m in [model, *(p.graph for p in plans)]}.values():
             kept.enter_context(unchanged(module))
         kept.enter_context(torch.set_grad_enabled(training))

@@ -12,7 +12,8 @@ of the inputs whose leaves are ints (`{"x": 1, "mask": 0}`: `x` is split along d
 for a value given whole to every chunk. Values without the batch dimension (Python scalars, 0-d
 tensors) are given whole to every chunk. `merge` is the inverse: each output leaf is concatenated
 along its own batch dimension (`dims[i]`, 0 by default); values with None, and 0-d tensors, must
-be equal in every chunk. With one chunk nothing is split or merged.
+be equal in every chunk. With one chunk nothing is split or merged. A pipeline's runs split with
+`split_up_to`: a batch of fewer rows than `chunks` runs as one micro-batch per row.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def split(inputs: Any, chunks: int, dims: Dims = 0) -> list[Any]:
         return [inputs]
     rows = batch_size(inputs, dims)
     if rows == 0:
-        raise BatchError("the batch is empty (0 rows): pass at least one sample")
+        raise BatchError(EMPTY_BATCH)
     if rows < chunks:
         raise BatchError(f"a batch of {rows} rows cannot be split into {chunks} micro-batches: "
                          f"pass a batch of at least {chunks} rows, or compile with chunks<={rows}")
@@ -65,6 +66,22 @@ def split(inputs: Any, chunks: int, dims: Dims = 0) -> list[Any]:
     columns = [torch.tensor_split(leaf, chunks, dim) if _batched(leaf, dim) else [leaf] * chunks
                for leaf, dim in zip(leaves, _leaf_dims(inputs, dims))]
     return [pytree.tree_unflatten([column[c] for column in columns], spec) for c in range(chunks)]
+
+
+def split_up_to(inputs: Any, chunks: int, dims: Dims = 0) -> list[Any]:
+    """`inputs` cut as a pipeline runs them: into `chunks` micro-batches, or one per row where
+    the batch has fewer rows (a single request, a dataset's last short batch), so that a
+    pipeline takes any batch the model takes. An empty batch has no micro-batch to run and is
+    refused (with one chunk nothing is split, as `split` does)."""
+    if chunks <= 1:
+        return split(inputs, chunks, dims)
+    rows = batch_size(inputs, dims)
+    if rows == 0:
+        raise BatchError(EMPTY_BATCH)
+    return split(inputs, min(chunks, rows), dims)
+
+
+EMPTY_BATCH = "the batch is empty (0 rows): pass at least one sample"
 
 
 def merge(outputs: Sequence[Any], dims: Sequence[int | None] | None = None) -> Any:

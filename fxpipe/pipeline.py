@@ -18,7 +18,7 @@ from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link, format_bytes
 from fxpipe.passes.device import initialized_gpus
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
-                                  ModelChangedError, StageError)
+                                  ModelChangedError, PipelineClosedError, StageError)
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.trace import hook_kind
@@ -40,7 +40,10 @@ class Pipeline(nn.Module):
 
     `pipe(*args, **kwargs)` equals `model(*args, **kwargs)`. `pipe.stages[s]` is stage `s`'s
     GraphModule (`print(pipe.stages[1].code)`), `pipe.plan` says how the model was split, and
-    `pipe.last_run` records what ran when in the latest call.
+    `pipe.last_run` records what ran when in the latest call. A call or `train_step` splits
+    its batch into `chunks` micro-batches, or, for a batch of fewer rows (a single request, a
+    dataset's last short batch), into one per row (`pipe.last_run.microbatches` says how many
+    ran); an empty batch is refused.
 
     The pipeline holds, under the model's names, the model's own parameters and buffers where
     its stages are on their devices, and copies placed on the stages' devices otherwise (the
@@ -94,7 +97,27 @@ class Pipeline(nn.Module):
         """Each stage's module with its wiring: what it reads and sends, its device."""
         return list(self._stages)
 
+    def close(self) -> None:
+        """End the stage workers (each within a second once its work is done). A pipeline used
+        after `close()` raises `PipelineClosedError`; one dropped without it ends its workers
+        as it is collected."""
+        for runtime in {id(r): r for r in [self._runtime, *(
+                state["_runtime"] for state in self._modes.values())]}.values():
+            runtime.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._runtime.closed:
+            raise PipelineClosedError("this pipeline was closed (close(), or its with block "
+                                      "ended): compile or load it again to run it")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         model = self._as_is()
         if model is not None:      # the model's own forward, as it is now: every hook fires
             return self._run_as_is(model, args, kwargs)
@@ -117,7 +140,7 @@ class Pipeline(nn.Module):
         raised as a `StageError`."""
         seed = microbatch_seeds(1)[0]
         cuda = initialized_gpus()
-        record = Run(num_stages=1)
+        record = Run(num_stages=1, microbatches=1)
         self._runtime.last_run = record
         start = time.perf_counter()
         try:
@@ -145,6 +168,7 @@ class Pipeline(nn.Module):
         in `items`, Ctrl-C) stops and joins every worker; a failing item raises a `StageError`
         naming its stage and the item's index. Item m draws from its own seed, taken from the
         caller's generator as it is fed, as `pipe(x)` does for its one micro-batch."""
+        self._check_open()
         self._check_model()
         self._check_hooks()
         limit = max_in_flight if max_in_flight is not None else 2 * len(self._stages)
@@ -193,12 +217,13 @@ class Pipeline(nn.Module):
         The optimizer step is the caller's.
         """
         check_reduction(reduction)
+        self._check_open()
         self._check_model()
         self._check_hooks()
         values = step_inputs(self._signature, inputs)
-        chunks = microbatch.split(values, self.chunks, self._batch_dims)
+        chunks = microbatch.split_up_to(values, self.chunks, self._batch_dims)
         check_target(target, microbatch.batch_size(values, self._batch_dims))
-        return self._train(chunks, microbatch.split(target, self.chunks), loss_fn, reduction,
+        return self._train(chunks, microbatch.split(target, len(chunks)), loss_fn, reduction,
                            leaves=tensors(values))
 
     def _train(self, chunks: list[dict[str, Any]], targets: list[Any],
@@ -214,8 +239,8 @@ class Pipeline(nn.Module):
         step.take_targets(targets, self._stages[-1].device)
         timetable = timetable_for(self.schedule, len(self._stages), len(chunks), backward=True)
         try:
-            losses, _ = self._runtime.run(timetable, chunks, loss_of=step,
-                                          seeds=microbatch_seeds(len(chunks)))
+            losses, _ = run_counted(self._runtime, timetable, chunks, loss_of=step,
+                                    seeds=microbatch_seeds(len(chunks)))
         except BaseException:
             step.finish([])     # the gradients held aside are given back
             raise
@@ -262,6 +287,7 @@ class Pipeline(nn.Module):
         `StageError` naming its stage and the item's index in the stream.
         """
         check_reduction(reduction)
+        self._check_open()
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise BatchError(f"window={window!r}: use a number of items >= 1 per optimizer step")
         if partial not in ("train", "drop"):
@@ -530,13 +556,14 @@ def runtime_of(plan: Plan) -> Runtime:
 
 def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> Any:
     """One call of `plan`'s stages on the model's inputs, as `pipe(*args, **kwargs)` makes it:
-    split into micro-batches, run by `runtime` (GPipe's forwards, each micro-batch from its
-    seed), merged into the model's output. Compile's check runs it in order, without a Pipeline."""
+    split into micro-batches (one per row for a batch of fewer rows than chunks), run by
+    `runtime` (GPipe's forwards, each micro-batch from its seed), merged into the model's
+    output. Compile's check runs it in order, without a Pipeline."""
     signature = plan.signature
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
-    chunks = microbatch.split(values, plan.chunks, plan.placeholder_dims)
-    outputs, _ = runtime.run(gpipe(len(plan.stages), plan.chunks), chunks,
-                             seeds=microbatch_seeds(plan.chunks))
+    chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
+    outputs, _ = run_counted(runtime, gpipe(len(plan.stages), len(chunks)), chunks,
+                             seeds=microbatch_seeds(len(chunks)))
     return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
                              for chunk, out in zip(chunks, outputs)], plan.output_dims)
 
@@ -547,7 +574,7 @@ def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, An
     compile's race times in training. `.grad` is left as it was."""
     signature = plan.signature
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
-    chunks = microbatch.split(values, plan.chunks, plan.placeholder_dims)
+    chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
     params = list({id(p): p for stage in plan.stages for p in stage.module.parameters()}.values())
     before = [p.grad for p in params]
 
@@ -558,11 +585,24 @@ def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, An
     try:
         for p in params:
             p.grad = None
-        runtime.run(timetable_for(plan.schedule, len(plan.stages), plan.chunks, backward=True),
-                    chunks, loss_of=loss_of, seeds=microbatch_seeds(plan.chunks))
+        run_counted(runtime, timetable_for(plan.schedule, len(plan.stages), len(chunks),
+                                           backward=True),
+                    chunks, loss_of=loss_of, seeds=microbatch_seeds(len(chunks)))
     finally:
         for p, grad in zip(params, before):
             p.grad = grad
+
+
+def run_counted(runtime: Runtime, timetable: Any, chunks: Sequence[dict[str, Any]],
+                **options: Any) -> tuple[list[Any], Run]:
+    """`runtime.run(timetable, chunks, ...)`, its record (kept when the run fails too) saying
+    how many micro-batches it ran: fewer than the plan's chunks for a smaller batch."""
+    before = runtime.last_run
+    try:
+        return runtime.run(timetable, chunks, **options)
+    finally:
+        if runtime.last_run is not None and runtime.last_run is not before:
+            runtime.last_run.microbatches = len(chunks)
 
 
 def carry_values(source: nn.Module, target: nn.Module) -> None:

@@ -65,6 +65,10 @@ class PlanFileError(FxpipeError):
     weights; a checkpoint tensor missing, of another shape or dtype."""
 
 
+class PipelineClosedError(FxpipeError):
+    """A Pipeline used after `close()` (or after its `with` block): its stage workers are gone."""
+
+
 class StageError(FxpipeError):
     """A stage failed while the pipeline ran; names the stage, the micro-batch and the node."""
 

@@ -121,12 +121,14 @@ def test_more_stages_than_the_graph_can_fill_is_refused():
         fxpipe.compile(model, ["cpu"] * 5, (torch.randn(4, 4),))
 
 
-def test_a_batch_smaller_than_chunks_is_refused():
+def test_an_example_smaller_than_chunks_is_refused_but_a_smaller_call_runs_per_row():
     with pytest.raises(fxpipe.BatchError, match="2 rows cannot be split into 4"):
         fxpipe.compile(Net(), ["cpu"], (torch.randn(2, 16),), chunks=4)
-    pipe = fxpipe.compile(Net(), ["cpu"], (torch.randn(4, 16),), chunks=4)
-    with pytest.raises(fxpipe.BatchError, match="3 rows cannot be split into 4"):
-        pipe(torch.randn(3, 16))
+    model = Net().eval()
+    pipe = fxpipe.compile(model, ["cpu"], (torch.randn(4, 16),), chunks=4)
+    x = torch.randn(3, 16)     # see tests/test_small_batch.py
+    torch.testing.assert_close(pipe(x), model(x))
+    assert pipe.last_run.microbatches == 3
 
 
 class Double(nn.Module):
@@ -172,14 +174,18 @@ def test_a_failing_stage_is_named_and_the_pipeline_stays_usable():
     model, x = Fragile().eval(), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4)
     stage = pipe.plan.partition.stage_of["boom"]
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())
     bad = x.clone()
     bad[5] = 1e6       # lands in micro-batch 2
     with pytest.raises(fxpipe.StageError, match=f"stage {stage} .* micro-batch 2.*input too large") as info:
         pipe(bad)
     assert info.value.stage == stage and info.value.microbatch == 2
-    assert threading.active_count() == threads_before
+    workers = pipe._runtime.workers.threads
+    assert set(threading.enumerate()) - threads_before == set(workers)   # parked, no others
     torch.testing.assert_close(pipe(x), model(x))
+    assert pipe._runtime.workers.threads == workers                      # the same ones
+    pipe.close()
+    assert set(threading.enumerate()) == threads_before
 
 
 def test_moving_a_pipeline_is_refused():

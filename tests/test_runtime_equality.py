@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding, grads_of
+from fxpipe.runtime.workers import working
 from fxpipe.passes.randomness import microbatch_seeds
 
 
@@ -45,10 +47,9 @@ def per_microbatch(model, x, chunks, seed):
 
 
 def fxpipe_threads():
-    """The runtime's threads that have not ended. (Not filtered by `is_alive()`, which a join
-    that Ctrl-C interrupted can make say False while the thread still runs.)"""
-    return [t for t in threading.enumerate()
-            if t.name.startswith(("fxpipe-stage", "fxpipe-stream"))]
+    """The stage workers still running a job: none once a run returned (they park between
+    runs, at rest)."""
+    return sorted(working(), key=id)
 
 
 # --- item 9: one seed, one result -----------------------------------------------------------------
@@ -64,7 +65,7 @@ def test_dropout_follows_the_callers_seed_on_any_number_of_stages(capture, stage
     torch.manual_seed(123)
     again = pipe(x)
     torch.testing.assert_close(again, first)
-    torch.testing.assert_close(first, per_microbatch(model, x, 4, seed=123))
+    assert_same_up_to_rounding(first, per_microbatch(model, x, 4, seed=123))
     assert not torch.equal(pipe(x), first)          # the next call draws new numbers
 
 
@@ -75,7 +76,7 @@ def test_noise_in_eval_mode_follows_the_seed_and_leaves_the_caller_where_the_see
     torch.manual_seed(7)
     out = pipe(x)
     after_pipe = torch.rand(3)
-    torch.testing.assert_close(out, per_microbatch(model, x, 3, seed=7))
+    assert_same_up_to_rounding(out, per_microbatch(model, x, 3, seed=7))
     after_seeds = torch.rand(3)              # per_microbatch drew the seeds, then reseeded: redo
     torch.manual_seed(7)
     microbatch_seeds(3)
@@ -88,11 +89,11 @@ def test_dropout_modules_of_a_pipeline_compiled_in_eval_mode_follow_the_seed_aft
                           nn.Linear(8, 8), nn.Dropout(0.4), nn.Linear(8, 4)).eval()
     x = torch.randn(8, 8)
     pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=4)
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
     pipe.train()
     model.train()
     torch.manual_seed(3)
-    torch.testing.assert_close(pipe(x), per_microbatch(model, x, 4, seed=3))
+    assert_same_up_to_rounding(pipe(x), per_microbatch(model, x, 4, seed=3))
 
 
 class Jitter(nn.Module):
@@ -129,7 +130,7 @@ def test_every_kind_of_draw_follows_the_seed():
     first = pipe(x)
     torch.manual_seed(0)
     torch.testing.assert_close(pipe(x), first)
-    torch.testing.assert_close(first, per_microbatch(model, x, 3, seed=0))
+    assert_same_up_to_rounding(first, per_microbatch(model, x, 3, seed=0))
 
 
 class FrozenNoise(nn.Module):
@@ -150,7 +151,7 @@ def test_draws_inside_an_exported_no_grad_region_follow_the_seed():
     x = torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, capture="export", verify=False)
     torch.manual_seed(1)
-    torch.testing.assert_close(pipe(x), per_microbatch(model, x, 4, seed=1))
+    assert_same_up_to_rounding(pipe(x), per_microbatch(model, x, 4, seed=1))
 
 
 def test_the_graph_run_outside_a_pipeline_draws_as_the_model_does():
@@ -179,9 +180,8 @@ def test_train_step_with_dropout_has_the_gradients_of_the_seeded_per_microbatch_
         torch.manual_seed(s)
         expected = expected + F.mse_loss(reference(xm), tm) * len(xm) / len(x)
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+    assert_same_up_to_rounding(loss, expected.detach())
+    assert_same_up_to_rounding(grads_of(pipe), grads_of(reference), what="gradient")
 
 
 def test_a_model_without_randomness_runs_unchanged():
@@ -189,7 +189,7 @@ def test_a_model_without_randomness_runs_unchanged():
     x = torch.randn(8, 8)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4)
     assert "seeded" not in "".join(stage.code for stage in pipe.stages)
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
 
 
 # --- item 7: a loss that cannot reach .grad -------------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_model_without_parameters_still_trains_without_gradients():
     x, target = torch.randn(8, 4), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2)
     loss = pipe.train_step(x, target, F.mse_loss)
-    torch.testing.assert_close(loss, F.mse_loss(model(x), target))
+    assert_same_up_to_rounding(loss, F.mse_loss(model(x), target))
 
 
 # --- item 8: token losses -------------------------------------------------------------------------
@@ -253,9 +253,8 @@ def test_a_loss_fn_returning_sum_and_count_gives_the_whole_batchs_mean_and_gradi
 
     expected = F.cross_entropy(reference(ids).flatten(0, 1), target.flatten(), ignore_index=-100)
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+    assert_same_up_to_rounding(loss, expected.detach())
+    assert_same_up_to_rounding(grads_of(pipe), grads_of(reference), what="gradient")
 
 
 def test_a_step_with_sum_and_count_losses_reads_no_tensor_on_the_host(host_reads):
@@ -268,7 +267,7 @@ def test_a_step_with_sum_and_count_losses_reads_no_tensor_on_the_host(host_reads
     loss = pipe.train_step(ids, target, token_loss_sum)
     assert host_reads == []
     expected = F.cross_entropy(model(ids).flatten(0, 1), target.flatten(), ignore_index=-100)
-    torch.testing.assert_close(loss, expected.detach())
+    assert_same_up_to_rounding(loss, expected.detach())
 
 
 # --- item 12: Ctrl-C ------------------------------------------------------------------------------
@@ -381,7 +380,7 @@ def assert_no_grad_written_after(pipe, caught):
 
 
 def assert_interrupted_after_every_stage_stopped(pipe, run) -> None:
-    """`run()` raises KeyboardInterrupt only once no stage thread is alive, and no stage
+    """`run()` raises KeyboardInterrupt only once every stage's worker is at rest, and no stage
     writes a gradient afterwards."""
     try:
         run()
@@ -441,7 +440,7 @@ def test_whatever_a_stage_raises_the_caller_gets_a_stage_error(error):
         pipe(x)
     assert fxpipe_threads() == []
     raises.error = None
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
 
 
 # --- item 14: pickling ----------------------------------------------------------------------------
@@ -459,7 +458,7 @@ def test_saving_a_pipeline_whole_is_refused_pointing_to_state_dict():
     fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fresh.load_state_dict(torch.load(buffer))
     x = torch.randn(4, 4)
-    torch.testing.assert_close(fresh(x), pipe(x))
+    assert_same_up_to_rounding(fresh(x), pipe(x))
 
 
 # --- item 15: a failed run is recorded ------------------------------------------------------------
@@ -527,4 +526,4 @@ def test_train_step_with_a_models_only_dict_input_says_how_to_pass_it():
     with pytest.raises(fxpipe.InputError, match=r"wrap it in a tuple.*\(batch,\)"):
         pipe.train_step(batch, target, F.mse_loss)
     loss = pipe.train_step((batch,), target, F.mse_loss)
-    torch.testing.assert_close(loss, F.mse_loss(model(batch), target))
+    assert_same_up_to_rounding(loss, F.mse_loss(model(batch), target))

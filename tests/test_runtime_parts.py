@@ -1,5 +1,5 @@
 """The runtime's parts on their own: the stage executor without threads, the transport's queues and
-abort, and the orchestrator joining its workers when a stage fails."""
+abort, and the orchestrator parking its workers again when a stage fails."""
 
 import threading
 
@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.runtime import Aborted, Runtime, StageExecutor, ThreadTransport
-from fxpipe.runtime.orchestrator import _Worker, _workers
+from fxpipe.runtime.workers import Workers
 from fxpipe.schedules import Phase, gpipe, one_f_one_b
 from fxpipe.wiring import Wiring
 from fxpipe.passes.codegen import split_stages
@@ -48,7 +48,7 @@ def split(model, num_stages):
 
 
 def stage_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("fxpipe-stage")]
+    return {t for t in threading.enumerate() if t.name.startswith("fxpipe-stage")}
 
 
 def test_the_executor_runs_a_forward_then_its_backward_as_autograd_does_on_the_stage():
@@ -131,7 +131,7 @@ def test_the_thread_transport_keeps_order_and_wakes_a_waiting_receiver_on_abort(
 
 
 @pytest.mark.parametrize("training", [False, True])
-def test_the_orchestrator_joins_its_workers_when_a_stage_raises(training):
+def test_the_orchestrator_parks_its_workers_when_a_stage_raises(training):
     stages = split(Exploding(), 3)
     failing = next(s.index for s in stages if "explode" in s.module.code)
     runtime = Runtime(stages, Wiring.of(stages, list(stages[-1].outputs)))
@@ -139,24 +139,34 @@ def test_the_orchestrator_joins_its_workers_when_a_stage_raises(training):
     timetable = one_f_one_b(3, chunks) if training else gpipe(3, chunks)
     inputs = [{"x": torch.randn(2, 4)} for _ in range(chunks)]
     loss_of = (lambda m, values: values[stages[-1].outputs[0]].sum()) if training else None
+    before = stage_threads()
+
+    for _ in range(2):      # the second run on the same workers, which the first left at rest
+        with pytest.raises(StageError, match=f"stage {failing} .*micro-batch 0.*exploded") as info:
+            runtime.run(timetable, inputs, loss_of=loss_of)
+        assert stage_threads() - before == set(runtime.workers.threads)
+        assert runtime.workers._lock.acquire(blocking=False)     # no job holds them
+        runtime.workers._lock.release()
+        assert info.value.stage == failing and info.value.microbatch == 0
+        assert runtime.last_run.failed and "stage exploded" in runtime.last_run.error
+    runtime.close()
+    assert stage_threads() == before
+
+
+def test_the_workers_abort_and_wait_for_their_jobs_when_the_callers_block_raises():
+    stop, ran = threading.Event(), []
+    workers = Workers([lambda: None] * 3)
     before = threading.enumerate()
 
-    with pytest.raises(StageError, match=f"stage {failing} .*micro-batch 0.*exploded") as info:
-        runtime.run(timetable, inputs, loss_of=loss_of)
-
-    assert threading.enumerate() == before and not stage_threads()
-    assert info.value.stage == failing and info.value.microbatch == 0
-    assert runtime.last_run.failed and "stage exploded" in runtime.last_run.error
-
-
-def test_the_workers_context_aborts_and_joins_when_the_callers_block_raises():
-    stop = threading.Event()
-    threads = [_Worker(lambda index: stop.wait(), i, "fxpipe-stage") for i in range(3)]
-    before = threading.enumerate()
+    def work(index):
+        ran.append(threading.current_thread())
+        stop.wait()
 
     with pytest.raises(KeyError):
-        with _workers(threads, stop.set):
-            assert all(t.is_alive() for t in threads)
+        with workers.run(work, stop.set):
             raise KeyError("the driver failed")
 
-    assert stop.is_set() and threading.enumerate() == before
+    assert stop.is_set() and len(ran) == 3 and set(ran) == set(workers.threads)
+    assert all(t.is_alive() for t in workers.threads)       # parked, not ended
+    workers.close()
+    assert threading.enumerate() == before

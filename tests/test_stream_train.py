@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
+from fxpipe.runtime.workers import working
 from fxpipe.passes.randomness import microbatch_seeds
 
 
@@ -33,8 +34,9 @@ class Drifting(nn.Module):
         return self.head(self.drop(torch.tanh(self.mid(h))) + h)
 
 
-def ours() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("fxpipe")]
+def ours() -> list:
+    """The stage workers still running a job: none once a stream ended (they park, at rest)."""
+    return sorted(working(), key=id)
 
 
 def stream_of(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -38,8 +38,8 @@ from fxpipe.passes.stage import Stage
 from .. import microbatch
 from ..schedules import Action, Phase, async_warmup
 from .executor import EVERY, StageExecutor
-from .orchestrator import (DRIVER, END, Run, Runtime, StageRow, _NO_MORE, _Rows, _Worker,
-                           _kept_thread_count, _workers, item_error, send_inputs)
+from .orchestrator import (DRIVER, END, Run, Runtime, StageRow, _NO_MORE, _Rows,
+                           _kept_thread_count, item_error, send_inputs)
 from .step import check_loss
 from .transport import POLL_S, Aborted
 
@@ -214,14 +214,13 @@ class AsyncTraining(_Rows):
     def run(self, items: Iterator[tuple[dict[str, Any], Any]]) -> Iterator[torch.Tensor]:
         """Feed items while the bound allows, apply finished items' gradients in order, step
         the optimizer every `window` of them and yield that window's loss."""
-        threads = [_Worker(self.work, stage.index, "fxpipe-learn") for stage in self.rt.stages]
         record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
         for executor in self.executors:
             executor.wait_for_caller()
         ended = False
         self.optimizer.zero_grad()
         try:
-            with _workers(threads, self.abort), _kept_thread_count():
+            with self.rt.workers.run(self.work, self.abort), _kept_thread_count():
                 # The driver's own work (copying a version, adding gradients, the optimizer's
                 # step) on one intra-op thread: the stages' threads hold the cores, and a team
                 # of OpenMP threads of the caller's would spin on them between its ops

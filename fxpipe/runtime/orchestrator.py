@@ -7,20 +7,23 @@ has the stage's `StageExecutor` compute, and sends each reader its values; a bac
 readers' gradients and sends the inputs' gradients back to their producers. Messages travel by a
 `Transport` (here `ThreadTransport`, threads and queues); workers release the GIL inside torch
 ops, so stages overlap. Walking one row is `StageRow`'s, which `fxpipe.distributed` shares: there
-each process walks its own stage's row against a transport on `torch.distributed`. One stage runs on the caller's thread: no worker to start, hand over to, or join, so a
-pipeline of one stage costs what the model costs; the caller's intra-op thread count is restored
-afterwards.
+each process walks its own stage's row against a transport on `torch.distributed`. The workers
+are the runtime's own, started at its first run and parked between runs (`workers.Workers`),
+so a stage's thread state (intra-op threads, GPU, cuDNN's plans) lives across calls, steps and
+streams. One stage runs on the caller's thread: no worker to hand over to, so a pipeline of one
+stage costs what the model costs; the caller's intra-op thread count is restored afterwards.
 
 Inference and training differ only in their timetable and their loss. Without `loss_of` the
 graph outputs go back to the driver; with it they go to the last stage, which turns them into
 the micro-batch's loss, and the timetable's backwards run the executors' backwards.
 
-Each CPU stage may have its own intra-op thread count, set on its worker after torch's per-thread
-initialisation (`set_thread_count`).
+Each CPU stage may have its own intra-op thread count, set once on its worker as it starts, after
+torch's per-thread initialisation (`set_thread_count`).
 
 If a stage fails (whatever it raises), or the caller's thread is interrupted (Ctrl-C), the run is
 aborted: a flag every worker checks between actions, and the transport's abort, which wakes every
-waiting thread. All workers stop within one action, `_workers` joins them whatever happens, and
+waiting thread. All workers stop within one action, the run waits for each to park again
+whatever happens, and
 the caller gets the first `StageError`, naming the stage, the micro-batch and the statement that
 failed (or its own `KeyboardInterrupt`). The driver waits with timeouts, so a signal reaches it
 while it waits. `Run` records the actions that finished, for a failed run too. A GPU stage's
@@ -38,19 +41,21 @@ import re
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.device import is_cpu, stream_for
+from fxpipe.passes.device import is_cpu, is_gpu, stream_for
 from fxpipe.passes.errors import PartitionError, StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
 from ..wiring import DRIVER, Flow, Wiring
 from .executor import LossFn, StageExecutor
-from .transport import POLL_S, Aborted, ThreadTransport, Transport
+from .transport import Aborted, ThreadTransport, Transport
+from .workers import Workers
 
 
 
@@ -65,6 +70,7 @@ class Run:
 
     wall_s: float = 0.0
     num_stages: int = 0
+    microbatches: int = 0   # a call's or train step's (fewer than chunks for a smaller batch)
     error: str | None = None
     # An asynchronous `stream_train`'s items, in order: the optimizer steps taken before each
     # item's forward (the weights it used), and the steps between those and its own update.
@@ -125,6 +131,18 @@ class Runtime:
         self.streams = [stream_for(s.device) for s in stages]
         self.last_run: Run | None = None    # the latest run's record, failed or not
         self._in_order = False
+        self.workers = Workers([_setup(s.device, t) for s, t in zip(self.stages, self.threads)])
+        # Dropped without `close()`: the workers end as the runtime is collected (they hold no
+        # reference to it).
+        weakref.finalize(self, self.workers.close)
+
+    def close(self) -> None:
+        """End the stage workers; a later run raises `PipelineClosedError`."""
+        self.workers.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.workers.closed
 
     @contextlib.contextmanager
     def in_order(self) -> Iterator[None]:
@@ -177,10 +195,7 @@ class _Rows:
         """Walk `row` on this thread, with its stage's intra-op threads; a failure is kept as a
         `StageError` and aborts the run (but the caller's own Ctrl-C, on the caller's thread)."""
         executor = row.executor
-        threads = self.rt.threads[row.index]
         try:
-            if threads and is_cpu(executor.stage.device):
-                set_thread_count(threads)
             with executor.computing():
                 row.walk(stopping=self.stopping.is_set, **timing)
         except Aborted:
@@ -225,7 +240,6 @@ class _Stream(_Rows):
 
     def run(self, items: Iterator[dict[str, Any]]
             ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        threads = [_Worker(self.work, stage.index, "fxpipe-stream") for stage in self.rt.stages]
         record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
         start = time.perf_counter()
         inside: collections.deque[dict[str, Any]] = collections.deque()
@@ -233,7 +247,7 @@ class _Stream(_Rows):
         for executor in self.executors:    # the caller's latest work on the parameters
             executor.wait_for_caller()
         try:
-            with _workers(threads, self.abort):
+            with self.rt.workers.run(self.work, self.abort):
                 ended = False
                 while True:
                     while not ended and len(inside) < self.limit:
@@ -319,8 +333,6 @@ class _Execution(_Rows):
         # does in order (`Runtime.in_order`: no backward waits for a later stage there).
         here = len(self.rt.stages) == 1 or self.rt._in_order
         assert not (self.rt._in_order and self.loss_of is not None), "in order: forwards only"
-        threads = [] if here else [_Worker(self.work, stage.index, "fxpipe-stage")
-                                   for stage in self.rt.stages]
         self.rt.last_run = self.record
         self.record.started = time.perf_counter()
         for executor in self.executors:
@@ -328,15 +340,19 @@ class _Execution(_Rows):
             if executor.stream is not None:
                 self.origins[executor.stage.index] = (self.record.clock(), _event(executor.stream))
         try:
-            with _workers(threads, self.abort):
+            with contextlib.nullcontext() if here else self.rt.workers.run(
+                    self.work, self.abort) as jobs:
                 self.feed()
                 if here:
                     with _kept_thread_count():
                         for stage in self.rt.stages:
+                            threads = self.rt.threads[stage.index]
+                            if threads and is_cpu(stage.device):
+                                set_thread_count(threads)
                             self.work(stage.index)
                 outputs = self.collect()
-                for t in threads:      # a signal must reach this thread while it waits
-                    t.wait()
+                if jobs is not None:   # a signal must reach this thread while it waits
+                    jobs.wait()
         except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
             self.record.error = f"{type(e).__name__} in the caller's thread"
             raise
@@ -494,43 +510,6 @@ def receive_values(flow: Flow, transport: Transport, receiver: int, m: int) -> d
     return values
 
 
-class _Worker(threading.Thread):
-    """A stage's thread, which says when its work is over (`done`): waiting for it never calls
-    `Thread.join` while it runs. (On Python before 3.13, a join that Ctrl-C interrupts can mark
-    the thread it waits for as stopped: `is_alive()` then says False, and a later join returns
-    at once, while the stage still computes and may still write `.grad`.)"""
-
-    def __init__(self, work: Callable[[int], None], index: int, name: str):
-        super().__init__(target=work, args=(index,), name=f"{name}-{index}", daemon=True)
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        try:
-            super().run()
-        finally:
-            self.done.set()
-
-    def wait(self) -> None:
-        """Until the thread has ended; a signal reaches the waiting thread meanwhile."""
-        while self.is_alive():
-            if self.done.wait(POLL_S):
-                self.join()        # its work is over: it only has to exit
-
-
-@contextlib.contextmanager
-def _workers(threads: Sequence[_Worker], abort: Callable[[], None]) -> Iterator[None]:
-    """Start `threads`; if the caller's block raises, `abort` the run; join them all, always."""
-    try:
-        for t in threads:
-            t.start()
-        yield
-    except BaseException:
-        abort()
-        raise
-    finally:
-        _join(threads)
-
-
 def set_thread_count(threads: int) -> None:
     """Give this thread `threads` intra-op threads, whatever other threads set.
 
@@ -541,6 +520,17 @@ def set_thread_count(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def _setup(device: torch.device, threads: int | None) -> Callable[[], None]:
+    """What a stage's worker sets once, as it starts: its intra-op threads (a CPU stage), its
+    GPU (a GPU stage)."""
+    def setup() -> None:
+        if threads and is_cpu(device):
+            set_thread_count(threads)
+        elif is_gpu(device):
+            torch.cuda.set_device(device)
+    return setup
+
+
 @contextlib.contextmanager
 def _kept_thread_count():
     """The caller's intra-op thread count, restored after a stage ran on its thread."""
@@ -549,19 +539,6 @@ def _kept_thread_count():
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _join(threads: Sequence[_Worker]) -> None:
-    """Wait for every thread, through a second Ctrl-C too: no stage may outlive its run."""
-    interrupted: BaseException | None = None
-    for t in threads:
-        while t.is_alive():
-            try:
-                t.wait()
-            except KeyboardInterrupt as e:
-                interrupted = e
-    if interrupted is not None:
-        raise interrupted
 
 
 def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:

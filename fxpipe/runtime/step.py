@@ -75,7 +75,8 @@ def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
 
 
 def check_target(target: Any, rows_in: int, what: str = "train_step") -> None:
-    """Refuse a target without rows, or with other rows than the inputs' (`rows_in`)."""
+    """Refuse a target without rows, or with other rows than the inputs' (`rows_in`), and an
+    empty batch (a mean over no rows is no loss)."""
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
         raise InputError(f"{what} needs a target with one row per sample (dimension 0 the batch), "
                          f"split into micro-batches with the inputs and given to "
@@ -84,6 +85,8 @@ def check_target(target: Any, rows_in: int, what: str = "train_step") -> None:
     if rows != rows_in:
         raise BatchError(f"{what}: the target has {rows} rows but the inputs have {rows_in}: "
                          f"pass one target row per sample")
+    if rows == 0:
+        raise BatchError(f"{what}: {microbatch.EMPTY_BATCH}")
 
 
 def check_reduction(reduction: str) -> None:
