@@ -7,7 +7,9 @@ micro-batch check (the model computes the same on micro-batches as on the whole 
 outputs the pipeline must reproduce (`fxpipe.reference`). `verify` then runs the plan's placed
 stages as a pipeline call does (`pipeline.call_stages`), in order on the caller's thread, and
 compares. `holding` is the model computing with a pipeline's values, which a mode switch
-checks against.
+checks against. Both compare within the model's own rounding by default (`rounding_tolerance`:
+4 times its float32 outputs' error against one float64 run on the example), so that another
+CPU's kernels or thread count pass, and a model that mixes samples across the batch does not.
 
 A model built on the meta device is checked streamed, never held whole (`meta_reference`,
 `streamed_stages`): its graph, node by node on materialised weights, gives the output dims and
@@ -18,6 +20,8 @@ node by node, must reproduce. Both read the same weights (`Recipe.materialize`).
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -86,30 +90,35 @@ def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
     """The model's runs that compile's checks need, all made before any of its tensors is
     placed on a stage device: each output's batch dimension, the micro-batch check
     (`_check_batch_independent`), and with `verify` the outputs the pipeline must reproduce
-    (see `fxpipe.reference`), compared within `tolerance` or, where the stages' `devices` or the
-    model's may compute float32 in TF32, the model's own rounding (`rounding_tolerance`). On
-    copies of the example, from fixed seeds; the model's buffers and the caller's random state
-    are left as they were."""
+    (see `fxpipe.reference`), compared within `tolerance` or, by default, the model's own
+    rounding measured against float64 (`rounding_tolerance`: on a CPU from the float32 run
+    already made on the whole example and one float64 run; where the stages' `devices` or the
+    model's may compute float32 in TF32, on that GPU). On copies of the example, from fixed
+    seeds; the model's buffers and the caller's random state are left as they were."""
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     if chunks == 1 and not verify:
         return Reference(None)
-    if verify and tolerance is None:
-        tolerance = rounding_tolerance(model, args, kwargs, devices)
     with unchanged(model):
         torch.manual_seed(0)
         seeds = microbatch_seeds(chunks)        # those the pipeline draws after manual_seed(0)
         parts = run_per_microbatch(model, args, kwargs, chunks, seeds=seeds, batch_dims=dims)
-    output_dims = None
+    whole = parts[0]                            # one micro-batch: the whole example
     if chunks > 1:
         with unchanged(model):
             torch.manual_seed(seeds[0])
             whole = model(*copied(args), **copied(kwargs))
+    random = verify and _draws_random_numbers(model, args, kwargs)
+    if verify and tolerance is None:
+        # A model drawing random numbers may draw others in float64: measured in eval mode.
+        tolerance = rounding_tolerance(model, args, kwargs, devices,
+                                       rounded=None if random else whole, seed=seeds[0])
+    output_dims = None
+    if chunks > 1:
         rows = [microbatch.batch_size(p, dims)
                 for p in microbatch.split((args, kwargs), chunks, dims)]
         output_dims = tuple(_output_dims(whole, parts, rows, tolerance))
     if not verify:
         return Reference(output_dims)
-    random = _draws_random_numbers(model, args, kwargs)
     if chunks > 1:
         _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts, random)
     return Reference(output_dims, microbatch.merge(parts, output_dims), True, random, tolerance)
@@ -145,41 +154,67 @@ def verify(plan: Plan, recipe: Recipe, reference: Reference,
 
 
 def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
-                       devices: Sequence[str] = ()) -> float | None:
-    """The tolerance the float32 model's own rounding calls for where a GPU computes float32 in
-    reduced precision (the model's or its inputs' GPU, else the first GPU in `devices`, those
-    of the stages), or None (then 16 epsilons of each output's dtype, `difference`).
+                       devices: Sequence[str] = (), *, rounded: Any = None,
+                       seed: int = 0) -> float | None:
+    """The tolerance the float32 model's own rounding calls for: 4 times the largest error of
+    its float32 outputs against float64, relative to each output's largest magnitude, and at
+    least 16 float32 epsilons; None where it cannot be measured (then `difference`'s default,
+    16 epsilons of each output's dtype).
 
-    With TF32 allowed (`torch.backends.cudnn.allow_tf32`, on by default for convolutions, or
-    `torch.backends.cuda.matmul.allow_tf32`), a GPU rounds float32 products to 10 bits, and a
-    run on micro-batches, on other kernels or on another device differs from the model's run by
-    far more than float32's epsilons. How far is measured, not guessed: the model in eval mode
-    on the example, in float32 on that GPU, against the same in float64 where the model is
-    (never reduced); two runs that differ only in rounding are each that far from the exact
-    values, so the tolerance is 4 times the largest relative error. Where the float64 run fails
-    (code that fixes a dtype), or gives no float32 output, None.
+    The order of float32 sums changes with the number of threads, the CPU's kernels (an AMD
+    and an Intel core block a convolution differently), the micro-batch size and the device,
+    and a deep or wide model amplifies each epsilon: by how much is the model's own, so it is
+    measured, not guessed. Two runs that differ only in rounding are each about that far from
+    the exact values (what float64 stands for), so 4 times the float32 run's error covers the
+    difference between them; a model that mixes samples across the batch (a mean over it,
+    batch statistics) differs between micro-batches and the whole batch by far more than its
+    rounding, and is still refused.
+
+    - On a CPU (or a GPU computing float32 as float32): `rounded`, the model's float32 outputs
+      on the whole example in its own mode after `torch.manual_seed(seed)` (the run compile
+      made already), against one more run, in float64, of the model as it is from the same
+      seed. Without `rounded` (a model drawing random numbers, which float64 may draw
+      otherwise), both runs are made in eval mode. An error above 2**-10 is not a CPU's float32
+      rounding but a model computing something else in float64 (code branching on the dtype,
+      other random draws): None.
+    - Where a GPU may compute float32 in reduced precision (the model's or its inputs' GPU,
+      else the first GPU in `devices`, those of the stages) with TF32 allowed
+      (`torch.backends.cudnn.allow_tf32`, on by default for convolutions, or
+      `torch.backends.cuda.matmul.allow_tf32`), it rounds float32 products to 10 bits: the
+      model in eval mode on the example in float32 on that GPU, against the same in float64
+      where the model is (never reduced).
+
+    None too where the float64 run fails (code that fixes a dtype), or gives no float32 output,
+    where the model is on the meta device, or where a float64 copy of its tensors would not fit
+    in the host's available memory.
     """
     tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *model.parameters(),
                            *model.buffers()] if isinstance(t, torch.Tensor)]
     gpu = next((t.device for t in tensors if t.device.type == "cuda"),
                next((torch.device(d) for d in devices if torch.device(d).type == "cuda"), None))
-    if any(t.device.type == "meta" for t in tensors) or not _reduced_float32(tensors, gpu):
+    if any(t.device.type == "meta" for t in tensors) or not _float64_fits(tensors):
         return None
+    reduced = _reduced_float32(tensors, gpu)
     inner, values = (model.model, model.values) if isinstance(model, _Holding) else (model, {})
     state = {**dict([*inner.named_parameters(), *inner.named_buffers()]), **values}
     double = lambda v: (v.detach().double() if isinstance(v, torch.Tensor)  # noqa: E731
                         and v.dtype == torch.float32 else v)
     onto = lambda v: (v.to(gpu) if isinstance(v, torch.Tensor) and gpu is not None  # noqa: E731
-                      else v)
+                      and reduced else v)
+    if reduced:
+        rounded = None              # its float32 run is the GPU's
+    in_eval = rounded is None
     flags = {m: m.training for m in inner.modules()}
     try:
-        inner.eval()
+        if in_eval:
+            inner.eval()
         with unchanged(inner):
-            torch.manual_seed(0)
-            rounded = torch.func.functional_call(
-                inner, {n: onto(t) for n, t in state.items()},
-                pytree.tree_map(onto, copied(args)), pytree.tree_map(onto, copied(kwargs)))
-            torch.manual_seed(0)
+            if rounded is None:
+                torch.manual_seed(seed)
+                rounded = torch.func.functional_call(
+                    inner, {n: onto(t) for n, t in state.items()},
+                    pytree.tree_map(onto, copied(args)), pytree.tree_map(onto, copied(kwargs)))
+            torch.manual_seed(seed)
             exact = torch.func.functional_call(
                 inner, {n: double(t) for n, t in state.items()},
                 pytree.tree_map(double, copied(args)), pytree.tree_map(double, copied(kwargs)))
@@ -188,13 +223,33 @@ def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
     finally:
         for m, flag in flags.items():
             m.training = flag
+    if pytree.tree_structure(rounded) != pytree.tree_structure(exact):
+        return None
     errors = [((r.double() - e.to(r.device)).abs().max() / e.abs().max().clamp_min(1e-30)).item()
               for r, e in zip(pytree.tree_leaves(rounded), pytree.tree_leaves(exact))
               if isinstance(r, torch.Tensor) and r.dtype == torch.float32
-              and isinstance(e, torch.Tensor) and e.dtype == torch.float64 and r.numel()]
-    if not errors:
+              and isinstance(e, torch.Tensor) and e.dtype == torch.float64 and r.numel()
+              and r.shape == e.shape]
+    if not errors or not all(math.isfinite(e) for e in errors) or \
+            (not reduced and max(errors) > 2.0 ** -10):
         return None
     return max(16 * torch.finfo(torch.float32).eps, 4 * max(errors))
+
+
+def _float64_fits(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a float64 copy of the float32 `tensors` fits in half the memory the host has
+    available (when it cannot tell: it does)."""
+    needed = sum(2 * t.numel() * t.element_size() for t in tensors if t.dtype == torch.float32)
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        available = kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return True
+    return needed <= available / 2
 
 
 def _reduced_float32(tensors: Sequence[torch.Tensor], gpu: torch.device | None) -> bool:

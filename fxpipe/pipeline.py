@@ -163,10 +163,10 @@ class Pipeline(nn.Module):
         """The model's output for each item, in order, as the items come: each item is one
         call's input (a tensor, a tuple of positional inputs, or a dict of keyword inputs) run
         whole, without splitting it into micro-batches, and the stages work on consecutive items
-        at once. Workers stay up for the whole stream; at most `max_in_flight` items (default:
-        twice the stages) are inside at a time. Stopping early (leaving the loop, an exception
-        in `items`, Ctrl-C) stops and joins every worker; a failing item raises a `StageError`
-        naming its stage and the item's index. Item m draws from its own seed, taken from the
+        at once, on the pipeline's workers; at most `max_in_flight` items (default: twice the
+        stages) are inside at a time. Stopping early (leaving the loop, an exception in
+        `items`, Ctrl-C) stops every worker and waits until it is at rest; a failing item
+        raises a `StageError` naming its stage and the item's index. Item m draws from its own seed, taken from the
         caller's generator as it is fed, as `pipe(x)` does for its one micro-batch."""
         self._check_open()
         self._check_model()
@@ -280,8 +280,8 @@ class Pipeline(nn.Module):
         trained (`partial="train"`) or dropped (`"drop"`). `reduction` is `train_step`'s: with
         "mean" a window's loss is the mean over its rows.
 
-        Stopping early (leaving the loop, an exception in `items`, Ctrl-C) joins every worker
-        and writes no `.grad` and no optimizer state afterwards; a window that fails leaves
+        Stopping early (leaving the loop, an exception in `items`, Ctrl-C) leaves every worker
+        at rest and writes no `.grad` and no optimizer state afterwards; a window that fails leaves
         `.grad` zeroed and the weights those after the last window yielded (buffers keep the
         forwards that ran, as after a failed `train_step`), and a failing item raises a
         `StageError` naming its stage and the item's index in the stream.

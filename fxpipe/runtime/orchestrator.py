@@ -216,7 +216,7 @@ class _Stream(_Rows):
     than `max_in_flight` are inside, yields outputs in order, and ends the stream with an `END`
     message that each stage passes on before it stops. Closing the generator early (the
     consumer stopped), an item that fails to come (the iterable raised) or a stage that fails
-    aborts the stream; every worker is joined before the generator returns.
+    aborts the stream; every worker is back at rest before the generator returns.
 
     On GPUs the stream orders against the caller's streams as a call does: the stages start
     after the caller's queued work, each item's inputs are read after the caller's stream made
@@ -267,7 +267,7 @@ class _Stream(_Rows):
                     # A stage is never that far behind the outputs: its seed will not be read.
                     self.seeds.pop(m - 16 * self.limit, None)
                     yield inside.popleft(), out
-        except GeneratorExit:      # the consumer stopped early: the workers are joined
+        except GeneratorExit:      # the consumer stopped early: the workers are at rest
             raise
         except BaseException as e:
             record.error = f"{type(e).__name__} in the caller's thread"

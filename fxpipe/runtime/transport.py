@@ -99,11 +99,13 @@ class ThreadTransport:
 
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
-        sender_device = self.devices[sender]
-        gpus = {t.device for t in tensors(values) if is_gpu(t.device)}
-        if sender_device is not None and is_gpu(sender_device):
-            gpus.add(sender_device)
-        ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
+        ready = []
+        if torch.cuda.is_initialized():      # before, no tensor can be on a GPU
+            sender_device = self.devices[sender]
+            gpus = {t.device for t in tensors(values) if is_gpu(t.device)}
+            if sender_device is not None and is_gpu(sender_device):
+                gpus.add(sender_device)
+            ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
         self.queues[phase, sender, receiver].put(_Message(microbatch, values, ready))
 
     def receive(self, phase: Phase, sender: int, receiver: int,
@@ -113,6 +115,8 @@ class ThreadTransport:
             f"{phase.name.lower()} message {sender} -> {receiver}: micro-batch "
             f"{message.microbatch} came where {microbatch} was expected")
         device = self.devices[receiver]
+        if not message.ready and not torch.cuda.is_initialized():
+            return message.values            # host tensors, usable by any CPU stage as they are
         if device is None:
             return _handed_over(message)
         _wait(message, device)

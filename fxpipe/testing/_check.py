@@ -17,6 +17,7 @@ from .. import microbatch
 from ..api import compile
 from ..reference import run_per_microbatch
 from ..pipeline import Pipeline
+from ._rounding import assert_same_up_to_rounding
 
 
 def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
@@ -34,6 +35,9 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
     the call must equal the reference's; with `backward`, both are back-propagated from the sum
     of their outputs and every parameter's gradient is compared. On a mismatch the message
     names the first stage whose outputs differ from the model's values for the same nodes.
+    Values are compared as rounding allows (`assert_same_up_to_rounding`: the outputs, the
+    buffers, all the gradients, each set within epsilons of its own largest magnitude), or with
+    `rtol` or `atol`, by `torch.testing.assert_close` with them, element by element.
     A model whose forward takes `use_cache` runs with `use_cache=False`, as the pipeline does.
     Returns the pipeline; the model's buffers are left as the pipeline's call left them.
 
@@ -50,7 +54,7 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
                                               compile_options, len(devices))]
     pipe = compile(model, devices, example_inputs, example_kwargs, chunks=chunks,
                    verify=False, **compile_options)
-    tolerance = {} if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    tolerance = None if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
     params = {name: p for name, p in pipe.named_parameters() if p.requires_grad}
     before = _buffers(model)
 
@@ -73,10 +77,7 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
         raise AssertionError(f"{error}\n{_first_differing_stage(pipe, example_inputs, example_kwargs, tolerance)}") from None
     _assert_trees_close(_buffers(model), expected_buffers, tolerance, "buffers after the call")
     if backward:
-        grads_pipe = _grads(actual, params)
-        for name in params:
-            _assert_trees_close(grads_pipe[name], grads_model[name], tolerance,
-                                f"gradient of {name!r}")
+        _assert_trees_close(_grads(actual, params), grads_model, tolerance, "gradient of")
     return pipe
 
 
@@ -107,9 +108,14 @@ def _grads(outputs: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
 
 
-def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) -> None:
-    """Every leaf of `actual` close to `expected`'s (torch.testing.assert_close, or == for a
-    non-tensor); containers as `fxpipe.passes.compare` judges them, by their keys."""
+def _assert_trees_close(actual: Any, expected: Any, tolerance: dict | None, what: str) -> None:
+    """Every leaf of `actual` close to `expected`'s: as rounding allows, the whole tree one set
+    (`assert_same_up_to_rounding`) where `tolerance` is None, else by
+    torch.testing.assert_close with it (or == for a non-tensor); containers as
+    `fxpipe.passes.compare` judges them, by their keys."""
+    if tolerance is None:
+        assert_same_up_to_rounding(actual, expected, what=what)
+        return
     assert same_structure(actual, expected), (
         f"{what} structure differs: pipeline gives {pytree.tree_structure(actual)}, model gives "
         f"{pytree.tree_structure(expected)}")
@@ -122,7 +128,8 @@ def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) 
             assert equal(a, e), f"{where} differs: {a!r} != {e!r}"
 
 
-def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict, tolerance: dict) -> str:
+def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict,
+                           tolerance: dict | None) -> str:
     """Run the whole graph and the stages one after the other; name the first that disagrees."""
     from fxpipe.passes.annotate_costs import bind_inputs
 
