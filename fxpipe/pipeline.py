@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link, format_bytes
 from fxpipe.passes.device import initialized_gpus
-from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                                   ModelChangedError, PipelineClosedError, StageError)
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
@@ -134,10 +134,11 @@ class Pipeline(nn.Module):
         model = self._model()
         return model if model is not None and model.training == self.training else None
 
-    def _run_as_is(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """`model(*args, **kwargs)` as the pipeline's one micro-batch: from its seed (the
+    def _run_as_is(self, model: nn.Module, args: tuple, kwargs: dict[str, Any],
+                   then: Callable[[Any], Any] = lambda out: out) -> Any:
+        """`then(model(*args, **kwargs))` as the pipeline's one micro-batch: from its seed (the
         caller's generator left as the graph would leave it), recorded in `last_run`, a failure
-        raised as a `StageError`."""
+        raised as a `StageError` (but fxpipe's own errors, a loss refused, as they are)."""
         seed = microbatch_seeds(1)[0]
         cuda = initialized_gpus()
         record = Run(num_stages=1, microbatches=1)
@@ -149,7 +150,10 @@ class Pipeline(nn.Module):
                 torch.default_generator.manual_seed(seed)
                 for index in cuda:
                     torch.cuda.default_generators[index].manual_seed(seed)
-                out = model(*args, **kwargs)
+                out = then(model(*args, **kwargs))
+        except FxpipeError as e:
+            record.error = f"{type(e).__name__} in the model run as is"
+            raise
         except Exception as e:
             record.error = f"{type(e).__name__} in the model run as is"
             raise StageError(f"stage 0 (the model as is), micro-batch 0 failed: "
@@ -158,6 +162,27 @@ class Pipeline(nn.Module):
             record.wall_s = time.perf_counter() - start
         record.slots.append(Slot(Action(0, 0, Phase.FORWARD), 0.0, record.wall_s))
         return out
+
+    def _train_as_is(self, model: nn.Module, inputs: Any, target: Any,
+                     loss_fn: Callable[[Any, Any], Any], reduction: Literal["mean", "sum"],
+                     leaves: list[torch.Tensor]) -> torch.Tensor:
+        """`train_step` where the plan runs the model as is: the model's own forward on the
+        whole batch, the step's loss (one micro-batch, by the train-step contract) and its
+        backward, on the caller's thread: what the model costs."""
+        step = StepLoss(loss_fn, self._signature, reduction,
+                        DeferredScale([*self.parameters(), *leaves]))
+        step.take_targets([target], self._stages[-1].device)
+
+        def learn(output: Any) -> torch.Tensor:
+            loss = step.of_output(0, output)
+            loss.backward()
+            return loss.detach()
+        try:
+            loss = self._run_as_is(model, *_call_args(inputs), then=learn)
+        except BaseException:
+            step.finish([])     # the gradients held aside are given back
+            raise
+        return step.finish([loss])
 
     def stream(self, items: Iterable[Any], *, max_in_flight: int | None = None) -> Iterator[Any]:
         """The model's output for each item, in order, as the items come: each item is one
@@ -178,9 +203,7 @@ class Pipeline(nn.Module):
 
         def graph_inputs() -> Iterator[dict[str, Any]]:
             for item in items:
-                args, kwargs = ((), item) if isinstance(item, dict) else (
-                    item if isinstance(item, tuple) else (item,), {})
-                yield dict(zip(placeholders, signature.flatten_inputs(args, kwargs)))
+                yield dict(zip(placeholders, signature.flatten_inputs(*_call_args(item))))
 
         flowing = self._runtime.stream(graph_inputs(), max_in_flight=limit,
                                        seed=lambda: microbatch_seeds(1)[0])
@@ -223,6 +246,9 @@ class Pipeline(nn.Module):
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split_up_to(values, self.chunks, self._batch_dims)
         check_target(target, microbatch.batch_size(values, self._batch_dims))
+        model = self._as_is()
+        if model is not None:
+            return self._train_as_is(model, inputs, target, loss_fn, reduction, tensors(values))
         return self._train(chunks, microbatch.split(target, len(chunks)), loss_fn, reduction,
                            leaves=tensors(values))
 
@@ -239,7 +265,7 @@ class Pipeline(nn.Module):
         step.take_targets(targets, self._stages[-1].device)
         timetable = timetable_for(self.schedule, len(self._stages), len(chunks), backward=True)
         try:
-            losses, _ = run_counted(self._runtime, timetable, chunks, loss_of=step,
+            losses, _ = self._runtime.run(timetable, chunks, loss_of=step,
                                     seeds=microbatch_seeds(len(chunks)))
         except BaseException:
             step.finish([])     # the gradients held aside are given back
@@ -562,7 +588,7 @@ def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any
     signature = plan.signature
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
     chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
-    outputs, _ = run_counted(runtime, gpipe(len(plan.stages), len(chunks)), chunks,
+    outputs, _ = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
                              seeds=microbatch_seeds(len(chunks)))
     return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
                              for chunk, out in zip(chunks, outputs)], plan.output_dims)
@@ -585,24 +611,19 @@ def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, An
     try:
         for p in params:
             p.grad = None
-        run_counted(runtime, timetable_for(plan.schedule, len(plan.stages), len(chunks),
-                                           backward=True),
+        runtime.run(timetable_for(plan.schedule, len(plan.stages), len(chunks), backward=True),
                     chunks, loss_of=loss_of, seeds=microbatch_seeds(len(chunks)))
     finally:
         for p, grad in zip(params, before):
             p.grad = grad
 
 
-def run_counted(runtime: Runtime, timetable: Any, chunks: Sequence[dict[str, Any]],
-                **options: Any) -> tuple[list[Any], Run]:
-    """`runtime.run(timetable, chunks, ...)`, its record (kept when the run fails too) saying
-    how many micro-batches it ran: fewer than the plan's chunks for a smaller batch."""
-    before = runtime.last_run
-    try:
-        return runtime.run(timetable, chunks, **options)
-    finally:
-        if runtime.last_run is not None and runtime.last_run is not before:
-            runtime.last_run.microbatches = len(chunks)
+def _call_args(inputs: Any) -> tuple[tuple, dict[str, Any]]:
+    """A call's `(args, kwargs)` from what `train_step` and streams take: a tensor, a tuple of
+    positional inputs or a dict of keyword inputs."""
+    if isinstance(inputs, dict):
+        return (), inputs
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
 
 
 def carry_values(source: nn.Module, target: nn.Module) -> None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding
 
 
 class Where(nn.Module):
@@ -40,9 +41,9 @@ def test_one_stage_runs_on_the_callers_thread_with_its_threads_and_restores_the_
     if training:
         loss = pipe.train_step(x, torch.zeros(8, 4), nn.functional.mse_loss)
         expected = nn.functional.mse_loss(model(x), torch.zeros(8, 4))
-        torch.testing.assert_close(loss, expected)
+        assert_same_up_to_rounding(loss, expected)
     else:
-        torch.testing.assert_close(pipe(x), model(x))
+        assert_same_up_to_rounding(pipe(x), model(x))
     assert Where.seen[:2] == [(True, 2), (True, 2)]       # both micro-batches, here, 2 threads
     assert torch.get_num_threads() == caller
 
@@ -97,7 +98,7 @@ def test_the_model_as_is_runs_its_own_forward_from_the_micro_batch_seed(monkeypa
     assert calls == [1]                   # the model's own forward, once, on the whole batch
     torch.manual_seed(7)
     seeds = microbatch_seeds(1)
-    torch.testing.assert_close(out, run_per_microbatch(model, (x,), {}, 1, seeds=seeds)[0])
+    assert_same_up_to_rounding(out, run_per_microbatch(model, (x,), {}, 1, seeds=seeds)[0])
     torch.manual_seed(7)
     microbatch_seeds(1)
     torch.testing.assert_close(after, torch.rand(3))   # the caller's generator as the graph leaves it
@@ -112,3 +113,40 @@ def test_a_failure_of_the_model_as_is_is_a_stage_error():
     with pytest.raises(fxpipe.StageError, match="the model as is.*too large"):
         pipe(torch.full((2, 4), 1e12))
     assert pipe.last_run.failed
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["mean", "sum-and-count"])
+def test_train_step_of_the_model_as_is_runs_its_own_forward_and_backward(monkeypatch, counted):
+    import copy
+
+    from fxpipe import search
+    from fxpipe.passes.randomness import microbatch_seeds
+
+    monkeypatch.setattr(search, "TIE", 0.99)      # as above: the run is what is tested
+    torch.manual_seed(0)
+    model, x, target = Drops().train(), torch.randn(8, 4), torch.randn(8, 4)
+    reference = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, ["cpu"], (x,), num_stages="auto", training=True)
+    assert pipe.plan.runs_as_is
+
+    def loss_fn(out, t):
+        if counted:
+            return (out - t).square().sum(), torch.tensor(t.numel())
+        return nn.functional.mse_loss(out, t)
+
+    calls = []
+    forward = Drops.forward
+    monkeypatch.setattr(Drops, "forward", lambda self, x: calls.append(1) or forward(self, x))
+    torch.manual_seed(7)
+    loss = pipe.train_step(x, target, loss_fn)
+    monkeypatch.setattr(Drops, "forward", forward)
+    assert calls == [1]                   # the model's own forward, once, on the whole batch
+    torch.manual_seed(7)
+    torch.manual_seed(microbatch_seeds(1)[0])
+    expected = nn.functional.mse_loss(reference(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6 * q.grad.abs().max().item(),
+                                   rtol=1e-5, msg=name)
+    assert pipe.last_run.microbatches == 1 and not pipe.last_run.failed

@@ -308,7 +308,7 @@ class _Execution(_Rows):
         self.loss_of = loss_of
         self.seeds = list(seeds) if seeds is not None else None
         self.executors = [self.executor(stage) for stage in runtime.stages]
-        self.record = Run(num_stages=len(runtime.stages))
+        self.record = Run(num_stages=len(runtime.stages), microbatches=len(self.inputs))
         # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
         # there as the run starts: (seconds at that start, its event) per stage.
         self.origins: dict[int, tuple[float, torch.cuda.Event]] = {}

@@ -136,7 +136,10 @@ class StepLoss:
 
     def __call__(self, m: int, graph_values: dict[str, Any]) -> torch.Tensor:
         """Micro-batch m's loss, weighted (or its loss sum, its count kept)."""
-        output = self.signature.rebuild_outputs(graph_values)
+        return self.of_output(m, self.signature.rebuild_outputs(graph_values))
+
+    def of_output(self, m: int, output: Any) -> torch.Tensor:
+        """Micro-batch m's loss from the model's `output` for it."""
         loss = self.loss_fn(output, self.targets[m])
         if isinstance(loss, tuple) and len(loss) == 2:
             loss, self.counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
