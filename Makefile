@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,5 +28,13 @@ BENCHMARKS := $(sort $(basename $(notdir $(filter-out %/__init__.py,$(wildcard b
 bench: $(VENV)/.installed
 	for b in $(BENCHMARKS); do echo "== benchmarks.$$b"; $(PY) -m benchmarks.$$b || exit 1; done
 
+# The pages in docs/ and the API reference from the docstrings, into site/; warnings are errors.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis site

@@ -9,7 +9,7 @@ to the plan (`num_stages="auto"`, `chunks="auto"`, `schedule="auto"`) on `--stag
 and the table prints what it chose, the pipeline's measured time per call (per `train_step` with
 `--training`) beside the model run whole with all cores, measured in the same interleaved rounds,
 and the speed-up the plan predicted ("raced": the plan measured a pipeline predicted faster than
-the model as is against it at compile, see the README). Goal: never below 0.95x; where a pipeline pays, the speed-up
+the model as is against it at compile, see docs/choosing.md). Goal: never below 0.95x; where a pipeline pays, the speed-up
 predicted. With `--load`, a process of the script's own keeps one core busy while each model is
 compiled, and is stopped before the timing: a plan made on a busy machine, run on a quiet one.
 Run it alone: two cores are easily shared into noise.

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
 
-    fxpipe.tune_cpu_allocator()   # glibc keeps freed activations: fair to both sides (README)
+    fxpipe.tune_cpu_allocator()   # glibc keeps freed activations: fair to both sides (docs/devices.md)
     torch.manual_seed(0)
     model = BranchyCNN().eval()
     x = torch.randn(args.batch, 3, 32, 32)

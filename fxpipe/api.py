@@ -77,7 +77,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     `num_stages` uses only the first devices: a number, or "auto" for the fewest whose
     bottleneck is within 2% of using them all (you have 8 GPUs; how many pay off?), never two
     on one GPU; "auto" also weighs the model as is, and in inference a pipeline predicted
-    faster than it must be measured faster on the example too (see the README).
+    faster than it must be measured faster on the example too (see docs/choosing.md).
     `schedule` ("gpipe" or "1f1b") orders forwards and backwards in `Pipeline.train_step`.
     `training` (default: `model.training`) also measures backward costs and balances stages on
     forward plus backward time. `threads_per_stage` sets each CPU stage's intra-op threads
