@@ -97,7 +97,7 @@ def test_close_a_with_block_and_garbage_collection_end_every_worker(how):
             gc.collect()
     assert len(threads) == 3 and all(t.name.startswith("fxpipe-stage") for t in threads)
     assert wait_until(lambda: not any(t.is_alive() for t in threads)), "a worker outlived close"
-    assert stage_threads() == before
+    assert stage_threads() <= before      # (earlier tests' pipelines may be collected meanwhile)
 
 
 def test_a_closed_pipeline_is_refused_by_name_in_every_way_of_running():

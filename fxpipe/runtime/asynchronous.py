@@ -40,7 +40,7 @@ from ..schedules import Action, Phase, async_warmup
 from .executor import EVERY, StageExecutor
 from .orchestrator import (DRIVER, END, Run, Runtime, StageRow, _NO_MORE, _Rows,
                            _kept_thread_count, item_error, send_inputs)
-from .step import check_loss
+from .step import micro_loss
 from .transport import POLL_S, Aborted
 
 
@@ -88,10 +88,9 @@ class _ItemLoss:
 
     def __call__(self, m: int, values: dict[str, Any]) -> torch.Tensor:
         output = self.signature.rebuild_outputs({**self.inputs[m], **values})
-        loss = self.loss_fn(output, self.targets[m])
-        if isinstance(loss, tuple) and len(loss) == 2:
-            loss, self.counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
-        check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
+        loss, count = micro_loss(self.loss_fn, output, self.targets[m])
+        if count is not None:
+            self.counts[m] = count
         return loss
 
 
@@ -214,13 +213,11 @@ class AsyncTraining(_Rows):
     def run(self, items: Iterator[tuple[dict[str, Any], Any]]) -> Iterator[torch.Tensor]:
         """Feed items while the bound allows, apply finished items' gradients in order, step
         the optimizer every `window` of them and yield that window's loss."""
-        record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
-        for executor in self.executors:
-            executor.wait_for_caller()
         ended = False
         self.optimizer.zero_grad()
         try:
-            with self.rt.workers.run(self.work, self.abort), _kept_thread_count():
+            with self.driving(Run(num_stages=len(self.rt.stages)), self.work, item_error), \
+                    _kept_thread_count():
                 # The driver's own work (copying a version, adding gradients, the optimizer's
                 # step) on one intra-op thread: the stages' threads hold the cores, and a team
                 # of OpenMP threads of the caller's would spin on them between its ops
@@ -243,22 +240,9 @@ class AsyncTraining(_Rows):
                         yield self._step(self.window_items)
                     else:
                         self.optimizer.zero_grad()
-        except GeneratorExit:
+        except BaseException:      # stopped early, a stage failed, or Ctrl-C: no gradient left
             self.optimizer.zero_grad()
             raise
-        except BaseException as e:
-            self.optimizer.zero_grad()
-            if not self.errors:
-                record.error = f"{type(e).__name__} in the caller's thread"
-                raise
-        finally:
-            for executor in self.executors:
-                executor.make_caller_wait()
-            record.wall_s = record.clock()
-        if self.errors:
-            record.error = str(self.errors[0])
-            error = item_error(self.errors[0])
-            raise error from error.__cause__
 
     def _feed(self, m: int, item: Any) -> None:
         """Item m's inputs and target, its version's stash; or the stream's end."""

@@ -187,9 +187,49 @@ class _Rows:
             self.stopping)
         self.errors: list[StageError] = []
 
+    executors: list[StageExecutor]
+
     def abort(self) -> None:
         self.stopping.set()
         self.transport.abort(_reason(self.errors))
+
+    @contextlib.contextmanager
+    def driving(self, record: Run, work: Callable[[int], None] | None,
+                failure: Callable[[StageError], StageError] = lambda e: e) -> Iterator[Any]:
+        """One run's set-up, hand-off, failure handling and record, written once for a call, a
+        step, a stream and asynchronous learning: `record` made the latest run's; the stages'
+        GPU work ordered after the caller's; `work(i)` handed to every worker i for the block
+        (yielding its `Jobs`; with `work` None the block runs the stages itself); what the
+        caller's thread raises recorded, and its later GPU work queued after the stages'. After
+        the block, the first stage failure is raised (as `failure` renames it), also in place
+        of the `Aborted` it made the caller's thread raise."""
+        self.rt.last_run = record
+        record.started = time.perf_counter()
+        for executor in self.executors:    # the caller's latest work on inputs and parameters
+            executor.wait_for_caller()
+        self.started(record)
+        try:
+            with contextlib.nullcontext() if work is None else \
+                    self.rt.workers.run(work, self.abort) as jobs:
+                yield jobs
+        except GeneratorExit:      # a stream's consumer stopped early: the workers are at rest
+            raise
+        except BaseException as e:     # Ctrl-C, or anything else raised in the caller's thread
+            if not (self.errors and isinstance(e, Aborted)):
+                record.error = f"{type(e).__name__} in the caller's thread"
+                raise
+        finally:
+            for executor in self.executors:
+                executor.make_caller_wait()
+            record.wall_s = record.clock()
+            record._slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
+        if self.errors:
+            record.error = str(self.errors[0])
+            error = failure(self.errors[0])
+            raise error from error.__cause__
+
+    def started(self, record: Run) -> None:
+        """Called once the stages' work is ordered after the caller's, before any is handed."""
 
     def walk(self, row: "StageRow", **timing: Any) -> None:
         """Walk `row` on this thread, with its stage's intra-op threads; a failure is kept as a
@@ -240,46 +280,25 @@ class _Stream(_Rows):
 
     def run(self, items: Iterator[dict[str, Any]]
             ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        record = self.rt.last_run = Run(num_stages=len(self.rt.stages))
-        start = time.perf_counter()
         inside: collections.deque[dict[str, Any]] = collections.deque()
         fed = 0
-        for executor in self.executors:    # the caller's latest work on the parameters
-            executor.wait_for_caller()
-        try:
-            with self.rt.workers.run(self.work, self.abort):
-                ended = False
-                while True:
-                    while not ended and len(inside) < self.limit:
-                        item = next(items, _NO_MORE)
-                        ended = item is _NO_MORE
-                        self.feed(fed, {END: None} if ended else item)
-                        if not ended:
-                            inside.append(item)
-                            fed += 1
-                    if not inside:
-                        break
-                    m = fed - len(inside)
-                    try:
-                        out = receive_values(self.flow, self.transport, DRIVER, m)
-                    except Aborted:
-                        break
-                    # A stage is never that far behind the outputs: its seed will not be read.
-                    self.seeds.pop(m - 16 * self.limit, None)
-                    yield inside.popleft(), out
-        except GeneratorExit:      # the consumer stopped early: the workers are at rest
-            raise
-        except BaseException as e:
-            record.error = f"{type(e).__name__} in the caller's thread"
-            raise
-        finally:
-            for executor in self.executors:
-                executor.make_caller_wait()
-            record.wall_s = time.perf_counter() - start
-        if self.errors:
-            record.error = str(self.errors[0])
-            error = item_error(self.errors[0])
-            raise error from error.__cause__
+        with self.driving(Run(num_stages=len(self.rt.stages)), self.work, item_error):
+            ended = False
+            while True:
+                while not ended and len(inside) < self.limit:
+                    item = next(items, _NO_MORE)
+                    ended = item is _NO_MORE
+                    self.feed(fed, {END: None} if ended else item)
+                    if not ended:
+                        inside.append(item)
+                        fed += 1
+                if not inside:
+                    break
+                m = fed - len(inside)
+                out = receive_values(self.flow, self.transport, DRIVER, m)
+                # A stage is never that far behind the outputs: its seed will not be read.
+                self.seeds.pop(m - 16 * self.limit, None)
+                yield inside.popleft(), out
 
     def feed(self, m: int, values: dict[str, Any]) -> None:
         """Item m's graph inputs (or the stream's end) to every stage that reads them."""
@@ -323,6 +342,12 @@ class _Execution(_Rows):
             stream=self.rt.streams[stage.index],
             recompute=self.rt.recompute[stage.index])
 
+    def started(self, record: Run) -> None:
+        """A GPU stage's actions are timed from an event recorded on its stream now."""
+        for executor in self.executors:
+            if executor.stream is not None:
+                self.origins[executor.stage.index] = (record.clock(), _event(executor.stream))
+
     def graph_loss(self, m: int, values: dict[str, Any]) -> torch.Tensor:
         """The caller's loss of micro-batch m, given the graph inputs too."""
         return self.loss_of(m, {**self.inputs[m], **values})
@@ -333,37 +358,18 @@ class _Execution(_Rows):
         # does in order (`Runtime.in_order`: no backward waits for a later stage there).
         here = len(self.rt.stages) == 1 or self.rt._in_order
         assert not (self.rt._in_order and self.loss_of is not None), "in order: forwards only"
-        self.rt.last_run = self.record
-        self.record.started = time.perf_counter()
-        for executor in self.executors:
-            executor.wait_for_caller()
-            if executor.stream is not None:
-                self.origins[executor.stage.index] = (self.record.clock(), _event(executor.stream))
-        try:
-            with contextlib.nullcontext() if here else self.rt.workers.run(
-                    self.work, self.abort) as jobs:
-                self.feed()
-                if here:
-                    with _kept_thread_count():
-                        for stage in self.rt.stages:
-                            threads = self.rt.threads[stage.index]
-                            if threads and is_cpu(stage.device):
-                                set_thread_count(threads)
-                            self.work(stage.index)
-                outputs = self.collect()
-                if jobs is not None:   # a signal must reach this thread while it waits
-                    jobs.wait()
-        except BaseException as e:   # Ctrl-C, or anything else raised in the caller's thread
-            self.record.error = f"{type(e).__name__} in the caller's thread"
-            raise
-        finally:
-            for executor in self.executors:
-                executor.make_caller_wait()
-            self.record.wall_s = self.record.clock()
-            self.record._slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
-        if self.errors:
-            self.record.error = str(self.errors[0])
-            raise self.errors[0] from self.errors[0].__cause__
+        with self.driving(self.record, None if here else self.work) as jobs:
+            self.feed()
+            if here:
+                with _kept_thread_count():
+                    for stage in self.rt.stages:
+                        threads = self.rt.threads[stage.index]
+                        if threads and is_cpu(stage.device):
+                            set_thread_count(threads)
+                        self.work(stage.index)
+            outputs = self.collect()
+            if jobs is not None:   # a signal must reach this thread while it waits
+                jobs.wait()
         if self.loss_of is not None:
             losses = self.executors[-1].losses
             return [losses[m] for m in range(len(self.inputs))], self.record

@@ -74,6 +74,17 @@ def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
             "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
 
 
+def micro_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`loss_fn` on one micro-batch (or a stream's item): its loss, and its count where
+    loss_fn returned `(loss_sum, count)` (None otherwise), refused as `check_loss` says."""
+    loss, count = loss_fn(output, target), None
+    if isinstance(loss, tuple) and len(loss) == 2:
+        loss, count = loss[0], torch.as_tensor(loss[1]).detach()
+    check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
+    return loss, count
+
+
 def check_target(target: Any, rows_in: int, what: str = "train_step") -> None:
     """Refuse a target without rows, or with other rows than the inputs' (`rows_in`), and an
     empty batch (a mean over no rows is no loss)."""
@@ -140,14 +151,13 @@ class StepLoss:
 
     def of_output(self, m: int, output: Any) -> torch.Tensor:
         """Micro-batch m's loss from the model's `output` for it."""
-        loss = self.loss_fn(output, self.targets[m])
-        if isinstance(loss, tuple) and len(loss) == 2:
-            loss, self.counts[m] = loss[0], torch.as_tensor(loss[1]).detach()
+        loss, count = micro_loss(self.loss_fn, output, self.targets[m])
+        if count is not None:
+            self.counts[m] = count
             self.grads.start()   # no backward ran yet: the last stage's comes first
         elif self.counts:
             raise LossError("loss_fn returned (loss_sum, count) for one micro-batch but not "
                             "for another: return the same for every micro-batch")
-        check_loss(loss, output, "a 0-d tensor (or a (loss_sum, count) pair)")
         if self.counts:
             return loss
         if self.check_rows_mean:
