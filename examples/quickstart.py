@@ -90,7 +90,11 @@ def main() -> None:
     print(f"\n--- the code of stage 1 (print(pipe.stages[1].code)) ---{pipe.stages[1].code}")
 
     with torch.no_grad():
-        torch.testing.assert_close(pipe(x), model(x))
+        # The same values up to rounding: micro-batches and stages sum in other orders (other
+        # kernels, other thread counts), within float32 epsilons of the output's largest value.
+        expected = model(x)
+        torch.testing.assert_close(pipe(x), expected, rtol=0,
+                                   atol=64 * torch.finfo(x.dtype).eps * expected.abs().max().item())
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         one_thread = samples_per_s(model, x)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding, grads_of
 import fxpipe.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +165,7 @@ def test_inference_on_the_last_rank_equals_the_model(two_ranks):
     first, last = results(out, 2)
     assert first["output"] is None
     with torch.no_grad():
-        torch.testing.assert_close(last["output"], model(x))
+        assert_same_up_to_rounding(last["output"], model(x))
 
 
 def test_a_plan_priced_for_threads_is_run_with_a_warning_saying_how_to_price_it(two_ranks):
@@ -181,13 +182,12 @@ def assert_trains_as_the_model(model, x, target, pipe, out, processes):
     ranks = results(out, processes)
     assert all(r["loss"] is None for r in ranks[:-1])
     expected = pipe.train_step(x, target, F.mse_loss)
-    torch.testing.assert_close(ranks[-1]["loss"], expected)
+    assert_same_up_to_rounding(ranks[-1]["loss"], expected)
     model.zero_grad()
     F.mse_loss(model(x), target).backward()
     got = {name: g for r in ranks for name, g in r["grads"].items()}
     assert set(got) == {name for name, _ in model.named_parameters()}
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.grad, msg=name)
+    assert_same_up_to_rounding(got, grads_of(model), what="gradient")
 
 
 def test_a_gpipe_train_step_equals_the_pipeline_and_the_model(two_ranks):
@@ -228,7 +228,7 @@ def test_three_and_four_ranks_with_1f1b_equal_the_model(tmp_path, stages):
     model, x, target, pipe, out = ran(tmp_path, stages, stages, schedule="1f1b")
     assert pipe.schedule == "1f1b"
     with torch.no_grad():
-        torch.testing.assert_close(results(out, stages)[-1]["output"], model(x))
+        assert_same_up_to_rounding(results(out, stages)[-1]["output"], model(x))
     assert_trains_as_the_model(model, x, target, pipe, out, stages)
     # some stage reads from one not just before it (the driver is -1): a value skips stages
     reads = pipe.plan.wiring.training.reads
@@ -272,21 +272,22 @@ def test_two_replicas_of_two_stages_add_up_to_the_whole_batch(tmp_path):
     with torch.no_grad():
         for replica, (xs, _) in enumerate(shards):
             assert ranks[2 * replica]["output"] is None
-            torch.testing.assert_close(ranks[2 * replica + 1]["output"], model(xs))
+            assert_same_up_to_rounding(ranks[2 * replica + 1]["output"], model(xs))
     whole = pipe.train_step(x, target, F.mse_loss)
-    torch.testing.assert_close(whole, F.mse_loss(model(x), target))
+    assert_same_up_to_rounding(whole, F.mse_loss(model(x), target))
     for replica in range(2):
         assert ranks[2 * replica]["loss"] is None
-        torch.testing.assert_close(ranks[2 * replica + 1]["loss"], whole)
+        assert_same_up_to_rounding(ranks[2 * replica + 1]["loss"], whole)
     model.zero_grad()
     x = x.clone().requires_grad_()
     F.mse_loss(model(x), target).backward()
-    torch.testing.assert_close(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
+    assert_same_up_to_rounding(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
     expected = dict(model.named_parameters())
     for rank, got in enumerate(ranks):
         assert got["grads"], rank
-        for name, grad in got["grads"].items():
-            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+        assert_same_up_to_rounding(got["grads"],
+                                   {name: expected[name].grad for name in got["grads"]},
+                                   what=f"rank {rank}: gradient")
     assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(expected)
     assert ranks[0]["grads"].keys() == ranks[2]["grads"].keys()
 
@@ -299,7 +300,7 @@ def test_an_input_with_requires_grad_gets_its_gradient_from_every_stage_reading_
     ranks = results(out, 3)
     x = x.clone().requires_grad_()
     F.mse_loss(model(x), target).backward()
-    torch.testing.assert_close(ranks[0]["x_grad"], x.grad)
+    assert_same_up_to_rounding(ranks[0]["x_grad"], x.grad)
     assert ranks[1]["x_grad"] is None and ranks[2]["x_grad"] is None
 
 
@@ -322,13 +323,13 @@ def assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks):
     piped = {name: p.grad.clone() for name, p in pipe.named_parameters()}
     model.zero_grad()
     F.mse_loss(model(x), target).backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(piped[name], p.grad, msg=name)
+    assert_same_up_to_rounding(piped, grads_of(model), what="gradient")
     expected = dict(model.named_parameters())
     for rank, got in enumerate(ranks):
         assert got["grads"], rank
-        for name, grad in got["grads"].items():
-            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+        assert_same_up_to_rounding(got["grads"],
+                                   {name: expected[name].grad for name in got["grads"]},
+                                   what=f"rank {rank}: gradient")
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
@@ -339,7 +340,7 @@ def test_a_weight_tied_across_the_first_and_last_stage_gets_its_whole_gradient(t
     model, x, target, pipe, out = ran(tmp_path, stages, stages, **tied_batch())
     assert held_by(tmp_path / "plan", "emb.weight") == [0, stages - 1]
     ranks = results(out, stages)
-    torch.testing.assert_close(ranks[-1]["loss"], F.mse_loss(model(x), target))
+    assert_same_up_to_rounding(ranks[-1]["loss"], F.mse_loss(model(x), target))
     assert "emb.weight" in ranks[0]["grads"] and "emb.weight" in ranks[-1]["grads"]
     assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks)
 
@@ -351,7 +352,7 @@ def test_two_replicas_of_a_tied_weight_get_the_whole_batch_gradient(tmp_path):
     assert held_by(tmp_path / "plan", "emb.weight") == [0, 1]
     ranks = results(out, 4)
     for last in (ranks[1], ranks[3]):
-        torch.testing.assert_close(last["loss"], F.mse_loss(model(x), target))
+        assert_same_up_to_rounding(last["loss"], F.mse_loss(model(x), target))
     assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks)
 
 
@@ -366,15 +367,16 @@ def test_replicas_of_a_summed_loss_add_up_to_the_whole_batch_sum(tmp_path):
     def summed(output, target):
         return F.mse_loss(output, target, reduction="sum")
     whole = pipe.train_step(x, target, summed, reduction="sum")
-    torch.testing.assert_close(whole, summed(model(x), target))
+    assert_same_up_to_rounding(whole, summed(model(x), target))
     for last in (ranks[1], ranks[3]):
-        torch.testing.assert_close(last["loss"], whole)
+        assert_same_up_to_rounding(last["loss"], whole)
     model.zero_grad()
     summed(model(x), target).backward()
     expected = dict(model.named_parameters())
     for rank, got in enumerate(ranks):
-        for name, grad in got["grads"].items():
-            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
+        assert_same_up_to_rounding(got["grads"],
+                                   {name: expected[name].grad for name in got["grads"]},
+                                   what=f"rank {rank}: gradient")
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
@@ -392,12 +394,13 @@ def test_losses_as_sum_and_count_give_the_whole_batch_mean_on_every_replica(tmp_
     model.zero_grad()
     expected_loss.backward()
     for last in (ranks[1], ranks[3]):
-        torch.testing.assert_close(last["loss"], expected_loss.detach())
+        assert_same_up_to_rounding(last["loss"], expected_loss.detach())
     expected = dict(model.named_parameters())
     for rank, got in enumerate(ranks):
-        for name, grad in got["grads"].items():
-            torch.testing.assert_close(grad, expected[name].grad, msg=f"rank {rank}: {name}")
-    torch.testing.assert_close(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
+        assert_same_up_to_rounding(got["grads"],
+                                   {name: expected[name].grad for name in got["grads"]},
+                                   what=f"rank {rank}: gradient")
+    assert_same_up_to_rounding(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
 
 
 def test_gradients_of_two_steps_accumulate_with_tied_weights_and_replicas(tmp_path):
@@ -405,13 +408,14 @@ def test_gradients_of_two_steps_accumulate_with_tied_weights_and_replicas(tmp_pa
     gradients are added up across ranks, so every rank holds twice the model's."""
     model, x, target, _, out = ran(tmp_path, 4, 2, mode="twice", **tied_batch())
     ranks = results(out, 4)
-    torch.testing.assert_close(ranks[3]["loss"], F.mse_loss(model(x), target))
+    assert_same_up_to_rounding(ranks[3]["loss"], F.mse_loss(model(x), target))
     model.zero_grad()
     F.mse_loss(model(x), target).backward()
     expected = dict(model.named_parameters())
     for rank, got in enumerate(ranks):
-        for name, grad in got["grads"].items():
-            torch.testing.assert_close(grad, 2 * expected[name].grad, msg=f"rank {rank}: {name}")
+        assert_same_up_to_rounding(got["grads"],
+                                   {name: 2 * expected[name].grad for name in got["grads"]},
+                                   what=f"rank {rank}: gradient")
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 

@@ -16,9 +16,10 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding
 
 from test_hf_capture import VOCAB, built, token_ids
-from test_hf_losses import MODELS, TOLERANCE, the_models_step, token_mean
+from test_hf_losses import MODELS, the_models_step, token_mean
 
 NAMES = ("bert", "gpt2", "llama")
 CAPTURED_BY = {"bert": "fx+leaves", "gpt2": "export", "llama": "export"}
@@ -36,8 +37,7 @@ def compiled(request):
 
 def assert_same_logits(pipe, model, ids):
     with torch.no_grad():
-        torch.testing.assert_close(pipe(input_ids=ids).logits, model(input_ids=ids).logits,
-                                   **TOLERANCE)
+        assert_same_up_to_rounding(pipe(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("batch", [3, 8])
@@ -61,12 +61,11 @@ def test_train_step_on_another_length_gives_the_models_loss_and_gradients(compil
     expected_loss, expected = the_models_step(model, {"input_ids": ids}, ids, token_mean)
     pipe.zero_grad()
     loss = pipe.train_step({"input_ids": ids}, ids, token_mean)
-    torch.testing.assert_close(loss, expected_loss, **TOLERANCE)
+    assert_same_up_to_rounding(loss, expected_loss)
     # CPU stages hold the model's own parameters: their gradients are the pipeline's
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads.keys() == expected.keys()
-    for n in expected:
-        torch.testing.assert_close(grads[n], expected[n], **TOLERANCE, msg=lambda m: f"{n}: {m}")
+    assert_same_up_to_rounding(grads, expected, what="gradient")
     pipe.zero_grad()
 
 
@@ -142,7 +141,7 @@ def test_a_length_the_models_code_fixes_is_refused_naming_the_dimension_and_the_
                              r"input in the model \(x\.shape\[1\], or -1 in a view"):
         pipe(torch.randn(4, 17, 8))
     x = torch.randn(6, 32, 8)
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
 
 
 def test_a_length_breaking_a_condition_of_the_graph_is_refused_naming_it():
@@ -152,7 +151,7 @@ def test_a_length_breaking_a_condition_of_the_graph_is_refused_naming_it():
                                                 r"== 0"):
         pipe(torch.randn(4, 17, 8))
     x = torch.randn(3, 48, 8)
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
 
 
 @functools.cache
@@ -167,7 +166,7 @@ def test_a_position_table_sliced_to_the_length_serves_every_length_up_to_its_row
     model, pipe = positions_pipeline()
     x = torch.randn(batch, tokens, 8)
     with torch.no_grad():
-        torch.testing.assert_close(pipe(x), model(x))
+        assert_same_up_to_rounding(pipe(x), model(x))
 
 
 def test_a_length_beyond_the_position_table_is_refused_naming_the_bound():
@@ -193,7 +192,7 @@ def test_keyword_inputs_in_any_order_are_held_to_the_relations_of_their_lengths(
     pipe = fxpipe.compile(model, ["cpu", "cpu"], example_kwargs=example, chunks=2,
                           capture="export")
     inputs = {"x": torch.randn(6, 12, 3), "mask": torch.rand(6, 12), "bias": torch.randn(6, 15, 3)}
-    torch.testing.assert_close(pipe(**inputs), model(**inputs))
+    assert_same_up_to_rounding(pipe(**inputs), model(**inputs))
     with pytest.raises(fxpipe.InputError, match=r"mask.shape\[1\] == x.shape\[1\]"):
         pipe(**{**inputs, "mask": torch.ones(6, 11)})
     with pytest.raises(fxpipe.InputError, match=r"x.shape\[1\] <= bias.shape\[1\]"):

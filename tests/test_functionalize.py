@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe.passes.errors import TraceError
 from fxpipe.passes.functionalize import functionalize
 
@@ -304,4 +305,4 @@ def test_compile_pipelines_an_inplace_relu_read_by_a_later_stage():
     assert "inplace = True" not in first + last
     assert "chain" in first and "chain" in last    # the chain spans both stages
     with torch.no_grad():
-        torch.testing.assert_close(pipe(x), expected)
+        assert_same_up_to_rounding(pipe(x), expected)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding
 
 from test_hf_capture import CAUSAL_LMS, VOCAB, built, t, token_ids
 
@@ -20,7 +21,6 @@ MODELS = {**CAUSAL_LMS,
           "bert": lambda: t.BertForMaskedLM(t.BertConfig(
               num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
               vocab_size=VOCAB, max_position_embeddings=64))}
-TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
 
 def padded_inputs(name: str, batch: int) -> dict[str, torch.Tensor]:
@@ -74,11 +74,10 @@ def assert_trains_as_the_model(pipe, model, inputs, labels, loss_fn, expected_fn
     expected_loss, expected = the_models_step(model, inputs, labels, expected_fn or loss_fn)
     pipe.zero_grad()
     loss = pipe.train_step(inputs, labels, loss_fn)
-    torch.testing.assert_close(loss, expected_loss, **TOLERANCE)
+    assert_same_up_to_rounding(loss, expected_loss, what="loss")
     grads = {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None}
     assert grads.keys() == expected.keys()
-    for n in expected:
-        torch.testing.assert_close(grads[n], expected[n], **TOLERANCE, msg=lambda m: f"{n}: {m}")
+    assert_same_up_to_rounding(grads, expected, what="gradient")
     pipe.zero_grad()
 
 
@@ -145,4 +144,4 @@ def test_masked_inputs_give_the_models_outputs_on_every_unmasked_position(compil
         expected = model(**inputs).logits
         got = pipe(**inputs).logits
     assert got.shape == expected.shape
-    torch.testing.assert_close(got[real], expected[real], **TOLERANCE)
+    assert_same_up_to_rounding(got[real], expected[real])

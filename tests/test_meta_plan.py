@@ -22,6 +22,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.passes.codegen import with_tensors
+from fxpipe.testing import assert_same_up_to_rounding, grads_of
 from fxpipe.weights import Init, Weights
 
 
@@ -115,7 +116,7 @@ def test_a_meta_plan_given_its_values_runs_as_the_model(capture):
     assert max(len(names) for names in values.asked) <= 2
     assert all(t.is_meta for s in plan.stages for t in s.module.parameters())
     with torch.no_grad():
-        torch.testing.assert_close(fxpipe.Pipeline(given_values(plan, values))(x), real(x))
+        assert_same_up_to_rounding(fxpipe.Pipeline(given_values(plan, values))(x), real(x))
 
 
 def test_a_meta_model_planned_for_training_given_its_values_trains_as_the_model():
@@ -130,10 +131,8 @@ def test_a_meta_model_planned_for_training_given_its_values_trains_as_the_model(
     loss = pipe.train_step((x,), target, mse)
     expected = mse(real(x), target)
     expected.backward()
-    torch.testing.assert_close(loss.detach(), expected.detach())
-    grads = {name: p.grad for name, p in pipe.named_parameters()}
-    for name, p in real.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert_same_up_to_rounding(loss.detach(), expected.detach())
+    assert_same_up_to_rounding(grads_of(pipe), grads_of(real), what="gradient")
 
 
 def test_the_plan_says_it_was_planned_from_meta_and_its_peak_memory(tmp_path):
@@ -154,8 +153,8 @@ def test_a_small_llama_built_on_meta_plans_and_its_plan_runs_as_the_model():
     plan = fxpipe.plan(meta, ["cpu"] * 3, example_kwargs=inputs, chunks=2, weights=values)
     assert plan.verified == "yes" and len(plan.stages) == 3
     with torch.no_grad():
-        torch.testing.assert_close(fxpipe.Pipeline(given_values(plan, values))(**inputs).logits,
-                                   real(**inputs).logits, rtol=1e-4, atol=1e-5)
+        assert_same_up_to_rounding(fxpipe.Pipeline(given_values(plan, values))(**inputs).logits,
+                                   real(**inputs).logits)
 
 
 def test_a_llama_built_on_meta_plans_from_its_checkpoint_and_runs_from_it(tmp_path):
@@ -173,9 +172,9 @@ def test_a_llama_built_on_meta_plans_from_its_checkpoint_and_runs_from_it(tmp_pa
                        weights=tmp_path / "ckpt")
     assert plan.verified == "yes"
     with torch.no_grad():
-        torch.testing.assert_close(
+        assert_same_up_to_rounding(
             fxpipe.Pipeline(plan.with_weights(tmp_path / "ckpt", model=meta))(**inputs).logits,
-            real(**inputs).logits, rtol=1e-4, atol=1e-5)
+            real(**inputs).logits)
 
 
 def layers():
@@ -192,7 +191,7 @@ def test_a_meta_model_planned_without_weights_is_checked_on_the_values_it_initia
     model = layers()
     model.load_state_dict(drawn)
     with torch.no_grad():
-        torch.testing.assert_close(fxpipe.Pipeline(given_values(plan, Values(drawn)))(x),
+        assert_same_up_to_rounding(fxpipe.Pipeline(given_values(plan, Values(drawn)))(x),
                                    model(x))
 
 

@@ -107,7 +107,10 @@ def test_micro_batches_match_full_batch(case, data):
         merged = {k: torch.cat([p[k] for p in parts], dim=0) for k in full}
     else:
         merged = tuple(torch.cat([p[j] for p in parts], dim=0) for j in range(len(full)))
-    torch.testing.assert_close(merged, full)
+    # Micro-batches sum in other orders (other kernels for other batch sizes): equal up to
+    # rounding, epsilons of the outputs' largest magnitude (generated models reach 1e12).
+    from fxpipe.testing import assert_same_up_to_rounding
+    assert_same_up_to_rounding(merged, full, what="merged micro-batches")
 
 
 @FAST

@@ -14,6 +14,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
+from fxpipe.testing import assert_same_up_to_rounding, grads_of
 from fxpipe.measure import Race
 
 
@@ -57,7 +58,7 @@ def test_a_pipeline_measured_slower_than_the_model_gives_way_to_the_model(
     assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.reason
     assert plan.chosen is plan.considered[-1]                        # the model as is
     assert any(c.config.num_stages == 2 for c in plan.considered)    # beside what was weighed
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
     assert "no pipeline is measured faster" in str(plan)
 
 
@@ -68,7 +69,7 @@ def test_a_pipeline_measured_faster_is_kept_and_says_so(model_predicted_slow, mo
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto")
     assert len(calls) == 1 and not pipe.plan.runs_as_is
     assert "measured 1.000 ms, the model 2.000 ms" in pipe.plan.reason
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
 
 
 def test_within_two_percent_the_model_as_is_wins(model_predicted_slow, monkeypatch):
@@ -115,7 +116,7 @@ def test_the_shortlist_races_the_next_best_predicted_and_keeps_the_one_measured_
         *(p.chosen.config for p in shortlist), plan.considered[-1].config]
     assert [s for _, _, s in plan.raced] == [0.004, 0.001, 0.003][:len(shortlist)] + [0.002]
     assert "raced ms" in str(plan) and "1.000" in str(plan)
-    torch.testing.assert_close(pipe(x), model(x))
+    assert_same_up_to_rounding(pipe(x), model(x))
 
 
 @pytest.mark.parametrize("pipeline_s, as_is", [(0.004, True), (0.001, False)])
@@ -132,9 +133,8 @@ def test_training_races_train_steps_and_keeps_the_faster(model_predicted_slow, m
     loss = pipe.train_step(x, target, torch.nn.functional.mse_loss)
     expected = torch.nn.functional.mse_loss(reference(x), target)
     expected.backward()
-    torch.testing.assert_close(loss, expected)
-    for p, q in zip(pipe.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_same_up_to_rounding(loss, expected)
+    assert_same_up_to_rounding(grads_of(pipe), grads_of(reference), what="gradient")
 
 
 def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time():

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
+from fxpipe.testing import assert_same_up_to_rounding, grads_of
 from fxpipe.runtime.workers import working
 from fxpipe.passes.randomness import microbatch_seeds
 
@@ -104,10 +105,9 @@ def test_each_window_equals_the_model_trained_on_the_same_windows(stages, window
     expected = trained_on_windows(reference, ref_opt, windows_of(items, window, partial))
     assert len(states) == len(expected) == (7 if window == 1 else 3 if partial == "train" else 2)
     for (loss, state), (ref_loss, ref_state) in zip(states, expected):
-        torch.testing.assert_close(loss, ref_loss)
-        torch.testing.assert_close(state, ref_state)
-    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+        assert_same_up_to_rounding(loss, ref_loss)
+        assert_same_up_to_rounding(state, ref_state)
+    assert_same_up_to_rounding(grads_of(pipe), grads_of(reference), what="gradient")
     assert not ours()
 
 
@@ -132,7 +132,7 @@ def test_any_stream_cut_into_windows_equals_the_model_trained_on_them(two_stages
     states = [(loss, state_of(pipe))
               for loss in pipe.stream_train(items, F.mse_loss, opt, window=window,
                                             partial=partial)]
-    torch.testing.assert_close(
+    assert_same_up_to_rounding(
         states, trained_on_windows(reference, ref_opt, windows_of(items, window, partial)))
 
 
@@ -142,7 +142,7 @@ def test_1f1b_windows_equal_the_model_trained_on_the_same_windows():
     torch.manual_seed(0)
     states = [state_of(pipe) for _ in pipe.stream_train(items, F.mse_loss, opt, window=4)]
     expected = trained_on_windows(reference, ref_opt, windows_of(items, 4, "train"))
-    torch.testing.assert_close(states, [state for _, state in expected])
+    assert_same_up_to_rounding(states, [state for _, state in expected])
 
 
 def test_items_may_be_tuples_or_dicts_of_the_models_inputs():
@@ -151,14 +151,14 @@ def test_items_may_be_tuples_or_dicts_of_the_models_inputs():
     torch.manual_seed(0)
     losses = list(pipe.stream_train([((x,), t), ({"x": y}, u)], F.mse_loss, opt, window=2))
     (expected, _), = trained_on_windows(reference, ref_opt, [[(x, t), (y, u)]])
-    torch.testing.assert_close(losses, [expected])
+    assert_same_up_to_rounding(losses, [expected])
 
 
 def test_an_empty_stream_trains_nothing():
     pipe, _, opt, _ = compiled(2)
     before = state_of(pipe)
     assert list(pipe.stream_train([], F.mse_loss, opt, window=3)) == []
-    torch.testing.assert_close(state_of(pipe), before)
+    assert_same_up_to_rounding(state_of(pipe), before)
 
 
 def grads_and_optimizer_state(pipe, opt):
@@ -180,7 +180,7 @@ def test_leaving_the_loop_stops_after_the_window_yielded():
     caught = grads_and_optimizer_state(pipe, opt)
     assert not ours()
     [(_, expected)] = trained_on_windows(reference, ref_opt, [items[:3]])
-    torch.testing.assert_close(state_of(pipe), expected)
+    assert_same_up_to_rounding(state_of(pipe), expected)
     assert_nothing_written_after(pipe, opt, caught)
 
 
@@ -199,7 +199,7 @@ def test_a_source_that_raises_trains_only_the_windows_it_completed():
             losses.append(loss)
     assert len(losses) == 1 and not ours()
     [(_, expected)] = trained_on_windows(reference, ref_opt, [items[:3]])
-    torch.testing.assert_close(state_of(pipe), expected)
+    assert_same_up_to_rounding(state_of(pipe), expected)
 
 
 def test_an_exception_in_the_consumers_loop_leaves_no_worker_and_writes_nothing():
@@ -230,7 +230,7 @@ def test_a_failing_item_names_its_stage_and_index_and_its_window_leaves_no_gradi
 def assert_weights_of_the_windows_yielded(pipe, expected):
     """The parameters are those after the windows yielded; buffers hold the forwards that ran
     in the failed window too (as after a failed train_step)."""
-    torch.testing.assert_close(dict(pipe.named_parameters()),
+    assert_same_up_to_rounding(dict(pipe.named_parameters()),
                                {name: expected[name] for name, _ in pipe.named_parameters()})
 
 

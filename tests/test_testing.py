@@ -53,3 +53,66 @@ def test_a_correct_pipeline_passes_with_gradients():
     pipe = assert_pipeline_matches(model, (torch.randn(6, 4),), devices=["cpu"] * 2,
                                    backward=True)
     assert pipe.plan.partition.num_stages == 2
+
+
+# ---- assert_same_up_to_rounding: rounding passes, a wrong gradient does not ------------------
+
+def amd_like_gradients():
+    """The gradients of tests/test_recompute.py's Chain after `out.sum().backward()` as an AMD
+    EPYC computed them on 2 stages and on 1: weights of up to 8, a bias right before a
+    BatchNorm (zero in exact arithmetic) of 7e-6 on one and 1.1e-5 more on the other."""
+    torch.manual_seed(0)
+    weight = torch.randn(32, 256) * 3
+    bias = torch.randn(32) * 3e-6
+    one = {"layers.5.weight": weight, "layers.5.bias": bias}
+    two = {"layers.5.weight": weight * (1 + 2 * torch.finfo(torch.float32).eps),
+           "layers.5.bias": bias + 1.1e-5}
+    return two, one
+
+
+def test_rounding_of_a_gradient_that_cancels_passes_where_a_fixed_atol_fails():
+    from fxpipe.testing import assert_same_up_to_rounding
+    two, one = amd_like_gradients()
+    assert_same_up_to_rounding(two, one)
+    with pytest.raises(AssertionError):           # what the test compared it with before
+        torch.testing.assert_close(two["layers.5.bias"], one["layers.5.bias"])
+
+
+@pytest.mark.parametrize("bug", ["a micro-batch lost", "1% off", "another parameter's",
+                                 "a bias of normal size"])
+def test_a_wrong_gradient_of_normal_size_fails(bug):
+    from fxpipe.testing import assert_same_up_to_rounding
+    two, one = amd_like_gradients()
+    weight = one["layers.5.weight"]
+    wrong = {"a micro-batch lost": {**two, "layers.5.weight": weight * 0.75},
+             "1% off": {**two, "layers.5.weight": weight * 1.01},
+             "another parameter's": {**two, "layers.5.weight": weight.flip(0)},
+             "a bias of normal size": {**two, "layers.5.bias": torch.full((32,), 0.01)}}[bug]
+    with pytest.raises(AssertionError, match=r"gradient 'layers\.5\.(weight|bias)' differs by"):
+        assert_same_up_to_rounding(wrong, one, what="gradient")
+
+
+def test_structure_nans_and_integers_are_compared_exactly():
+    from fxpipe.testing import assert_same_up_to_rounding
+    x = torch.tensor([1.0, float("nan"), float("inf")])
+    assert_same_up_to_rounding({"x": x, "n": torch.tensor(3)},
+                               {"x": x.clone(), "n": torch.tensor(3)})
+    for actual, expected, message in [
+            ({"x": x}, {"y": x}, "structure differs"),
+            (torch.tensor([1.0, 0.0, float("inf")]), x, "NaN in other places"),
+            (torch.tensor([1.0, float("nan"), -float("inf")]), x, "infinities"),
+            (torch.tensor(4), torch.tensor(3), "differs in 1 of 1"),
+            (torch.zeros(2), torch.zeros(3), "shape"),
+            ({"g": None}, {"g": torch.zeros(1)}, "NoneType instead of a Tensor")]:
+        with pytest.raises(AssertionError, match=message):
+            assert_same_up_to_rounding(actual, expected)
+
+
+def test_the_scale_is_the_whole_sets_or_the_one_given():
+    from fxpipe.testing import assert_same_up_to_rounding
+    small, big = torch.tensor([1e-3]), torch.tensor([100.0])
+    nudged = small + 1e-6                             # 1e-3 of the small, 1e-8 of the big
+    assert_same_up_to_rounding({"a": nudged, "b": big}, {"a": small, "b": big})
+    with pytest.raises(AssertionError):
+        assert_same_up_to_rounding(nudged, small)
+    assert_same_up_to_rounding(nudged, small, scale=100.0)

@@ -17,14 +17,14 @@ from .. import microbatch
 from ..api import compile
 from ..reference import run_per_microbatch
 from ..pipeline import Pipeline
-from ._rounding import assert_same_up_to_rounding
+from ._rounding import EPSILONS, assert_same_up_to_rounding
 
 
 def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
                             example_kwargs: Mapping[str, Any] | None = None, *,
                             devices: Sequence[str] = ("cpu", "cpu"), chunks: int | None = None,
                             backward: bool = False, rtol: float | None = None,
-                            atol: float | None = None, seed: int = 0,
+                            atol: float | None = None, epsilons: float = EPSILONS, seed: int = 0,
                             **compile_options: Any) -> Pipeline:
     """Compile `model` and assert the pipeline equals the model run once per micro-batch.
 
@@ -36,8 +36,8 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
     of their outputs and every parameter's gradient is compared. On a mismatch the message
     names the first stage whose outputs differ from the model's values for the same nodes.
     Values are compared as rounding allows (`assert_same_up_to_rounding`: the outputs, the
-    buffers, all the gradients, each set within epsilons of its own largest magnitude), or with
-    `rtol` or `atol`, by `torch.testing.assert_close` with them, element by element.
+    buffers, all the gradients, each set within `epsilons` of its own largest magnitude), or
+    with `rtol` or `atol`, by `torch.testing.assert_close` with them, element by element.
     A model whose forward takes `use_cache` runs with `use_cache=False`, as the pipeline does.
     Returns the pipeline; the model's buffers are left as the pipeline's call left them.
 
@@ -54,7 +54,8 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
                                               compile_options, len(devices))]
     pipe = compile(model, devices, example_inputs, example_kwargs, chunks=chunks,
                    verify=False, **compile_options)
-    tolerance = None if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    tolerance = ({"epsilons": epsilons} if rtol is None and atol is None else
+                 {"rtol": rtol, "atol": atol})
     params = {name: p for name, p in pipe.named_parameters() if p.requires_grad}
     before = _buffers(model)
 
@@ -108,13 +109,13 @@ def _grads(outputs: Any, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
 
 
-def _assert_trees_close(actual: Any, expected: Any, tolerance: dict | None, what: str) -> None:
+def _assert_trees_close(actual: Any, expected: Any, tolerance: dict, what: str) -> None:
     """Every leaf of `actual` close to `expected`'s: as rounding allows, the whole tree one set
-    (`assert_same_up_to_rounding`) where `tolerance` is None, else by
+    (`assert_same_up_to_rounding`) where `tolerance` gives `epsilons`, else by
     torch.testing.assert_close with it (or == for a non-tensor); containers as
     `fxpipe.passes.compare` judges them, by their keys."""
-    if tolerance is None:
-        assert_same_up_to_rounding(actual, expected, what=what)
+    if "epsilons" in tolerance:
+        assert_same_up_to_rounding(actual, expected, what=what, **tolerance)
         return
     assert same_structure(actual, expected), (
         f"{what} structure differs: pipeline gives {pytree.tree_structure(actual)}, model gives "
@@ -128,8 +129,7 @@ def _assert_trees_close(actual: Any, expected: Any, tolerance: dict | None, what
             assert equal(a, e), f"{where} differs: {a!r} != {e!r}"
 
 
-def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict,
-                           tolerance: dict | None) -> str:
+def _first_differing_stage(pipe: Pipeline, args: tuple, kwargs: dict, tolerance: dict) -> str:
     """Run the whole graph and the stages one after the other; name the first that disagrees."""
     from fxpipe.passes.annotate_costs import bind_inputs
 

@@ -77,10 +77,6 @@ def assert_same_up_to_rounding(actual: Any, expected: Any, *, epsilons: float = 
                 - e[finite].to(torch.complex128 if e.is_complex() else torch.float64)
                 ).abs().max().item()
         allowed = epsilons * torch.finfo(e.dtype).eps * scale
-        import os as _os  # TEMPORARY-CALIBRATION
-        if _os.environ.get("ROUNDING_LOG"):  # TEMPORARY-CALIBRATION
-            with open(_os.environ["ROUNDING_LOG"], "a") as _f:  # TEMPORARY-CALIBRATION
-                _f.write(f"{diff / (torch.finfo(e.dtype).eps * scale) if scale else 0:.3f} {_os.environ.get('PYTEST_CURRENT_TEST', '')} {name}\n")  # TEMPORARY-CALIBRATION
         if diff > allowed:
             where = ((a.double() - e.double()).abs().nan_to_num(0.0).argmax().item()
                      if not e.is_complex() else 0)
