@@ -27,8 +27,8 @@ from fxpipe.passes.device import same_memory
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
 from fxpipe.passes.functionalize import RUN_FAILED, functionalize
 from fxpipe.passes.graph_values import tensors
-from fxpipe.passes.materialize import (Materialize, Tiled, holds_meta, release_freed_memory,
-                                       unfilled)
+from fxpipe.passes.materialize import (Materialize, Tiled, blockless, holds_meta,
+                                       release_freed_memory, unfilled)
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.randomness import seed_random_ops
 from fxpipe.passes.recompute import checkpoint_regions
@@ -128,9 +128,12 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
     after (`fxpipe.passes.materialize`), and the check runs module by module
     (`fxpipe.checks.streamed`). `weights` says where those values come from: None (the values
     the model initialises, `fxpipe.weights.Init(model, seed=0)`) or what
-    `fxpipe.weights.open_weights` takes (a checkpoint path, a state_dict, a `Weights`). The
-    plan's stages hold meta tensors: give them weights before a Pipeline runs them. A model
-    that holds its values refuses `weights`.
+    `fxpipe.weights.open_weights` takes (a checkpoint path, a state_dict, a `Weights`). A
+    tensor that none of the model's init rules writes (a norm holding `torch.ones(d)` without
+    `reset_parameters()`), and that no checkpoint given holds, is timed and checked on a
+    stand-in (`fxpipe.weights.stand_in_`), named in `Plan.stand_ins`. The plan's stages hold
+    meta tensors: give them weights before a Pipeline runs them. A model that holds its values
+    refuses `weights`.
     """
     options = Options(devices, chunks=chunks, capture=capture, leaf_modules=leaf_modules,
                       concrete_args=concrete_args, num_stages=num_stages, schedule=schedule,
@@ -198,6 +201,8 @@ class Recipe:
     # None for a model that holds its own.
     weights: Any = None
     tiled: Tiled | None = field(default=None, repr=False)    # `plausible`, once made
+    # What computes the tensors no checkpoint holds (non-persistent buffers), once made.
+    computed: Init | None = field(default=None, repr=False)
 
     @property
     def plausible(self) -> Materialize | None:
@@ -225,7 +230,11 @@ class Recipe:
             first.setdefault(id(t), name)
         stored = set(self.model.state_dict(keep_vars=True))
         weights = self.weights
-        computed = weights if isinstance(weights, Init) else Init(self.model, seed=0)
+        if isinstance(weights, Init):
+            self.computed = weights
+        elif self.computed is None:
+            self.computed = Init(self.model, seed=0, stand_ins=True)
+        computed = self.computed
 
         def read(like: Mapping[str, torch.Tensor], device: torch.device
                  ) -> dict[str, torch.Tensor]:
@@ -237,6 +246,27 @@ class Recipe:
                     values.update(source.read({n: asked[n] for n in names}, device))
             return {name: values[first.get(id(t), name)] for name, t in like.items()}
         return read
+
+    def stand_ins(self) -> tuple[str, ...]:
+        """The model's meta tensors (by its first name for each) timed or checked on stand-in
+        values so far (`fxpipe.weights.stand_in_`: no rule of the model's initialisation writes
+        them): those drawn so, and those of the same role (the name without block numbers,
+        shape and dtype), which timing's `Tiled` values repeat."""
+        drawn = {name for init in (self.weights, self.computed) if isinstance(init, Init)
+                 for name in init.stood_in}
+        if not drawn:
+            return ()
+        first: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, t in [*self.model.named_parameters(remove_duplicate=False),
+                        *self.model.named_buffers(remove_duplicate=False)]:
+            if t.is_meta:
+                first.setdefault(id(t), (name, t))
+        tensors = dict(first.values())
+
+        def role(name: str) -> tuple:
+            return blockless(name), tuple(tensors[name].shape), tensors[name].dtype
+        roles = {role(name) for name in drawn if name in tensors}
+        return tuple(name for name in tensors if name in drawn or role(name) in roles)
 
     @staticmethod
     def of(model: nn.Module, example_inputs: tuple | Any, example_kwargs: Mapping[str, Any] | None,
@@ -272,7 +302,8 @@ class Recipe:
         o = self.options
         gm = trace(model, copied(self.args), copied(self.kwargs), batch_dims=self.input_dims,
                    capture=o.capture, leaf_modules=o.leaf_modules, concrete_args=o.concrete_args,
-                   stages=o.stages_asked)     # a graph fine enough for the stages
+                   stages=o.stages_asked,     # a graph fine enough for the stages
+                   device_type=torch.device(o.devices[0].name).type)   # a meta model's fakes
         self.traced_code[model.training] = gm.code
         return gm
 
@@ -316,7 +347,9 @@ def _weights_of(model: nn.Module, spec: Any) -> Any:
                 "or build it under torch.device('meta') to plan it without holding it")
         return None
     weights = Init(model, seed=0) if spec is None else open_weights(spec)
-    return weights.bind(model) if isinstance(weights, Init) and weights.model is None else weights
+    # Planning never needs an init rule: a tensor none writes is timed and checked on a
+    # stand-in (the plan names it); only running the plan needs its values.
+    return weights.for_planning(model) if isinstance(weights, Init) else weights
 
 
 def _functionalize(gm: fx.GraphModule, recipe: Recipe, args: tuple, kwargs: dict) -> None:
@@ -399,7 +432,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                                                    config.num_stages > 1],
                      spread=measurement_spread(gm), link=o.link_name, graph=gm,
                      link_fn=recipe.link,
-                     weights=recipe.weights.where if materialize else None)
+                     weights=recipe.weights.where if materialize else None,
+                     stand_ins=recipe.stand_ins() if materialize else ())
     verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
            o.verify_tolerance)
     # The model as is runs the model's own ops, so it takes the model's time.

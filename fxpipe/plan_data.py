@@ -85,6 +85,10 @@ class Plan:
     # A plan of a model built on the meta device: where the values it was measured and checked
     # on came from (`Weights.where`); its stages hold meta tensors. None for a model's own.
     weights: str | None = None
+    # The tensors of such a plan timed and checked on stand-in values (no rule of the model's
+    # initialisation writes them, `fxpipe.weights.stand_in_`), by the model's names: running
+    # the plan needs their values from a checkpoint.
+    stand_ins: tuple[str, ...] = ()
     planning_peak_rss_bytes: int | None = None    # the planning process's peak resident memory
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.

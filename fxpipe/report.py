@@ -6,10 +6,13 @@ before were pickled under, so those still load.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from tabulate import tabulate
 
 from fxpipe.passes.annotate_costs import UNSTEADY
 from fxpipe.passes.cost_model import format_bytes
+from fxpipe.passes.materialize import blockless
 
 from .plan_data import Measurement, Plan  # noqa: F401 (Measurement: saved plans' pickles)
 from .search import in_flight, notes
@@ -53,6 +56,7 @@ def describe(plan: Plan) -> str:
         *_sources(plan),
         *_activations(plan),
         *_comparison(plan),
+        *_stand_ins(plan),
         *_choice(plan),
         f"outputs checked against the model: {plan.verified}",
     ])
@@ -159,6 +163,24 @@ def _comparison(plan: Plan) -> list[str]:
                      "let the plan choose (num_stages='auto', chunks='auto'), or run the "
                      "model without fxpipe")
     return lines
+
+
+def _stand_ins(plan: Plan) -> list[str]:
+    """One line naming the tensors timed (and checked) on stand-in values, by role: each
+    name with its block numbers starred, and how many tensors it covers."""
+    if not plan.stand_ins:
+        return []
+    roles = Counter(blockless(name) for name in plan.stand_ins)
+    shown = [f"{role} ({_count(n, 'tensor')})" if n > 1 else role
+             for role, n in list(roles.items())[:STAND_INS_SHOWN]]
+    more = len(roles) - len(shown)
+    checked = "timed and checked" if plan.verified.startswith("yes") else "timed"
+    return [f"{checked} on stand-in values (no rule of the model's initialisation writes them; "
+            f"a pipeline needs them from a checkpoint): {', '.join(shown)}"
+            f"{f' and {more} more' if more else ''}"]
+
+
+STAND_INS_SHOWN = 6
 
 
 def _choice(plan: Plan) -> list[str]:

@@ -382,7 +382,7 @@ def _description(plan: Plan) -> dict[str, Any]:
                       "method": str(part.method or ""),
                       "stages": [dataclasses.asdict(c) for c in part.stages]},
         "predicted_step_s": plan.predicted_step_s, "unpipelined_s": plan.unpipelined_s,
-        "weights_source": plan.weights,
+        "weights_source": plan.weights, "stand_ins": list(plan.stand_ins),
         "planning_peak_rss_bytes": plan.planning_peak_rss_bytes,
         "stages": [{"index": s.index, "device": str(s.device), "inputs": list(s.inputs),
                     "outputs": list(s.outputs)} for s in plan.stages],

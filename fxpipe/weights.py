@@ -10,7 +10,8 @@ share one tensor in `like` (a tied output layer) give one tensor, found under wh
 the checkpoint stores. A missing tensor, another shape or dtype is a `PlanFileError` naming the
 tensor and the file; a dtype is cast only when the weights were opened with `cast=True`.
 
-`Init` draws values instead, as the model initialises them, module by module.
+`Init` draws values instead, as the model initialises them, module by module; planning's
+`Init(..., stand_ins=True)` gives a tensor no rule writes plausible values (`stand_in_`).
 """
 
 from __future__ import annotations
@@ -321,18 +322,34 @@ class Init(Weights):
     `torch.manual_seed(seed); build()` on CPU, bit for bit. Cost: the whole model built once in
     CPU memory per process (each rank under torchrun), then each asked tensor copied to its
     device.
+
+    With `stand_ins=True` (what planning uses: timing and the streamed check need plausible
+    values, the same on both sides, not the model's), a tensor that no rule writes is not
+    refused: it gets a stand-in (`stand_in_`), drawn after the module's rules under the same
+    seed, so every read of it gives the same values; its name is added to `stood_in`.
     """
 
     where = "Init (the model's own initialisation)"
 
     def __init__(self, model: nn.Module | None = None, seed: int = 0, *,
-                 build: Callable[[], nn.Module] | None = None, exact: bool = False):
+                 build: Callable[[], nn.Module] | None = None, exact: bool = False,
+                 stand_ins: bool = False):
         if exact and build is None:
             raise PlanFileError("Init(exact=True) builds the model on CPU: give the function "
                                 "that builds it, Init(build=lambda: MyModel(config), "
                                 "exact=True)")
         self.model, self.seed, self.build, self.exact = model, seed, build, exact
+        self.stand_ins = stand_ins
+        self.stood_in: set[str] = set()     # the names given stand-ins so far
         self._built: _StateDict | None = None       # exact mode: the model built on CPU
+
+    def for_planning(self, model: nn.Module) -> Init:
+        """A copy drawing the same values (bound to `model` where it has no structure yet) that
+        gives stand-ins where no rule writes a tensor, with a record of its own."""
+        planning = copy.copy(self)
+        planning.model = self.model if self.model is not None else model
+        planning.stand_ins, planning.stood_in = True, set()
+        return planning
 
     def bind(self, model: nn.Module) -> Init:
         """Give the model's structure (its modules and tied tensors) to draw from; returns self."""
@@ -380,13 +397,18 @@ class Init(Weights):
         with _seeded(_module_seed(self.seed, path), device):
             for rule in rules:
                 rule()
-        after = {**fresh._parameters, **fresh._buffers}
-        for name, t in own.items():
-            if after[name] is t and t._version == versions[name]:
-                raise PlanFileError(
-                    f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule to "
-                    f"initialise it: its module's rules left it unwritten. Fix: load it from a "
-                    f"checkpoint, or use Init(build=..., exact=True), which builds the model")
+            after = {**fresh._parameters, **fresh._buffers}
+            for name, t in own.items():
+                if after[name] is not t or t._version != versions[name]:
+                    continue
+                if not self.stand_ins:
+                    raise PlanFileError(
+                        f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule "
+                        f"to initialise it: its module's rules left it unwritten. Fix: load it "
+                        f"from a checkpoint, write it in the module's reset_parameters(), or "
+                        f"use Init(build=..., exact=True), which builds the model")
+                stand_in_(t, name)
+                self.stood_in.add(_join(path, name))
         return {name: t.detach() if isinstance(t, nn.Parameter) else t
                 for name, t in after.items() if t is not None}
 
@@ -408,7 +430,7 @@ class Init(Weights):
                 rules.append(_reset_rule(inner))
         if callable(getattr(model, "_init_weights", None)):      # a Hugging Face PreTrainedModel
             rules.append(lambda: model._init_weights(fresh))
-        if not rules:
+        if not rules and not self.stand_ins:
             raise PlanFileError(
                 f"module {path or '(the model)'!r} ({type(fresh).__name__}) holds tensors "
                 f"({', '.join(_join(path, n) for n in (*fresh._parameters, *fresh._buffers))}) "
@@ -458,6 +480,28 @@ def _with_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor
                       None if child is None else _with_tensors(child, _on_meta)
                       for name, child in module._modules.items()}
     return fresh
+
+
+# 1-D tensors named so hold offsets (near zero); other 1-D ones scales (near one)
+_OFFSETS = ("bias", "beta", "shift", "offset")
+
+
+def stand_in_(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Fill `tensor` (a module's own, called `name` there) with plausible values of its shape
+    and dtype, for a tensor no rule initialises, and return it: integers and booleans zero
+    (a valid index); a 0-D or 1-D float named as an offset (`bias`, `beta`, `shift`,
+    `offset`) zero, any other (a norm's `weight`, a `scale`, a `gamma`) one; a float of 2-D
+    and more drawn from normal(0, 1/sqrt(fan_in)), fan_in the elements of one slice along
+    dimension 0 (a Linear's in_features, a conv's in_channels times its kernel), so a
+    product keeps its inputs' scale. Draws from the current generators."""
+    with torch.no_grad():
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            tensor.zero_()
+        elif tensor.dim() <= 1:
+            tensor.fill_(0 if any(word in name.lower() for word in _OFFSETS) else 1)
+        elif tensor.numel():
+            tensor.normal_(0, tensor[0].numel() ** -0.5)
+    return tensor
 
 
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:

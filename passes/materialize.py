@@ -87,7 +87,13 @@ class Tiled:
     def _role(name: str, t: torch.Tensor, device: torch.device) -> tuple | None:
         if not (isinstance(t, nn.Parameter) and t.is_floating_point()):
             return None
-        return re.sub(r"\.\d+(?=\.|$)", ".*", name), tuple(t.shape), t.dtype, torch.device(device)
+        return blockless(name), tuple(t.shape), t.dtype, torch.device(device)
+
+
+def blockless(name: str) -> str:
+    """A tensor's name with its block numbers starred, its role in a repeated block:
+    `model.layers.3.mlp.up_proj.weight` -> `model.layers.*.mlp.up_proj.weight`."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 def unfilled(read: Materialize) -> Materialize:

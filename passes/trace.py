@@ -95,6 +95,9 @@ class Capture:
     coarse to balance the stages asked (see `trace`); the plan prints it.
 
     `uncached` is True when the model was captured with `use_cache=False` (see `without_cache`).
+
+    `fake` is the device type of the fake tensors a model on meta was exported on, where meta
+    alone failed or hid an autocast region (see `_export_or_raise`); None otherwise.
     """
 
     method: str
@@ -103,6 +106,7 @@ class Capture:
     training: bool | None = None
     reason: str = field(default="", compare=False)
     uncached: bool = False
+    fake: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         text = self.method
@@ -110,6 +114,8 @@ class Capture:
             text += f" in {'train' if self.training else 'eval'} mode"
         if self.uncached:
             text += " without the key/value cache (use_cache=False)"
+        if self.fake:
+            text += f" on fake {self.fake} tensors"
         if self.leaves:
             text += f" (kept whole: {', '.join(self.leaves)})"
         if self.reason:
@@ -120,7 +126,7 @@ class Capture:
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[str, Any] | None = None,
           *, capture: CaptureMode = "auto", leaf_modules: Iterable[str | type] = (),
           concrete_args: Mapping[str, Any] | None = None, batch_dims: Any = 0,
-          stages: int = 1) -> fx.GraphModule:
+          stages: int = 1, device_type: str | None = None) -> fx.GraphModule:
     """Capture `model` as a GraphModule whose forward takes the same inputs as `model`'s.
 
     `capture` picks the front-ends: "auto" tries fx, fx+leaves, then export; "fx" only fx; "export"
@@ -135,6 +141,11 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     holding most of the parameters) gives way to export, which records that module op by op;
     when export fails, the fx graph stays. `Capture.reason` says which and why. The default,
     1, never finds a graph too coarse.
+
+    `device_type` is the kind of device the graph will run on ("cpu", "cuda"; by default the
+    example inputs'): a model on meta whose export on meta fails, or keeps an enabled autocast
+    region of that kind (meta tensors do not autocast, so dtypes read in forward are not the
+    run's), is exported again on fake tensors of that kind (`_on_fake_tensors`).
     """
     if capture not in CAPTURE_MODES:
         raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
@@ -183,11 +194,12 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
             "whole so their hooks run on every micro-batch; or remove the hooks before compiling")
     elif capture in ("auto", "export"):
         gm, failure = _without_side_effects(
-            model, example, _export, model, example_inputs, example_kwargs, batch_dims)
+            model, example, _export, model, example_inputs, example_kwargs, batch_dims,
+            device_type)
         if gm is not None:
             gm.meta["capture"] = Capture("export", (), tuple(failures), training=model.training,
                                          reason=why_coarse or _because(failures),
-                                         uncached=uncached)
+                                         uncached=uncached, fake=gm.meta.pop("fake", None))
             if uncached:   # the pipeline's callers leave it out, as the model's do
                 signature = gm.meta["signature"]
                 gm.meta["signature"] = replace(signature,
@@ -342,16 +354,22 @@ _GRAD_ENTERS = frozenset(vars(cls)["__enter__"].__code__ for cls in _GRAD_MODES)
 _GRAD_EXITS = frozenset(vars(cls)["__exit__"].__code__ for cls in _GRAD_MODES)
 
 
+_AUTOCAST_ENTER = torch.amp.autocast_mode.autocast.__enter__.__code__
+
+
 class _GradContexts:
     """While active, `depth` counts the grad-mode context managers (`with torch.no_grad():`, and
     the decorator forms) this thread is inside: it watches their `__enter__` and `__exit__` with a
-    profile hook, which sees only this thread's calls."""
+    profile hook, which sees only this thread's calls. `autocast` is where forward first entered
+    an enabled `torch.autocast` (the user's line), which fx cannot record; None if it never did
+    (a disabled one, `enabled=False` or of a device this machine lacks, changes nothing)."""
 
     def __init__(self):
         self.depth = 0
+        self.autocast: str | None = None
 
     def __enter__(self) -> "_GradContexts":
-        self.depth, self.previous = 0, sys.getprofile()
+        self.depth, self.autocast, self.previous = 0, None, sys.getprofile()
         sys.setprofile(self._watch)
         return self
 
@@ -363,6 +381,11 @@ class _GradContexts:
             self.depth += 1
         elif event == "return" and frame.f_code in _GRAD_EXITS:
             self.depth = max(0, self.depth - 1)
+        elif event == "call" and frame.f_code is _AUTOCAST_ENTER and self.autocast is None \
+                and getattr(frame.f_locals.get("self"), "_enabled", False):
+            where = user_frame()
+            self.autocast = describe_frame(where, "", one_line=True) if where else \
+                "in a torch module"
 
 
 def _fx_forward(forward):
@@ -421,6 +444,12 @@ def _fx_trace_or_raise(model, leaves, concrete, args, kwargs) -> fx.GraphModule:
             if (node.args and name != node.target and name in concrete
                     and not isinstance(concrete[name], (tuple, list, dict))):
                 node.args = (concrete[name],)
+        if tracer.grad_contexts.autocast is not None:
+            raise _TraceFailure(
+                f"forward runs ops under torch.autocast ({tracer.grad_contexts.autocast}), "
+                f"which torch.fx does not record: the graph would compute them in their own "
+                f"dtypes. torch.export keeps autocast regions (capture='export' or 'auto')",
+                None)
         gm = plain_varargs(fx.GraphModule(tracer.root, graph, type(model).__name__))
         _keep_non_persistent(model, gm)
     out_spec = None
@@ -449,40 +478,58 @@ def _fx_trace_with_auto_leaves(model, leaves, concrete, args, kwargs):
     return None, auto, error
 
 
-def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], batch_dims: Any = 0):
+def _export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], batch_dims: Any = 0,
+            device_type: str | None = None):
     try:
-        return _export_or_raise(model, args, kwargs, batch_dims), None
+        return _export_or_raise(model, args, kwargs, batch_dims, device_type), None
     except _TraceFailure as failure:
         return None, failure
 
 
 def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
-                     batch_dims: Any = 0) -> fx.GraphModule:
+                     batch_dims: Any = 0, device_type: str | None = None) -> fx.GraphModule:
+    """`model` exported (see the module docstring). A model on meta is exported on inputs on
+    meta (no op may meet two devices), its ops then naming the inputs' device again; where that
+    fails, or the graph keeps an enabled autocast region of `device_type` (meta tensors do not
+    autocast: a dtype forward reads there, baked into the graph, would not be the run's), it is
+    exported again on fake tensors of `device_type` (`_on_fake_tensors`)."""
     if not args and not kwargs:
         raise _TraceFailure("torch.export needs example inputs: pass example_inputs or "
                             "example_kwargs", None)
-    inference, fixes = _InferenceModeWatch(), _SizeFixes()
+    inputs_device = next((t.device for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device_type = device_type or inputs_device.type
     on_meta = holds_meta(model)
-    # A model on meta is captured from inputs on meta too (no op may meet two devices); its ops
-    # then name the inputs' device again, below.
-    given = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v,
-                            (tuple(args), dict(kwargs))) if on_meta else (tuple(args), dict(kwargs))
     try:
-        with _quiet(), inference, fixes, attributes_restored(model):   # nothing export left there
-            program = torch.export.export(model, *given, strict=False,
-                                          dynamic_shapes=_free_sizes(model, *given,
-                                                                     batch_dims))
-    except Exception as e:  # export raises many kinds; each becomes a reported failure
-        raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
+        program, inference, fixes = _exported(model, args, kwargs, batch_dims,
+                                              "meta" if on_meta else None)
+        on_fake = on_meta and device_type in _autocast_regions(program.graph_module)
+    except _TraceFailure as failure:
+        if not on_meta:
+            raise
+        try:
+            program, inference, fixes = _exported(model, args, kwargs, batch_dims, device_type)
+        except _TraceFailure:
+            raise failure from None     # the model's own failure, as meta showed it
+        on_fake = True
+    else:
+        if on_fake:     # where fake tensors fail, the graph exported on meta stays (checked)
+            try:
+                program, inference, fixes = _exported(model, args, kwargs, batch_dims,
+                                                      device_type)
+            except _TraceFailure:
+                on_fake = False
     if inference.site is not None:
         raise _TraceFailure(
             f"forward runs ops in torch.inference_mode() ({inference.site}), which torch.export "
             f"leaves out of the graph: those ops would get gradients. Use torch.no_grad() there, "
             f"which the graph keeps", None)
     gm = _readable(program.module(), type(model).__name__)
+    if on_fake:
+        _model_tensors(gm, model)
+        gm.meta["fake"] = device_type
     if on_meta:
-        place(gm, next((t.device for t in pytree.tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor)), torch.device("cpu")))
+        place(gm, inputs_device)
         mismatch = ""       # no values to compare: compile's check runs it streamed
     else:
         mismatch, _ = _mismatch(model, gm, args, kwargs)
@@ -493,6 +540,105 @@ def _export_or_raise(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     gm.meta["signature"] = replace(signature, size_rules=_size_rules(program, sources),
                                    fixed_at=fixes.placeholder_dims(program, sources))
     return gm
+
+
+def _exported(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], batch_dims: Any,
+              device: str | None) -> tuple[torch.export.ExportedProgram, "_InferenceModeWatch",
+                                           "_SizeFixes"]:
+    """torch.export on the model as it is (`device` None), on inputs on meta ("meta"), or on
+    fake tensors of the device type `device` (the model's meta tensors and the inputs); the
+    watches it ran under."""
+    inference, fixes = _InferenceModeWatch(), _SizeFixes()
+    given = (tuple(args), dict(kwargs))
+    fake = contextlib.nullcontext(given) if device is None else \
+        _on_meta_inputs(given) if device == "meta" else _on_fake_tensors(model, given, device)
+    try:
+        with _quiet(), attributes_restored(model), fake as given:   # nothing export left there
+            with inference, fixes:
+                program = torch.export.export(model, *given, strict=False,
+                                              dynamic_shapes=_free_sizes(model, *given,
+                                                                         batch_dims))
+    except Exception as e:  # export raises many kinds; each becomes a reported failure
+        raise _TraceFailure(_describe(e, model), _culprit(e, model)) from e
+    return program, inference, fixes
+
+
+@contextlib.contextmanager
+def _on_meta_inputs(given: tuple[tuple, dict]) -> Iterator[tuple[tuple, dict]]:
+    yield pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, given)
+
+
+@contextlib.contextmanager
+def _on_fake_tensors(model: nn.Module, given: tuple[tuple, dict], device_type: str
+                     ) -> Iterator[tuple[tuple, dict]]:
+    """While open, the model's meta tensors (parameters, buffers, plain tensor attributes) are
+    fake tensors of `device_type` (one per tensor: tied ones stay tied), restored on exit;
+    yields the inputs on that device type (copies of the example's where it is elsewhere:
+    export makes its own fake tensors of them, in the fake mode it leaves sizes free in). No
+    weight is allocated: a fake tensor has a device, a shape and a dtype, and ops on it run
+    their meta kernels, but autocast and code asking for the device see `device_type`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(device_type)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            with mode:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            fakes[id(t)] = nn.Parameter(fake, t.requires_grad) \
+                if isinstance(t, nn.Parameter) else fake
+        return fakes[id(t)]
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers, vars(module)):
+                for name, t in list(table.items()):
+                    if isinstance(t, torch.Tensor) and t.is_meta:
+                        swapped.append((table, name, t))
+                        table[name] = fake_of(t)
+        yield pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and
+                              v.device.type != device.type else v, given)
+    finally:
+        for table, name, t in reversed(swapped):
+            table[name] = t
+
+
+def _model_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Put in `gm` (exported on fake tensors) the model's own tensors under the same names,
+    as an export on meta holds them (the model's objects: tied ones stay one); a tensor the
+    model does not hold there becomes a meta tensor of its shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for path, owner in gm.named_modules():
+        try:
+            source = model.get_submodule(path)
+        except AttributeError:
+            source = None
+        for table in (owner._parameters, owner._buffers, vars(owner)):
+            for name, t in list(table.items()):
+                if not isinstance(t, FakeTensor) and not (
+                        isinstance(t, nn.Parameter) and isinstance(t.data, FakeTensor)):
+                    continue
+                theirs = None if source is None else (
+                    source._parameters.get(name) if name in source._parameters else
+                    source._buffers.get(name) if name in source._buffers else
+                    vars(source).get(name))
+                if not isinstance(theirs, torch.Tensor) or theirs.shape != t.shape:
+                    theirs = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    if table is owner._parameters:
+                        theirs = nn.Parameter(theirs, t.requires_grad)
+                table[name] = theirs
+
+
+def _autocast_regions(gm: fx.GraphModule) -> set[str]:
+    """The device types of the enabled autocast regions an export graph keeps (nested ones
+    too, in the bodies of higher-order ops)."""
+    from torch._higher_order_ops.wrap import wrap_with_autocast
+
+    return {n.args[0] for module in gm.modules() if isinstance(module, fx.GraphModule)
+            for n in module.graph.nodes if n.target is wrap_with_autocast and n.args[2]}
 
 
 class _InferenceModeWatch(TorchFunctionMode):
