@@ -163,7 +163,7 @@ def test_the_workers_abort_and_wait_for_their_jobs_when_the_callers_block_raises
         stop.wait()
 
     with pytest.raises(KeyError):
-        with workers.run(work, stop.set):
+        with workers.run(work, lambda error: stop.set()):
             raise KeyError("the driver failed")
 
     assert stop.is_set() and len(ran) == 3 and set(ran) == set(workers.threads)

@@ -134,7 +134,7 @@ class Runtime:
         self.workers = Workers([_setup(s.device, t) for s, t in zip(self.stages, self.threads)])
         # Dropped without `close()`: the workers end as the runtime is collected (they hold no
         # reference to it).
-        weakref.finalize(self, self.workers.close)
+        weakref.finalize(self, self.workers.close, wait=False)
 
     def close(self) -> None:
         """End the stage workers; a later run raises `PipelineClosedError`."""
@@ -208,9 +208,16 @@ class _Rows:
         for executor in self.executors:    # the caller's latest work on inputs and parameters
             executor.wait_for_caller()
         self.started(record)
+
+        def stop(error: BaseException) -> None:
+            """The caller's thread raised (Ctrl-C, a failing source, a stage's abort): recorded
+            at once, before the workers are waited for, and the run aborted."""
+            if not (isinstance(error, GeneratorExit) or self.errors and isinstance(error, Aborted)):
+                record.error = f"{type(error).__name__} in the caller's thread"
+            self.abort()
         try:
             with contextlib.nullcontext() if work is None else \
-                    self.rt.workers.run(work, self.abort) as jobs:
+                    self.rt.workers.run(work, stop) as jobs:
                 yield jobs
         except GeneratorExit:      # a stream's consumer stopped early: the workers are at rest
             raise

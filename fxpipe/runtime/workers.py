@@ -133,9 +133,10 @@ class Workers:
         return [t.thread for t in self._threads]
 
     @contextlib.contextmanager
-    def run(self, work: Callable[[int], None], abort: Callable[[], None]) -> Iterator[Jobs]:
-        """Hand `work(i)` to every worker i; if the caller's block raises, `abort` the run;
-        wait for every job to end, always."""
+    def run(self, work: Callable[[int], None], abort: Callable[[BaseException], None]
+            ) -> Iterator[Jobs]:
+        """Hand `work(i)` to every worker i; if the caller's block raises, `abort(error)` the
+        run; wait for every job to end, always."""
         if self.closed:
             raise PipelineClosedError("this pipeline was closed: its stage workers are gone. "
                                       "Compile (or load) it again to run it")
@@ -148,8 +149,8 @@ class Workers:
             for thread, job in zip(threads, jobs.jobs):
                 thread.jobs.put(job)
             yield jobs
-        except BaseException:
-            abort()
+        except BaseException as e:
+            abort(e)
             raise
         finally:
             try:
@@ -169,14 +170,16 @@ class Workers:
     def _start(self) -> list[_Thread]:
         return [_Thread(f"{self.name}-{i}", setup) for i, setup in enumerate(self.setups)]
 
-    def close(self) -> None:
-        """End every worker once its job is done (within `CLOSE_S` each when parked); later
-        runs are refused."""
+    def close(self, wait: bool = True) -> None:
+        """End every worker once its job is done; later runs are refused. With `wait`, wait
+        for each to end (within `CLOSE_S` each when parked); without, as a finalizer must (it
+        runs wherever a garbage collection starts, the caller's thread mid-call included), only
+        tell them to."""
         self.closed = True
         threads, self._threads = self._threads, []
         for thread in threads:
             thread.stop()
-        if os.getpid() != self._pid:
+        if not wait or os.getpid() != self._pid:
             return
         for thread in threads:
             if thread.thread is not threading.current_thread():
