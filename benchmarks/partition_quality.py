@@ -36,7 +36,7 @@ from examples.zoo import ZOO, build
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.cost_model import CostGraph, DeviceSpec, cost_graph
 from fxpipe.passes.partition import evaluate, partition
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 PEERS = ("nodes", "params", "time")
 

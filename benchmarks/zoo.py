@@ -48,7 +48,7 @@ def row(name: str, model, args: tuple, kwargs: dict, options: argparse.Namespace
     plan = pipe.plan.partition
     capture = pipe.plan.capture
     ops = sum(n.op not in ("placeholder", "output", "get_attr") for n in pipe.module.graph.nodes)
-    return [name, ops, capture.method + (f" ({', '.join(capture.leaves)})" if capture.leaves else ""),
+    return [name, ops, str(capture.method) + (f" ({', '.join(capture.leaves)})" if capture.leaves else ""),
             plan.num_stages, f"{plan.bottleneck_s / plan.lower_bound_s:.2f}",
             sum(s.sent_bytes for s in plan.stages), f"{compile_s:.1f}",
             f"yes ({difference:.0e})" if difference < 1e-3 else f"NO ({difference:.0e})"]

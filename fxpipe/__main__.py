@@ -2,29 +2,44 @@
 
     python -m fxpipe plan torchvision.models:resnet50 --devices cpu,cpu --input 8x3x224x224
     python -m fxpipe plan mypkg.nets:Net --kwargs '{"width": 64}' --input 16x32 --save plans/net
+    python -m fxpipe plan transformers:AutoModelForCausalLM --config llama/config.json --meta \
+        --tokens 1x512 --dtype bf16 --devices cuda:0=80GB,cuda:1=80GB --save plans/llama
     python -m fxpipe explain mypkg.nets:Net --input 16x32 --devices cpu,cpu,cpu
     python -m fxpipe show plans/net
     python -m fxpipe diff plans/net plans/net-4
     python -m fxpipe run plans/net --input 16x32
 
-A model is `module:factory`, the factory called with `--kwargs` (JSON) to build it. Inputs are
-random tensors of the shapes given (`--input` once per positional input, sizes joined by `x`),
-of `--dtype` (integer dtypes draw token ids below 100). Bad input gets one line naming the
-problem and exit status 2, no traceback.
+A model is `module:factory`, the factory called with `--kwargs` (JSON) to build it; with
+`--config FILE`, from that configuration: a Hugging Face factory (an `AutoModel...` class, a
+model class) from the `config.json` read from disk (`AutoConfig.from_pretrained`, never a
+download), `--kwargs` overriding its entries; any other factory called with the file's JSON
+object as keyword arguments, `--kwargs` added. `--meta` builds it under
+`torch.device("meta")` (shapes, no values: see docs/big-models.md), `--dtype` (bf16, fp16,
+float32, ...) in that dtype. Inputs are random tensors of the shapes given (`--input` once per
+positional input, sizes joined by `x`) of a float `--dtype`, or token ids (`--tokens BxS`,
+int64 below the model's vocabulary, the first input; an integer `--dtype` draws ids below 100
+for `--input`). Devices are comma-separated, each with its memory if wanted (`cpu:0=400MB`,
+`cuda:0=80GB`). Bad input gets one line naming the problem and exit status 2, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import math
+import re
 import statistics
 import sys
-from typing import Sequence, get_args
+from pathlib import Path
+from typing import Any, Iterator, Sequence, get_args
 
 import torch
+from tabulate import tabulate
 
 import fxpipe
+from fxpipe.passes.cost_model import format_bytes
 from fxpipe.passes.errors import FxpipeError
 
 from . import timeline
@@ -89,11 +104,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _planning(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="module:factory, e.g. torchvision.models:resnet50")
+    parser.add_argument("model", help="module:factory, e.g. torchvision.models:resnet50 or "
+                                      "transformers:AutoModelForCausalLM")
     parser.add_argument("--devices", default="cpu,cpu",
-                        help="comma-separated devices, one per stage (default: cpu,cpu)")
-    _inputs(parser)
-    parser.add_argument("--kwargs", default="{}", help="the factory's keyword arguments, as JSON")
+                        help="comma-separated devices, one per stage, each with its memory if "
+                             "wanted: cpu,cpu (the default), cpu:0=400MB,cpu:1=400MB, "
+                             "cuda:0=80GB,cuda:1=80GB")
+    _inputs(parser, required=False)
+    parser.add_argument("--tokens", metavar="BxS",
+                        help="token ids as the first input: B sequences of S, int64 below the "
+                             "model's vocabulary (its input embedding's size)")
+    parser.add_argument("--kwargs", default="{}", help="the factory's keyword arguments, as JSON "
+                                                       "(with --config: overriding its entries)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="build the model from this configuration: a Hugging Face "
+                             "config.json (or its directory) for a Hugging Face factory, read "
+                             "from disk; a JSON object of keyword arguments for any other")
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model on the meta device (shapes, no values): planned "
+                             "without holding it, saved with a manifest of each stage's tensors")
     parser.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
     parser.add_argument("--stages", default=None, help="number of stages to use, or auto")
     parser.add_argument("--train", action="store_true", help="plan for training (train_step)")
@@ -105,32 +134,50 @@ def _planning(parser: argparse.ArgumentParser) -> None:
                         help="price transfers as hand-offs between threads (default), as copies "
                              "measured here (measure), or as messages between processes, for "
                              "a run under torchrun (gloo)")
-    parser.add_argument("--memory", type=float, default=None, metavar="BYTES",
-                        help="each device's memory, e.g. 8e9, shared by the stages on it "
-                             "(default: a GPU's free memory, CPU unbounded)")
+    parser.add_argument("--memory", default=None, metavar="BYTES",
+                        help="each device's memory, e.g. 8e9 or 8GB, shared by the stages on it, "
+                             "where --devices gives none (default: a GPU's free memory, CPU "
+                             "unbounded)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def _inputs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", action="append", required=True, metavar="SHAPE",
+def _inputs(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("--input", action="append", required=required, metavar="SHAPE",
                         help="a positional input's shape, e.g. 8x3x224x224 (once per input)")
-    parser.add_argument("--dtype", default="float32",
-                        help="the inputs' dtype (default: float32; int64 draws token ids)")
+    if required:        # `run`: the inputs' dtype alone
+        parser.add_argument("--dtype", default="float32",
+                            help="the inputs' dtype (default: float32; bf16, fp16; int64 draws "
+                                 "token ids below 100)")
+    else:
+        parser.add_argument("--dtype", default=None,
+                            help="a float dtype (bf16, fp16, float32, float64) is the model's "
+                                 "and its --input tensors'; an integer one (int64) draws token "
+                                 "ids below 100 for --input and leaves the model as built "
+                                 "(default: the model as built, float32 inputs)")
 
 
 # ---- commands -----------------------------------------------------------------------------------
 
 def _plan(args: argparse.Namespace) -> int:
-    model = _model(args.model, args.kwargs).train(args.train)
-    inputs = _random_inputs(args.input, args.dtype)
+    dtype = None if args.dtype is None else _dtype(args.dtype)
+    if not args.input and args.tokens is None:
+        raise UsageError("no inputs: give --tokens BxS (token ids) or --input SHAPE (once per "
+                         "positional input)")
+    tokens = None if args.tokens is None else _token_shape(args.tokens)
+    model_dtype = dtype if dtype is not None and dtype.is_floating_point else None
+    model = _model(args.model, args.kwargs, config=args.config, meta=args.meta,
+                   dtype=model_dtype).train(args.train)
+    inputs = _random_inputs(args.input or [], "float32" if dtype is None else args.dtype)
+    if tokens is not None:
+        torch.manual_seed(0)
+        inputs = (torch.randint(0, _vocabulary(model), tokens), *inputs)
     options = {"chunks": _count(args.chunks), "training": args.train,
                "progress": False if args.quiet else None, "recompute": args.recompute,
                "optimizer": args.optimizer, "link": args.link}
     if args.stages is not None:
         options["num_stages"] = _count(args.stages)
-    devices = args.devices.split(",")
-    if args.memory is not None:
-        devices = [fxpipe.DeviceSpec(d, memory_bytes=args.memory) for d in devices]
+    devices = _devices(args.devices, None if args.memory is None else
+                       _size("--memory", args.memory))
     plan = fxpipe.plan(model, devices, inputs, **options)
     if args.name == "plan":
         print(plan)
@@ -147,7 +194,55 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     print(fxpipe.load_plan(args.dir))
+    print(weight_shares(plan_document(args.dir)))
     return 0
+
+
+def weight_shares(document: dict[str, Any]) -> str:
+    """Each stage's share of the checkpoint's tensors, from a saved plan's manifest
+    (`plan.json`'s `weights`): how many of the model's parameters and persistent buffers the
+    stage reads and their bytes (a tensor tied within the stage once; one also held by another
+    stage counted in each, and under `shared`), the buffers it computes instead (not in a
+    checkpoint), and the whole checkpoint's count and bytes, each tensor once."""
+    manifest = document.get("weights") or {}
+    stages = manifest.get("stages") or []
+    group_of = {(s, name): g for g, group in enumerate(manifest.get("tied", []))
+                for s, name in group}
+    stages_of: dict[Any, set[int]] = {}
+    for (s, name), g in group_of.items():
+        stages_of.setdefault(g, set()).add(s)
+    rows, everything, saved, persistent = [], {}, 0, 0
+    for s, entries in enumerate(stages):
+        read, shared, computed = {}, 0, 0
+        for name, entry in entries.items():
+            if not entry["persistent"]:
+                computed += 1
+                continue
+            key = ("tied", group_of[s, name]) if (s, name) in group_of else (s, name)
+            if key in read:
+                continue
+            read[key] = everything[key] = _nbytes(entry)
+            shared += key[0] == "tied" and len(stages_of[key[1]]) > 1
+            saved += entry["saved"]
+            persistent += 1
+        device = document["stages"][s]["device"] if s < len(document.get("stages", [])) else ""
+        rows.append((s, device, len(read), format_bytes(sum(read.values())), shared, computed))
+    rows.append(("all", "", len(everything), format_bytes(sum(everything.values())), "", ""))
+    where = ("the plan's files hold their values" if saved == persistent else
+             "the plan holds none of their values: load it with weights= (a checkpoint)"
+             if not saved else f"the plan's files hold {saved} of them")
+    return "\n".join([
+        f"the checkpoint's tensors per stage (the model's parameters and persistent buffers each "
+        f"stage reads, and only those; {where}):",
+        tabulate(rows, headers=["stage", "device", "tensors", "bytes", "shared", "computed"],
+                 colalign=("right", "left", "right", "right", "right", "right"))])
+
+
+def _nbytes(entry: dict[str, Any]) -> int:
+    """The bytes of a manifest entry's tensor."""
+    dtype = getattr(torch, entry["dtype"], None)
+    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+    return math.prod(entry["shape"]) * size
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -200,7 +295,40 @@ def _run(args: argparse.Namespace) -> int:
 
 # ---- reading the command line -------------------------------------------------------------------
 
-def _model(target: str, kwargs: str) -> torch.nn.Module:
+def _model(target: str, kwargs: str, *, config: str | None = None, meta: bool = False,
+           dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model `target` builds: called with `kwargs`, or from `config`, on meta with `meta`,
+    in `dtype` (a float dtype) when given."""
+    factory = _factory(target)
+    options = _json_object("--kwargs", kwargs, "'{\"num_classes\": 10}'")
+    builder = _hugging_face_builder(factory) if config is not None else None
+    if config is not None and builder is None:
+        options = {**_json_object(f"--config {config}", _read(config),
+                                  "a JSON object of the factory's keyword arguments"), **options}
+    with _building(meta, dtype):
+        if builder is not None:
+            hf_config = _hugging_face_config(config, options, dtype)
+            try:
+                model = builder(hf_config)
+            except Exception as e:       # a configuration the factory does not build
+                raise UsageError(f"{target} from --config {config} failed: "
+                                 f"{type(e).__name__}: {_first_line(e)}") from None
+        else:
+            try:
+                model = factory(**options)
+            except Exception as e:       # the factory's own complaint, e.g. a missing argument
+                raise UsageError(f"{target}(**{options}) failed: {type(e).__name__}: "
+                                 f"{_first_line(e)} (pass its arguments with --kwargs)") from None
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{target} returned a {type(model).__name__}, not an nn.Module")
+    if dtype is not None and any(p.is_floating_point() and p.dtype != dtype
+                                 for p in model.parameters()):
+        model = model.to(dtype)      # a factory that fixed its own dtype
+    return model
+
+
+def _factory(target: str) -> Any:
+    """The callable `module:factory` names."""
     module_name, _, factory_name = target.partition(":")
     if not module_name or not factory_name:
         raise UsageError(f"model {target!r}: write it as module:factory, e.g. "
@@ -213,28 +341,147 @@ def _model(target: str, kwargs: str) -> torch.nn.Module:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UsageError(f"{module_name!r} has no factory {factory_name!r}")
+    return factory
+
+
+def _json_object(what: str, text: str, example: str) -> dict[str, Any]:
+    """`text` read as a JSON object."""
     try:
-        options = json.loads(kwargs)
+        options = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"--kwargs {kwargs!r} is not JSON ({e.msg}): e.g. "
-                         f"'{{\"num_classes\": 10}}'") from None
+        raise UsageError(f"{what} {text if len(text) < 60 else text[:57] + '...'!r} is not "
+                         f"JSON ({e.msg}): e.g. {example}") from None
     if not isinstance(options, dict):
-        raise UsageError(f"--kwargs {kwargs!r}: give a JSON object of keyword arguments")
+        raise UsageError(f"{what}: give a JSON object of keyword arguments")
+    return options
+
+
+def _read(config: str) -> str:
+    """The text of the configuration file `config`."""
+    path = Path(config)
+    if not path.is_file():
+        raise UsageError(f"--config {config}: no such file")
+    return path.read_text()
+
+
+def _hugging_face_builder(factory: Any) -> Any:
+    """How a Hugging Face factory builds a model from its configuration (an `AutoModel...`
+    class's `from_config`, a model class's `_from_config`), None for any other factory."""
+    if callable(getattr(factory, "from_config", None)):
+        return factory.from_config
+    if isinstance(factory, type) and hasattr(factory, "config_class") and \
+            callable(getattr(factory, "_from_config", None)):
+        return factory._from_config
+    return None
+
+
+def _hugging_face_config(config: str, overrides: dict[str, Any],
+                         dtype: torch.dtype | None) -> Any:
+    """The Hugging Face configuration in the file `config` (a config.json, or a directory
+    holding one), read from disk, `overrides` set on it, in `dtype` when given."""
+    path = Path(config)
+    if not (path / "config.json" if path.is_dir() else path).is_file():
+        raise UsageError(f"--config {config}: no such file" + (
+            " (the directory holds no config.json)" if path.is_dir() else ""))
+    from transformers import AutoConfig
     try:
-        model = factory(**options)
-    except Exception as e:       # the factory's own complaint, e.g. a missing argument
-        raise UsageError(f"{target}(**{options}) failed: {type(e).__name__}: {e} (pass its "
-                         f"arguments with --kwargs)") from None
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"{target} returned a {type(model).__name__}, not an nn.Module")
-    return model
+        loaded = AutoConfig.from_pretrained(str(path), local_files_only=True, **overrides)
+    except Exception as e:       # not JSON, an unknown model_type
+        raise UsageError(f"--config {config}: {type(e).__name__}: {_first_line(e)}") from None
+    if dtype is not None:
+        loaded.dtype = dtype
+    return loaded
+
+
+@contextlib.contextmanager
+def _building(meta: bool, dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside, tensors are made on meta with `meta`, and floating ones in `dtype` when given."""
+    default = torch.get_default_dtype()
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        try:
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype `name` says: a torch name (bfloat16, float32, int64) or bf16, fp16,
+    fp32, fp64."""
+    dtype = getattr(torch, DTYPE_NAMES.get(name.lower(), name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--dtype {name!r} is not a torch dtype: e.g. float32, bf16, "
+                         f"fp16, int64")
+    return dtype
+
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32",
+               "f32": "float32", "fp64": "float64", "f64": "float64"}
+
+
+def _token_shape(text: str) -> tuple[int, int]:
+    """`--tokens BxS` as (B, S)."""
+    try:
+        shape = tuple(int(size) for size in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 2 or min(shape) < 1:
+        raise UsageError(f"--tokens {text!r} is not BxS: a batch of B sequences of S tokens, "
+                         f"sizes >= 1, e.g. 1x512")
+    return shape
+
+
+def _vocabulary(model: torch.nn.Module) -> int:
+    """How many token ids `model` takes: its input embedding's rows (a Hugging Face model's
+    `get_input_embeddings()`, else its first `nn.Embedding`), else its config's
+    `vocab_size`."""
+    embedding = None
+    if callable(getattr(model, "get_input_embeddings", None)):
+        try:
+            embedding = model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            embedding = None
+    if not isinstance(embedding, torch.nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if embedding is not None:
+        return embedding.num_embeddings
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    raise UsageError("--tokens: the model has no nn.Embedding (nor config.vocab_size) to say "
+                     "its vocabulary: give its inputs with --input SHAPE --dtype int64")
+
+
+def _devices(text: str, memory: float | None) -> list[str | fxpipe.DeviceSpec]:
+    """`--devices`: comma-separated names, each with `=SIZE` (its memory) if wanted; `memory`
+    (`--memory`) for those without."""
+    devices: list[str | fxpipe.DeviceSpec] = []
+    for entry in text.split(","):
+        name, given, size = (part.strip() for part in entry.partition("="))
+        if not name:
+            raise UsageError(f"--devices {text!r}: a device name is missing, e.g. "
+                             f"cpu:0=400MB,cpu:1=400MB")
+        bytes_ = _size(f"--devices {entry.strip()!r}:", size) if given else memory
+        devices.append(name if bytes_ is None else fxpipe.DeviceSpec(name, memory_bytes=bytes_))
+    return devices
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def _size(what: str, text: str) -> float:
+    """A memory size: bytes (8e9), or with a unit (400MB, 80GB, 16GiB)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if match is None or match[2] not in _UNITS or not float(match[1]) > 0:
+        raise UsageError(f"{what} {text!r} is not a memory size: bytes > 0, e.g. 8e9, 400MB, "
+                         f"80GB or 16GiB")
+    return float(match[1]) * _UNITS[match[2]]
 
 
 def _random_inputs(shapes: Sequence[str], dtype_name: str) -> tuple[torch.Tensor, ...]:
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise UsageError(f"--dtype {dtype_name!r} is not a torch dtype: e.g. float32, "
-                         f"bfloat16, int64")
+    dtype = _dtype(dtype_name)
     torch.manual_seed(0)
     inputs = []
     for text in shapes:
@@ -248,6 +495,10 @@ def _random_inputs(shapes: Sequence[str], dtype_name: str) -> tuple[torch.Tensor
         inputs.append(torch.randint(0, 100, shape, dtype=dtype) if not dtype.is_floating_point
                       else torch.randn(shape, dtype=dtype))
     return tuple(inputs)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 def _count(text: str) -> int | str:

@@ -25,7 +25,7 @@ from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Link, LinkFn, M
                                       default_link)
 from fxpipe.passes.device import same_memory
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
-from fxpipe.passes.functionalize import RUN_FAILED, functionalize
+from fxpipe.passes.functionalize import GraphRunFailed, functionalize
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.materialize import (Materialize, Tiled, blockless, holds_meta,
                                        release_freed_memory, unfilled)
@@ -34,7 +34,7 @@ from fxpipe.passes.randomness import seed_random_ops
 from fxpipe.passes.recompute import checkpoint_regions
 from fxpipe.passes.signature import signature_of
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.trace import CaptureMode, trace, without_cache
+from fxpipe.passes.capture import CaptureMode, trace, without_cache
 
 from . import microbatch, search
 from .checks import holding, meta_reference, reference_of, streamed_stages, verify
@@ -42,7 +42,7 @@ from .devices import DeviceLike, measure_links
 from .measure import Costs, race, time_unpipelined
 from .options import BatchDims, Options, input_dims, placeholder_dims
 from .pipeline import Pipeline, carry_values
-from .plan_data import Plan, make_plan, peak_rss_bytes
+from .plan_data import Plan, Runs, make_plan, peak_rss_bytes
 from .progress import Progress
 from .reference import copied
 from .schedules import ScheduleName
@@ -363,9 +363,8 @@ def _functionalize(gm: fx.GraphModule, recipe: Recipe, args: tuple, kwargs: dict
                 functionalize(gm, copied(args), copied(kwargs),
                               materialize=unfilled(recipe.materialize))
                 return
-            except TraceError as e:
-                if not str(e).startswith(RUN_FAILED):    # the graph's own fault, not the values'
-                    raise
+            except GraphRunFailed:     # the values' fault, not the graph's own: plausible ones
+                pass
         functionalize(gm, copied(args), copied(kwargs), materialize=recipe.plausible)
     finally:
         release_freed_memory()
@@ -414,6 +413,9 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
         carry_values(held, gm)
     part = chosen.partition
     recomputed = _recompute_part(part, stages)
+    weighed_as_is = o.num_stages == "auto" and bool(considered) and \
+        considered[-1].config == search.as_is_config(considered[-1].config.schedule)
+    runs = Runs.AS_IS_PREDICTED if weighed_as_is and chosen is considered[-1] else Runs.PIPELINE
     verified = unverified or ("yes" if o.verify else "skipped (verify=False)")
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
@@ -422,7 +424,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                                                if n.op != "placeholder"]),
                      signature=signature,
                      batch_dims=placeholder_dims(signature, dims, recipe.default_dim),
-                     schedule=config.schedule, threads=tuple(d.threads for d in specs),
+                     schedule=config.schedule, runs=runs,
                      training=model.training, measurements=costs.saved_measurements(),
                      recompute=o.recompute, stage_recomputed=recomputed,
                      output_dims=reference.output_dims, unpipelined_s=unpipelined_s,
@@ -433,15 +435,14 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                      spread=measurement_spread(gm), link=o.link_name, graph=gm,
                      link_fn=recipe.link,
                      weights=recipe.weights.where if materialize else None,
-                     stand_ins=recipe.stand_ins() if materialize else ())
+                     stand_ins=recipe.stand_ins() if materialize else (),
+                     **reference.stated_tolerance())
     verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
            o.verify_tolerance)
     # The model as is runs the model's own ops, so it takes the model's time.
     predicted_s = (unpipelined_s if plan.runs_as_is else
                    max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
     plan = replace(plan, predicted_step_s=predicted_s)
-    weighed_as_is = o.num_stages == "auto" and bool(considered) and \
-        considered[-1].config == search.as_is_config(considered[-1].config.schedule)
     # Raced in this process: not a plan priced for another runtime (gloo ranks, your links).
     in_process = o.link_name in ("default", "measure")
     if pipelines and weighed_as_is and in_process and not plan.runs_as_is:
@@ -483,6 +484,7 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
                 f"{raced.model_s * 1e3:.3f} ms (the least of {raced.rounds} interleaved runs "
                 f"each{also}; predicted {best.predicted_step_s * 1e3:.3f} ms)")
     if raced.cpu_share is not None and raced.cpu_share < BUSY_SHARE:
+        runs = Runs.AS_IS_BUSY
         reason = (f"no pipeline is weighed on a busy machine: the model's fastest run had "
                   f"{raced.cpu_share:.0%} of the time of its {torch.get_num_threads()} "
                   f"thread(s), other processes holding cores, so neither time would hold on a "
@@ -495,12 +497,13 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
         return replace(best, considered=plan.considered, chosen=chosen, raced=rows,
                        reason=f"{why}; {measured}")
     else:
+        runs = Runs.AS_IS_MEASURED
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
     again = replace(recipe, options=replace(recipe.options, costs=plan))
     as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False,
                    unpipelined_s=plan.unpipelined_s)
     return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason,
-                   raced=rows)
+                   runs=runs, raced=rows)
 
 
 def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan]:

@@ -5,11 +5,13 @@ checked against them.
 output's batch dimension (an output that reduces or mixes the batch refused by name), the
 micro-batch check (the model computes the same on micro-batches as on the whole batch), and the
 outputs the pipeline must reproduce (`fxpipe.reference`). `verify` then runs the plan's placed
-stages as a pipeline call does (`pipeline.call_stages`), in order on the caller's thread, and
+stages as a pipeline call does (`runtime.calls.call_stages`), in order on the caller's thread, and
 compares. `holding` is the model computing with a pipeline's values, which a mode switch
 checks against. Both compare within the model's own rounding by default (`rounding_tolerance`:
-4 times its float32 outputs' error against one float64 run on the example), so that another
-CPU's kernels or thread count pass, and a model that mixes samples across the batch does not.
+4 times its float32 outputs' error against one float64 run on the example; a bf16 or fp16
+model's outputs against one float32 run), so that another CPU's kernels, thread count or
+micro-batch size pass, and a model that mixes samples across the batch does not; the plan
+states the tolerance and where it came from (`Reference.stated_tolerance`).
 
 A model built on the meta device is checked streamed, never held whole (`meta_reference`,
 `streamed_stages`): its graph, node by node on materialised weights, gives the output dims and
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -37,7 +39,7 @@ from fxpipe.passes.materialize import (Materialize, MaterializingInterpreter,
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
-from .pipeline import call_stages, runtime_of
+from .runtime.calls import call_stages, runtime_of
 from .plan_data import Plan
 from .reference import copied, run_per_microbatch, unchanged
 
@@ -83,6 +85,15 @@ class Reference:
     verify: bool = False
     random: bool = False
     tolerance: float | None = None      # the one asked, or widened by `rounding_tolerance`
+    tolerance_source: str = ""          # where it came from, as the plan states it
+
+    def stated_tolerance(self) -> dict[str, Any]:
+        """The plan's fields stating the tolerance its outputs were checked within (none where
+        they were not checked)."""
+        if not self.verify:
+            return {}
+        return {"verify_tolerance": self.tolerance,
+                "verify_tolerance_source": self.tolerance_source}
 
 
 def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
@@ -108,10 +119,11 @@ def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
             torch.manual_seed(seeds[0])
             whole = model(*copied(args), **copied(kwargs))
     random = verify and _draws_random_numbers(model, args, kwargs)
+    source = ASKED if tolerance is not None else ""
     if verify and tolerance is None:
         # A model drawing random numbers may draw others in float64: measured in eval mode.
-        tolerance = rounding_tolerance(model, args, kwargs, devices,
-                                       rounded=None if random else whole, seed=seeds[0])
+        tolerance, source = measured_tolerance(model, args, kwargs, devices,
+                                               rounded=None if random else whole, seed=seeds[0])
     output_dims = None
     if chunks > 1:
         rows = [microbatch.batch_size(p, dims)
@@ -121,7 +133,8 @@ def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
         return Reference(output_dims)
     if chunks > 1:
         _check_batch_independent(model, recipe, output_dims, tolerance, whole, parts, random)
-    return Reference(output_dims, microbatch.merge(parts, output_dims), True, random, tolerance)
+    return Reference(output_dims, microbatch.merge(parts, output_dims), True, random, tolerance,
+                     source)
 
 
 def verify(plan: Plan, recipe: Recipe, reference: Reference,
@@ -153,22 +166,32 @@ def verify(plan: Plan, recipe: Recipe, reference: Reference,
             f"model")
 
 
+ASKED = "as asked: verify_tolerance="
+
+# Floating dtypes a model computes in at reduced precision, by the name the plan gives them.
+REDUCED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# A reduced-precision model whose float32 run is further than this from its own outputs
+# (relative to each output's largest magnitude) computes something else in float32.
+_REDUCED_MAX_ERROR = 2.0 ** -3
+
+
 def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
                        devices: Sequence[str] = (), *, rounded: Any = None,
                        seed: int = 0) -> float | None:
-    """The tolerance the float32 model's own rounding calls for: 4 times the largest error of
-    its float32 outputs against float64, relative to each output's largest magnitude, and at
-    least 16 float32 epsilons; None where it cannot be measured (then `difference`'s default,
-    16 epsilons of each output's dtype).
+    """The tolerance the model's own rounding calls for, relative to each output's largest
+    magnitude; None where it cannot be measured (then `difference`'s default, 16 epsilons of
+    each output's dtype). `measured_tolerance` says where it came from.
 
-    The order of float32 sums changes with the number of threads, the CPU's kernels (an AMD
-    and an Intel core block a convolution differently), the micro-batch size and the device,
-    and a deep or wide model amplifies each epsilon: by how much is the model's own, so it is
-    measured, not guessed. Two runs that differ only in rounding are each about that far from
-    the exact values (what float64 stands for), so 4 times the float32 run's error covers the
-    difference between them; a model that mixes samples across the batch (a mean over it,
-    batch statistics) differs between micro-batches and the whole batch by far more than its
-    rounding, and is still refused.
+    A float32 model: 4 times the largest error of its float32 outputs against float64, at least
+    16 float32 epsilons. The order of float32 sums changes with the number of threads, the
+    CPU's kernels (an AMD and an Intel core block a convolution differently), the micro-batch
+    size and the device, and a deep or wide model amplifies each epsilon: by how much is the
+    model's own, so it is measured, not guessed. Two runs that differ only in rounding are each
+    about that far from the exact values (what float64 stands for), so 4 times the float32
+    run's error covers the difference between them; a model that mixes samples across the batch
+    (a mean over it, batch statistics) differs between micro-batches and the whole batch by far
+    more than its rounding, and is still refused.
 
     - On a CPU (or a GPU computing float32 as float32): `rounded`, the model's float32 outputs
       on the whole example in its own mode after `torch.manual_seed(seed)` (the run compile
@@ -187,13 +210,34 @@ def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
     None too where the float64 run fails (code that fixes a dtype), or gives no float32 output,
     where the model is on the meta device, or where a float64 copy of its tensors would not fit
     in the host's available memory.
+
+    A reduced-precision model (its parameters in bf16 or fp16, `REDUCED_DTYPES`), whose
+    micro-batches round otherwise than its whole batch by its dtype's epsilons: 4 times the
+    largest error of its outputs (of any floating dtype: logits cast to float32 too) against
+    the same model run in float32 from the same seed, at least one epsilon of its dtype; where
+    that cannot be measured, 16 of them. On the model's device (`rounded` as above); a
+    graph on the meta device (`_GraphRun`) against the model's own forward run module by module
+    on the same plausible values in float32 (`_GraphRun.float32`).
     """
+    return measured_tolerance(model, args, kwargs, devices, rounded=rounded, seed=seed)[0]
+
+
+def measured_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
+                       devices: Sequence[str] = (), *, rounded: Any = None,
+                       seed: int = 0) -> tuple[float | None, str]:
+    """`rounding_tolerance`, and where it came from as the plan states it: the rule measured
+    (`the model's own bf16 rounding x4, measured against float32`), or why none was."""
+    reduced_dtype = reduced_precision(model)
+    if reduced_dtype is not None:
+        return _reduced_tolerance(model, args, kwargs, reduced_dtype, rounded=rounded, seed=seed)
     tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *model.parameters(),
                            *model.buffers()] if isinstance(t, torch.Tensor)]
     gpu = next((t.device for t in tensors if t.device.type == "cuda"),
                next((torch.device(d) for d in devices if torch.device(d).type == "cuda"), None))
-    if any(t.device.type == "meta" for t in tensors) or not _float64_fits(tensors):
-        return None
+    if any(t.device.type == "meta" for t in tensors):
+        return None, "the model's rounding is not measured on the meta device"
+    if not _copy_fits(tensors, (torch.float32,), torch.float64):
+        return None, "the model's rounding is not measured: a float64 copy would not fit"
     reduced = _reduced_float32(tensors, gpu)
     inner, values = (model.model, model.values) if isinstance(model, _Holding) else (model, {})
     state = {**dict([*inner.named_parameters(), *inner.named_buffers()]), **values}
@@ -219,27 +263,111 @@ def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
                 inner, {n: double(t) for n, t in state.items()},
                 pytree.tree_map(double, copied(args)), pytree.tree_map(double, copied(kwargs)))
     except Exception:       # the model cannot run in float64: no measure of its rounding
-        return None
+        return None, "the model's rounding is not measured: it cannot run in float64"
     finally:
         for m, flag in flags.items():
             m.training = flag
+    errors = _errors(rounded, exact, (torch.float32,))
+    if not errors:
+        return None, "the model's rounding is not measured: no float32 output"
+    if not reduced and max(errors) > 2.0 ** -10:
+        return None, ("the model's rounding is not measured: its float64 run computes "
+                      "something else")
+    least, measured = 16 * torch.finfo(torch.float32).eps, 4 * max(errors)
+    rule = f"TF32 rounding on {gpu}" if reduced else "float32 rounding"
+    if measured < least:
+        return least, (f"16 float32 epsilons, the least; the model's own {rule} x4, measured "
+                       f"against float64, is {measured:.2g}")
+    return measured, f"the model's own {rule} x4, measured against float64"
+
+
+def reduced_precision(model: nn.Module) -> torch.dtype | None:
+    """The reduced precision `model` computes in (`REDUCED_DTYPES`): the coarsest one among its
+    floating parameters (its buffers where it has none), None where it has none (float32)."""
+    tensors = [t for t in model.parameters() if t.is_floating_point()] or \
+        [t for t in model.buffers() if t.is_floating_point()]
+    dtypes = {t.dtype for t in tensors} & set(REDUCED_DTYPES)
+    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else None
+
+
+def _reduced_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
+                       dtype: torch.dtype, *, rounded: Any, seed: int) -> tuple[float, str]:
+    """`measured_tolerance` of a model computing in `dtype` (bf16, fp16): against float32."""
+    name = REDUCED_DTYPES[dtype]
+    # Unmeasured, 16 of its epsilons (bf16: 0.125); measured, its own rounding stands down to
+    # one epsilon (bf16: 0.0078): a floor of 16 would let a mixing of samples of up to an
+    # eighth of the outputs pass as rounding.
+    unmeasured_least, least = 16 * torch.finfo(dtype).eps, torch.finfo(dtype).eps
+
+    def unmeasured(why: str) -> tuple[float, str]:
+        return unmeasured_least, (f"16 {name} epsilons, the default for a {name} model: its "
+                                  f"rounding {why}")
+    widen = lambda v: (v.detach().float() if isinstance(v, torch.Tensor)  # noqa: E731
+                       and v.dtype in REDUCED_DTYPES else v)
+    inner, values = (model.model, model.values) if isinstance(model, _Holding) else (model, {})
+    if isinstance(inner, _GraphRun):
+        if inner.float32 is None or rounded is None:
+            return unmeasured("is not measured on the meta device")
+        run, state = inner.float32(), None
+    else:
+        tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *inner.parameters(),
+                               *inner.buffers()] if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "meta" for t in tensors):
+            return unmeasured("is not measured on the meta device")
+        if not _copy_fits(tensors, tuple(REDUCED_DTYPES), torch.float32):
+            return unmeasured("is not measured: a float32 copy would not fit")
+        run = inner
+        state = {**dict([*inner.named_parameters(), *inner.named_buffers()]), **values}
+    flags = {m: m.training for m in inner.modules()}
+    try:
+        if rounded is None:
+            inner.eval()
+            with unchanged(inner):
+                torch.manual_seed(seed)
+                rounded = torch.func.functional_call(inner, state, copied(args), copied(kwargs))
+        with unchanged(run):
+            torch.manual_seed(seed)
+            wide_args, wide_kwargs = (pytree.tree_map(widen, copied(a)) for a in (args, kwargs))
+            exact = run(*wide_args, **wide_kwargs) if state is None else \
+                torch.func.functional_call(run, {n: widen(t) for n, t in state.items()},
+                                           wide_args, wide_kwargs)
+    except Exception:       # the model cannot run in float32: no measure of its rounding
+        return unmeasured("is not measured: the model cannot run in float32")
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    errors = _errors(rounded, exact, (torch.float32, *REDUCED_DTYPES))
+    if not errors:
+        return unmeasured("is not measured: no floating output")
+    if max(errors) > _REDUCED_MAX_ERROR:
+        return unmeasured("is not measured: its float32 run computes something else")
+    measured = 4 * max(errors)
+    if measured < least:
+        return least, (f"one {name} epsilon, the least for a {name} model; its own rounding x4, "
+                       f"measured against float32, is {measured:.2g}")
+    return measured, f"the model's own {name} rounding x4, measured against float32"
+
+
+def _errors(rounded: Any, exact: Any, dtypes: Sequence[torch.dtype]) -> list[float]:
+    """The largest error of each output of `rounded` of one of `dtypes` against the same output
+    of `exact` (more precise), relative to that output's largest magnitude; [] where the two
+    differ in structure or an error is not finite."""
     if pytree.tree_structure(rounded) != pytree.tree_structure(exact):
-        return None
-    errors = [((r.double() - e.to(r.device)).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        return []
+    errors = [((r.double() - e.to(r.device).double()).abs().max() /
+               e.double().abs().max().clamp_min(1e-30)).item()
               for r, e in zip(pytree.tree_leaves(rounded), pytree.tree_leaves(exact))
-              if isinstance(r, torch.Tensor) and r.dtype == torch.float32
-              and isinstance(e, torch.Tensor) and e.dtype == torch.float64 and r.numel()
+              if isinstance(r, torch.Tensor) and r.dtype in dtypes
+              and isinstance(e, torch.Tensor) and e.is_floating_point() and r.numel()
               and r.shape == e.shape]
-    if not errors or not all(math.isfinite(e) for e in errors) or \
-            (not reduced and max(errors) > 2.0 ** -10):
-        return None
-    return max(16 * torch.finfo(torch.float32).eps, 4 * max(errors))
+    return errors if all(math.isfinite(e) for e in errors) else []
 
 
-def _float64_fits(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether a float64 copy of the float32 `tensors` fits in half the memory the host has
-    available (when it cannot tell: it does)."""
-    needed = sum(2 * t.numel() * t.element_size() for t in tensors if t.dtype == torch.float32)
+def _copy_fits(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
+               to: torch.dtype) -> bool:
+    """Whether a copy in `to` of those of `tensors` in `dtypes` fits in half the memory the
+    host has available (when it cannot tell: it does)."""
+    needed = sum(t.numel() * to.itemsize for t in tensors if t.dtype in dtypes)
     try:
         with open("/proc/meminfo") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
@@ -373,11 +501,15 @@ def _draws_random_numbers(model: nn.Module, args: tuple, kwargs: Mapping[str, An
 
 class _GraphRun(nn.Module):
     """A graph holding meta tensors called as the model is: node by node, each node's weights
-    materialised before it runs and dropped after (`fxpipe.passes.materialize.run_graph`)."""
+    materialised before it runs and dropped after (`fxpipe.passes.materialize.run_graph`).
+    `float32`, for a reduced-precision model, makes the model run in float32 on the same
+    values, which `rounding_tolerance` measures the graph's rounding against."""
 
-    def __init__(self, gm: nn.Module, materialize: Materialize, device: torch.device):
+    def __init__(self, gm: nn.Module, materialize: Materialize, device: torch.device,
+                 float32: Callable[[], nn.Module] | None = None):
         super().__init__()
         self.gm, self.materialize, self.device = gm, materialize, device
+        self.float32 = float32
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return run_graph(self.gm, args, kwargs, self.materialize, self.device)
@@ -458,8 +590,12 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
     outputs could not be checked ("" when they can be)."""
     materialize = recipe.materialize
     dims = _output_dims_on_meta(gm, recipe, chunks) if chunks > 1 and not verify else None
+    # A reduced-precision graph's rounding is measured against the model's own forward in
+    # float32, module by module, on the same plausible values.
+    float32 = None if reduced_precision(model) is None else \
+        (lambda: streamed(model, _widened(recipe.plausible), device))
     reference = Reference(dims) if dims is not None else reference_of(
-        _GraphRun(gm, recipe.plausible, device), recipe, chunks, verify, tolerance)
+        _GraphRun(gm, recipe.plausible, device, float32), recipe, chunks, verify, tolerance)
     if not reference.verify:
         return reference, ""
     copy = streamed(model, materialize, device)
@@ -476,6 +612,14 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
             f"no (the model's forward cannot run one module at a time on materialised weights: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
     return replace(reference, expected=microbatch.merge(parts, reference.output_dims)), ""
+
+
+def _widened(materialize: Materialize) -> Materialize:
+    """`materialize` giving its reduced-precision values in float32."""
+    def read(like: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        return {name: value.float() if value.dtype in REDUCED_DTYPES else value
+                for name, value in materialize(like, device).items()}
+    return read
 
 
 def _output_dims_on_meta(gm: nn.Module, recipe: Recipe, chunks: int

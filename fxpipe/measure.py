@@ -32,7 +32,7 @@ from fxpipe.passes.state import unchanged_state
 
 from . import microbatch, search
 from .devices import shared_memory, synchronize
-from .pipeline import call_stages, runtime_of, train_stages
+from .runtime.calls import call_stages, runtime_of, train_stages
 from .plan_data import Measurement, Plan
 from .runtime import Runtime
 from .reference import copied, unchanged

@@ -23,7 +23,7 @@ from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, LinkFn
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
                                   PartitionError, ScheduleError, VerificationError)
 from fxpipe.passes.signature import Signature
-from fxpipe.passes.trace import CaptureMode
+from fxpipe.passes.capture import CaptureMode
 
 from .devices import parse_devices
 from .plan_data import Plan

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fxpipe.passes.cost_model import format_bytes
 
-from fxpipe.passes.trace import module_path
+from fxpipe.passes.capture import module_path
 
 from .plan_data import Plan
 

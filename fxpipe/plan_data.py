@@ -7,6 +7,7 @@ stages (`fxpipe.passes.stage.Stage`) and their `Wiring`; nothing here imports a 
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import resource
@@ -23,8 +24,10 @@ from fxpipe.passes.errors import DeviceError
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.trace import Capture, module_path
+from fxpipe.passes.capture import Capture, module_path
 
+from . import saved
+from .report import describe
 from .schedules import Slot, async_warmup
 from .search import predict_slots
 from .wiring import Wiring
@@ -37,6 +40,16 @@ class Measurement:
 
     costs: Mapping[str, NodeCost]
     calibration: tuple[float, float]
+
+
+class Runs(enum.Enum):
+    """How a plan runs: as a pipeline, or the model as it is (one stage, the whole batch, the
+    caller's threads), and then why; the value says it in words."""
+
+    PIPELINE = "a pipeline"
+    AS_IS_PREDICTED = "no pipeline was predicted faster"
+    AS_IS_MEASURED = "no pipeline was measured faster"
+    AS_IS_BUSY = "the machine was too busy to weigh pipelines"
 
 
 @dataclass(frozen=True)
@@ -62,21 +75,22 @@ class Plan:
     unpipelined_threads: int = 0
     considered: tuple = ()                    # search.Candidate: the configurations weighed
     chosen: object = None                     # the one chosen (a search.Candidate)
-    reason: str = ""                          # why
+    reason: str = ""                          # why, in words
+    runs: Runs = Runs.PIPELINE                # how it runs: what a Pipeline reads
     # The configurations raced on the example (the shortlist, the model as is last): each
     # one's (search.Config, predicted time, least measured time) per batch.
     raced: tuple = ()
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
     spread: float | None = None               # how unsteady the measurement was
     # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
-    # dimension of each graph input and model output leaf, the schedule, each stage's threads.
+    # dimension of each graph input and model output leaf, the schedule. Each stage's device,
+    # threads and memory are its `partition.devices[s]`, and nowhere else (`threads`).
     stages: tuple[Stage, ...] = ()
     wiring: Wiring | None = None
     signature: Signature | None = None
     batch_dims: Mapping[str, Any] = field(default_factory=dict)
     output_dims: tuple[int | None, ...] | None = None
     schedule: str = "gpipe"
-    threads: tuple[int | None, ...] = ()
     training: bool | None = None              # the mode the model was planned (and checked) in
     recompute: str = "never"                  # the option: "never", "always" or "auto"
     stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
@@ -89,6 +103,11 @@ class Plan:
     # initialisation writes them, `fxpipe.weights.stand_in_`), by the model's names: running
     # the plan needs their values from a checkpoint.
     stand_ins: tuple[str, ...] = ()
+    # The tolerance the outputs were checked within, relative to each output's largest
+    # magnitude (None: 16 epsilons of each output's dtype, or not checked), and where it came
+    # from (`checks.measured_tolerance`: "the model's own bf16 rounding x4, ...").
+    verify_tolerance: float | None = None
+    verify_tolerance_source: str = ""
     planning_peak_rss_bytes: int | None = None    # the planning process's peak resident memory
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
@@ -108,8 +127,7 @@ class Plan:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
         without the model's code (see `fxpipe.saved`)."""
-        from .saved import save
-        return save(self, path)
+        return saved.save(self, path)
 
     def with_weights(self, weights: Any, devices: Sequence[Any] | None = None, *,
                      model: Any = None) -> "Plan":
@@ -117,8 +135,7 @@ class Plan:
         each stage only its own, on its device (or `devices[s]`), non-persistent buffers drawn
         from `model`'s structure: how a plan made from a model built on meta gets its weights
         (see `fxpipe.saved.with_weights`)."""
-        from .saved import with_weights
-        return with_weights(self, weights, devices, model=model)
+        return saved.with_weights(self, weights, devices, model=model)
 
     @property
     def stream_prediction(self) -> tuple[float, float]:
@@ -167,15 +184,18 @@ class Plan:
         return self.unpipelined_s / self.predicted_step_s
 
     def __str__(self) -> str:
-        from .report import describe
         return describe(self)
 
     @property
     def runs_as_is(self) -> bool:
-        """Whether the plan chose the model as it is (one stage, whole batch, the caller's
-        threads) because no pipeline was predicted faster."""
-        return bool(self.considered) and self.chosen is self.considered[-1] and \
-            self.reason.startswith("no pipeline")
+        """Whether the plan runs the model as it is (one stage, whole batch, the caller's
+        threads): `runs` says why."""
+        return self.runs is not Runs.PIPELINE
+
+    @property
+    def threads(self) -> tuple[int | None, ...]:
+        """Each stage's intra-op threads (None: as its worker starts), read off its device."""
+        return tuple(d.threads for d in self.partition.devices[:len(self.stages)])
 
 
 def refuse_without_weights(plan: Plan) -> None:

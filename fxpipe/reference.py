@@ -19,7 +19,7 @@ from torch import nn
 
 from fxpipe.passes.device import initialized_gpus
 from fxpipe.passes.state import unchanged_state
-from fxpipe.passes.trace import attributes_restored
+from fxpipe.passes.capture import attributes_restored
 
 from . import microbatch
 
@@ -52,7 +52,7 @@ def copied(inputs: Any) -> Any:
 def unchanged(model: nn.Module) -> Iterator[None]:
     """Inside, run `model` freely: its parameters and buffers (the tensors, and the buffers'
     values, `fxpipe.passes.state.unchanged_state`), its modules' plain attributes
-    (`fxpipe.passes.trace.attributes_restored`) and the random generators are restored after;
+    (`fxpipe.passes.capture.attributes_restored`) and the random generators are restored after;
     gradients are off."""
     cuda = initialized_gpus()
     with unchanged_state(model), attributes_restored(model), torch.random.fork_rng(devices=cuda), \

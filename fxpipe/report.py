@@ -1,12 +1,9 @@
-"""What a user reads: a plan as `print(plan)` shows it, tables (tabulate) and warnings.
-
-`Plan` and `Measurement` live in `fxpipe.plan_data`; their names here are what plans saved
-before were pickled under, so those still load.
-"""
+"""What a user reads: a plan as `print(plan)` shows it, tables (tabulate) and warnings."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
@@ -14,8 +11,10 @@ from fxpipe.passes.annotate_costs import UNSTEADY
 from fxpipe.passes.cost_model import format_bytes
 from fxpipe.passes.materialize import blockless
 
-from .plan_data import Measurement, Plan  # noqa: F401 (Measurement: saved plans' pickles)
 from .search import in_flight, notes
+
+if TYPE_CHECKING:      # plan_data renders its plans here: the type only, or a cycle
+    from .plan_data import Plan
 
 
 # What `Plan.link` says transfers were priced as.
@@ -58,8 +57,19 @@ def describe(plan: Plan) -> str:
         *_comparison(plan),
         *_stand_ins(plan),
         *_choice(plan),
-        f"outputs checked against the model: {plan.verified}",
+        f"outputs checked against the model: {plan.verified}{_tolerance(plan)}",
     ])
+
+
+def _tolerance(plan: Plan) -> str:
+    """What the outputs were checked within, and where that came from, after "yes"."""
+    if not plan.verified.startswith("yes") or not plan.verify_tolerance_source:
+        return ""
+    if plan.verify_tolerance is None:
+        return (f", within 16 epsilons of each output's dtype, relative to its largest "
+                f"magnitude ({plan.verify_tolerance_source})")
+    return (f", within {plan.verify_tolerance:.2g} of each output's largest magnitude "
+            f"({plan.verify_tolerance_source})")
 
 
 def _sizes(plan: Plan) -> list[str]:
@@ -150,12 +160,8 @@ def _comparison(plan: Plan) -> list[str]:
     model = (f"{plan.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
              f"{_count(plan.unpipelined_threads, 'thread')})")
     if plan.runs_as_is:
-        why = ("the machine was too busy to weigh pipelines" if plan.reason.startswith(
-                   "no pipeline is weighed on a busy machine") else
-               "no pipeline was measured faster" if plan.reason.startswith(
-                   "no pipeline is measured") else "no pipeline was predicted faster")
-        return [f"per batch: the model as is, {model}: {why}, so the one stage runs the whole "
-                f"batch on the caller's thread"]
+        return [f"per batch: the model as is, {model}: {plan.runs.value}, so the one stage runs "
+                f"the whole batch on the caller's thread"]
     lines = [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
              f"unpipelined {model}: {plan.speedup:.2f}x"]
     if plan.speedup < 1:
@@ -190,7 +196,7 @@ def _choice(plan: Plan) -> list[str]:
     measured = {config: s for config, _, s in plan.raced}
     rows = []
     for c in plan.considered:
-        as_is = c is plan.considered[-1] and plan.reason.startswith("no pipeline")
+        as_is = c is plan.considered[-1] and plan.runs_as_is
         row = ["*" if c is plan.chosen else "", c.config.num_stages, c.config.chunks,
                c.config.schedule, c.config.threads,
                "-" if c.predicted_s is None else f"{c.predicted_s * 1e3:.3f}",

@@ -45,7 +45,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -53,12 +53,15 @@ from torch import nn
 from fxpipe.passes.codegen import place
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, format_bytes
-from fxpipe.passes.device import same_memory
+from fxpipe.passes.device import is_cpu, same_memory
 from fxpipe.passes.errors import DeviceError, PlanFileError
 
 from .devices import DeviceLike, parse_devices
-from .plan_data import Plan
 from .report import cost_sources
+from .weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
+
+if TYPE_CHECKING:      # plan_data saves its plans here: the type only, or a cycle
+    from .plan_data import Plan
 
 FORMAT = 3
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
@@ -208,7 +211,6 @@ def save_stage_weights(plan: Plan, directory: str | os.PathLike, stages: Sequenc
     stage holds that another stage stores, (stage, name) -> the stored name (a saved plan's
     `shared` entries: with stages holding copies on different devices, sameness is not seen).
     """
-    from .weights import MAX_SHARD_BYTES, save_weights, shard_layout
     skip, tied = _non_persistent(plan), tied or {}
     groups: list[dict[str, torch.Tensor]] = []
     tied_names: dict[str, str] = {}
@@ -372,7 +374,7 @@ def _description(plan: Plan) -> dict[str, Any]:
             for kind, cost in measured.items():
                 costs.setdefault(node.name, {})[kind] = dataclasses.asdict(cost)
     return {
-        "capture": {"method": plan.capture.method, "leaves": list(plan.capture.leaves),
+        "capture": {"method": str(plan.capture.method), "leaves": list(plan.capture.leaves),
                     "training": plan.capture.training, "reason": plan.capture.reason},
         "devices": [dataclasses.asdict(d) for d in part.devices],
         "chunks": plan.chunks, "schedule": plan.schedule, "threads": list(plan.threads),
@@ -383,6 +385,8 @@ def _description(plan: Plan) -> dict[str, Any]:
                       "stages": [dataclasses.asdict(c) for c in part.stages]},
         "predicted_step_s": plan.predicted_step_s, "unpipelined_s": plan.unpipelined_s,
         "weights_source": plan.weights, "stand_ins": list(plan.stand_ins),
+        "verified": plan.verified, "verify_tolerance": plan.verify_tolerance,
+        "verify_tolerance_source": plan.verify_tolerance_source,
         "planning_peak_rss_bytes": plan.planning_peak_rss_bytes,
         "stages": [{"index": s.index, "device": str(s.device), "inputs": list(s.inputs),
                     "outputs": list(s.outputs)} for s in plan.stages],
@@ -536,7 +540,10 @@ def _moved(plan: Plan, specs: dict[int, DeviceSpec], what: str) -> Plan:
                               f"or plan the model again for these devices")
     stages = tuple(dataclasses.replace(stage, device=torch.device(specs[s].name))
                    if s in specs else stage for s, stage in enumerate(plan.stages))
-    devices = tuple(specs.get(s, d) for s, d in enumerate(plan.partition.devices))
+    # A CPU given without a thread count keeps the stage's planned one.
+    devices = tuple(d if s not in specs else dataclasses.replace(specs[s], threads=d.threads)
+                    if specs[s].threads is None and is_cpu(specs[s].name) and is_cpu(d.name)
+                    else specs[s] for s, d in enumerate(plan.partition.devices))
     return dataclasses.replace(plan, stages=stages,
                                partition=dataclasses.replace(plan.partition, devices=devices))
 
@@ -587,7 +594,6 @@ def _put(stage: Stage, loaded: _Loaded) -> None:
 
 
 def _opened(weights: Any) -> Any:
-    from .weights import open_weights
     return open_weights(weights)
 
 
@@ -632,7 +638,6 @@ def _read_stage(stage: Stage, source: Any, non_persistent: set[str],
 
 def _init_of(source: Any) -> Any:
     """`source` when it initialises (an `Init`), else the model's own initialisation."""
-    from .weights import Init
     return source if isinstance(source, Init) else Init()
 
 
@@ -641,7 +646,6 @@ def _drawn_by(source: Any, stage: Stage, model: nn.Module | None) -> Any:
     when given (its structure: built on meta is fine), else from the stage's own modules: the
     model's classes where the capture kept them whole (`nn.Linear`, `nn.Embedding`), under
     the model's module paths, so with the values `Init(model)` draws."""
-    from .weights import Init
     if not isinstance(source, Init) or source.model is not None or source.build is not None:
         return source
     return Init(stage.module if model is None else model, source.seed)

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from .graph_values import attr_value
-from .trace import module_path
+from .capture import module_path
 
 UNKNOWN = object()    # the type of a value nobody recorded: equal to nothing else
 

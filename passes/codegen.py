@@ -263,7 +263,7 @@ def _own_op_bodies(module: fx.GraphModule) -> fx.GraphModule:
 
 def _grad_regions(graph: fx.Graph) -> None:
     """Run nodes traced under an explicit grad mode (`node.meta["grad_enabled"]`, see
-    `fxpipe.passes.trace`: `with torch.no_grad():` in forward) in that mode, and the rest in the caller's.
+    `fxpipe.passes.capture`: `with torch.no_grad():` in forward) in that mode, and the rest in the caller's.
 
     Each maximal run of nodes with the same explicit mode (reads of parameters join any run)
     becomes, in the stage's code:

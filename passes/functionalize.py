@@ -252,6 +252,11 @@ def _become(node: fx.Node, fn: Callable, args: tuple, kwargs: dict | None = None
         node.kwargs = kwargs
 
 
+class GraphRunFailed(TraceError):
+    """The graph failed to run on the example's values (not a fault of its shape): a graph
+    run on unfilled values may still run on plausible ones."""
+
+
 RUN_FAILED = "functionalize could not run the graph on the example inputs"
 
 
@@ -277,7 +282,7 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     except FxpipeError:         # the weights' own (a tensor missing from a checkpoint), as it is
         raise
     except Exception as e:
-        raise TraceError(f"{RUN_FAILED}: {type(e).__name__}: {e}") from e
+        raise GraphRunFailed(f"{RUN_FAILED}: {type(e).__name__}: {e}") from e
     storages = {node: _storages(value) for node, value in interpreter.env.items()}
     storages.update({node: found for node, (found, _) in interpreter.freed.items()})
     return interpreter.env, storages, {node: at for node, (_, at) in interpreter.freed.items()}

@@ -252,7 +252,7 @@ def _node_draws(gm: fx.GraphModule, node: fx.Node) -> bool:
 # --- the pass ------------------------------------------------------------------------------------
 
 _KEPT_META = ("nn_module_stack", "stack_trace",   # what the nodes a draw adds copy from it
-              "grad_enabled")                      # (a no_grad region: see fxpipe.passes.trace)
+              "grad_enabled")                      # (a no_grad region: see fxpipe.passes.capture)
 _VALUE_META = ("val", "tensor_meta", "example_value")
 
 

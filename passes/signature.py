@@ -6,7 +6,7 @@ values. `Signature` maps between the two, for both front-ends:
 
 - torch.fx graphs have one placeholder per forward parameter (defaults kept), and the output
   node holds the output's structure with nodes as leaves. `*args` and `**kwargs` are one
-  placeholder each, bound to a tuple and a dict; `plain_varargs` (run by `fxpipe.passes.trace`) drops
+  placeholder each, bound to a tuple and a dict; `plain_varargs` (run by `fxpipe.passes.capture`) drops
   fx's `*` from their targets, so that `fx.Interpreter` too reads one value per placeholder,
   while the module's `forward` still takes `*args`, `**kwargs` as the model does. An input fx
   specialised through `concrete_args` (traced at its value, e.g. `mask=None`) is a placeholder
@@ -19,13 +19,13 @@ values. `Signature` maps between the two, for both front-ends:
   fails here, naming the input, not deep inside a stage. Export also fixed every
   input that is not a tensor (a flag, a step count, a temperature) to its example value, so any
   other value, or a tensor in its place, is refused by name too.
-  Export leaves every size free that the model's code lets vary (`fxpipe.passes.trace` asks it
+  Export leaves every size free that the model's code lets vary (`fxpipe.passes.capture` asks it
   to, for every dimension of every tensor input): a sequence length, an image's height. What the
   graph assumes of the free sizes (two inputs of one length, a length below the model's position
   table, a multiple of the heads) is kept as `SizeRule`s, checked up front too, and a size the
   code fixed is refused naming the model's line that fixed it.
 
-Each front-end knows its convention (`fxpipe.passes.trace` builds it with `traced_signature` or
+Each front-end knows its convention (`fxpipe.passes.capture` builds it with `traced_signature` or
 `exported_signature` and keeps it in `gm.meta["signature"]`); `signature_of(gm)` returns it with
 the graph's current placeholders and output values, which later passes may rewire. A graph
 captured elsewhere is read from the graph itself (fx: inputs fx specialised are then plain
@@ -364,7 +364,7 @@ def _traced(placeholders: list[fx.Node], output: fx.Node,
 
 def _model_containers(leaves: list[Any], graph_spec: pytree.TreeSpec,
                       model_spec: pytree.TreeSpec | None) -> pytree.TreeSpec:
-    """The model's own output structure (`fxpipe.passes.trace` records it, e.g. an `OrderedDict` where
+    """The model's own output structure (`fxpipe.passes.capture` records it, e.g. an `OrderedDict` where
     fx's graph has a `dict`) when it holds the graph's outputs at the same places, else the graph's.
     """
     if model_spec is None or model_spec.num_leaves != len(leaves) or model_spec == graph_spec:
@@ -397,7 +397,7 @@ def _exported(placeholders: list[fx.Node], output: fx.Node, arg_names: Sequence[
     if not (in_spec.type is tuple and in_spec.num_children == 2 and
             in_spec.child(0).type is tuple and in_spec.child(1).type is dict):
         raise InputError(f"the graph's in_spec {in_spec} is not the (args, kwargs) pair "
-                         f"torch.export writes: capture the model with fxpipe.passes.trace.trace")
+                         f"torch.export writes: capture the model with fxpipe.passes.capture.trace")
     positional = in_spec.child(0).num_children
     arg_names = list(arg_names or [f"arg_{i}" for i in range(positional)])
     names = tuple(arg_names[:positional]) + tuple(in_spec.child(1).context)

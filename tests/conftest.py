@@ -61,3 +61,21 @@ def scripted_costs(monkeypatch):
     monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
         plan.predicted_step_s, plan.unpipelined_s, 0))
     return heavy
+
+
+# Tests that start processes of torch.distributed (torchrun, gloo ranks): whole modules, and
+# those elsewhere whose name says so.
+DISTRIBUTED_MODULES = {"test_distributed.py", "test_distributed_hosts.py",
+                       "test_torch_pipelining.py"}
+DISTRIBUTED_NAMES = ("under_torchrun", "across_processes")
+
+
+def pytest_collection_modifyitems(items):
+    """Markers by where a test runs: `gpu` (tests/gpu/, skipped without CUDA) and
+    `distributed` (see above), so that `-m "not distributed"` or `-m gpu` picks them."""
+    for item in items:
+        path = item.path
+        if path.parent.name == "gpu":
+            item.add_marker(pytest.mark.gpu)
+        if path.name in DISTRIBUTED_MODULES or any(n in item.name for n in DISTRIBUTED_NAMES):
+            item.add_marker(pytest.mark.distributed)

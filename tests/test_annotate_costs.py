@@ -7,7 +7,7 @@ from torch import nn
 
 import fxpipe.passes.device as device_module
 from fxpipe.passes.annotate_costs import UNSTEADY, annotate_costs, bind_inputs, measurement_spread
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 from fxpipe.passes.cost_model import NodeCost
 from fxpipe.passes.errors import CostError, InputError
 

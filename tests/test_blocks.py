@@ -19,7 +19,7 @@ from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.blocks import block_of, repeated_blocks
 from fxpipe.passes.errors import CostError
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 import transformers  # noqa: F401  (a test dependency: its absence must fail, not skip)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 class WritesItsInput(nn.Module):

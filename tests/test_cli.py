@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.__main__ import COLOURS, main
+from fxpipe.__main__ import COLOURS, _devices, main
+from fxpipe.passes.cost_model import format_bytes
 
 LAYER = ["torch.nn:TransformerEncoderLayer", "--kwargs",
          '{"d_model": 32, "nhead": 4, "batch_first": true, "dropout": 0.0}', "--input", "8x10x32"]
@@ -77,6 +78,17 @@ def test_plan_explains_its_cuts(command, capsys):
     (["show", "/nonexistent/plan"], "no saved plan"),
     (["plan", *LAYER, "--memory", "2000"],      # the CPU's, shared by its two stages
      "more than any device has (at most 1.0 KB)"),
+    (["plan", "transformers:AutoModelForCausalLM", "--config", "/nonexistent/config.json",
+      "--meta", "--tokens", "1x16"], "--config /nonexistent/config.json: no such file"),
+    (["plan", "torch.nn:Embedding", "--config", "/nonexistent.json", "--tokens", "1x16"],
+     "--config /nonexistent.json: no such file"),
+    (["plan", "torch.nn:ReLU", "--tokens", "2x"], "--tokens '2x' is not BxS"),
+    (["plan", "torch.nn:ReLU", "--tokens", "2x3x4"], "--tokens '2x3x4' is not BxS"),
+    (["plan", "torch.nn:ReLU", "--tokens", "2x16"], "the model has no nn.Embedding"),
+    (["plan", "torch.nn:ReLU"], "no inputs: give --tokens BxS"),
+    (["plan", "torch.nn:ReLU", "--input", "4x4", "--devices", "cpu:0=400XB"],
+     "is not a memory size"),
+    (["plan", "torch.nn:ReLU", "--input", "4x4", "--memory", "lots"], "is not a memory size"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
@@ -178,3 +190,75 @@ def test_plan_for_a_run_under_torchrun_prices_values_as_gloo_messages(tmp_path, 
     assert main(["plan", *LAYER, "--link", "gloo", "--quiet", "--save", str(tmp_path)]) == 0
     assert "values priced as messages between processes over gloo" in capsys.readouterr().out
     assert fxpipe.load_plan(tmp_path).link == "gloo"
+
+
+# ---- a model built from its configuration -------------------------------------------------------
+
+TINY_LLAMA = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+
+
+def test_plan_builds_a_hugging_face_config_on_meta_and_show_gives_each_stages_tensors(
+        tmp_path, capsys):
+    """A config.json read from disk, the model built on meta in bf16, planned on two CPU
+    devices of 400 MB on token ids, saved with its manifest; `show` says which of the
+    checkpoint's tensors each stage reads."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**TINY_LLAMA)
+    config.to_json_file(tmp_path / "config.json")
+    assert main(["plan", "transformers:AutoModelForCausalLM", "--config",
+                 str(tmp_path / "config.json"), "--meta", "--tokens", "2x16", "--dtype", "bf16",
+                 "--devices", "cpu:0=400MB,cpu:1=400MB", "--quiet",
+                 "--save", str(tmp_path / "plan")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fxpipe plan: 2 stages") and "planned from the meta device" in out
+    assert "outputs checked against the model: yes, within " in out and \
+           "bf16 rounding x4, measured against float32" in out
+    document = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert [(d["name"], d["memory_bytes"]) for d in document["devices"]] == \
+        [("cpu:0", 400e6), ("cpu:1", 400e6)]
+    entries = {name: entry for stage in document["weights"]["stages"]
+               for name, entry in stage.items()}
+    assert entries["lm_head.weight"]["dtype"] == "bfloat16"
+    assert not any(entry["saved"] for entry in entries.values())     # a manifest, no values
+    # The model's own bf16 rounding, measured: between one bf16 epsilon and the unmeasured 16.
+    assert 2 ** -7 <= document["verify_tolerance"] < 16 * 2 ** -7
+    assert document["verify_tolerance_source"].endswith("measured against float32")
+
+    assert main(["show", str(tmp_path / "plan")]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("fxpipe plan: 2 stages")
+    assert "the plan holds none of their values: load it with weights=" in shown
+    rows = {line.split()[0]: line.split() for line in shown.splitlines()
+            if line.split() and line.split()[0] in ("0", "1", "all")}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    state = model.to(torch.bfloat16).state_dict()
+    assert int(rows["0"][2]) + int(rows["1"][2]) == int(rows["all"][1]) == len(state)
+    assert rows["0"][1] == "cpu:0" and rows["1"][1] == "cpu:1"
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert f"{rows['all'][2]} {rows['all'][3]}" == format_bytes(total)
+
+
+def test_plan_calls_a_plain_factory_with_its_config_file_in_the_dtype_asked(tmp_path, capsys):
+    """Any other factory is called with the file's JSON object, `--kwargs` overriding it;
+    --tokens reads the vocabulary off its embedding."""
+    (tmp_path / "embedding.json").write_text('{"num_embeddings": 50, "embedding_dim": 4}')
+    assert main(["plan", "torch.nn:Embedding", "--config", str(tmp_path / "embedding.json"),
+                 "--kwargs", '{"embedding_dim": 8}', "--tokens", "4x6", "--dtype", "bf16",
+                 "--devices", "cpu", "--quiet", "--save", str(tmp_path / "plan")]) == 0
+    assert capsys.readouterr().out.startswith("fxpipe plan: 1 stage")
+    (weight,) = [entry for stage in json.loads((tmp_path / "plan" / "plan.json").read_text())
+                 ["weights"]["stages"] for entry in stage.values()]
+    assert weight["shape"] == [50, 8] and weight["dtype"] == "bfloat16" and weight["saved"]
+    assert main(["show", str(tmp_path / "plan")]) == 0
+    assert "the plan's files hold their values" in capsys.readouterr().out
+
+
+def test_devices_take_their_memory_in_units_and_memory_the_rest():
+    assert _devices("cpu:0=400MB,cpu:1=1.5GiB,cpu:2", 2e9) == [
+        fxpipe.DeviceSpec("cpu:0", memory_bytes=400e6),
+        fxpipe.DeviceSpec("cpu:1", memory_bytes=1.5 * 2 ** 30),
+        fxpipe.DeviceSpec("cpu:2", memory_bytes=2e9)]
+    assert _devices("cpu,cuda:0=80GB", None) == ["cpu", fxpipe.DeviceSpec("cuda:0",
+                                                                          memory_bytes=80e9)]

@@ -16,7 +16,7 @@ import fxpipe
 from fxpipe.testing import assert_pipeline_matches
 from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe.passes.errors import PartitionError
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 def encoder(dropout: float = 0.1) -> nn.TransformerEncoder:

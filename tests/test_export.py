@@ -19,7 +19,7 @@ from fxpipe.passes.codegen import place, split_stages
 from fxpipe.passes.errors import InputError, TraceError
 from fxpipe.passes.functionalize import functionalize
 from fxpipe.passes.signature import signature_of
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 class Block(nn.Module):

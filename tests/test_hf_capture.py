@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 from fxpipe.testing import assert_pipeline_matches
 from fxpipe.testing import assert_same_up_to_rounding
 

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding, grads_of
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 # ---- item 3: non-tensor inputs of an exported graph --------------------------------------

@@ -19,7 +19,7 @@ from torch import nn
 import fxpipe
 from fxpipe.passes.codegen import with_tensors
 from fxpipe.passes.errors import PlanFileError
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 from fxpipe.weights import Init, open_weights, save_weights, stand_in_
 
 VOCAB, WIDTH, LAYERS, HEADS = 256, 64, 4, 4

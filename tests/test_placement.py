@@ -20,7 +20,7 @@ from fxpipe.devices import parse_devices, shared_memory, synchronize
 from fxpipe.passes import codegen
 from fxpipe.passes.annotate_costs import annotate_costs, start_timer
 from fxpipe.passes.codegen import held_by_stages, place, split_stages
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 class Net(nn.Module):

@@ -68,7 +68,7 @@ class Slow(nn.Module):
 
 def test_node_costs_are_scaled_to_the_graphs_own_time_keeping_their_proportions():
     from fxpipe.passes.cost_model import NodeCost
-    from fxpipe.passes.trace import trace
+    from fxpipe.passes.capture import trace
 
     x = torch.randn(2, 4)
     gm = trace(Slow(), (x,), {}, leaf_modules=[Sleeps])

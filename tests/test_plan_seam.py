@@ -17,7 +17,7 @@ import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding, grads_of
 from fxpipe.__main__ import main
 from fxpipe.options import LinkName, Options, Recompute
-from fxpipe.plan_data import Measurement, Plan
+from fxpipe.plan_data import Plan
 from fxpipe.passes.stage import Stage
 
 
@@ -95,7 +95,7 @@ def test_a_plan_prints_as_the_pipeline_compiled_with_it():
     text = str(plan)
     assert text.startswith("fxpipe plan: 2 stages, 2 micro-batches")
     assert "per batch: pipeline " in text and " ms predicted, model unpipelined " in text
-    assert text.endswith("outputs checked against the model: yes")
+    assert text.splitlines()[-1].startswith("outputs checked against the model: yes, within ")
     assert str(fxpipe.Pipeline(plan).plan) == text
     compiled = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2).plan
 
@@ -142,20 +142,19 @@ def test_the_command_line_plans_and_saves_without_a_pipeline(no_pipeline_no_work
 
 
 def test_a_plan_pickled_under_the_old_module_paths_loads(tmp_path, monkeypatch):
-    """Plans saved before Stage and Plan moved name `fxpipe.passes.codegen.Stage` and
-    `fxpipe.report.Plan` in their pickle: those names still lead to the classes."""
+    """Plans saved before Stage moved name `fxpipe.passes.codegen.Stage` in their pickle: that
+    name still leads to the class. (`fxpipe.report.Plan`, an older name of Plan's, is gone:
+    report imports no plan at run time, and plans saved by earlier fxpipe versions are
+    refused by their version anyway.)"""
     torch.manual_seed(0)
     model, x = Net().eval(), torch.randn(12, 16)
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
-    for cls, module in [(Stage, "fxpipe.passes.codegen"), (Plan, "fxpipe.report"),
-                        (Measurement, "fxpipe.report")]:
-        monkeypatch.setattr(cls, "__module__", module)
+    monkeypatch.setattr(Stage, "__module__", "fxpipe.passes.codegen")
     plan.save(tmp_path / "plan")
     monkeypatch.undo()
     with zipfile.ZipFile(tmp_path / "plan" / "plan.pt") as saved:
         pickled = saved.read(next(n for n in saved.namelist() if n.endswith("data.pkl")))
-    assert b"fxpipe.passes.codegen" in pickled and b"fxpipe.report" in pickled
-    assert b"fxpipe.plan_data" not in pickled
+    assert b"fxpipe.passes.codegen" in pickled and b"fxpipe.plan_data" in pickled
     loaded = fxpipe.load_plan(tmp_path / "plan")
     assert type(loaded) is Plan and all(type(s) is Stage for s in loaded.stages)
     with torch.no_grad():

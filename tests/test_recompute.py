@@ -10,6 +10,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
+from fxpipe.passes.cost_model import Pricing, cost_graph
 from fxpipe.testing.memory import can_measure
 
 
@@ -121,14 +122,27 @@ def test_the_plan_shows_each_stages_training_memory_kept_and_recomputed():
                           schedule="gpipe", optimizer="adam")
     plan = pipe.plan
     assert any(plan.stage_saved_bytes)
-    for s, cost in enumerate(plan.partition.stages):
-        state = 4 * plan.stage_param_bytes[s]       # weights, gradients, Adam's two moments
-        saved, received = plan.stage_saved_bytes[s], cost.received_bytes
-        # GPipe keeps every micro-batch in flight at each stage.
-        assert cost.memory_kept_bytes == state + 4 * (saved + received)
-        # recomputing, the peak is in the backward: the gradients of what it sent wait there
-        # (a chain sends each value to one reader: sent_bytes counts each once)
-        assert cost.memory_recomputing_bytes == state + 4 * (received + cost.sent_bytes) + saved
+    part = plan.partition
+    graph = cost_graph(plan.graph, training=True)
+    stage_of = [part.stage_of.get(name, -1) for name in graph.names]
+    pricing = Pricing(graph, part.devices, memory=part.memory)
+    for s, (cost, held) in enumerate(zip(part.stages,
+                                         pricing.training_held(stage_of, pricing.tally(stage_of)))):
+        params = held.param_bytes
+        assert params == plan.stage_param_bytes[s]
+        state = 3 * params                  # weights and Adam's two moments, throughout
+        saved, received = held.saved_bytes, held.received_bytes
+        assert saved == plan.stage_saved_bytes[s] and received == cost.received_bytes
+        transient, temp = held.backward_bytes, held.grad_temp_bytes
+        kept = saved - held.moved_bytes      # a later stage in the same memory takes the rest
+        # GPipe holds every micro-batch as the first backward starts, one fewer with every
+        # gradient made as the later ones run.
+        assert cost.memory_kept_bytes == state + max(
+            4 * (kept + received) + transient, params + 3 * (kept + received) + transient + temp)
+        # recomputing, it keeps what it received, and one micro-batch's saved values while its
+        # backward runs
+        assert cost.memory_recomputing_bytes == state + saved + max(
+            4 * received + transient, params + 3 * received + transient + temp)
         assert cost.memory_bytes == cost.memory_kept_bytes and not cost.recompute
     assert "memory in training" in str(plan)
     inference = fxpipe.compile(model.eval(), ["cpu"] * 2, (torch.randn(32, 64),))

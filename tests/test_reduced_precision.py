@@ -1,7 +1,8 @@
 """The checks' tolerance is the model's own rounding, measured against float64, so rounding
 passes and a model mixing samples does not: on a CPU, where another CPU's kernels (another
 order of sums) round a model with a large dynamic range by more than a fixed bound allows, and
-on a GPU that runs float32 in reduced precision (TF32).
+on a GPU that runs float32 in reduced precision (TF32); a bf16 model's, measured against
+float32, as its micro-batches round otherwise than its whole batch. The plan states it.
 
 A CPU has no TF32: `Rounds` stands in for it, rounding its float32 results by an amount that
 depends on the batch size (as a GPU's kernels do for other micro-batch sizes) and computing
@@ -17,7 +18,8 @@ from torch import nn
 
 import fxpipe
 import fxpipe.checks
-from fxpipe.checks import rounding_tolerance
+from fxpipe.checks import measured_tolerance, rounding_tolerance
+from fxpipe.passes.compare import difference
 
 
 class Rounds(nn.Module):
@@ -129,7 +131,6 @@ def offset(mixes=False):
 
 
 def test_on_a_cpu_the_tolerance_is_four_times_the_models_rounding_against_float64():
-    from fxpipe.passes.compare import difference
     model, x = offset()
     with torch.no_grad():
         rounded = model(x)
@@ -198,3 +199,119 @@ def test_a_model_drawing_random_numbers_is_measured_in_eval_mode():
     tolerance = rounding_tolerance(model, (torch.randn(12, 16),), {})
     assert tolerance is not None and tolerance < 1e-5
     assert all(m.training for m in model.modules())
+
+
+# ---- a bf16 model: its own rounding, measured against float32 --------------------------------
+
+class GPUKernels(nn.Module):
+    """Its bf16 input as a GPU's kernels may round it for another batch size (a CPU's do not):
+    one bf16 step (2**-8 of itself) higher times (batch size mod 5)."""
+
+    def forward(self, h):
+        if h.dtype != torch.bfloat16:
+            return h
+        return h + h.detach() * 2.0 ** -8 * (h.shape[0] % 5)
+
+
+class Deep(nn.Module):
+    """Residual tanh layers, the output cast to float32 as language models cast their logits.
+    `mixes`: each sample's values read the batch's mean."""
+
+    def __init__(self, mixes=False):
+        super().__init__()
+        self.first, self.last = nn.Linear(16, 128), nn.Linear(128, 8)
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(6))
+        self.kernels = GPUKernels()
+        self.mixes = mixes
+
+    def forward(self, x):
+        h = self.first(x)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        h = self.kernels(h)
+        if self.mixes:
+            h = h - h.mean(0)
+        return self.last(h).float()
+
+
+def bf16(mixes=False):
+    torch.manual_seed(0)
+    return Deep(mixes).eval().to(torch.bfloat16), torch.randn(12, 16, dtype=torch.bfloat16)
+
+
+BF16_LEAST = torch.finfo(torch.bfloat16).eps     # measured, bf16's own rounding stands down to it
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_a_bf16_model_compiles_on_micro_batches_and_the_plan_states_its_tolerance(chunks):
+    model, x = bf16()
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=chunks, repeats=1)
+    plan = pipe.plan
+    assert plan.verify_tolerance == rounding_tolerance(model, (x,), {}) >= BF16_LEAST
+    assert plan.verify_tolerance_source in (
+        "the model's own bf16 rounding x4, measured against float32",
+        f"one bf16 epsilon, the least for a bf16 model; its own rounding x4, measured against "
+        f"float32, is {plan.verify_tolerance:.2g}") or plan.verify_tolerance_source.startswith(
+        "one bf16 epsilon, the least for a bf16 model; its own rounding x4, measured against")
+    assert str(plan).splitlines()[-1] == (
+        f"outputs checked against the model: yes, within {plan.verify_tolerance:.2g} of each "
+        f"output's largest magnitude ({plan.verify_tolerance_source})")
+    expected = torch.cat([model(part) for part in x.chunk(chunks)])
+    assert not difference(pipe(x), expected, plan.verify_tolerance)
+    # Float32's 16 epsilons, the default for its float32 output, took the rounding of bf16
+    # micro-batches on a GPU for a model mixing samples.
+    with pytest.raises(fxpipe.BatchError, match="mixes samples across the batch"):
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=chunks, repeats=1,
+                       verify_tolerance=16 * torch.finfo(torch.float32).eps)
+
+
+class CoarseBf16(nn.Module):
+    """Bf16 results off by 2**-5 times (batch size mod 5) of themselves; float32 exact."""
+
+    def forward(self, y):
+        if y.dtype == torch.float32:
+            return y
+        return y + y.detach() * 2.0 ** -5 * (y.shape[0] % 5)
+
+
+def test_a_bf16_models_tolerance_is_four_times_its_error_against_float32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), CoarseBf16(), nn.Linear(32, 8))
+    model, x = model.eval().to(torch.bfloat16), torch.randn(12, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        rounded = model(x)
+        exact = torch.func.functional_call(
+            model, {n: t.float() for n, t in model.state_dict().items()}, (x.float(),))
+    error = ((rounded.double() - exact.double()).abs().max() / exact.abs().max()).item()
+    assert 2 * 2 ** -5 * 0.5 < error < 2 * 2 ** -5 * 1.5          # 12 % 5 = 2
+    tolerance, source = measured_tolerance(model, (x,), {}, rounded=rounded)
+    assert tolerance == pytest.approx(4 * error, rel=1e-6) and tolerance > BF16_LEAST
+    assert source == "the model's own bf16 rounding x4, measured against float32"
+    # Without `rounded`, the same from two runs in eval mode.
+    assert rounding_tolerance(model, (x,), {}) == pytest.approx(tolerance, rel=1e-6)
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=4, repeats=1)
+    assert plan.verify_tolerance == pytest.approx(tolerance, rel=1e-6)
+    assert f"within {tolerance:.2g} of each output's largest magnitude (the model's own bf16 " \
+           f"rounding x4, measured against float32)" in str(plan)
+
+
+def test_a_bf16_model_mixing_samples_is_still_refused():
+    model, x = bf16(mixes=True)
+    for chunks in (2, 4):
+        with pytest.raises(fxpipe.BatchError, match="mixes samples across the batch"):
+            fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=chunks, repeats=1)
+
+
+def test_a_float32_models_plan_states_its_measured_tolerance_and_an_asked_one():
+    model, x = offset()
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, repeats=1, leaf_modules=[AnotherCPU])
+    assert plan.verify_tolerance_source == "the model's own float32 rounding x4, measured " \
+                                           "against float64"
+    assert plan.verify_tolerance > 16 * torch.finfo(torch.float32).eps
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, repeats=1, leaf_modules=[AnotherCPU],
+                       verify_tolerance=1e-3)
+    assert str(plan).endswith("within 0.001 of each output's largest magnitude (as asked: "
+                              "verify_tolerance=)")
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, repeats=1, leaf_modules=[AnotherCPU],
+                       verify=False)
+    assert str(plan).endswith("outputs checked against the model: skipped (verify=False)")

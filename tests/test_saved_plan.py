@@ -1,5 +1,6 @@
 """A plan saved to disk and loaded back runs as the pipeline it came from, without the model."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -409,7 +410,9 @@ def test_a_plan_loads_on_the_devices_given(tmp_path):
         (tmp_path / "plan" / f"stage_{s}.py").read_text() for s in range(2))
     roomy = fxpipe.DeviceSpec("cpu", memory_bytes=1e12)
     loaded = fxpipe.load_plan(tmp_path / "plan", devices=["cpu", roomy])
-    assert loaded.partition.devices == (fxpipe.DeviceSpec("cpu"), roomy)
+    # A CPU named without a thread count keeps the stage's planned threads.
+    assert loaded.partition.devices == (fxpipe.DeviceSpec("cpu", threads=plan.threads[0]),
+                                        dataclasses.replace(roomy, threads=plan.threads[1]))
     assert "meta" not in "".join(stage.module.code for stage in loaded.stages)
     with torch.no_grad():
         assert_same_up_to_rounding(fxpipe.Pipeline(loaded)(x), model(x))
@@ -448,3 +451,46 @@ def test_a_rank_runs_a_gpu_stage_on_its_local_gpu(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK")
     assert rank_device(torch.device("cuda:1")) == torch.device("cuda:1")
     assert chosen == [torch.device("cuda:3"), torch.device("cuda:1")]
+
+
+def test_stages_loaded_onto_devices_with_other_threads_run_with_those(tmp_path):
+    """A stage's threads live on its device, once: a plan saved on two 1-thread stages and
+    loaded onto 2-thread devices says (2, 2), and each stage runs with 2 intra-op threads."""
+    model, x = Counting().eval(), torch.randn(12, 8)
+    fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=1).save(tmp_path / "plan")
+    saved = fxpipe.load_plan(tmp_path / "plan")
+    assert saved.threads == (1, 1)
+    two = fxpipe.DeviceSpec("cpu", threads=2)
+    loaded = fxpipe.load_plan(tmp_path / "plan", devices=[two, two])
+    assert loaded.threads == (2, 2) and [d.threads for d in loaded.partition.devices] == [2, 2]
+    with torch.no_grad():
+        expected = model(x)
+    THREADS_SEEN.clear()
+    with fxpipe.Pipeline(loaded) as pipe, torch.no_grad():
+        assert_same_up_to_rounding(pipe(x), expected)
+        workers = []
+        with pipe._runtime.workers.run(lambda i: workers.append(torch.get_num_threads()),
+                                       lambda error: None) as jobs:
+            jobs.wait()
+    assert THREADS_SEEN == [2] * 4          # 2 stages' calls x 2 micro-batches, each on 2 threads
+    assert workers == [2, 2]                                       # each stage's worker
+
+
+THREADS_SEEN: list[int] = []
+
+
+def threads_seen(x):
+    THREADS_SEEN.append(torch.get_num_threads())
+    return x
+
+
+torch.fx.wrap("threads_seen")
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(threads_seen(torch.tanh(self.a(threads_seen(x)))))

@@ -10,7 +10,7 @@ import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe.passes.errors import InputError
 from fxpipe.passes.signature import signature_of
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 class Options(nn.Module):

@@ -22,7 +22,7 @@ from fxpipe.passes.cost_model import DeviceSpec, NodeCost, StageCost
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.split_wide import split_wide, splittable, wide_nodes
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 class Head(nn.Module):

@@ -16,7 +16,7 @@ from fxpipe.passes.cost_model import cost_graph
 from fxpipe.passes.functionalize import functionalize
 from fxpipe.passes.randomness import seed_random_ops
 from fxpipe.passes.state import state_units
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 
 class Counter(nn.Module):

@@ -1,10 +1,15 @@
+import json
+import pickle
+
 import pytest
 import torch
 import torch.fx as fx
 from torch import nn
 
+import fxpipe
 from fxpipe.passes.errors import TraceError
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import (EXPORT, FX, FX_LEAVES, Capture, CaptureFailed, Method, Request,
+                                   trace)
 from fxpipe.passes.user_code import describe_frame, user_frame
 
 
@@ -37,7 +42,7 @@ def test_plain_fx_capture_reproduces_the_model():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     x = torch.randn(3, 4)
     gm = trace(model, (x,))
-    assert gm.meta["capture"].method == "fx"
+    assert gm.meta["capture"].method is Method.FX
     torch.testing.assert_close(gm(x), model(x))
 
 
@@ -45,14 +50,14 @@ def test_submodule_that_breaks_fx_becomes_a_leaf_automatically():
     model, x = Net(), torch.randn(3, 4)
     gm = trace(model, (x,))
     capture = gm.meta["capture"]
-    assert capture.method == "fx+leaves" and capture.leaves == ("gate",)
+    assert capture.method is Method.FX_LEAVES and capture.leaves == ("gate",)
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["lin", "gate"]
     torch.testing.assert_close(gm(x), model(x))
 
 
 def test_explicit_leaf_modules_stay_whole():
     gm = trace(Net(), (torch.randn(2, 4),), leaf_modules=["gate"])
-    assert gm.meta["capture"].method == "fx"
+    assert gm.meta["capture"].method is Method.FX
     assert "gate" in [n.target for n in gm.graph.nodes if n.op == "call_module"]
 
 
@@ -129,3 +134,40 @@ def test_user_frame_of_the_current_stack_is_the_caller():
     frame = user_frame()
     assert frame.name == "test_user_frame_of_the_current_stack_is_the_caller"
     assert frame.line == "frame = user_frame()"
+
+
+# ---- the front-ends' protocol and the method they are recorded by --------------------------------
+
+def test_each_front_end_returns_a_captured_graph_or_raises_capture_failed_naming_the_line():
+    x = torch.randn(2, 4)
+    for front_end in (FX, FX_LEAVES, EXPORT):
+        model = nn.Linear(4, 4)
+        captured = front_end.capture(model, Request((x,), {}))
+        torch.testing.assert_close(captured.gm(x), model(x))
+        assert "signature" in captured.gm.meta
+        assert captured.training is (True if front_end is EXPORT else None)
+        with pytest.raises(CaptureFailed) as failure:
+            front_end.capture(Hopeless(), Request((x,), {}))
+        assert "if x.sum() > 0:" in failure.value.reason and failure.value.culprit is None
+
+
+def test_the_method_is_an_enum_plans_print_and_save_by_its_name(tmp_path):
+    assert [str(m) for m in Method] == ["fx", "fx+leaves", "export"]
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plan = fxpipe.plan(model, ["cpu"] * 2, (torch.randn(4, 4),), chunks=2)
+    assert plan.capture.method is Method.FX and "captured by fx" in str(plan)
+    plan.save(tmp_path / "plan")
+    saved = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert saved["capture"]["method"] == "fx"
+    assert fxpipe.load_plan(tmp_path / "plan").capture.method is Method.FX
+
+
+def test_a_capture_pickled_with_the_methods_name_under_the_old_module_loads_as_the_member():
+    old = Capture(Method.FX_LEAVES, ("gate",))
+    object.__setattr__(old, "method", "fx+leaves")    # as plans saved before Method hold it
+    data = pickle.dumps(old, protocol=0)
+    data = data.replace(b"fxpipe.passes.capture.frontend\n", b"fxpipe.passes.trace\n")
+    assert b"fxpipe.passes.trace\nCapture" in data and b"fx+leaves" in data
+    loaded = pickle.loads(data)
+    assert loaded.method is Method.FX_LEAVES and loaded == Capture(Method.FX_LEAVES, ("gate",))
+    assert str(loaded) == "fx+leaves (kept whole: gate)"

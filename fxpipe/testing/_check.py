@@ -11,7 +11,7 @@ from torch import nn
 
 from fxpipe.passes.compare import equal, output_name, same_structure
 from fxpipe.passes.randomness import microbatch_seeds
-from fxpipe.passes.trace import trace, without_cache
+from fxpipe.passes.capture import trace, without_cache
 
 from .. import microbatch
 from ..api import compile

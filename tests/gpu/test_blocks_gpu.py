@@ -11,7 +11,7 @@ from torch import nn
 
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.blocks import block_of
-from fxpipe.passes.trace import trace
+from fxpipe.passes.capture import trace
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -1,0 +1,66 @@
+"""A plan's stages run as a Pipeline runs them, without a Pipeline: a runtime for a plan, one
+call, one train step. The Pipeline (`fxpipe.pipeline`) calls them, and so do compile's check and
+race (`fxpipe.checks`, `fxpipe.measure`), which build no Pipeline: planning imports these, not
+the runtime's façade.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.randomness import microbatch_seeds
+
+from .. import microbatch
+from ..schedules import gpipe, timetable_for
+from .orchestrator import Runtime
+
+if TYPE_CHECKING:
+    from ..plan_data import Plan
+
+
+def runtime_of(plan: Plan) -> Runtime:
+    """A runtime for `plan`'s stages, along its wiring, with its threads and recomputation
+    (starting no thread: a run does)."""
+    return Runtime(plan.stages, plan.wiring, threads_per_stage=list(plan.threads),
+                   recompute=plan.stage_recompute)
+
+
+def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """One call of `plan`'s stages on the model's inputs, as `pipe(*args, **kwargs)` makes it:
+    split into micro-batches (one per row for a batch of fewer rows than chunks), run by
+    `runtime` (GPipe's forwards, each micro-batch from its seed), merged into the model's
+    output. Compile's check runs it in order, without a Pipeline."""
+    signature = plan.signature
+    values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
+    chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
+    outputs, _ = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
+                             seeds=microbatch_seeds(len(chunks)))
+    return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
+                             for chunk, out in zip(chunks, outputs)], plan.output_dims)
+
+
+def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> None:
+    """One train step of `plan`'s stages on the model's inputs, as `train_step` runs it (its
+    schedule, each micro-batch from its seed), the sum of the outputs as the loss: what
+    compile's race times in training. `.grad` is left as it was."""
+    signature = plan.signature
+    values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
+    chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
+    params = list({id(p): p for stage in plan.stages for p in stage.module.parameters()}.values())
+    before = [p.grad for p in params]
+
+    def loss_of(m: int, graph_values: dict[str, Any]) -> torch.Tensor:
+        out = signature.rebuild_outputs(graph_values)
+        return sum((t.float().sum() for t in tensors(out) if t.requires_grad),
+                   torch.zeros((), device=plan.stages[-1].device))
+    try:
+        for p in params:
+            p.grad = None
+        runtime.run(timetable_for(plan.schedule, len(plan.stages), len(chunks), backward=True),
+                    chunks, loss_of=loss_of, seeds=microbatch_seeds(len(chunks)))
+    finally:
+        for p, grad in zip(params, before):
+            p.grad = grad

@@ -1,0 +1,36 @@
+"""nn.Module -> fx.GraphModule, by the first front-end that captures the model faithfully.
+
+Front-ends, in order (`capture="auto"`), one module each, behind one protocol (`FrontEnd`, in
+`frontend`: each returns a `Captured` or raises `CaptureFailed` with its reason):
+1. `fx` (`Method.FX`): plain `torch.fx` symbolic tracing, module-level nodes with the user's
+   names.
+2. `fx_leaves` (`Method.FX_LEAVES`, "fx+leaves"): fx again, with every submodule whose forward
+   broke tracing made a leaf (called whole, as one node), found one at a time from where
+   tracing failed.
+3. `export` (`Method.EXPORT`): `torch.export.export(..., strict=False)`, which runs the Python
+   and records ATen ops, so it follows what fx cannot (size-dependent loops, `**kwargs`
+   forwards, Hugging Face models); its sizes in `export_sizes`, its graph made readable in
+   `readable`.
+
+`choose.trace` tries them and chooses: a graph counts only if it reproduces the model's output
+on the example inputs, and an fx graph too coarse for the stages asked gives way to export.
+When no front-end captures the model, one `TraceError` lists each failure with the user's source
+line and a fix. The graph records how it was captured in `gm.meta["capture"]` (a `Capture`), and
+each front-end its calling convention in `gm.meta["signature"]` (a
+`fxpipe.passes.signature.Signature`: the inputs fx fixed, export's specs), so nothing needs to
+be recovered from the graph afterwards.
+
+Python a pipeline would not run (attribute changes in forward, hooks) is in `side_effects`.
+"""
+
+from .choose import CAPTURE_MODES, CaptureMode, trace, without_cache
+from .export import EXPORT
+from .frontend import Capture, Captured, CaptureFailed, FrontEnd, Method, Request
+from .fx import FX
+from .fx_leaves import FX_LEAVES
+from .readable import module_path
+from .side_effects import attributes_restored, hook_kind
+
+__all__ = ["CAPTURE_MODES", "Capture", "CaptureFailed", "CaptureMode", "Captured", "EXPORT", "FX",
+           "FX_LEAVES", "FrontEnd", "Method", "Request", "attributes_restored", "hook_kind",
+           "module_path", "trace", "without_cache"]
