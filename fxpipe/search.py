@@ -26,8 +26,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.cost_model import CostGraph, DeviceSpec, LinkFn, Memory, cost_graph
-from fxpipe.passes.device import is_cpu
+from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, LinkFn, Memory, cost_graph,
+                                      cublas_workspace_bytes)
+from fxpipe.passes.device import is_cpu, is_gpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
 from fxpipe.passes.split_wide import split_wide, wide_nodes
@@ -94,6 +95,38 @@ def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> li
         for action in actions:
             held += 1 if action.phase is Phase.FORWARD else -1
             peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def gpu_overhead_bytes(devices: Sequence[DeviceSpec]) -> int:
+    """What a stage on one of `devices`' GPUs holds besides its values: cuBLAS's workspace on
+    its stream, by the GPU's architecture (0 without a GPU)."""
+    gpus = [torch.device(d.name) for d in devices if is_gpu(d.name)]
+    if not gpus:
+        return 0
+    known = torch.cuda.is_available()
+    return max(cublas_workspace_bytes(torch.cuda.get_device_capability(g) if known else None)
+               for g in gpus)
+
+
+def held_after_first_backward(schedule: str, chunks: int, num_stages: int) -> list[int]:
+    """Per stage, the most micro-batches of activations held as a backward after its first
+    starts (the one it runs among them; 0 where no backward follows the first), read off the
+    timetable: by then every gradient exists (`cost_model.Memory.after_backward`)."""
+    timetable = timetable_for(schedule, num_stages, chunks, backward=True)
+    peaks = []
+    for actions in timetable:
+        held = peak = 0
+        backwards = 0
+        for action in actions:
+            if action.phase is Phase.FORWARD:
+                held += 1
+                continue
+            if backwards:
+                peak = max(peak, held)
+            backwards += 1
+            held -= 1
         peaks.append(peak)
     return peaks
 
@@ -227,8 +260,17 @@ def _consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], lin
     specs = list(devices[:config.num_stages])
     factors = in_flight(training, config.schedule, config.chunks, config.num_stages)
     try:
+        after = rows = None
+        if training:
+            after = tuple(held_after_first_backward(config.schedule, config.chunks,
+                                                    config.num_stages))
+            rows = tuple(tuple((a.phase.value, a.microbatch) for a in actions)
+                         for actions in timetable_for(config.schedule, config.num_stages,
+                                                      config.chunks, backward=True))
         part = partition(costed.step, specs, link,
-                         memory=replace(memory, in_flight=tuple(factors)))
+                         memory=replace(memory, in_flight=tuple(factors), after_backward=after,
+                                        rows=rows, microbatches=config.chunks,
+                                        gpu_overhead_bytes=gpu_overhead_bytes(specs)))
     except PartitionError as e:
         return Candidate(config, None, 0, None, str(e).split("\n")[0])
     predicted = predict_step_s(costed, part, config.chunks, config.schedule, training, cores)

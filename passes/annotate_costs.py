@@ -55,6 +55,10 @@ class CostInterpreter(MaterializingInterpreter):
         self.times_s: dict[fx.Node, list[float]] = {}
         self.backward_s: dict[fx.Node, list[float]] = {}
         self.out_bytes: dict[fx.Node, int] = {}
+        # The memory each output takes that its inputs did not have, and the nodes whose
+        # memory it shares (a view's base): what a stage's forward holds at once.
+        self.new_bytes: dict[fx.Node, int] = {}
+        self.views: dict[fx.Node, tuple[str, ...]] = {}
         self.shapes: dict[fx.Node, tuple[tuple[int, ...], ...]] = {}   # of the output's tensors
         # Kept for the backward (with `backward`): bytes of tensors the node made inside, and
         # which nodes' values it keeps (its inputs', its own).
@@ -98,12 +102,42 @@ class CostInterpreter(MaterializingInterpreter):
 
     def _record(self, n: fx.Node, result: Any) -> Any:
         self.out_bytes[n] = tensor_bytes(result)
+        self.new_bytes[n], self.views[n] = self._new_memory(n, result)
         self.shapes[n] = tuple(tuple(t.shape) for t in tensors(result))
         if self.first and n not in self.estimates.nodes:    # an estimated block repeats nothing
             self.reuse.ran(n, result)
         if n.op != "output":                                # not among the nodes counted
             self._count()
         return result
+
+    def _new_memory(self, n: fx.Node, result: Any) -> tuple[int, tuple[str, ...]]:
+        """The bytes of the storages `n`'s output holds that none of its inputs, nor the
+        module it calls, holds (each storage once), and the input nodes whose storage it
+        shares (not parameter reads: those live anyway). A tensor without storage here (on
+        meta: a node estimated) counts as new."""
+        given: dict[int, fx.Node] = {}
+        for p in n.all_input_nodes:
+            for t in tensors(self.env.get(p)):
+                where = storage_of(t)
+                if where is not None:
+                    given.setdefault(where, p)
+        state: set[int | None] = set()
+        if n.op == "call_module":
+            module = self.fetch_attr(n.target)
+            state = {storage_of(t) for t in [*module.parameters(), *module.buffers()]}
+        new, views, seen = 0, {}, set()
+        for t in tensors(result):
+            where = storage_of(t)
+            if where is None:
+                new += t.numel() * t.element_size()
+            elif where not in seen:
+                seen.add(where)
+                if where in given:
+                    if given[where].op != "get_attr":
+                        views[given[where].name] = None
+                elif where not in state:
+                    new += t.untyped_storage().nbytes()
+        return new, tuple(views)
 
     def _count(self) -> None:
         self.done += 1
@@ -431,7 +465,8 @@ _WRITTEN = ("cost", "shapes", "output_kept", "state")    # what measuring writes
 
 def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) -> None:
     owned = _param_bytes_by_node(gm)
-    kept = {v for values in interpreter.saved_values.values() for v in values}
+    kept = _bases({v for values in interpreter.saved_values.values() for v in values},
+                  gm, interpreter)
     repeats, estimated = interpreter.reuse.of, interpreter.estimates.nodes
     timed = {n: _times(interpreter, n, warmup) for n in gm.graph.nodes
              if n.op != "output" and n not in repeats and n not in estimated}
@@ -450,9 +485,30 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
                                   param_bytes=owned.get(n, 0), spread=spread_,
                                   saved_bytes=interpreter.saved_bytes.get(n, 0) +
                                   (interpreter.out_bytes[n] if n in kept else 0),
-                                  source=source, reused_from=first)
+                                  source=source, reused_from=first,
+                                  new_bytes=(0 if n.op == "get_attr" else
+                                             interpreter.new_bytes.get(n)),
+                                  views=interpreter.views.get(n, ()))
         n.meta["shapes"] = interpreter.shapes.get(n, ())
         n.meta["output_kept"] = n in kept      # in its saved_bytes: some node keeps it
+
+
+def _bases(kept: set[fx.Node], gm: fx.GraphModule, interpreter: CostInterpreter
+           ) -> set[fx.Node]:
+    """The nodes whose memory the values in `kept` hold: a view (no memory of its own) kept
+    keeps what it views, so a storage that several views of one value keep counts once, at the
+    node that made it (and a view of a parameter counts nothing)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    found: set[fx.Node] = set()
+    stack = list(kept)
+    while stack:
+        n = stack.pop()
+        bases = interpreter.views.get(n, ())
+        if interpreter.new_bytes.get(n) == 0:     # a view: what it views is kept
+            stack.extend(by_name[b] for b in bases if b in by_name and by_name[b] not in found)
+            continue
+        found.add(n)
+    return found
 
 
 def _times(interpreter: CostInterpreter, n: fx.Node, warmup: int) -> tuple[float, float, float]:

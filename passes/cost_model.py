@@ -18,7 +18,7 @@ from typing import Callable, Collection, Literal, Mapping, NamedTuple, Sequence
 
 import torch.fx as fx
 
-from .device import is_cpu
+from .device import is_cpu, is_gpu, same_memory
 from .errors import CostError
 from .state import state_units
 
@@ -40,6 +40,12 @@ class NodeCost:
     `source` says where the times come from: "measured" on this node, "reused" from `reused_from`,
     the same node of the block this node's block repeats (`fxpipe.passes.blocks`), or
     "estimated" from its FLOPs and bytes where it could not run.
+
+    `new_bytes` is the memory the node's output takes that no input of the node had: a view
+    (`view`, `transpose`, a tuple's item, a slice) takes none, its bytes are its base's, and
+    `views` names the nodes whose memory its output shares (their memory lives as long as it
+    does); None: not measured, the whole output is new. Read by the liveness of a stage's
+    forward (`forward_peak`).
     """
 
     fwd_s: float = 0.0
@@ -50,6 +56,8 @@ class NodeCost:
     saved_bytes: int = 0
     source: CostSource = "measured"
     reused_from: str = ""   # the node measured for this one, when "reused"
+    new_bytes: int | None = None
+    views: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,9 @@ class CostGraph:
     `output_kept[i]` says that counts node `i`'s own output (some node keeps it), and
     `recomputable[i]` that node `i` may be recomputed alone (one graph node, no side effects:
     `choose_recomputed`). Both are False throughout when not given.
+    `new_bytes[i]` is the memory node `i`'s output takes that its inputs did not have (its
+    `out_bytes` when not given; 0 for a view), and `views[i]` the nodes whose memory that output
+    shares, which therefore live as long as it does (`forward_peak`).
     `time_s` is the reference time of every node (forward, plus backward when training); `kinds`
     maps a device kind (`DeviceSpec.kind`) to its own forward and backward columns, and the key
     None to the reference's split. A device's time for node `i` (`device_times`) is its kind's
@@ -147,6 +158,8 @@ class CostGraph:
     saved_bytes: tuple[int, ...] | None = None   # kept for the backward; None: not measured
     output_kept: tuple[bool, ...] | None = None
     recomputable: tuple[bool, ...] | None = None
+    new_bytes: tuple[int, ...] | None = None      # None: every output is new memory
+    views: tuple[tuple[int, ...], ...] | None = None
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _device_times: dict = field(init=False, repr=False, compare=False)
 
@@ -157,9 +170,13 @@ class CostGraph:
         for name in ("output_kept", "recomputable"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, (False,) * n)
+        if self.new_bytes is None:
+            object.__setattr__(self, "new_bytes", tuple(self.out_bytes))
+        if self.views is None:
+            object.__setattr__(self, "views", ((),) * n)
         for column in (self.time_s, self.out_bytes, self.param_bytes, self.preds, self.is_input,
                        self.to_output, self.members or self.names, self.saved_bytes,
-                       self.output_kept, self.recomputable,
+                       self.output_kept, self.recomputable, self.new_bytes, self.views,
                        *(c for t in self.kinds.values() for c in (t.fwd_s, t.bwd_s))):
             assert len(column) == n, "every CostGraph column needs one entry per node"
         succs: list[list[int]] = [[] for _ in range(n)]
@@ -167,6 +184,7 @@ class CostGraph:
             for p in ps:
                 assert p < i, f"CostGraph must be in topological order: {p} -> {i}"
                 succs[p].append(i)
+            assert set(self.views[i]) <= set(ps), f"node {i} views a value it does not read"
         object.__setattr__(self, "succs", tuple(tuple(dict.fromkeys(s)) for s in succs))
         object.__setattr__(self, "_device_times", {})
 
@@ -220,6 +238,7 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
     """
     nodes = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
     index = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: i for i, n in enumerate(nodes)}
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = set(output.all_input_nodes)
     for n in nodes:
@@ -248,6 +267,11 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
                           for members in units),
         recomputable=tuple(len(members) == 1 and not nodes[members[0]].is_impure()
                            for members in units),
+        new_bytes=tuple(sum(c.out_bytes if c.new_bytes is None else c.new_bytes for c in cs)
+                        for cs in costs),
+        views=tuple(tuple(dict.fromkeys(
+            unit_of[by_name[v]] for i in members for v in nodes[i].meta["cost"].views
+            if v in by_name and unit_of[by_name[v]] != u)) for u, members in enumerate(units)),
         preds=tuple(tuple(dict.fromkeys(unit_of[p] for i in members for p in preds[i]
                                         if unit_of[p] != u)) for u, members in enumerate(units)),
         is_input=tuple(nodes[members[0]].op == "placeholder" for members in units),
@@ -343,6 +367,53 @@ class StageCost:
         return self.backward_s + self.comm_s
 
 
+# A GPU's caching allocator (PyTorch's CUDACachingAllocator): every block rounds up to 512
+# bytes (what `torch.cuda.memory_allocated` counts); blocks are cut from segments the allocator
+# reserves from the driver: 2 MiB ones for requests up to 1 MiB, 20 MiB ones up to 10 MiB, and
+# larger requests rounded up to 2 MiB (what `torch.cuda.memory_reserved` counts).
+GPU_BLOCK_BYTES = 512
+GPU_SMALL_BYTES = 1 << 20
+GPU_SMALL_SEGMENT_BYTES = 2 << 20
+GPU_MID_BYTES = 10 << 20
+GPU_MID_SEGMENT_BYTES = 20 << 20
+GPU_LARGE_ROUND_BYTES = 2 << 20
+# cuBLAS's workspace, one per (handle, stream), so one per GPU stage: PyTorch's default
+# CUBLAS_WORKSPACE_CONFIG is ":4096:8" on Hopper (8 x 4 MiB), ":4096:2:16:8" before it.
+CUBLAS_WORKSPACE_BYTES = {"hopper": 32 << 20, "older": (2 << 22) + (8 << 14)}
+# What a process's CUDA context takes on each GPU it uses, outside PyTorch's allocator (its
+# kernels and cuBLAS/cuDNN handles; about 0.5 GB with CUDA 12): not in a stage's memory, not
+# charged against `DeviceSpec.memory_bytes` (a GPU's budget is what is free once it exists).
+CUDA_CONTEXT_BYTES = 512 << 20
+
+
+def gpu_block_bytes(nbytes: int) -> int:
+    """The bytes the caching allocator hands out for a tensor of `nbytes`: 512-byte blocks."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // GPU_BLOCK_BYTES) * GPU_BLOCK_BYTES
+
+
+def gpu_segment_bytes(nbytes: int) -> int:
+    """The segment the caching allocator reserves from the driver when no cached one has room
+    for a tensor of `nbytes`: 2 MiB up to 1 MiB, 20 MiB up to 10 MiB, else the block rounded up
+    to 2 MiB."""
+    block = gpu_block_bytes(nbytes)
+    if block == 0:
+        return 0
+    if block <= GPU_SMALL_BYTES:
+        return GPU_SMALL_SEGMENT_BYTES
+    if block < GPU_MID_BYTES:
+        return GPU_MID_SEGMENT_BYTES
+    return -(-block // GPU_LARGE_ROUND_BYTES) * GPU_LARGE_ROUND_BYTES
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
+    """cuBLAS's workspace per stream on a GPU of compute capability `capability` (None:
+    unknown, priced as Hopper's, the larger)."""
+    return CUBLAS_WORKSPACE_BYTES["hopper" if capability is None or capability[0] >= 9
+                                  else "older"]
+
+
 OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0,
                    "adam": 2.0, "adamw": 2.0}   # state bytes per parameter byte
 
@@ -351,31 +422,70 @@ class Held(NamedTuple):
     """What a stage holds, the bytes `Memory` prices: its parameters and buffers, the values its
     nodes make and receive per micro-batch (`activation_bytes`), what autograd keeps of its
     forward per micro-batch (`saved_bytes`), the values it receives, and the values it sends
-    (each once: read by a later stage or returned)."""
+    (each once: read by a later stage or returned).
+
+    For inference also: the new memory of the values it sends or returns (`sent_new_bytes`:
+    alive together at the end of its forward), the values it returns to the driver
+    (`returned_bytes`, held until the join), and, known only to the exact view
+    (`Pricing.stage_costs`), the live set at the worst point of one micro-batch's forward
+    (`peak_bytes`, `forward_peak`) and what it holds across micro-batches at its fullest
+    (`across_bytes`: values sent to later stages and not yet taken, outputs waiting for the
+    join). Where they are 0 `Memory.need` takes their lower bounds, which every relaxed view
+    sums as it grows a stage.
+
+    For training also: what of `saved_bytes` a later stage takes over (`moved_bytes`: a value
+    the stage sends that a node keeps, read by a stage in the same memory, is that stage's
+    from its first use: the relaxed views count every kept value sent, a lower bound), and,
+    known only to the exact view, a backward's transient gradients (`backward_bytes`, the most
+    over the stage's nodes of the gradient of a node's output and those it makes for its
+    inputs) and the largest weight gradient made before it is added into `.grad`
+    (`grad_temp_bytes`)."""
 
     param_bytes: int = 0
     activation_bytes: int = 0
     saved_bytes: int = 0
     received_bytes: int = 0
     sent_bytes: int = 0
+    sent_new_bytes: int = 0
+    returned_bytes: int = 0
+    peak_bytes: int = 0
+    across_bytes: int = 0
+    moved_bytes: int = 0
+    backward_bytes: int = 0
+    grad_temp_bytes: int = 0
+    # The exact view's training timeline (`Pricing.training_held`): per action start, the
+    # micro-batches held, the bytes held besides them, and whether it is a backward.
+    arms: tuple[tuple[int, int, bool], ...] = ()
 
 
 @dataclass(frozen=True)
 class Memory:
     """What a stage holds at its peak, and what recomputation it may use to fit its device.
 
-    In inference a stage holds its parameters and buffers, and `in_flight` micro-batches of the
-    values its nodes produce and receive (`activation_bytes`). In training it holds its
-    parameters, their gradients and `optimizer_state` bytes of optimizer state per parameter
-    byte, and for each of the `in_flight[s]` micro-batches whose backward is still to come (read
-    off the timetable: GPipe holds all of them, 1F1B fewer on later stages) what autograd keeps
-    for it (`saved_bytes`, measured) and the values it received. Recomputing, it keeps only the
-    values it received per micro-batch, and one micro-batch's saved values while that one's
-    backward runs, at the cost of running its forward again; its peak is then in the backward,
-    where the gradients of what it sent (`sent_bytes`, each value once) wait for it, up to one
-    per micro-batch in flight (measured: without them the peak was a quarter too low).
-    Recomputing part of its forward (`need_partial`) it also keeps, per micro-batch, what the
-    part it does not recompute saves.
+    In inference a stage holds its parameters and buffers, the live set of one micro-batch's
+    forward at its worst point (`forward_peak`: the values it received, the values its nodes
+    made that a later node of the stage still reads, or that it sends; a view's memory is its
+    base's), and across the `microbatches`: the values it sent to later stages that these have
+    not taken yet (read off the predicted timeline, `Pricing.stage_costs`), and the outputs it
+    returns, held until the join, which then makes one more copy of them. The relaxed views
+    price the live set at its lower bound: the values received, and those sent at the end of the
+    forward (`Held`).
+
+    In training it holds its parameters and `optimizer_state` bytes of optimizer state per
+    parameter byte throughout, and for each micro-batch whose backward is still to come what
+    autograd keeps for it (`saved_bytes`, measured, less what a later stage took over,
+    `moved_bytes`) and the values it received. Gradients exist from a step's first backward on
+    (until the optimizer's `zero_grad`, which sets them to None by default), so its peak is the
+    larger of: the first backward starting, `in_flight[s]` micro-batches held (read off the
+    timetable: GPipe holds all of them, 1F1B fewer on later stages), and a later backward,
+    every gradient made and `after_backward[s]` micro-batches held (GPipe: one fewer; 1F1B:
+    as many, where a forward follows each backward), with the largest weight gradient made
+    before it is added in (`grad_temp_bytes`); both with the backward's transient gradients
+    (`backward_bytes`). Recomputing, it keeps only the values it received per micro-batch,
+    and one micro-batch's saved values while that one's backward runs, at the cost of running
+    its forward again. Recomputing part of its forward (`need_partial`) it keeps, per
+    micro-batch, what the part it does not recompute saves, and once what the largest
+    recomputed run saves while it runs again.
 
     `recompute`: "never", "always" (every stage), or "auto" (a stage recomputes only when it
     does not fit otherwise).
@@ -385,6 +495,15 @@ class Memory:
     training: bool = False
     optimizer_state: float = 2.0
     recompute: str = "never"
+    microbatches: int = 1
+    after_backward: tuple[int, ...] | int | None = None   # None: as many as `in_flight`
+    # Each stage's row of the timetable, ("F" or "B", micro-batch) per action: the exact
+    # view's training timeline (None: `in_flight` and `after_backward` alone).
+    rows: tuple[tuple[tuple[str, int], ...], ...] | None = None
+    # What a stage on a GPU holds besides its values: cuBLAS's workspace on its stream
+    # (`cublas_workspace_bytes`; planning sets it, 0 by default). The CUDA context is not a
+    # stage's (`CUDA_CONTEXT_BYTES`).
+    gpu_overhead_bytes: int = 0
 
     def held(self, s: int) -> int:
         """Micro-batches stage `s` holds at once."""
@@ -392,30 +511,75 @@ class Memory:
             return self.in_flight
         return self.in_flight[s] if s < len(self.in_flight) else max(self.in_flight, default=1)
 
+    def held_after(self, s: int) -> int:
+        """Micro-batches stage `s` holds as a backward after its first starts (0: none runs)."""
+        after = self.after_backward
+        if after is None:
+            return self.held(s)
+        if isinstance(after, int):
+            return after
+        return after[s] if s < len(after) else max(after, default=1)
+
     def need(self, s: int, held: Held, recompute: bool = False) -> int:
         """Stage `s`'s peak memory holding `held`, recomputing its whole forward or not."""
-        if recompute and self.training:
-            return self.need_partial(s, held, 0, held.saved_bytes)
         if not self.training:
-            return held.param_bytes + self.held(s) * held.activation_bytes
-        return self._state(held) + self.held(s) * (held.saved_bytes + held.received_bytes)
+            return held.param_bytes + self.inference_bytes(held)
+        if recompute:
+            return self.need_partial(s, held, 0, held.saved_bytes)
+        return self.need_partial(s, held, max(0, held.saved_bytes - held.moved_bytes), 0)
+
+    def inference_bytes(self, held: Held) -> int:
+        """What an inference stage holds besides its parameters, at its fullest: during a
+        forward, that forward's live set (at least what it received and what it sends) and
+        what it holds across micro-batches (at least the outputs of the others waiting for the
+        join); or at the join, every micro-batch's outputs and the joined copy."""
+        m = self.microbatches
+        forward = max(held.peak_bytes, held.received_bytes + held.sent_new_bytes)
+        across = max(held.across_bytes, (m - 1) * held.returned_bytes)
+        join = 2 * m * held.returned_bytes if m > 1 else 0
+        return max(forward + across, join)
 
     def need_partial(self, s: int, held: Held, kept_bytes: int, transient_bytes: int) -> int:
         """Stage `s`'s peak memory in training recomputing part of its forward: `kept_bytes` per
-        micro-batch in flight are what the part it keeps saves (0 recomputing all of it), and
-        `transient_bytes` what the largest recomputed run saves, once, while it runs again."""
-        return self._state(held) + self.held(s) * (
-            held.received_bytes + held.sent_bytes + kept_bytes) + transient_bytes
+        micro-batch in flight are what the part it keeps saves (its saved bytes less those
+        moved, recomputing nothing; 0 recomputing all of it), and `transient_bytes` what the
+        largest recomputed run saves, once, while it runs again (see the class)."""
+        first, later = self._arms(s, held, kept_bytes)
+        most = max(first, later) + transient_bytes
+        per_batch = held.received_bytes + kept_bytes
+        for count, fixed, backward in held.arms:
+            most = max(most, count * per_batch + fixed +
+                       (held.backward_bytes + transient_bytes if backward else 0))
+        return self._state(held) + most
+
+    def _arms(self, s: int, held: Held, kept_bytes: int) -> tuple[int, int]:
+        """What a training stage holds besides its parameters and optimizer state, as its first
+        backward starts and as a later one runs (0 where none does), less a recomputed run."""
+        per_batch = held.received_bytes + kept_bytes
+        first = self.held(s) * per_batch + held.backward_bytes
+        after = self.held_after(s)
+        later = (held.param_bytes + after * per_batch + held.backward_bytes +
+                 held.grad_temp_bytes) if after > 0 else held.param_bytes
+        return first, later
 
     def must_free(self, s: int, held: Held, capacity: float) -> float:
         """The bytes per micro-batch in flight that the nodes stage `s` recomputes must save, at
         the least, for it to fit `capacity` recomputing part of its forward: whatever it keeps,
-        the nodes it does not recompute keep what they save (`need_partial`)."""
-        return held.saved_bytes - (capacity - self.need_partial(s, held, 0, 0)) / self.held(s)
+        the nodes it does not recompute keep what they save (`need_partial`, a recomputed run's
+        own bytes aside)."""
+        room = capacity - self._state(held)
+        first, later = self._arms(s, held, 0)
+        kept = (room - first) / self.held(s)
+        after = self.held_after(s)
+        if after > 0:
+            kept = min(kept, (room - later) / after)
+        elif room < later:
+            kept = -math.inf
+        return max(0, held.saved_bytes - held.moved_bytes) - kept
 
     def _state(self, held: Held) -> int:
-        """Weights, their gradients and the optimizer's state."""
-        return math.ceil(held.param_bytes * (2 + self.optimizer_state))
+        """Weights and the optimizer's state."""
+        return math.ceil(held.param_bytes * (1 + self.optimizer_state))
 
     def choose(self, s: int, capacity: float, held: Held) -> bool | None:
         """Whether stage `s` recomputes, or None when it fits its device neither way."""
@@ -464,19 +628,84 @@ class StageNodes(NamedTuple):
     read_outside: tuple[bool, ...]
 
 
-def stage_nodes(graph: CostGraph, members: Sequence[int], forward: Sequence[float]) -> StageNodes:
+def stage_nodes(graph: CostGraph, members: Sequence[int], forward: Sequence[float],
+                moved: Collection[int] = ()) -> StageNodes:
     """The `StageNodes` of the stage of `graph`'s nodes `members` (in order), forward times
-    `forward` per graph node."""
+    `forward` per graph node; the nodes in `moved` keep their output for a later stage in the
+    same memory, which takes it over (not saved here: `Held.moved_bytes`)."""
     local = {i: at for at, i in enumerate(members)}
     return StageNodes(
         tuple(graph.names[i] for i in members), tuple(forward[i] for i in members),
-        tuple(graph.saved_bytes[i] for i in members), tuple(graph.out_bytes[i] for i in members),
+        tuple(graph.saved_bytes[i] - (graph.out_bytes[i] if i in moved else 0)
+              for i in members), tuple(graph.out_bytes[i] for i in members),
         tuple(graph.recomputable[i] for i in members),
         tuple(tuple(local[p] for p in graph.preds[i] if p in local and not graph.output_kept[p])
               for i in members),
         tuple(tuple(local[j] for j in graph.succs[i] if j in local) for i in members),
         tuple(graph.to_output[i] or any(j not in local for j in graph.succs[i])
               for i in members))
+
+
+def forward_peak(graph: CostGraph, members: Sequence[int]) -> int:
+    """The most memory one micro-batch's forward of the stage made of `graph`'s nodes `members`
+    (in graph order) holds at once, its parameters aside.
+
+    The values it receives live for the whole forward (the runtime holds them until it
+    returns), each once however many members read it. A member's output takes its `new_bytes`
+    as it runs, and lives until its last reader in the stage has run, or, read by a later stage
+    or returned, until the forward ends; a value a member's output views (`views`) lives as long
+    as that output. The peak is the most, over the members in order, of what lives while one
+    runs: its output, and its inputs among the rest. O(members + edges)."""
+    local = {i: at for at, i in enumerate(members)}
+    n = len(members)
+    received = dict.fromkeys(p for i in members for p in graph.preds[i] if p not in local)
+    last = [0] * n
+    for at, i in enumerate(members):
+        readers = graph.succs[i]
+        if graph.to_output[i] or any(j not in local for j in readers):
+            last[at] = n - 1
+        else:
+            last[at] = max((local[j] for j in readers), default=at)
+    for at in range(n - 1, -1, -1):      # a view keeps its base: later members first
+        for p in graph.views[members[at]]:
+            if p in local:
+                last[local[p]] = max(last[local[p]], last[at])
+    change = [0] * (n + 1)
+    for at, i in enumerate(members):
+        change[at] += graph.new_bytes[i]
+        change[last[at] + 1] -= graph.new_bytes[i]
+    live = peak = sum(graph.out_bytes[p] for p in received)
+    for at in range(n):
+        live += change[at]
+        peak = max(peak, live)
+    return peak
+
+
+def standalone_held(graph: CostGraph, members: Sequence[int]) -> Held:
+    """What the stage made of `graph`'s nodes `members` (in graph order) holds as the exact view
+    counts it (`Pricing.stage_costs`), with every other node in other stages in the same memory
+    and nothing waiting between stages (which needs the others' times)."""
+    inside = set(members)
+    received = dict.fromkeys(p for i in members for p in graph.preds[i] if p not in inside)
+    received_bytes = sum(graph.out_bytes[p] for p in received)
+    read_outside = [i for i in members if any(j not in inside for j in graph.succs[i])]
+    outside = set(read_outside)
+    sent = [i for i in members if graph.to_output[i] or any(j not in inside
+                                                             for j in graph.succs[i])]
+    return Held(
+        param_bytes=sum(graph.param_bytes[i] for i in members),
+        activation_bytes=sum(graph.out_bytes[i] for i in members) + received_bytes,
+        saved_bytes=sum(graph.saved_bytes[i] for i in members),
+        received_bytes=received_bytes,
+        sent_bytes=sum(graph.out_bytes[i] for i in sent),
+        sent_new_bytes=sum(graph.new_bytes[i] for i in sent),
+        returned_bytes=sum(graph.out_bytes[i] for i in members if graph.to_output[i]),
+        peak_bytes=forward_peak(graph, members),
+        moved_bytes=sum(graph.out_bytes[i] for i in read_outside if graph.output_kept[i]),
+        backward_bytes=sum(graph.out_bytes[i] for i in read_outside) + max(
+            ((0 if i in outside else graph.out_bytes[i]) +
+             sum(graph.out_bytes[p] for p in graph.preds[i]) for i in members), default=0),
+        grad_temp_bytes=max((graph.param_bytes[i] for i in members), default=0))
 
 
 def stage_memory(nodes: StageNodes, recomputed: Collection[str]) -> Choice:
@@ -572,18 +801,84 @@ class StageTally:
 
     __slots__ = ("compute_s", "forward_s", "backward_s", "num_nodes", "param_bytes",
                  "activation_bytes", "saved_bytes", "received_bytes", "sent_once_bytes",
-                 "sent_bytes", "exact_comm_s", "relaxed_comm_s")
+                 "sent_bytes", "sent_new_bytes", "returned_bytes", "kept_sent_bytes",
+                 "exact_comm_s", "relaxed_comm_s")
 
     def __init__(self):
         self.compute_s = self.forward_s = self.backward_s = 0.0
         self.exact_comm_s = self.relaxed_comm_s = 0.0
         self.num_nodes = self.param_bytes = self.activation_bytes = self.saved_bytes = 0
         self.received_bytes = self.sent_once_bytes = self.sent_bytes = 0
+        self.sent_new_bytes = self.returned_bytes = self.kept_sent_bytes = 0
 
     @property
     def held(self) -> Held:
+        """What the stage holds as the relaxed views count it (`Held`)."""
         return Held(self.param_bytes, self.activation_bytes, self.saved_bytes,
-                    self.received_bytes, self.sent_once_bytes)
+                    self.received_bytes, self.sent_once_bytes, self.sent_new_bytes,
+                    self.returned_bytes, moved_bytes=self.kept_sent_bytes)
+
+
+WAIT_SLACK = 0.25    # a receiver this close (a share of the sender's forward) may be late
+
+
+def _timeline_arms(rows: Sequence[Sequence[tuple[str, int]]], reads: Sequence[set[int]]
+                   ) -> list[tuple[tuple[int, int, int, bool, bool], ...]]:
+    """What each stage holds as each of its actions starts in a training step, whatever the
+    stages' speeds (on CPUs sharing cores they are not what was predicted: measured, a stage
+    predicted as fast as its neighbours was held up by them).
+
+    An action happens before another when a path of the timetable leads to it: a stage's row
+    in order, a forward after its senders' forward of that micro-batch, a backward after its
+    readers' backward. At each action's start, per stage, distinct: the micro-batches the
+    stage holds (forwarded, not yet backpropagated, the one starting among them); of the
+    earlier ones, how many it sent forward values of, and gradients of what it received of,
+    that a reader may not have taken yet (the taking does not happen before); whether a
+    backward ran already (every gradient exists); whether it is a backward."""
+    k = len(rows)
+    readers = [[r for r in range(k) if s in reads[r]] for s in range(k)]
+    position = {(s, phase, m): q for s in range(k) for q, (phase, m) in enumerate(rows[s])}
+    ancestors: dict[tuple[int, str, int], frozenset] = {}
+
+    def before(action: tuple[int, str, int]) -> frozenset:
+        """Every action that happens before `action` (iteratively, in the rows' order)."""
+        if action in ancestors:
+            return ancestors[action]
+        stack = [action]
+        while stack:
+            top = stack[-1]
+            s, phase, m = top
+            q = position[top]
+            parents = ([(s, *rows[s][q - 1])] if q else []) + [
+                (t, phase, m) for t in (reads[s] if phase == "F" else readers[s])
+                if (t, phase, m) in position]
+            missing = [p for p in parents if p not in ancestors]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            found = set(parents)
+            for p in parents:
+                found |= ancestors[p]
+            ancestors[top] = frozenset(found)
+        return ancestors[action]
+
+    arms = []
+    for s in range(k):
+        found: dict[tuple[int, int, int, bool, bool], None] = {}
+        forwarded: list[int] = []
+        backpropagated: list[int] = []
+        for phase, m in rows[s]:
+            done = before((s, phase, m))
+            waiting_f = sum(1 for j in forwarded if any((r, "F", j) not in done
+                                                        for r in readers[s]))
+            waiting_b = sum(1 for j in backpropagated if any((t, "B", j) not in done
+                                                             for t in reads[s]))
+            count = len(forwarded) - len(backpropagated) + (phase == "F")
+            found[count, waiting_f, waiting_b, bool(backpropagated), phase == "B"] = None
+            (forwarded if phase == "F" else backpropagated).append(m)
+        arms.append(tuple(found))
+    return arms
 
 
 class Pricing:
@@ -640,6 +935,9 @@ class Pricing:
                         any(graph.recomputable))
         self._parts: dict[tuple[int, tuple[int, ...]], Choice | None] = {}
         self._per_byte: dict[int, float] = {}
+        self._arms: dict[tuple, list] = {}     # the training timeline per stage graph
+        # What a GPU stage holds besides its values (cuBLAS's workspace on its stream).
+        self.overhead = [memory.gpu_overhead_bytes if is_gpu(d.name) else 0 for d in devices]
 
     def transfer(self, src: int | None, dst: int | None) -> list[float]:
         """Per node: the time its value takes from stage `src` to stage `dst` (None: the
@@ -667,16 +965,18 @@ class Pricing:
                                 zip(self.transfer(None, s), earlier, self.graph.is_input)]
         return self._receive[s]
 
-    def recompute_s(self, s: int, held: Held, forward_s: float) -> float:
+    def recompute_s(self, s: int, held: Held, forward_s: float, margin: float = 0.0) -> float:
         """The time recomputation adds to a stage holding `held`, forward `forward_s`, on stage
         `s`'s device, at most what it adds as `stage_costs` prices it: 0 when it keeps its
         activations, inf when it fits neither way (`Memory.choose`), and when it must
         recompute, its forward, or where it may recompute part of it (`recompute_part`) a
         bound: the bytes it must free (`Memory.must_free`) at the least time per byte any
-        recomputable node frees, which a relaxed view can sum without knowing its nodes."""
+        recomputable node frees, which a relaxed view can sum without knowing its nodes.
+        `margin`: bytes of the device kept free (slicing's room for what only the exact view
+        counts)."""
         if self.unbounded[s]:
             return 0.0
-        capacity = self.devices[s].memory_bytes
+        capacity = self.devices[s].memory_bytes - margin - self.overhead[s]
         choice = self.memory.choose(s, capacity, held)
         if choice is None:
             return math.inf
@@ -709,13 +1009,23 @@ class Pricing:
         if not self.partial:
             return None
         members = tuple(i for i in self.graph.compute_nodes if stage_of[i] == s)
-        if (s, members) not in self._parts:
-            nodes = stage_nodes(self.graph, members, self.forward_columns[self.column_of[s]])
+        moved = self.moved(s, stage_of, members)
+        if (s, members, moved) not in self._parts:
+            nodes = stage_nodes(self.graph, members, self.forward_columns[self.column_of[s]],
+                                moved)
             choice = choose_recomputed(nodes, memory=self.memory, stage=s, held=held,
-                                       capacity=self.devices[s].memory_bytes, spend=spend)
-            self._parts[s, members] = (choice if choice is not None and
-                                       choice.extra_s < forward_s else None)
-        return self._parts[s, members]
+                                       capacity=self.devices[s].memory_bytes - self.overhead[s],
+                                       spend=spend)
+            self._parts[s, members, moved] = (choice if choice is not None and
+                                              choice.extra_s < forward_s else None)
+        return self._parts[s, members, moved]
+
+    def moved(self, s: int, stage_of: Sequence[int], members: Sequence[int]) -> frozenset[int]:
+        """Stage `s`'s members whose kept output a later stage in the same memory takes over."""
+        graph, here = self.graph, self.devices[s].name
+        return frozenset(i for i in members if graph.output_kept[i] and any(
+            stage_of[j] != s and same_memory(self.devices[stage_of[j]].name, here)
+            for j in graph.succs[i]))
 
     def tally(self, stage_of: Sequence[int], relaxed: bool = False) -> list[StageTally]:
         """Every stage's sums under `stage_of` (`StageTally`), transfers priced exactly, and
@@ -750,6 +1060,11 @@ class Pricing:
             receivers.pop(s, None)
             if receivers or to_output[i]:
                 tally.sent_once_bytes += nbytes
+                tally.sent_new_bytes += graph.new_bytes[i]
+            if to_output[i]:
+                tally.returned_bytes += nbytes
+            if receivers and graph.output_kept[i]:
+                tally.kept_sent_bytes += nbytes
             if receivers and relaxed:
                 tally.relaxed_comm_s += self.send_min(s)[i]
             for r in receivers:
@@ -774,10 +1089,15 @@ class Pricing:
         """Every stage's exact cost (see `stage_costs`); `spend` is told the work of choosing
         what stages recompute (`recompute_part`)."""
         costs = []
-        for s, tally in enumerate(self.tally(stage_of)):
-            held = tally.held
-            recompute = self.memory.recomputes(s, self.devices[s].memory_bytes, held)
-            kept, recomputing = self.memory.need(s, held), self.memory.need(s, held, True)
+        tallies = self.tally(stage_of)
+        exact = (self.training_held(stage_of, tallies) if self.memory.training else
+                 self.inference_held(stage_of, tallies))
+        for s, tally in enumerate(tallies):
+            held = exact[s]
+            overhead = self.overhead[s]
+            recompute = self.memory.recomputes(s, self.devices[s].memory_bytes - overhead, held)
+            kept = self.memory.need(s, held) + overhead
+            recomputing = self.memory.need(s, held, True) + overhead
             part = (self.recompute_part(s, stage_of, held, tally.forward_s, spend) if recompute
                     else None)
             if part is None:
@@ -785,17 +1105,115 @@ class Pricing:
                 recomputed: tuple[str, ...] = ()
             else:
                 extra, recomputed, recompute = part.extra_s, part.nodes, False
-                need = self.memory.need_partial(s, held, part.kept_bytes, part.transient_bytes)
+                need = self.memory.need_partial(s, held, part.kept_bytes,
+                                                part.transient_bytes) + overhead
             costs.append(StageCost(tally.compute_s + extra, tally.exact_comm_s, need,
                                    tally.sent_bytes, tally.received_bytes, tally.num_nodes,
                                    tally.backward_s + extra, recompute, extra, kept,
                                    recomputing, recomputed))
         return costs
 
+    def inference_held(self, stage_of: Sequence[int], tallies: Sequence[StageTally]
+                       ) -> list[Held]:
+        """Every stage's `Held` in inference with what only the exact view knows: its forward's
+        live set (`forward_peak`) and what it holds across micro-batches at its fullest.
+
+        Across micro-batches, read off the forwards' predicted timeline (each stage's forwards
+        in order, each starting once its own previous one ended and its senders' ended, taking
+        its forward compute and transfers): while stage `s` runs micro-batch j's forward it
+        holds what it sent of the earlier micro-batches that some receiver has not started yet,
+        and the earlier micro-batches' outputs for the join. A receiver predicted to start
+        less than `WAIT_SLACK` of the sender's forward before it counts as not started: stages
+        the partitioner balances are within noise of each other (measured: a receiver
+        predicted 5% faster was the slower one)."""
+        graph, k, m = self.graph, self.k, self.memory.microbatches
+        members: list[list[int]] = [[] for _ in range(k)]
+        reads: list[set[int]] = [set() for _ in range(k)]
+        sent = [0] * k                   # per micro-batch, to later stages, each value once
+        for i in graph.compute_nodes:
+            s = stage_of[i]
+            members[s].append(i)
+            receivers = {stage_of[j] for j in graph.succs[i]} - {s}
+            if receivers:
+                sent[s] += graph.out_bytes[i]
+            for r in receivers:
+                reads[r].add(s)
+        step = [t.compute_s + t.exact_comm_s for t in tallies]
+        start = [[0.0] * m for _ in range(k)]
+        for s in range(k):               # a stage reads only from earlier ones
+            for j in range(m):
+                ready = max((start[t][j] + step[t] for t in reads[s]), default=0.0)
+                start[s][j] = max(ready, start[s][j - 1] + step[s] if j else 0.0)
+        held = []
+        for s, tally in enumerate(tallies):
+            receivers = [r for r in range(k) if s in reads[r]]
+            across = 0
+            slack = WAIT_SLACK * step[s]
+            for j in range(m):
+                waiting = sum(1 for earlier in range(j) if receivers and
+                              max(start[r][earlier] for r in receivers) >=
+                              start[s][j] - slack)
+                across = max(across, waiting * sent[s] + j * tally.returned_bytes)
+            held.append(tally.held._replace(peak_bytes=forward_peak(graph, members[s]),
+                                            across_bytes=across))
+        return held
+
+    def training_held(self, stage_of: Sequence[int], tallies: Sequence[StageTally]
+                      ) -> list[Held]:
+        """Every stage's `Held` in training with what only the exact view knows: the kept
+        values it sends that a stage in the same memory takes over (`moved_bytes`: the relaxed
+        views count every kept value it sends), a backward's transient gradients (those of
+        what it sends, held as long as its backward runs, and the most over its nodes of the
+        gradient of a node's output and those it makes for what it reads), its largest weight
+        gradient before it is added into `.grad`, and with the timetable's rows
+        (`Memory.rows`) what it holds as each action starts (`_timeline_arms`)."""
+        graph, devices, k = self.graph, self.devices, self.k
+        moved, transient, temp = [0] * k, [0] * k, [0] * k
+        sent, received = [0] * k, [0] * k      # per micro-batch, from and to other stages
+        reads: list[set[int]] = [set() for _ in range(k)]
+        for i in graph.compute_nodes:
+            s = stage_of[i]
+            receivers = {stage_of[j] for j in graph.succs[i]} - {s}
+            transient[s] = max(transient[s], (0 if receivers else graph.out_bytes[i]) +
+                               sum(graph.out_bytes[p] for p in graph.preds[i]))
+            temp[s] = max(temp[s], graph.param_bytes[i])
+            if graph.output_kept[i] and any(same_memory(devices[r].name, devices[s].name)
+                                            for r in receivers):
+                moved[s] += graph.out_bytes[i]
+            if receivers:
+                sent[s] += graph.out_bytes[i]
+            for r in receivers:
+                reads[r].add(s)
+                received[r] += graph.out_bytes[i]
+        held = [t.held._replace(moved_bytes=moved[s], backward_bytes=sent[s] + transient[s],
+                                grad_temp_bytes=temp[s]) for s, t in enumerate(tallies)]
+        rows = self.memory.rows
+        if rows is None or len(rows) != k:
+            return held
+        key = tuple(frozenset(r) for r in reads)
+        if key not in self._arms:
+            self._arms[key] = _timeline_arms(rows, reads)
+        return [h._replace(arms=tuple(
+            (count, waiting_f * sent[s] + waiting_b * received[s] +
+             (h.param_bytes + h.grad_temp_bytes if grads else 0), backward)
+            for count, waiting_f, waiting_b, grads, backward in self._arms[key][s]))
+            for s, h in enumerate(held)]
+
+    def memory_over(self, stage_of: Sequence[int]) -> list[float]:
+        """Per stage, the bytes its exact need exceeds its device's memory by (<= 0: it fits)."""
+        if all(self.unbounded):
+            return [-math.inf] * self.k
+        return [c.memory_bytes - d.memory_bytes
+                for c, d in zip(self.stage_costs(stage_of), self.devices)]
+
     def bottleneck_s(self, stage_of: Sequence[int],
                      spend: Callable[[int], None] | None = None) -> float:
-        """The exact bottleneck of a partition (`spend`: see `stage_costs`)."""
-        return max(c.time_s for c in self.stage_costs(stage_of, spend))
+        """The exact bottleneck of a partition (`spend`: see `stage_costs`); inf where a stage
+        does not fit its device (the relaxed views may have priced its memory lower)."""
+        costs = self.stage_costs(stage_of, spend)
+        if any(c.memory_bytes > d.memory_bytes for c, d in zip(costs, self.devices)):
+            return math.inf
+        return max(c.time_s for c in costs)
 
     def relaxed_stage_s(self, stage_of: Sequence[int]) -> list[float]:
         """Every stage's relaxed time (the definition the partitioner's incremental forms are

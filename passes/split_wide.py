@@ -180,7 +180,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, split: _Split, count: int,
             for role, whole, at, dim in (("weight", weight, split.weight_at, split.weight_dim),
                                          ("bias", bias, split.bias_at, split.bias_dim)):
                 if whole is not None:       # a view: an op's overhead, its share of the bytes
-                    sliced = NodeCost(out_bytes=round(_bytes(gm, whole) * fraction))
+                    sliced = NodeCost(out_bytes=round(_bytes(gm, whole) * fraction),
+                                      new_bytes=0)
                     at.write(args, kwargs, made(torch.narrow, (whole, dim, start, end - start),
                                                 {}, f"{role}_{i}", lambda c: sliced))
             pieces.append(made(split.target, tuple(args), kwargs, f"part_{i}",
@@ -216,7 +217,8 @@ def _share(cost: NodeCost, fraction: float) -> NodeCost:
     return dataclasses.replace(
         cost, fwd_s=cost.fwd_s * fraction, bwd_s=cost.bwd_s * fraction,
         out_bytes=round(cost.out_bytes * fraction), param_bytes=round(cost.param_bytes * fraction),
-        saved_bytes=round(cost.saved_bytes * fraction))
+        saved_bytes=round(cost.saved_bytes * fraction),
+        new_bytes=None if cost.new_bytes is None else round(cost.new_bytes * fraction))
 
 
 def _bytes(gm: fx.GraphModule, weight: fx.Node) -> int:

@@ -81,13 +81,15 @@ def assert_agrees_with_oracle(graph, result, oracle):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dags())
 def test_matches_brute_force_whenever_it_claims_optimal(case: DagCase):
+    # Inference: stages hold their forward's live set, exactly in the brute force and every
+    # candidate's check, at a lower bound in the DP, slicing and probes.
     try:
-        oracle = brute_force_partition(case.graph, case.devices)
+        oracle = brute_force_partition(case.graph, case.devices, memory=case.memory)
     except PartitionError:
         with pytest.raises(PartitionError):
-            partition(case.graph, case.devices)
+            partition(case.graph, case.devices, memory=case.memory)
         return
-    result = partition(case.graph, case.devices)
+    result = partition(case.graph, case.devices, memory=case.memory)
     assert_agrees_with_oracle(case.graph, result, oracle)
 
 
@@ -137,11 +139,11 @@ def test_fallbacks_never_beat_the_oracle_nor_overclaim(case: DagCase, limits):
     # a stopped branch and bound, exact slicing of one order.
     work, ideals, prefix = limits
     try:
-        result = partition(case.graph, case.devices,
+        result = partition(case.graph, case.devices, memory=case.memory,
                            limits=Limits(work=work, ideals=ideals, prefix_nodes=prefix))
     except PartitionError:
         return      # may be reported when only the exact search would find a fit
-    oracle = brute_force_partition(case.graph, case.devices)
+    oracle = brute_force_partition(case.graph, case.devices, memory=case.memory)
     assert_agrees_with_oracle(case.graph, result, oracle)
 
 
@@ -263,11 +265,16 @@ def test_memory_limits_move_nodes_to_the_device_that_has_room():
     assert [len(names) for names in result.stage_names] == [1, 3]
 
 
-def test_micro_batches_in_flight_multiply_activation_memory():
+def test_inference_memory_is_the_live_set_and_what_waits_across_micro_batches():
+    # x -> n0 -> n1 | n2 -> n3, 1 MB each. One micro-batch: stage 0 holds n0 while n1 runs
+    # (2 MB), stage 1 what it received and n2 while n3 runs (3 MB), not every value it makes.
     graph = chain(4, out_bytes={f"n{i}": 1_000_000 for i in range(4)})
     once = partition(graph, [CPU] * 2)
-    twice = partition(graph, [CPU] * 2, memory=Memory(in_flight=2))
-    assert [c.memory_bytes for c in twice.stages] == [2 * c.memory_bytes for c in once.stages]
+    assert [c.memory_bytes for c in once.stages] == [2_000_000, 3_000_000]
+    # Two: stage 0 runs the second while stage 1 has not taken the first (a tie waits), and
+    # stage 1 keeps the first output until the join, which copies both (4 MB).
+    twice = partition(graph, [CPU] * 2, memory=Memory(microbatches=2))
+    assert [c.memory_bytes for c in twice.stages] == [3_000_000, 4_000_000]
 
 
 def test_num_stages_for_stops_where_more_devices_stop_helping():

@@ -38,6 +38,8 @@ from fxpipe.passes.randomness import microbatch_seed
 from fxpipe.passes.recompute import Recomputed, recomputing
 from fxpipe.passes.state import unchanged_state
 
+from .memory import stage_memory
+
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]   # (micro-batch, graph values) -> loss
 Grads = dict[str, list[torch.Tensor | None]]             # value name -> gradient of each tensor
 
@@ -105,6 +107,7 @@ class StageExecutor:
     def computing(self) -> Iterator[None]:
         """The caller's grad mode and autocast, and this stage's stream, on the current thread."""
         with contextlib.ExitStack() as context:
+            context.enter_context(stage_memory(self.stage))   # off unless track_memory() is on
             context.enter_context(torch.set_grad_enabled(self._grad_enabled))
             for kind, dtype in self._autocast:
                 context.enter_context(torch.autocast(kind, dtype=dtype))

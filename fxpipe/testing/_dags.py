@@ -57,8 +57,10 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
     the cases give the cuda kinds a GPU-like column: 20x faster than the reference on nodes of
     1 ms or more, barely faster (0.9x) on smaller ones, split 1:2 into forward and backward.
     With `training`, nodes keep up to 16 MB for their backward (their output among it, or not),
-    some may be recomputed alone, stages hold 1 to 4 micro-batches in flight and the optimizer's
-    state, and recompute "never", "always" or "auto".
+    some may be recomputed alone, stages hold 1 to 4 micro-batches in flight (or as a GPipe or
+    1F1B timetable of 1 to 4 micro-batches has them: `Memory.rows`) and the optimizer's state,
+    and recompute "never", "always" or "auto"; without, a call runs 1 to 4 micro-batches. A node's output may be a view of a value it reads (no new memory: its base
+    lives as long as it does).
     """
     k = draw(st.integers(min_stages, max_stages), label="stages")
     inputs = draw(st.integers(0, max_inputs), label="inputs")
@@ -70,6 +72,8 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
         chosen = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
         preds.append(tuple(sorted(chosen)))
     has_succ = {p for ps in preds for p in ps}
+    views = tuple((draw(st.sampled_from(ps)),) if ps and draw(st.integers(0, 3)) == 0 else ()
+                  for ps in preds)
     time_s = [0.0] * inputs + [draw(st.integers(0, 20)) * 1e-4 for _ in range(computing)]
     out_bytes = [draw(st.integers(0, 8)) * 2_000_000 for _ in range(n)]
     param_bytes = [0] * inputs + [draw(st.integers(0, 4)) * 1_000_000 for _ in range(computing)]
@@ -90,12 +94,24 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
                       output_kept=tuple(training and i >= inputs and draw(st.booleans())
                                         for i in range(n)),
                       recomputable=tuple(training and i >= inputs and draw(st.booleans())
-                                         for i in range(n)))
-    rules = Memory()
+                                         for i in range(n)),
+                      new_bytes=tuple(0 if v else b for v, b in zip(views, out_bytes)),
+                      views=views)
+    rules = Memory(microbatches=draw(st.integers(1, 4), label="micro-batches"))
     if training:
         rules = Memory(in_flight=tuple(draw(st.integers(1, 4)) for _ in range(k)), training=True,
                        optimizer_state=draw(st.sampled_from((0.0, 2.0))),
                        recompute=draw(st.sampled_from(("never", "always", "auto"))))
+        schedule = draw(st.sampled_from((None, "gpipe", "1f1b")), label="timetable")
+        if schedule is not None:     # what stages hold read off a timetable, as planning does
+            from fxpipe.search import held_after_first_backward, in_flight
+            from fxpipe.schedules import timetable_for
+            m = rules.microbatches
+            rules = replace(rules, in_flight=tuple(in_flight(True, schedule, m, k)),
+                            after_backward=tuple(held_after_first_backward(schedule, m, k)),
+                            rows=tuple(tuple((a.phase.value, a.microbatch) for a in actions)
+                                       for actions in timetable_for(schedule, k, m,
+                                                                    backward=True)))
     need = (sum(param_bytes) + 2 * sum(out_bytes) if not training else
             rules.need(0, Held(sum(param_bytes), 0, sum(graph.saved_bytes), sum(out_bytes),
                                sum(out_bytes))))

@@ -156,14 +156,19 @@ class _Lattice:
             received_bytes = sum(graph.out_bytes[p] for p in received)
             sending = tuple(p for b, p in self._frontier(i) if stage >> b & 1)
             returned = tuple(self.members(stage & self.output_mask))
-            sent_bytes = sum(graph.out_bytes[p] for p in returned) + sum(
+            returned_bytes = sum(graph.out_bytes[p] for p in returned)
+            sent_bytes = returned_bytes + sum(
                 graph.out_bytes[p] for p in sending if not graph.to_output[p])
+            sent_new = sum(graph.new_bytes[p] for p in returned) + sum(
+                graph.new_bytes[p] for p in sending if not graph.to_output[p])
             self._pairs[key] = _Pair(
                 tuple(times[i] - times[j] for times in self.time_s), tuple(received), sending,
                 returned,
                 Held(self.param_bytes[i] - self.param_bytes[j],
                      self.out_bytes[i] - self.out_bytes[j] + received_bytes,
-                     self.saved_bytes[i] - self.saved_bytes[j], received_bytes, sent_bytes),
+                     self.saved_bytes[i] - self.saved_bytes[j], received_bytes, sent_bytes,
+                     sent_new, returned_bytes, moved_bytes=sum(
+                         graph.out_bytes[p] for p in sending if graph.output_kept[p])),
                 tuple(times[i] - times[j] for times in self.forward_s))
         return self._pairs[key]
 

@@ -18,7 +18,8 @@ from typing import Iterator, Sequence
 import torch.fx as fx
 
 from ..cost_model import (CostGraph, DeviceSpec, Held, LinkFn, Pricing, cost_graph,
-                          default_link, Memory, format_bytes, lower_bound_s)
+                          default_link, Memory, format_bytes, forward_peak, lower_bound_s,
+                          standalone_held)
 from ..errors import PartitionError
 from .lattice import _Lattice
 from .limits import _Budget, Limits
@@ -151,7 +152,7 @@ def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
     candidates: list[tuple[float, Sequence[int], str]] = []
     for name, order in orders:
         sliced = _best_slicing(model, order, bound)
-        if sliced is not None:
+        if sliced is not None and model.bottleneck_s(sliced) < math.inf:
             candidates.append((model.bottleneck_s(sliced), sliced, f"slicing the {name} order"))
 
     def exact(lattice: _Lattice, floor: float) -> Outcome:
@@ -212,7 +213,8 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
     for i in graph.compute_nodes:
         received = sum(graph.out_bytes[p] for p in graph.preds[i])
         held = Held(graph.param_bytes[i], graph.out_bytes[i] + received, graph.saved_bytes[i],
-                    received, graph.out_bytes[i])
+                    received, graph.out_bytes[i], graph.new_bytes[i],
+                    graph.out_bytes[i] if graph.to_output[i] else 0, forward_peak(graph, [i]))
         if memory.choose(0, roomiest, held) is None:
             need = min(memory.need(0, held), memory.need(0, held, recompute=True)
                        if memory.training and memory.recompute != "never" else math.inf)
@@ -254,57 +256,95 @@ def least_memory_bytes(graph: CostGraph, num_stages: int, memory: Memory) -> flo
     most `num_stages` stages fits them all (within 1%), by bisection on the capacity: an upper
     bound of the least any partition needs, and what a partition fxpipe finds needs."""
     low = 0.0
-    total = sum(graph.out_bytes)
-    high = max(1.0, float(memory.need(0, Held(sum(graph.param_bytes), total,
-                                              sum(graph.saved_bytes), total, total))))
+    high = max(1.0, float(memory.need(0, standalone_held(graph, graph.compute_nodes))))
+    while _slices_within(graph, num_stages, memory, high) is None:
+        high *= 2
     while high - low > 0.01 * high:
         middle = (low + high) / 2
-        low, high = (low, middle) if _slices_within(graph, num_stages, memory, middle) else \
-            (middle, high)
-    return high
+        low, high = (low, middle) if _slices_within(graph, num_stages, memory, middle) \
+            is not None else (middle, high)
+    # The greedy cut leaves out what stages hold across micro-batches (waiting between
+    # stages): what its stages need with it.
+    stage_of = _slices_within(graph, num_stages, memory, high)
+    if stage_of is None:
+        return high
+    used = max(stage_of) + 1
+    exact = Pricing(graph, [DeviceSpec("cpu", memory_bytes=high)] * used,
+                    memory=memory).stage_costs(stage_of)
+    return max(high, *(c.memory_bytes for c in exact))
 
 
-def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: float) -> bool:
-    """Whether cutting the topological order greedily, each stage as long as it fits
-    `capacity`, needs at most `num_stages` stages. A stage's sums grow node by node, in
-    O(edges) in all: what it received, and what it sends (a member read by a node not in it
-    yet, or returned)."""
-    s = 0
+def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: float
+                   ) -> list[int] | None:
+    """The stage of every node (-1 for inputs) when cutting the topological order greedily,
+    each stage as long as it fits `capacity`, needs at most `num_stages` stages; else None.
+    A stage grows by the relaxed memory rule, its sums grown node by node (what it received,
+    what it sends: a member read by a node not in it yet, or returned), then gives back its
+    last nodes until it fits by the exact one (`standalone_held`; found by bisection)."""
+    order = graph.compute_nodes
+    stage_of = [-1] * len(graph)
+    start = s = 0
+    while start < len(order):
+        if s >= num_stages:
+            return None
+        end = _grown_within(graph, order, start, memory, s, capacity)
+
+        def fits(stop: int) -> bool:
+            return memory.choose(s, capacity,
+                                 standalone_held(graph, order[start:stop])) is not None
+        if end > start and not fits(end):
+            low, high = start, end           # fits(low) or low == start; not fits(high)
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if fits(middle) else (low, middle)
+            end = low
+        if end == start:
+            return None
+        for i in order[start:end]:
+            stage_of[i] = s
+        start, s = end, s + 1
+    return stage_of
+
+
+def _grown_within(graph: CostGraph, order: Sequence[int], start: int, memory: Memory, s: int,
+                  capacity: float) -> int:
+    """Where a stage starting at `order[start]` ends growing by the relaxed memory rule: the
+    first position it does not fit at (`start`: not even its first node fits)."""
     members: set[int] = set()
     received: set[int] = set()
     outside: dict[int, int] = {}        # member -> its readers not in the stage yet
-    sums = (0, 0, 0, 0, 0)              # params, produced, saved, received, sent
+    sums = (0, 0, 0, 0, 0, 0, 0, 0)     # params, produced, saved, received, sent, their new
+                                        # memory, returned, sent and kept
 
-    def grown(i: int) -> tuple[int, int, int, int, int]:
-        params, produced, saved, inbound, sent = sums
+    def grown(i: int) -> tuple[int, ...]:
+        params, produced, saved, inbound, sent, sent_new, returned, kept = sums
         for p in graph.preds[i]:
             if p in members:
-                if outside[p] == 1 and not graph.to_output[p]:
-                    sent -= graph.out_bytes[p]
+                if outside[p] == 1:
+                    if graph.output_kept[p]:
+                        kept -= graph.out_bytes[p]
+                    if not graph.to_output[p]:
+                        sent -= graph.out_bytes[p]
+                        sent_new -= graph.new_bytes[p]
             elif p not in received:
                 inbound += graph.out_bytes[p]
         if graph.succs[i] or graph.to_output[i]:
             sent += graph.out_bytes[i]
+            sent_new += graph.new_bytes[i]
+        if graph.to_output[i]:
+            returned += graph.out_bytes[i]
+        if graph.succs[i] and graph.output_kept[i]:
+            kept += graph.out_bytes[i]
         return (params + graph.param_bytes[i], produced + graph.out_bytes[i],
-                saved + graph.saved_bytes[i], inbound, sent)
+                saved + graph.saved_bytes[i], inbound, sent, sent_new, returned, kept)
 
-    def fits(held: tuple[int, int, int, int, int]) -> bool:
-        params, produced, saved, inbound, sent = held
-        return memory.choose(s, capacity, Held(params, produced + inbound, saved, inbound,
-                                               sent)) is not None
-
-    for i in graph.compute_nodes:
+    for at in range(start, len(order)):
+        i = order[at]
         held = grown(i)
-        if not fits(held):
-            if not members:
-                return False
-            s += 1
-            if s >= num_stages:
-                return False
-            members, received, outside, sums = set(), set(), {}, (0, 0, 0, 0, 0)
-            held = grown(i)
-            if not fits(held):
-                return False
+        params, produced, saved, inbound, sent, sent_new, returned, kept = held
+        if memory.choose(s, capacity, Held(params, produced + inbound, saved, inbound, sent,
+                                           sent_new, returned, moved_bytes=kept)) is None:
+            return at
         for p in graph.preds[i]:
             if p in members:
                 outside[p] -= 1
@@ -313,4 +353,4 @@ def _slices_within(graph: CostGraph, num_stages: int, memory: Memory, capacity: 
         members.add(i)
         outside[i] = len(graph.succs[i])
         sums = held
-    return True
+    return len(order)

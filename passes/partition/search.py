@@ -57,9 +57,13 @@ def _exact(model: Pricing, lattice: _Lattice, incumbent: Sequence[int] | None,
         stage_of, exact = incumbent, incumbent_s
     try:
         with budget.share(0.5):
-            found = _search(model, lattice, costs, best, stage_of, exact, budget)
+            found, found_s = _search(model, lattice, costs, best, stage_of, exact, budget)
     except _OverBudget:
+        if exact == math.inf:     # the DP's chain does not fit by the exact memory rule
+            return OverBudget()
         return Certified(tuple(stage_of), bound, Route.BRANCH_AND_BOUND)
+    if found_s == math.inf:       # no chain fits by the exact memory rule
+        return Infeasible()
     return Proved(tuple(found), bound, Route.BRANCH_AND_BOUND)
 
 
@@ -90,6 +94,8 @@ def _probe(model: Pricing, lattice: _Lattice, costs: list[_StageCost], floor: fl
             exact = model.bottleneck_s(stage_of)
             if exact > incumbent_s:
                 stage_of, exact = incumbent, incumbent_s
+            if exact == math.inf:    # fits only by the relaxed memory rule, and nothing else
+                return OverBudget()
             settled = Proved if exact <= value * (1 + _TOL) else Certified
             return settled(tuple(stage_of), value, Route.PROBES)
         proven = limit
@@ -101,8 +107,9 @@ def _probe(model: Pricing, lattice: _Lattice, costs: list[_StageCost], floor: fl
 
 def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
             best: list[list[tuple[float, int]]], incumbent: Sequence[int], incumbent_s: float,
-            budget: _Budget) -> Sequence[int]:
-    """Branch and bound over chains of ideals, from the last stage back; the optimal assignment.
+            budget: _Budget) -> tuple[Sequence[int], float]:
+    """Branch and bound over chains of ideals, from the last stage back; the optimal assignment
+    and its exact bottleneck (inf: no chain fits by the exact memory rule).
 
     A stage chosen after the later ones knows where its values go, so its sends are priced
     exactly (one per receiving stage, over the real link); what precedes it is bounded by the
@@ -154,4 +161,4 @@ def _search(model: Pricing, lattice: _Lattice, costs: list[_StageCost],
                 stage_of[node] = -1
 
     visit(model.k - 1, len(lattice.masks) - 1, 0.0)
-    return state["best"]
+    return state["best"], state["best_s"]

@@ -41,7 +41,9 @@ def _best_slicing(model: Pricing, order: list[int], bound: float) -> list[int] |
     Starts from the lower bound and gallops up (bound * (1 + 2^j / 1024)) to the first bottleneck
     the greedy pass meets, then bisects to a relative precision of 1e-4 (1e-7 on small graphs).
     A pass that fails because later stages re-charged an earlier one for sending it their values
-    is retried (up to 3 times) with that stage closed earlier by the amount it went over.
+    is retried (up to 3 times) with that stage closed earlier by the amount it went over; so is
+    one whose stage fits its device by the relaxed memory rule but not by the exact one, with
+    that stage's memory kept free by the amount it went over.
     """
     position = [-1] * len(model.graph)
     for at, i in enumerate(order):
@@ -51,11 +53,19 @@ def _best_slicing(model: Pricing, order: list[int], bound: float) -> list[int] |
 
     def feasible(limit: float) -> tuple[list[int], float] | None:
         reserve = [0.0] * model.k
+        room = [0.0] * model.k       # memory kept free for what only the exact view counts
         for _ in range(4):
             over: dict[int, float] = {}
-            found = _slice(model, order, position, last, limit, reserve, over)
-            if found is not None or not over:
-                return found
+            found = _slice(model, order, position, last, limit, reserve, over, room)
+            if found is not None:
+                excess = model.memory_over(found[0])
+                if all(e <= 0 for e in excess):
+                    return found
+                for s, e in enumerate(excess):
+                    room[s] += max(e, 0.0)
+                continue
+            if not over:
+                return None
             for s, amount in over.items():
                 reserve[s] += amount
         return None
@@ -85,8 +95,8 @@ def _best_slicing(model: Pricing, order: list[int], bound: float) -> list[int] |
 
 
 def _slice(model: Pricing, order: list[int], position: list[int], last: list[int],
-           limit: float, reserve: list[float], over: dict[int, float]
-           ) -> tuple[list[int], float] | None:
+           limit: float, reserve: list[float], over: dict[int, float],
+           room: list[float] | None = None) -> tuple[list[int], float] | None:
     """One greedy pass: close each stage at the last node that keeps every stage within `limit`
     (stage `s`'s own time within `limit - reserve[s]`, room for later charges).
 
@@ -95,11 +105,13 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
     times are exact except that a value sent to later stages is first charged at the cheapest
     link to one of them; the receiving stage tops the charge up to the real link, and charges
     again for every further receiving stage, and that recomputing part of a stage is charged at
-    its relaxed bound (`Pricing.recompute_s`). Compute, received values and memory only grow as
-    a stage grows, so a stage stops growing as soon as they pass the limit.
+    its relaxed bound (`Pricing.recompute_s`, `room[s]` bytes of its device kept free).
+    Compute, received values and memory only grow as a stage grows, so a stage stops growing as
+    soon as they pass the limit.
     """
     graph, k = model.graph, model.k
     out_bytes, params, saved = graph.out_bytes, graph.param_bytes, graph.saved_bytes
+    new_bytes, kept = graph.new_bytes, graph.output_kept
     preds, is_input, to_output = graph.preds, graph.is_input, graph.to_output
     n = len(order)
     stage_of = [-1] * len(graph)
@@ -118,6 +130,8 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
         param_bytes = activation_bytes = saved_bytes = received_bytes = 0
         forward_s = 0.0      # the stage's forward: what recomputing it adds
         sending_bytes = 0    # values read after the stage or returned, each once
+        sending_new = returned_bytes = 0   # their new memory; the values returned
+        sending_kept = 0     # values read after the stage that a node keeps (training)
         received: dict[int, None] = {}
         charges: list[tuple[int, float, int]] = []   # (earlier stage, extra time, producer)
         extra = [0.0] * k
@@ -135,6 +149,11 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 sending += send_min[i]
             if last[i] > at or to_output[i]:
                 sending_bytes += out_bytes[i]
+                sending_new += new_bytes[i]
+            if to_output[i]:
+                returned_bytes += out_bytes[i]
+            if last[i] > at and kept[i]:
+                sending_kept += out_bytes[i]
             overflow = False
             for p in preds[i]:
                 if is_input[p]:
@@ -146,8 +165,11 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                 elif position[p] >= start:
                     if last[p] == at:
                         sending -= send_min[p]
+                        if kept[p]:
+                            sending_kept -= out_bytes[p]
                         if not to_output[p]:
                             sending_bytes -= out_bytes[p]
+                            sending_new -= new_bytes[p]
                 elif p not in received:
                     received[p] = None
                     sender = stage_of[p]
@@ -164,7 +186,9 @@ def _slice(model: Pricing, order: list[int], position: list[int], last: list[int
                                            load[sender] + extra[sender] - limit)
             extra_s = 0.0 if unbounded else model.recompute_s(
                 s, Held(param_bytes, activation_bytes, saved_bytes, received_bytes,
-                        sending_bytes), forward_s)
+                        sending_bytes, sending_new, returned_bytes,
+                        moved_bytes=sending_kept), forward_s,
+                room[s] if room is not None else 0.0)
             if overflow or extra_s == math.inf or fixed + extra_s > limit:
                 break
             if fixed + extra_s + sending <= limit - reserve[s] and (not final or at == n - 1):
