@@ -80,11 +80,17 @@ def main() -> None:
         if options.training:
             loss = nn.functional.mse_loss
             target = model(x).detach()
-            params = [p for p in model.parameters() if p.requires_grad]
 
+            # Each a training step's forward and backward into `.grad`, set to None first
+            # (`zero_grad()`), as a training loop runs them.
             def run_model():
-                torch.autograd.grad(loss(model(x), target), params)
-            fns = {"pipe": lambda: pipe.train_step(x, target, loss), "model": run_model}
+                model.zero_grad(set_to_none=True)
+                loss(model(x), target).backward()
+
+            def run_pipe():
+                pipe.zero_grad(set_to_none=True)
+                pipe.train_step(x, target, loss)
+            fns = {"pipe": run_pipe, "model": run_model}
         else:
             fns = {"pipe": lambda: pipe(x), "model": lambda: model(x)}
         with torch.set_grad_enabled(options.training):
