@@ -53,23 +53,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(arguments: list[str], processes: int, env: dict[str, str] | None = None
-             ) -> tuple[int, str]:
+def torchrun(arguments: list[str], processes: int, env: dict[str, str] | None = None, *,
+             cwd: Path = ROOT, timeout_s: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
     """Run `python -m torch.distributed.run` on 127.0.0.1 with `processes` ranks and the script
-    and arguments given; its exit status and output. Fails
-    the test (killing everything it started) past LAUNCH_TIMEOUT_S."""
+    and arguments given, in `cwd`; its exit status and output. Fails the test (killing
+    everything it started) past `timeout_s`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(processes), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                *arguments]
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
-        text, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        text, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text.decode()[-3000:]}")
-    return proc.returncode, text.decode()
+        pytest.fail(f"torchrun {' '.join(arguments)} did not finish in {timeout_s} s:\n"
+                    f"{text.decode(errors='replace')[-3000:]}")
+    return proc.returncode, text.decode(errors="replace")
 
 
 def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run", *,

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from test_distributed import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -59,27 +57,11 @@ def python_blocks(page: Path) -> list[Block]:
     return blocks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script: str, processes: int, cwd: Path) -> tuple[int, str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail(f"torchrun {script} did not finish in {TORCHRUN_TIMEOUT_S} s:\n"
-                    f"{text.decode(errors='replace')[-3000:]}")
-    return proc.returncode, text.decode(errors="replace")
+    """`script` under torchrun in `cwd`, with the repository importable (examples, benchmarks)."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return torchrun([script], processes, {"PYTHONPATH": path}, cwd=cwd,
+                    timeout_s=TORCHRUN_TIMEOUT_S)
 
 
 FINISHED = "fxpipe docs: this rank ran the whole script"
