@@ -143,7 +143,12 @@ class Workers:
         if os.getpid() != self._pid:         # a forked child: workers of its own
             self._fresh()
         kept = self._lock.acquire(blocking=False)
-        threads = self._started() if kept else self._start()   # busy: threads of this run's own
+        try:
+            threads = self._started() if kept else self._start()   # busy: this run's own
+        except BaseException:       # no thread could start (or Ctrl-C): the workers stay free
+            if kept:
+                self._lock.release()
+            raise
         jobs = Jobs([_Job(work, i, threading.Event()) for i in range(len(threads))])
         try:
             for thread, job in zip(threads, jobs.jobs):
