@@ -1,13 +1,17 @@
 """Models bigger than one device: Llama-shaped decoders planned from the meta device.
 
-    python -m benchmarks.bigmodel [--quick] [--models 1B 8B 70B]
+    python -m benchmarks.bigmodel [--quick] [--models 1B 8B 70B 405B] [--training]
     python -m benchmarks.bigmodel --run [--quick]
 
-Each model is built from a `LlamaConfig` under `torch.device("meta")` (1B, 8B and 70B shapes;
-bf16 where the float32 model would not fit this machine) and planned for inference on CPU
-devices whose memory caps (`DeviceSpec("cpu", memory_bytes=...)`) are too small for the whole
-model, its weights drawn node by node as the model initialises them (`weights=None`), never
-held whole. The output check is left out (`verify=False`): planning is what is timed.
+Each model is built from a `LlamaConfig` under `torch.device("meta")` (1B, 8B, 70B and 405B
+shapes; bf16 where the float32 model would not fit this machine; the 405B shape, Llama-3.1's:
+126 layers, hidden 16384, MLP 53248, 128 heads, 8 key/value heads, 810 GB of bf16 weights,
+6.4 GB a layer) and planned for inference (with `--training` also for training with Adam: a
+row per mode) on CPU devices whose memory caps (`DeviceSpec("cpu", memory_bytes=...)`) are too
+small for the whole model (what it holds: its weights, and in training their gradients and
+Adam's state too), its weights drawn node by node as the model initialises them
+(`weights=None`), never held whole. The output check is left out (`verify=False`): planning is
+what is timed.
 
 Each model is planned in a subprocess of its own, so that its peak resident memory
 (`resource.getrusage` maxrss, a high-water mark) is its planning's alone. Per model: the plan's
@@ -24,8 +28,11 @@ measured, is printed beside the measurement's own spread (the same layer code, t
 each depth).
 
 Goals on a 2-core machine: the 70B shape in under 10 minutes with the planning process under
-4 GB; the 8B shape in under 2 minutes. `--quick` plans a tiny shape in about a minute. The big
-shapes take the whole machine: run them alone.
+4 GB; the 8B shape in under 2 minutes; the 405B shape (16 devices), in inference and in
+training, each in under 15 minutes with the planning process under 12 GB (a layer, its
+activations and a fixed overhead) and its stages balanced within 2% (bottleneck over the mean
+stage). `--quick` plans a tiny shape in about a minute. The big shapes take the whole machine:
+run them alone (`--models 405B` is not in the default set).
 
 `--run` runs what is planned so: a decoder of 1 GB float32 (the "1GB" shape; `--quick`: the tiny
 one). Its checkpoint is written by this benchmark as Hugging Face sharded safetensors, block by
@@ -60,7 +67,7 @@ from tabulate import tabulate
 import fxpipe
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.blocks import block_of
-from fxpipe.passes.cost_model import DeviceSpec, cost_graph, format_bytes
+from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, cost_graph, format_bytes
 from fxpipe.passes.partition import evaluate
 from fxpipe.report import cost_sources
 from fxpipe.testing.memory import peak_bytes, return_freed_memory
@@ -73,6 +80,7 @@ SHAPES = {
     "1B": (2048, 16, 32, 8, 8192, 128256, torch.float32, 4),
     "8B": (4096, 32, 32, 8, 14336, 128256, torch.bfloat16, 4),
     "70B": (8192, 80, 64, 8, 28672, 128256, torch.bfloat16, 8),
+    "405B": (16384, 126, 128, 8, 53248, 128256, torch.bfloat16, 16),
 }
 BATCH, TOKENS = 4, 32         # one batch of 4 sequences of 32 tokens, one per micro-batch
 COMPARED = ("quick", "1B")    # also planned materialised, every node measured
@@ -80,7 +88,7 @@ TIED = ("quick", "1B", "1GB")  # the output layer reads the embedding's weight
 RUN_STAGES, RUN_CAP = 4, 400e6    # --run: 4 CPU devices of 400 MB (--quick: caps as planning's)
 
 
-def build(name: str, on_meta: bool):
+def build(name: str, on_meta: bool, training: bool = False):
     import transformers
     hidden, layers, heads, kv_heads, mlp, vocab, dtype, _ = SHAPES[name]
     config = transformers.LlamaConfig(
@@ -91,8 +99,8 @@ def build(name: str, on_meta: bool):
     torch.manual_seed(0)
     if on_meta:
         with torch.device("meta"):
-            return transformers.LlamaForCausalLM(config).to(dtype).eval()
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+            return transformers.LlamaForCausalLM(config).to(dtype).train(training)
+    return transformers.LlamaForCausalLM(config).to(dtype).train(training)
 
 
 def nbytes(module: torch.nn.Module) -> int:
@@ -107,17 +115,25 @@ def example_ids(name: str) -> torch.Tensor:
 
 def plan(name: str, model: torch.nn.Module, stages: int | None = None, cap: float | None = None,
          **options: Any) -> tuple[fxpipe.Plan, float]:
-    """`model` planned on `stages` CPU devices (the shape's count) of `cap` bytes each (by
-    default 0.9 x twice the model over the stages: no device holds the model whole)."""
+    """`model` planned in its mode (`model.training`; training with Adam) on `stages` CPU
+    devices (the shape's count) of `cap` bytes each (by default 0.9 x twice what the model
+    holds over the stages: no device holds it whole; in training its parameters, their
+    gradients and Adam's state, `held_bytes`)."""
     stages = stages or SHAPES[name][-1]
-    cap = cap or 0.9 * nbytes(model) * 2 / stages
+    cap = cap or 0.9 * held_bytes(model) * 2 / stages
     ids = example_ids(name)
     start = time.perf_counter()
     devices = [DeviceSpec(f"cpu:{s}", memory_bytes=cap) for s in range(stages)]  # one cap each
     made = fxpipe.plan(model, devices,
                        example_kwargs={"input_ids": ids}, chunks=BATCH, verify=False,
-                       **options)
+                       training=model.training, optimizer="adam", **options)
     return made, time.perf_counter() - start
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """What the model holds as planned: its weights, and in training also their gradients and
+    Adam's state (`OPTIMIZER_STATE["adam"]` bytes per parameter byte)."""
+    return round(nbytes(model) * (2 + OPTIMIZER_STATE["adam"] if model.training else 1))
 
 
 def bottleneck_on(costs: fxpipe.Plan, partition: fxpipe.Plan) -> float:
@@ -155,20 +171,22 @@ def reuse_error(gm: torch.fx.GraphModule, name: str) -> tuple[float, float]:
             (max(measured) - min(measured)) / statistics.median(measured))
 
 
-def one(name: str) -> dict[str, Any]:
-    """Plan `name` from meta (and materialised, for the compared shapes); the figures."""
-    model = build(name, on_meta=True)
+def one(name: str, training: bool = False) -> dict[str, Any]:
+    """Plan `name` from meta (and materialised, for the compared shapes, in inference), in
+    inference or for training; the figures."""
+    model = build(name, on_meta=True, training=training)
     blocks = [*model.model.layers, model.model.embed_tokens, model.lm_head]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     made, seconds = plan(name, model)        # weights drawn as the model initialises them
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stage_s = [c.time_s for c in made.partition.stages]
-    found = {"model": name, "plan_s": seconds, **cost_sources(made),
+    found = {"model": name, "mode": "training" if training else "inference",
+             "plan_s": seconds, **cost_sources(made),
              "peak_rss": peak, "before_rss": before, "model_bytes": nbytes(model),
              "largest_block": max(nbytes(b) for b in blocks),
              "balance": max(stage_s) / statistics.mean(stage_s),
              "predicted_s": made.predicted_step_s, "bottleneck_s": made.partition.bottleneck_s}
-    if name in COMPARED:
+    if name in COMPARED and not training:
         whole, _ = plan(name, build(name, on_meta=False), reuse_blocks=False)
         error, spread = reuse_error(whole.graph, name)
         found.update(whole_bottleneck_s=whole.partition.bottleneck_s,
@@ -363,12 +381,15 @@ def main() -> None:
                         f"the 1GB shape with its weights from a checkpoint, in one process and "
                         f"under torchrun (--quick: the tiny shape)")
     parser.add_argument("--models", nargs="+", default=["1B", "8B", "70B"], choices=SHAPES)
+    parser.add_argument("--training", action="store_true", help="plan each model for training "
+                        "(Adam) too: a row per mode (the materialised comparison: inference only)")
     parser.add_argument("--one", help=argparse.SUPPRESS)     # in the subprocess: one model
+    parser.add_argument("--mode", default="inference", help=argparse.SUPPRESS)   # with --one
     parser.add_argument("--step", nargs=3, help=argparse.SUPPRESS)   # STEP NAME DIR of --run
     parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)   # NAME DIR: a torchrun rank
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one)))
+        print(json.dumps(one(args.one, training=args.mode == "training")))
         return
     if args.step:
         step, name, directory = args.step
@@ -381,16 +402,19 @@ def main() -> None:
         run("quick" if args.quick else "1GB")
         return
     rows, compared, reuse, failed = [], [], [], []
-    for name in ["quick"] if args.quick else args.models:
-        ran = subprocess.run([sys.executable, "-m", "benchmarks.bigmodel", "--one", name],
-                             capture_output=True, text=True)
+    modes = ["inference", "training"] if args.training else ["inference"]
+    for name, mode in [(n, m) for n in (["quick"] if args.quick else args.models)
+                       for m in modes]:
+        ran = subprocess.run([sys.executable, "-m", "benchmarks.bigmodel", "--one", name,
+                              "--mode", mode], capture_output=True, text=True)
         if ran.returncode != 0:
-            print(f"{name}: failed\n{ran.stderr[-4000:]}", file=sys.stderr)
-            failed.append(name)
+            print(f"{name} {mode}: failed\n{ran.stderr[-4000:]}", file=sys.stderr)
+            failed.append(f"{name} {mode}")
             continue
         r = json.loads(ran.stdout.strip().splitlines()[-1])
-        print(f"{name}: planned in {r['plan_s']:.1f} s", flush=True)    # the tables come last
-        rows.append((name, f"{r['plan_s']:.1f}", r["measured"], r["reused"], r["estimated"],
+        print(f"{name} {mode}: planned in {r['plan_s']:.1f} s", flush=True)   # tables come last
+        rows.append((name, mode, f"{r['plan_s']:.1f}", r["measured"], r["reused"],
+                     r["estimated"],
                      format_bytes(r["peak_rss"]), format_bytes(r["peak_rss"] - r["before_rss"]),
                      format_bytes(r["model_bytes"]), format_bytes(r["largest_block"]),
                      f"{r['balance']:.3f}", f"{r['predicted_s'] * 1e3:.1f}"))
@@ -403,7 +427,7 @@ def main() -> None:
                              f"{r['whole_on_meta_costs_s'] * 1e3:.3f}"))
             reuse.append((name, f"{r['reuse_error']:.1%}", f"{r['layer_spread']:.1%}",
                           "yes" if r["reuse_error"] <= r["layer_spread"] else "NO"))
-    print(tabulate(rows, headers=["model", "plan s", "measured", "reused", "estimated",
+    print(tabulate(rows, headers=["model", "mode", "plan s", "measured", "reused", "estimated",
                                   "peak RSS", "grew while planning", "model", "largest block",
                                   "balance", "predicted ms"]))
     if compared:

@@ -8,18 +8,22 @@
     python -m fxpipe show plans/net
     python -m fxpipe diff plans/net plans/net-4
     python -m fxpipe run plans/net --input 16x32
+    python -m fxpipe run plans/llama --weights llama/ --tokens 1x512
 
 A model is `module:factory`, the factory called with `--kwargs` (JSON) to build it; with
 `--config FILE`, from that configuration: a Hugging Face factory (an `AutoModel...` class, a
 model class) from the `config.json` read from disk (`AutoConfig.from_pretrained`, never a
 download), `--kwargs` overriding its entries; any other factory called with the file's JSON
-object as keyword arguments, `--kwargs` added. `--meta` builds it under
-`torch.device("meta")` (shapes, no values: see docs/big-models.md), `--dtype` (bf16, fp16,
-float32, ...) in that dtype. Inputs are random tensors of the shapes given (`--input` once per
-positional input, sizes joined by `x`) of a float `--dtype`, or token ids (`--tokens BxS`,
-int64 below the model's vocabulary, the first input; an integer `--dtype` draws ids below 100
-for `--input`). Devices are comma-separated, each with its memory if wanted (`cpu:0=400MB`,
-`cuda:0=80GB`). Bad input gets one line naming the problem and exit status 2, no traceback.
+object as keyword arguments, `--kwargs` added. `--meta` builds it with its parameters on the
+meta device (shapes, no values: see docs/big-models.md) and its buffers computed on the CPU
+(`fxpipe.weights.build_on_meta`: a rotary `inv_freq`, which no checkpoint holds, is kept in
+the plan), `--dtype` (bf16, fp16, float32, ...) in that dtype. Inputs are random tensors of
+the shapes given (`--input` once per positional input, sizes joined by `x`) of a float
+`--dtype`, or token ids (`--tokens BxS`, int64 below the model's vocabulary, the first input;
+an integer `--dtype` draws ids below 100 for `--input`). `run` takes a plan's weights from
+`--weights CKPT` (a plan made with `--meta` holds none), and its inputs from `--tokens` and
+`--input`, else shaped as the plan's example. Devices are comma-separated, each with its memory
+if wanted (`cpu:0=400MB`, `cuda:0=80GB`). Bad input gets one line naming the problem and exit status 2, no traceback.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from fxpipe.passes.errors import FxpipeError
 from . import timeline
 from .options import LinkName, Recompute
 from .pictures import COLOURS, write_node_graph, write_stage_graph  # noqa: F401 (COLOURS: tests)
+from .report import measured_memory
 from .saved import plan_document
+from .weights import build_on_meta
 
 
 class UsageError(FxpipeError):
@@ -61,8 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except (FxpipeError, FileNotFoundError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # The problem on the error line, the fix (the message's next lines) indented below it.
+        first, *rest = str(e).strip().splitlines() or [type(e).__name__]
         print(f"fxpipe {args.name}: error: {first}", file=sys.stderr)
+        for line in rest:
+            print(f"  {line}" if line.strip() else "", file=sys.stderr)
         return 2
 
 
@@ -97,7 +106,20 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a saved plan on random inputs; measured "
                                           "against predicted time per stage")
     run.add_argument("dir")
-    _inputs(run)
+    run.add_argument("--weights", metavar="CKPT",
+                     help="read each stage's tensors from this checkpoint (a .safetensors file, "
+                          "a Hugging Face sharded folder, a torch state_dict file): what a plan "
+                          "made on meta (plan --meta) runs with")
+    run.add_argument("--input", action="append", metavar="SHAPE",
+                     help="a positional input's shape, e.g. 8x3x224x224 (once per input; "
+                          "default: the shapes the plan was measured on)")
+    run.add_argument("--tokens", metavar="BxS",
+                     help="token ids as the first input: B sequences of S, int64 below the "
+                          "vocabulary of the embedding the plan reads them with")
+    run.add_argument("--dtype", default=None,
+                     help="the --input tensors' dtype (default: float32; bf16, fp16; int64 "
+                          "draws token ids below 100); without --input, that of the inputs "
+                          "that are not token ids (default: as the plan measured them)")
     run.add_argument("--repeats", type=int, default=5, help="timed calls (default: 5)")
     run.set_defaults(command=_run, name="run")
     return parser
@@ -110,7 +132,7 @@ def _planning(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated devices, one per stage, each with its memory if "
                              "wanted: cpu,cpu (the default), cpu:0=400MB,cpu:1=400MB, "
                              "cuda:0=80GB,cuda:1=80GB")
-    _inputs(parser, required=False)
+    _inputs(parser)
     parser.add_argument("--tokens", metavar="BxS",
                         help="token ids as the first input: B sequences of S, int64 below the "
                              "model's vocabulary (its input embedding's size)")
@@ -141,19 +163,15 @@ def _planning(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def _inputs(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    parser.add_argument("--input", action="append", required=required, metavar="SHAPE",
+def _inputs(parser: argparse.ArgumentParser) -> None:
+    """The planning commands' inputs (run has its own)."""
+    parser.add_argument("--input", action="append", metavar="SHAPE",
                         help="a positional input's shape, e.g. 8x3x224x224 (once per input)")
-    if required:        # `run`: the inputs' dtype alone
-        parser.add_argument("--dtype", default="float32",
-                            help="the inputs' dtype (default: float32; bf16, fp16; int64 draws "
-                                 "token ids below 100)")
-    else:
-        parser.add_argument("--dtype", default=None,
-                            help="a float dtype (bf16, fp16, float32, float64) is the model's "
-                                 "and its --input tensors'; an integer one (int64) draws token "
-                                 "ids below 100 for --input and leaves the model as built "
-                                 "(default: the model as built, float32 inputs)")
+    parser.add_argument("--dtype", default=None,
+                        help="a float dtype (bf16, fp16, float32, float64) is the model's and "
+                             "its --input tensors'; an integer one (int64) draws token ids below "
+                             "100 for --input and leaves the model as built (default: the model "
+                             "as built, float32 inputs)")
 
 
 # ---- commands -----------------------------------------------------------------------------------
@@ -161,7 +179,7 @@ def _inputs(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
 def _plan(args: argparse.Namespace) -> int:
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if not args.input and args.tokens is None:
-        raise UsageError("no inputs: give --tokens BxS (token ids) or --input SHAPE (once per "
+        raise UsageError("no inputs\ngive --tokens BxS (token ids) or --input SHAPE (once per "
                          "positional input)")
     tokens = None if args.tokens is None else _token_shape(args.tokens)
     model_dtype = dtype if dtype is not None and dtype.is_floating_point else None
@@ -269,15 +287,19 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
-        raise UsageError(f"--repeats {args.repeats}: use 1 or more")
-    plan = fxpipe.load_plan(args.dir)
+        raise UsageError(f"--repeats {args.repeats}: must be 1 or more")
+    if args.weights is None and _without_weights(plan_document(args.dir)):
+        raise UsageError(f"the plan at {args.dir} holds no weights\nit was planned on the meta "
+                         f"device: pass --weights CKPT, a .safetensors file or a Hugging Face "
+                         f"sharded folder")
+    plan = fxpipe.load_plan(args.dir, weights=args.weights)
     pipe = fxpipe.Pipeline(plan)
-    inputs = _random_inputs(args.input, args.dtype)
+    inputs, keywords = _run_inputs(plan, args)
     with torch.no_grad():
-        pipe(*inputs)       # warm-up
+        pipe(*inputs, **keywords)       # warm-up
         runs = []
         for _ in range(args.repeats):
-            pipe(*inputs)
+            pipe(*inputs, **keywords)
             runs.append(pipe.last_run)
     print(f"{args.dir}: {plan.partition.num_stages} stages, {plan.chunks} micro-batches, "
           f"median of {args.repeats} calls")
@@ -290,7 +312,116 @@ def _run(args: argparse.Namespace) -> int:
     predicted = max((slot.end_s for slot in pipe.predict()), default=0.0)
     print(f"per call: predicted {predicted * 1e3:.3f} ms, measured "
           f"{statistics.median(run.wall_s for run in runs) * 1e3:.3f} ms")
+    pipe.measure_memory = True      # one more call, its memory tracked (not timed)
+    with torch.no_grad():
+        pipe(*inputs, **keywords)
+    print("\n".join(measured_memory(plan)))
+    pipe.close()
     return 0
+
+
+def _without_weights(document: dict[str, Any]) -> bool:
+    """Whether a saved plan's files lack some of the model's parameters and persistent buffers
+    (a plan made on meta: its manifest lists them, unsaved)."""
+    stages = (document.get("weights") or {}).get("stages") or []
+    return any(entry["persistent"] and not entry["saved"]
+               for entries in stages for entry in entries.values())
+
+
+def _run_inputs(plan: fxpipe.Plan, args: argparse.Namespace
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`fxpipe run`'s random inputs: `--tokens` (ids below the vocabulary of the embedding the
+    plan reads its first input with) then each `--input`; without either, the example's
+    (`_measured_inputs`)."""
+    if args.input is None and args.tokens is None:
+        return _measured_inputs(plan, None if args.dtype is None else _dtype(args.dtype))
+    inputs = _random_inputs(args.input or [], args.dtype or "float32")
+    if args.tokens is not None:
+        vocabularies = _token_inputs(plan)
+        first = plan.signature.placeholders[0] if plan.signature.placeholders else None
+        if first not in vocabularies:
+            raise UsageError("--tokens: the plan reads no token ids with an embedding as its "
+                             "first input\ngive its inputs with --input SHAPE --dtype int64")
+        torch.manual_seed(0)
+        inputs = (torch.randint(0, vocabularies[first], _token_shape(args.tokens)), *inputs)
+    return inputs, {}
+
+
+def _token_inputs(plan: fxpipe.Plan) -> dict[str, int]:
+    """The graph inputs the plan reads as token ids (an embedding's indices: `nn.Embedding`,
+    `F.embedding`, aten's `embedding`, the input reshaped on the way), each with the number of
+    ids its embedding takes."""
+    graph_inputs = set(plan.signature.placeholders)
+    found: dict[str, int] = {}
+    for stage in plan.stages:
+        module = stage.module
+        for node in module.graph.nodes:
+            weight = indices = None
+            if node.op == "call_module" and isinstance(module.get_submodule(node.target),
+                                                       torch.nn.Embedding):
+                weight, indices = module.get_submodule(node.target).weight, node.args[0]
+            elif node.op == "call_function" and node.target in (
+                    torch.nn.functional.embedding, torch.ops.aten.embedding.default):
+                table, indices = (node.args[1], node.args[0]) \
+                    if node.target is torch.nn.functional.embedding else node.args[:2]
+                if isinstance(table, torch.fx.Node) and table.op == "get_attr":
+                    weight = module
+                    for part in table.target.split("."):
+                        weight = getattr(weight, part)
+            for _ in range(4):      # back through a view or reshape of the input
+                if not isinstance(indices, torch.fx.Node) or indices.op == "placeholder":
+                    break
+                indices = indices.args[0] if indices.args else None
+            if isinstance(weight, torch.Tensor) and isinstance(indices, torch.fx.Node) and \
+                    indices.op == "placeholder" and indices.name in graph_inputs:
+                found.setdefault(indices.name, weight.shape[0])
+    return found
+
+
+_FLOATS_BY_SIZE = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+
+
+def _measured_inputs(plan: fxpipe.Plan, dtype: torch.dtype | None
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Random inputs shaped as the plan's example: the micro-batch it was measured on, its
+    batch dimension times the plan's chunks; token ids below their embedding's vocabulary
+    (`_token_inputs`), other tensors of `dtype`, else the float dtype of the bytes the plan
+    measured them at (8: float64, 4: float32, 2: bfloat16, 1: bool)."""
+    signature = plan.signature
+    measured = {key[0]: m for key, m in plan.measurements.items()}
+    if len(measured) != 1:
+        raise UsageError(f"the plan was measured on {len(measured)} micro-batch sizes\n"
+                         f"so its example's is unknown; give its inputs with --tokens BxS or "
+                         f"--input SHAPE (once per positional input)")
+    (shapes, measurement), = measured.items()
+    tensors = [p for i, p in enumerate(signature.placeholders) if i not in signature.constants]
+    if len(tensors) != len(shapes) or signature.var_positional or signature.var_keyword:
+        raise UsageError("the plan's inputs are not all tensors it was measured on\ngive them "
+                         "with --tokens BxS or --input SHAPE (once per positional input)")
+    vocabularies = _token_inputs(plan)
+    torch.manual_seed(0)
+    values: dict[str, Any] = {}
+    for name, micro in zip(tensors, shapes):
+        shape = list(micro)
+        dim = plan.batch_dims.get(name, 0)
+        if isinstance(dim, int) and 0 <= dim < len(shape):
+            shape[dim] *= plan.chunks
+        if name in vocabularies:
+            values[name] = torch.randint(0, vocabularies[name], shape)
+            continue
+        cost = measurement.costs.get(name)
+        size = cost.out_bytes // max(math.prod(micro), 1) if cost is not None else 4
+        kind = dtype or _FLOATS_BY_SIZE.get(size, torch.bool if size == 1 else torch.float32)
+        values[name] = (torch.randn(shape).to(kind) if kind.is_floating_point else
+                        torch.randint(0, 2 if kind == torch.bool else 100, shape).to(kind))
+    leaves = [signature.constants[i] if i in signature.constants else values[p]
+              for i, p in enumerate(signature.placeholders)]
+    if signature.in_spec is not None:       # export: the leaves of (args, kwargs)
+        inputs, keywords = torch.utils._pytree.tree_unflatten(leaves, signature.in_spec)
+        return tuple(inputs), dict(keywords)
+    positional = leaves[:signature.positional]
+    return tuple(positional), dict(zip(signature.names[signature.positional:],
+                                       leaves[signature.positional:]))
 
 
 # ---- reading the command line -------------------------------------------------------------------
@@ -305,20 +436,24 @@ def _model(target: str, kwargs: str, *, config: str | None = None, meta: bool = 
     if config is not None and builder is None:
         options = {**_json_object(f"--config {config}", _read(config),
                                   "a JSON object of the factory's keyword arguments"), **options}
-    with _building(meta, dtype):
+    def build() -> Any:
         if builder is not None:
             hf_config = _hugging_face_config(config, options, dtype)
             try:
-                model = builder(hf_config)
+                return builder(hf_config)
             except Exception as e:       # a configuration the factory does not build
-                raise UsageError(f"{target} from --config {config} failed: "
+                raise UsageError(f"{target} from --config {config} failed\n"
                                  f"{type(e).__name__}: {_first_line(e)}") from None
-        else:
-            try:
-                model = factory(**options)
-            except Exception as e:       # the factory's own complaint, e.g. a missing argument
-                raise UsageError(f"{target}(**{options}) failed: {type(e).__name__}: "
-                                 f"{_first_line(e)} (pass its arguments with --kwargs)") from None
+        try:
+            return factory(**options)
+        except Exception as e:       # the factory's own complaint, e.g. a missing argument
+            raise UsageError(f"{target}(**{options}) failed\n{type(e).__name__}: "
+                             f"{_first_line(e)}\npass its arguments with --kwargs") from None
+
+    with _in_dtype(dtype):
+        # On meta, its buffers computed (a rotary inv_freq): the plan keeps them, so that it
+        # runs from a checkpoint alone (no checkpoint holds a non-persistent buffer).
+        model = build_on_meta(build) if meta else build()
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{target} returned a {type(model).__name__}, not an nn.Module")
     if dtype is not None and any(p.is_floating_point() and p.dtype != dtype
@@ -331,12 +466,12 @@ def _factory(target: str) -> Any:
     """The callable `module:factory` names."""
     module_name, _, factory_name = target.partition(":")
     if not module_name or not factory_name:
-        raise UsageError(f"model {target!r}: write it as module:factory, e.g. "
-                         f"torchvision.models:resnet50")
+        raise UsageError(f"model {target!r} is not module:factory\nwrite it as "
+                         f"module:factory, e.g. torchvision.models:resnet50")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UsageError(f"cannot import {module_name!r} ({e}): is it installed, or on "
+        raise UsageError(f"cannot import {module_name!r} ({e})\nis it installed, or on "
                          f"PYTHONPATH?") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
@@ -350,9 +485,10 @@ def _json_object(what: str, text: str, example: str) -> dict[str, Any]:
         options = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"{what} {text if len(text) < 60 else text[:57] + '...'!r} is not "
-                         f"JSON ({e.msg}): e.g. {example}") from None
+                         f"JSON ({e.msg})\ne.g. {example}") from None
     if not isinstance(options, dict):
-        raise UsageError(f"{what}: give a JSON object of keyword arguments")
+        raise UsageError(f"{what} is not a JSON object\ngive a JSON object of keyword "
+                         f"arguments")
     return options
 
 
@@ -387,23 +523,23 @@ def _hugging_face_config(config: str, overrides: dict[str, Any],
     try:
         loaded = AutoConfig.from_pretrained(str(path), local_files_only=True, **overrides)
     except Exception as e:       # not JSON, an unknown model_type
-        raise UsageError(f"--config {config}: {type(e).__name__}: {_first_line(e)}") from None
+        raise UsageError(f"--config {config}: transformers cannot load it\n"
+                         f"{type(e).__name__}: {_first_line(e)}") from None
     if dtype is not None:
         loaded.dtype = dtype
     return loaded
 
 
 @contextlib.contextmanager
-def _building(meta: bool, dtype: torch.dtype | None) -> Iterator[None]:
-    """Inside, tensors are made on meta with `meta`, and floating ones in `dtype` when given."""
+def _in_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside, floating tensors are made in `dtype` when given."""
     default = torch.get_default_dtype()
-    with torch.device("meta") if meta else contextlib.nullcontext():
-        try:
-            if dtype is not None:
-                torch.set_default_dtype(dtype)
-            yield
-        finally:
-            torch.set_default_dtype(default)
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -411,7 +547,7 @@ def _dtype(name: str) -> torch.dtype:
     fp32, fp64."""
     dtype = getattr(torch, DTYPE_NAMES.get(name.lower(), name), None)
     if not isinstance(dtype, torch.dtype):
-        raise UsageError(f"--dtype {name!r} is not a torch dtype: e.g. float32, bf16, "
+        raise UsageError(f"--dtype {name!r} is not a torch dtype\ne.g. float32, bf16, "
                          f"fp16, int64")
     return dtype
 
@@ -427,7 +563,7 @@ def _token_shape(text: str) -> tuple[int, int]:
     except ValueError:
         shape = ()
     if len(shape) != 2 or min(shape) < 1:
-        raise UsageError(f"--tokens {text!r} is not BxS: a batch of B sequences of S tokens, "
+        raise UsageError(f"--tokens {text!r} is not BxS\na batch of B sequences of S tokens, "
                          f"sizes >= 1, e.g. 1x512")
     return shape
 
@@ -449,8 +585,9 @@ def _vocabulary(model: torch.nn.Module) -> int:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and vocab > 0:
         return vocab
-    raise UsageError("--tokens: the model has no nn.Embedding (nor config.vocab_size) to say "
-                     "its vocabulary: give its inputs with --input SHAPE --dtype int64")
+    raise UsageError("--tokens: the model has no nn.Embedding (nor config.vocab_size)\n"
+                     "nothing says its vocabulary; give its inputs with --input SHAPE --dtype "
+                     "int64")
 
 
 def _devices(text: str, memory: float | None) -> list[str | fxpipe.DeviceSpec]:
@@ -460,7 +597,7 @@ def _devices(text: str, memory: float | None) -> list[str | fxpipe.DeviceSpec]:
     for entry in text.split(","):
         name, given, size = (part.strip() for part in entry.partition("="))
         if not name:
-            raise UsageError(f"--devices {text!r}: a device name is missing, e.g. "
+            raise UsageError(f"--devices {text!r}: a device name is missing\ne.g. "
                              f"cpu:0=400MB,cpu:1=400MB")
         bytes_ = _size(f"--devices {entry.strip()!r}:", size) if given else memory
         devices.append(name if bytes_ is None else fxpipe.DeviceSpec(name, memory_bytes=bytes_))
@@ -475,7 +612,7 @@ def _size(what: str, text: str) -> float:
     """A memory size: bytes (8e9), or with a unit (400MB, 80GB, 16GiB)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
     if match is None or match[2] not in _UNITS or not float(match[1]) > 0:
-        raise UsageError(f"{what} {text!r} is not a memory size: bytes > 0, e.g. 8e9, 400MB, "
+        raise UsageError(f"{what} {text!r} is not a memory size\nbytes > 0, e.g. 8e9, 400MB, "
                          f"80GB or 16GiB")
     return float(match[1]) * _UNITS[match[2]]
 
@@ -490,7 +627,7 @@ def _random_inputs(shapes: Sequence[str], dtype_name: str) -> tuple[torch.Tensor
         except ValueError:
             shape = []
         if not shape or min(shape) < 1:
-            raise UsageError(f"--input {text!r} is not a shape: sizes >= 1 joined by x, "
+            raise UsageError(f"--input {text!r} is not a shape\nsizes >= 1 joined by x, "
                              f"e.g. 8x3x224x224")
         inputs.append(torch.randint(0, 100, shape, dtype=dtype) if not dtype.is_floating_point
                       else torch.randn(shape, dtype=dtype))

@@ -62,7 +62,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             verify_tolerance: float | None = None, costs: Plan | None = None,
             progress: bool | None = None,
             recompute: Literal["never", "always", "auto"] = "never",
-            optimizer: str | float | type = "adam", weights: Any = None) -> Pipeline:
+            optimizer: Any = "adam", weights: Any = None) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
@@ -110,8 +110,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
 
     Each stage must fit its device's memory (a GPU's, or `DeviceSpec(memory_bytes=...)`). In
     training a stage holds its parameters, their gradients and the `optimizer`'s state (a name,
-    "sgd", "momentum", "adam", "adamw", "adagrad" or "rmsprop", a `torch.optim` class of one, or
-    state bytes per parameter byte; default "adam"), and what autograd keeps for the backward of
+    "sgd", "momentum", "adam", "adamw", "adagrad" or "rmsprop", a `torch.optim` class of one,
+    the optimizer itself (its settings read: SGD's momentum, Adam's amsgrad), or state bytes per
+    parameter byte; default "adam"), and what autograd keeps for the backward of
     each micro-batch in flight (measured; `cost_model.Memory`).
     `recompute="always"` re-materialises activations (GPipe's second idea): in `train_step`, each
     stage's forward keeps only what it received, and its backward runs the forward again first
@@ -274,20 +275,21 @@ class Recipe:
         """The recipe of `model` on the example, once the model and the example are fit to plan
         from (options are checked already, as `Options`)."""
         if not isinstance(model, nn.Module):
-            raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module: wrap it "
+            raise TraceError(f"the model is a {type(model).__name__}, not an nn.Module\nwrap it "
                              f"in a module whose forward calls it, then compile that module")
         if example_inputs is None or isinstance(example_inputs, list):
             raise InputError(
-                f"example_inputs={'None' if example_inputs is None else 'a list'}: pass the "
-                f"model's positional example inputs as a tuple (one tensor may be passed alone)"
+                f"example_inputs={'None' if example_inputs is None else 'a list'} is not a "
+                f"tuple\npass the model's positional example inputs as a tuple (one tensor may "
+                f"be passed alone)"
                 + (", e.g. tuple(inputs), or (inputs,) if the model takes the list as its one "
                    "input" if example_inputs is not None else
                    ", and keyword inputs in example_kwargs"))
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
-            raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}: pass the "
-                             f"model's keyword example inputs as a dict (name -> value), "
+            raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}, not a dict\n"
+                             f"pass the model's keyword example inputs as a dict (name -> value), "
                              f"positional ones in example_inputs")
         example_kwargs = without_cache(model, example_inputs, example_kwargs)   # what it runs
         _refuse_meta_inputs((example_inputs, example_kwargs))
@@ -330,8 +332,8 @@ class Recipe:
 def _refuse_meta_inputs(inputs: Any) -> None:
     """Refuse example inputs on the meta device: activations are measured on real values."""
     if any(t.is_meta for t in tensors(inputs)):
-        raise DeviceError("an example input is on the meta device: it has a shape but no values, "
-                          "and fxpipe measures and checks the model on real ones (a model built "
+        raise DeviceError("an example input is on the meta device: it has a shape but no values\n"
+                          "fxpipe measures and checks the model on real ones (a model built "
                           "on meta is fine); pass real example inputs (e.g. torch.randn(shape), "
                           "or token ids) of the batch's shape")
 
@@ -342,8 +344,9 @@ def _weights_of(model: nn.Module, spec: Any) -> Any:
     if not holds_meta(model):
         if spec is not None:
             raise InputError(
-                "weights= was given, but the model holds its own values (it was not built on the "
-                "meta device): load them into the model instead (model.load_state_dict(...)), "
+                "weights= was given, but the model holds its own values\n"
+                "it was not built on the meta device: load them into the model instead "
+                "(model.load_state_dict(...)), "
                 "or build it under torch.device('meta') to plan it without holding it")
         return None
     weights = Init(model, seed=0) if spec is None else open_weights(spec)
@@ -635,10 +638,11 @@ def _checked_link(link: LinkFn, specs: Sequence[DeviceSpec]) -> LinkFn:
 def _valid_link(found: Any, src: DeviceSpec, dst: DeviceSpec) -> Link:
     where = f"link({src.name!r}, {dst.name!r}) returned {found!r}"
     if not isinstance(found, Link):
-        raise CostError(f"{where}: a link function must return a fxpipe.Link, e.g. "
+        raise CostError(f"{where}: a link function must return a fxpipe.Link\ne.g. "
                         f"Link(latency_s=10e-6, bytes_per_s=20e9)")
     if not (isinstance(found.latency_s, (int, float)) and 0 <= found.latency_s < math.inf):
         raise CostError(f"{where}: latency_s must be a finite number of seconds >= 0")
     if not (isinstance(found.bytes_per_s, (int, float)) and found.bytes_per_s > 0):
-        raise CostError(f"{where}: bytes_per_s must be a bandwidth > 0 (math.inf for a free copy)")
+        raise CostError(f"{where}: bytes_per_s must be a bandwidth > 0\n"
+                        f"math.inf for a free copy")
     return found

@@ -153,13 +153,13 @@ def verify(plan: Plan, recipe: Recipe, reference: Reference,
                          tolerance if reference.tolerance is None else reference.tolerance)
     if problem and reference.random:
         raise VerificationError(
-            f"the pipeline differs from the model run once per micro-batch under the same seeds: "
-            f"{problem}. The model draws random numbers (two runs from different seeds differ), "
+            f"the pipeline differs from the model run per micro-batch under the same seeds\n"
+            f"{problem}\nthe model draws random numbers (two runs from different seeds differ), "
             f"and the pipeline drew other ones: compile with verify=False to accept it, and "
             f"please report it as a bug in fxpipe with the model")
     if problem:
         raise VerificationError(
-            f"the pipeline does not reproduce the model on the example inputs: {problem}. If this "
+            f"the pipeline does not reproduce the model on the example inputs\n{problem}\nif this "
             f"is rounding (the number of threads changes the order of sums), relax the check with "
             f"verify_tolerance= (a tolerance relative to each output's largest value) or skip it "
             f"with verify=False; otherwise this is a bug in fxpipe: please report it with the "
@@ -398,8 +398,8 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
     flat_whole, spec = pytree.tree_flatten_with_path(whole)
     flat_parts = [pytree.tree_flatten(p) for p in parts]
     if any(other != pytree.tree_structure(whole) for _, other in flat_parts):
-        raise BatchError("the model's output differs in structure between the whole batch and a "
-                         "micro-batch: return the same structure for every batch, or use chunks=1")
+        raise BatchError("the model's output structure differs between the whole batch and a "
+                         "micro-batch\nreturn the same structure for every batch, or use chunks=1")
     total = sum(rows)
     dims: list[int | None] = []
     for i, (path, w) in enumerate(flat_whole):
@@ -409,7 +409,7 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
             continue
         name = output_name(path)
         if any(not isinstance(c, torch.Tensor) or c.dim() != w.dim() for c in column):
-            raise BatchError(f"{name} changes its number of dimensions with the batch size: "
+            raise BatchError(f"{name} changes its number of dimensions with the batch size\n"
                              f"return tensors whose batch dimension stays, or use chunks=1")
         changed = [d for d in range(w.dim()) if any(c.shape[d] != w.shape[d] for c in column)]
         shape = "(" + ", ".join("B" if d in changed else str(s) for d, s in enumerate(w.shape)) + \
@@ -419,17 +419,18 @@ def _output_dims(whole: Any, parts: Sequence[Any], rows: Sequence[int],
                 dims.append(None)     # does not depend on the batch: given once
                 continue
             raise BatchError(
-                f"{name} of shape {tuple(w.shape)} reduces over the batch: its shape does not "
-                f"follow the batch size, so it cannot be rebuilt from micro-batches. Return "
+                f"{name} of shape {tuple(w.shape)} reduces over the batch\nits shape does not "
+                f"follow the batch size, so it cannot be rebuilt from micro-batches\nreturn "
                 f"per-sample values and reduce after the pipeline, or use chunks=1{_NOT_DIM_0}"
                 f"{_TRAIN_STEP if w.dim() == 0 else ''}")
         d = changed[0]
         if len(changed) > 1 or any(w.shape[d] * r != c.shape[d] * total
                                    for c, r in zip(column, rows)):
             raise BatchError(
-                f"{name} of shape {shape} mixes the batch (B: the batch size): each sample's "
-                f"values depend on the others, so micro-batches cannot be merged into it. Compute it "
-                f"after the pipeline from per-sample outputs, or use chunks=1{_NOT_DIM_0}")
+                f"{name} of shape {shape} mixes the batch (B: the batch size)\neach sample's "
+                f"values depend on the others, so micro-batches cannot be merged into it\n"
+                f"compute it after the pipeline from per-sample outputs, or use "
+                f"chunks=1{_NOT_DIM_0}")
         dims.append(d)
     return dims
 
@@ -439,7 +440,7 @@ _NOT_DIM_0 = (" (if the batch is not dimension 0 of every input, as in a sequenc
 
 
 _TRAIN_STEP = (
-    ". To train on a loss (a model's own, computed from labels given as inputs), compile without "
+    "\nto train on a loss (a model's own, computed from labels given as inputs), compile without "
     "the labels and compute it in pipe.train_step(inputs, labels, loss_fn) from the outputs: "
     "loss_fn runs on each micro-batch and the step returns the whole batch's loss and "
     "gradients. For a language model's token loss (-100 ignored) return (loss_sum, count), e.g. "
@@ -481,8 +482,8 @@ def _check_batch_independent(model: nn.Module, recipe: Recipe, output_dims, tole
         for m, flag in flags.items():
             m.training = flag
     raise BatchError(
-        f"the model mixes samples across the batch: on micro-batches it computes something else "
-        f"than on the whole batch ({problem}). If the batch is not dimension 0 of every input "
+        f"the model mixes samples across the batch\non micro-batches it computes something else "
+        f"than on the whole batch ({problem})\nif the batch is not dimension 0 of every input "
         f"(e.g. a sequence-first RNN), say which it is with batch_dims=; if the model normalises "
         f"or reduces over the batch, use chunks=1, or verify=False to accept micro-batch "
         f"semantics as GPipe does")

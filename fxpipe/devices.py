@@ -30,10 +30,12 @@ def parse_devices(devices: Sequence[DeviceLike] | DeviceLike) -> list[DeviceSpec
     try:
         devices = list(devices)
     except TypeError:
-        raise DeviceError(f"devices={devices!r}: pass one device per stage, e.g. "
+        raise DeviceError(f"devices={devices!r} is not a list of devices\n"
+                          f"pass one device per stage, e.g. "
                           f"devices=['cpu', 'cpu'] or ['cuda:0', 'cuda:1']") from None
     if not devices:
-        raise DeviceError("no devices given: pass one device per stage, e.g. devices=['cpu', 'cpu']")
+        raise DeviceError("no devices given\npass one device per stage, e.g. "
+                          "devices=['cpu', 'cpu']")
     return [_parse(d) for d in devices]
 
 
@@ -45,7 +47,7 @@ def _parse(device: DeviceLike) -> DeviceSpec:
     try:
         parsed = torch.device(name)
     except (RuntimeError, TypeError) as e:
-        raise DeviceError(f"{name!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
+        raise DeviceError(f"{name!r} is not a device\nuse 'cpu', 'cuda' or 'cuda:N'") from e
     _check(str(parsed))
     if is_gpu(parsed) and parsed.index is None:
         parsed = torch.device("cuda", torch.cuda.current_device())
@@ -83,17 +85,17 @@ def _check(name: str) -> None:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as e:
-        raise DeviceError(f"{name!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from e
+        raise DeviceError(f"{name!r} is not a device\nuse 'cpu', 'cuda' or 'cuda:N'") from e
     if is_cpu(device):
         return
     if not is_gpu(device):
-        raise DeviceError(f"device {name!r} is not supported: fxpipe runs stages on 'cpu' and "
+        raise DeviceError(f"device {name!r} is not supported\nfxpipe runs stages on 'cpu' and "
                           f"'cuda:N' devices")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = device.index or 0
     if index >= count:
         have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
-        raise DeviceError(f"device {name!r} does not exist on this machine ({have}): "
+        raise DeviceError(f"device {name!r} does not exist on this machine ({have})\n"
                           f"use one of those or 'cpu'")
 
 
@@ -101,16 +103,17 @@ def _check_spec(spec: DeviceSpec) -> None:
     for option, value, example in (("speed", spec.speed, "2.0"),
                                    ("memory_bytes", spec.memory_bytes, "8e9 or 8 << 30")):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise DeviceError(f"{spec}: {option}={value!r} must be a number > 0 (e.g. {example}; "
-                              f"memory_bytes=math.inf, the default, for no limit on a CPU and a "
-                              f"GPU's free memory on a GPU)")
+            raise DeviceError(f"{spec}: {option}={value!r} must be a number > 0\n"
+                              f"e.g. {example}; memory_bytes=math.inf, the default, for no limit "
+                              f"on a CPU and a GPU's free memory on a GPU")
     if spec.threads is not None and (not isinstance(spec.threads, int)
                                      or isinstance(spec.threads, bool) or spec.threads < 1):
-        raise DeviceError(f"{spec}: threads={spec.threads!r} must be a number of intra-op threads "
-                          f">= 1, or None to share the cores evenly among the CPU stages")
+        raise DeviceError(f"{spec}: threads={spec.threads!r} must be a number of threads >= 1\n"
+                          f"give a number of intra-op threads >= 1, or None to share the cores "
+                          f"evenly among the CPU stages")
     if spec.threads is not None and not is_cpu(spec.name):
-        raise DeviceError(f"{spec}: threads= applies to CPU stages only; a GPU stage's threads are "
-                          f"the GPU's own: leave threads=None")
+        raise DeviceError(f"{spec}: threads= applies to CPU stages only\n"
+                          f"a GPU stage's threads are the GPU's own: leave threads=None")
 
 
 def tune_cpu_allocator(*, keep_bytes: int = 1 << 30) -> bool:
@@ -236,7 +239,7 @@ def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
             for process in processes:
                 process.kill()
             raise DistributedError(f"measuring a gloo link between two processes failed (exit "
-                                   f"codes {codes}): check that this host allows local gloo")
+                                   f"codes {codes})\ncheck that this host allows local gloo")
     return _fitted(results.get())
 
 

@@ -59,9 +59,9 @@ class Costs:
             known = next(iter(self.saved.values())).costs.keys()
             if names != set(known):
                 raise CostError(
-                    f"the costs passed with costs= were measured on another graph ("
+                    f"the costs passed with costs= were measured on another graph\n"
                     f"{len(names - set(known))} of this graph's {len(names)} nodes are not in "
-                    f"it): pass the plan of this model, captured with the same options")
+                    f"it; pass the plan of this model, captured with the same options")
 
     def saved_measurements(self) -> dict[tuple, Measurement]:
         """Every measurement made or reused, by (the micro-batch's input shapes, kind, on a worker

@@ -39,14 +39,15 @@ def batch_size(inputs: Any, dims: Dims = 0) -> int:
             others.append(f"{_where(path)} is {'None' if leaf is None else 'a numpy array'}")
     if not sizes:
         found = f" ({', '.join(others)})" if others else ""
-        raise BatchError(f"no input has a batch dimension to split into micro-batches{found}: pass "
-                         f"torch tensors with the batch along dimension 0 (torch.from_numpy(a) for "
-                         f"a numpy array), or say which dimension is the batch with batch_dims=")
+        raise BatchError(f"no input has a batch dimension to split into micro-batches{found}\n"
+                         f"pass torch tensors with the batch along dimension 0 "
+                         f"(torch.from_numpy(a) for a numpy array), or say which dimension is "
+                         f"the batch with batch_dims=")
     if len(sizes) > 1:
         found = ", ".join(f"{where} has {n} rows" for n, where in sizes.items())
-        raise BatchError(f"inputs disagree on the batch size ({found}): every tensor input is split "
-                         f"along its batch dimension (0 unless batch_dims= says otherwise), so all "
-                         f"must have the same number of rows")
+        raise BatchError(f"inputs disagree on the batch size ({found})\n"
+                         f"every tensor input is split along its batch dimension (0 unless "
+                         f"batch_dims= says otherwise), so all must have the same number of rows")
     return next(iter(sizes))
 
 
@@ -60,7 +61,7 @@ def split(inputs: Any, chunks: int, dims: Dims = 0) -> list[Any]:
     if rows == 0:
         raise BatchError(EMPTY_BATCH)
     if rows < chunks:
-        raise BatchError(f"a batch of {rows} rows cannot be split into {chunks} micro-batches: "
+        raise BatchError(f"a batch of {rows} rows cannot be split into {chunks} micro-batches\n"
                          f"pass a batch of at least {chunks} rows, or compile with chunks<={rows}")
     leaves, spec = pytree.tree_flatten(inputs)
     columns = [torch.tensor_split(leaf, chunks, dim) if _batched(leaf, dim) else [leaf] * chunks
@@ -81,7 +82,7 @@ def split_up_to(inputs: Any, chunks: int, dims: Dims = 0) -> list[Any]:
     return split(inputs, min(chunks, rows), dims)
 
 
-EMPTY_BATCH = "the batch is empty (0 rows): pass at least one sample"
+EMPTY_BATCH = "the batch is empty (0 rows)\npass at least one sample"
 
 
 def merge(outputs: Sequence[Any], dims: Sequence[int | None] | None = None) -> Any:
@@ -95,8 +96,8 @@ def merge(outputs: Sequence[Any], dims: Sequence[int | None] | None = None) -> A
     spec = flat[0][1]
     for leaves, other in flat[1:]:
         if other != spec:
-            raise BatchError(f"micro-batch outputs differ in structure ({other} vs {spec}): the "
-                             f"model must return the same structure for every batch")
+            raise BatchError(f"micro-batch outputs differ in structure ({other} vs {spec})\n"
+                             f"the model must return the same structure for every batch")
     merged = []
     for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
         first = column[0]
@@ -106,17 +107,17 @@ def merge(outputs: Sequence[Any], dims: Sequence[int | None] | None = None) -> A
                 merged.append(first)           # a value without batch dimension, e.g. a constant
             elif dim is None or first.dim() == 0:
                 raise BatchError(
-                    f"output {i} ({'a 0-d tensor' if first.dim() == 0 else tuple(first.shape)}) "
-                    f"differs between micro-batches but has no batch dimension (a reduction over the batch, like a mean loss), so it "
-                    f"cannot be rebuilt from micro-batches: return per-sample values and reduce "
-                    f"after the pipeline")
+                    f"output {i} ({'a 0-d tensor' if first.dim() == 0 else tuple(first.shape)}): "
+                    f"no batch dimension, but micro-batches differ\n"
+                    f"a reduction over the batch, like a mean loss, cannot be rebuilt from "
+                    f"micro-batches: return per-sample values and reduce after the pipeline")
             else:
                 merged.append(torch.cat(column, dim=dim))
         elif all(v == first for v in column[1:]):
             merged.append(first)
         else:
             raise BatchError(f"output {i} is a {type(first).__name__} that differs between "
-                             f"micro-batches ({column[0]!r} vs {column[1]!r}): return tensors")
+                             f"micro-batches\n{column[0]!r} vs {column[1]!r}; return tensors")
     return pytree.tree_unflatten(merged, spec)
 
 
@@ -136,8 +137,9 @@ def _leaf_dims(inputs: Any, dims: Dims) -> list[int | None]:
     spec = pytree.tree_structure(inputs)
     leaf_dims = pytree._broadcast_to_and_flatten(_whole_for_none(dims), spec)
     if leaf_dims is None:
-        raise BatchError(f"batch_dims={dims!r} does not match the inputs' structure {spec}: give an "
-                         f"int for every input, or one per input")
+        raise BatchError(f"batch_dims={dims!r} does not match the inputs' structure\n"
+                         f"the inputs' structure: {spec}\ngive an int for every input, or one per "
+                         f"input")
     return leaf_dims
 
 

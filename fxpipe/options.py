@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -59,7 +60,7 @@ class Options:
     costs: Plan | None = field(default=None, repr=False)
     progress: bool | None = None
     recompute: Recompute = "never"
-    optimizer: str | float | type = "adam"
+    optimizer: str | float | type | torch.optim.Optimizer = "adam"
     weights: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,49 +69,56 @@ class Options:
         chunks, threads, repeats = self.chunks, self.threads_per_stage, self.repeats
         if chunks != "auto" and not _count(chunks):
             raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int "
-                             f">= 1, or 'auto' to let the plan choose")
+                             f">= 1 or 'auto'\n'auto' lets the plan choose")
         if self.schedule != "auto" and self.schedule not in SCHEDULES:
-            raise ScheduleError(f"unknown schedule {self.schedule!r}: use one of "
+            raise ScheduleError(f"unknown schedule {self.schedule!r}\nuse one of "
                                 f"{', '.join(SCHEDULES)}, or 'auto' to let the plan choose")
         if threads is not None and not _count(threads):
-            raise DeviceError(f"threads_per_stage={threads!r}: use a number of intra-op threads "
-                              f">= 1 for each CPU stage, or None to share the cores evenly")
+            raise DeviceError(f"threads_per_stage={threads!r} is not a number of threads >= 1\n"
+                              f"use a number of intra-op threads >= 1 for each CPU stage, or "
+                              f"None to share the cores evenly")
         if not _count(repeats):
-            raise CostError(f"repeats={repeats!r}: use a number of timed runs >= 1 per node")
+            raise CostError(f"repeats={repeats!r}: must be a number of timed runs >= 1 per node")
         if not isinstance(self.reuse_blocks, bool):
-            raise CostError(f"reuse_blocks={self.reuse_blocks!r}: use True (a block repeating "
-                            f"another takes its measured costs) or False (every node measured)")
+            raise CostError(f"reuse_blocks={self.reuse_blocks!r} is not True or False\n"
+                            f"use True (a block repeating another takes its measured costs) or "
+                            f"False (every node measured)")
         tolerance = self.verify_tolerance
         if tolerance is not None and not (isinstance(tolerance, (int, float))
                                           and 0 <= tolerance < math.inf):
-            raise VerificationError(f"verify_tolerance={tolerance!r}: use a relative tolerance "
-                                    f">= 0, e.g. 1e-4, or verify=False to skip the check")
+            raise VerificationError(f"verify_tolerance={tolerance!r} is not a tolerance >= 0\n"
+                                    f"use a relative tolerance >= 0, e.g. 1e-4, or verify=False "
+                                    f"to skip the check")
         if self.recompute not in ("never", "always", "auto"):
-            raise CostError(f"recompute={self.recompute!r}: use 'never' (keep activations for "
-                            f"the backward), 'always' (keep each stage's inputs, recompute the "
-                            f"rest) or 'auto' (recompute where a stage would not fit otherwise)")
+            raise CostError(f"recompute={self.recompute!r} is not 'never', 'always' or 'auto'\n"
+                            f"use 'never' (keep activations for the backward), 'always' (keep "
+                            f"each stage's inputs, recompute the rest) or 'auto' (recompute "
+                            f"where a stage would not fit otherwise)")
         optimizer_state_factor(self.optimizer)
         if self.costs is not None and not (isinstance(self.costs, Plan)
                                            and self.costs.measurements):
-            raise CostError(f"costs={type(self.costs).__name__}: pass a plan made by this version "
-                            f"of fxpipe (pipe.plan, fxpipe.plan(...) or fxpipe.load_plan(path)), "
+            raise CostError(f"costs={type(self.costs).__name__} is not a plan of this fxpipe\n"
+                            f"pass a plan made by this version of fxpipe (pipe.plan, "
+                            f"fxpipe.plan(...) or fxpipe.load_plan(path)), "
                             f"whose measured costs are reused")
         if self.link not in ("default", "measure", "gloo") and (
                 isinstance(self.link, str) or not callable(self.link)):
-            raise CostError(f"link={self.link!r}: use 'default', 'measure', 'gloo' or a "
-                            f"(src, dst) -> Link function")
+            raise CostError(f"link={self.link!r} is not a link the cost model knows\n"
+                            f"use 'default', 'measure', 'gloo' or a (src, dst) -> Link function")
         weights = self.weights
         if weights is not None and not isinstance(weights, (str, os.PathLike, Mapping, Weights)):
-            raise InputError(f"weights={type(weights).__name__}: for a model built on the meta "
-                             f"device, pass where its values come from: a checkpoint path (a "
+            raise InputError(f"weights={type(weights).__name__} is not where weights come from\n"
+                             f"for a model built on the meta device, pass where its values come "
+                             f"from: a checkpoint path (a "
                              f".safetensors file, a Hugging Face directory, a .pt state_dict), a "
                              f"state_dict, \"init\" or a fxpipe.weights.Weights, or None for the "
                              f"values the model initialises")
         stages = self.num_stages
         if stages is not None and stages != "auto" and (
                 not isinstance(stages, int) or not 1 <= stages <= len(self.devices)):
-            raise PartitionError(f"num_stages={stages!r}: use 'auto' or a number from 1 to "
-                                 f"the {len(self.devices)} devices given")
+            raise PartitionError(f"num_stages={stages!r} is not 'auto' or from 1 to "
+                                 f"{len(self.devices)}\nuse 'auto' or a number from 1 to the "
+                                 f"{len(self.devices)} devices given")
 
     @property
     def optimizer_state(self) -> float:
@@ -141,15 +149,17 @@ def input_dims(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
             if isinstance(key, int) and 0 <= key < len(args):
                 key = names[key] if names[key] is not None else key
             elif key not in kwargs and key not in names:
-                raise BatchError(f"batch_dims names {key!r}, which is not an input of the example "
-                                 f"(positional 0..{len(args) - 1}: {names}; keyword: "
-                                 f"{sorted(kwargs)}): name an input or give its position")
+                raise BatchError(f"batch_dims names {key!r}, which is not an input of the example"
+                                 f"\nits inputs: positional 0..{len(args) - 1}: {names}; keyword: "
+                                 f"{sorted(kwargs)}\nname an input or give its position")
             if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
-                raise BatchError(f"batch_dims[{key!r}]={dim!r}: use a dimension (an int) or None")
+                raise BatchError(f"batch_dims[{key!r}]={dim!r}: must be a dimension (an int) or "
+                                 f"None")
             by_name[key] = dim
     else:
-        raise BatchError(f"batch_dims={batch_dims!r}: use an int (the batch dimension of every "
-                         f"input) or a dict from input name or position to its batch dimension")
+        raise BatchError(f"batch_dims={batch_dims!r} is not an int or a dict\n"
+                         f"use an int (the batch dimension of every input) or a dict from "
+                         f"input name or position to its batch dimension")
     positional = tuple(by_name.get(n if n is not None else i, default)
                        for i, n in enumerate(names))
     return positional, {k: by_name.get(k, default) for k in kwargs}
@@ -199,9 +209,35 @@ def optimizer_state_factor(optimizer: str | float | type) -> float:
     `cost_model.OPTIMIZER_STATE`, a `torch.optim` class of one, or the number itself."""
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and optimizer >= 0:
         return float(optimizer)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _state_of(optimizer)
     name = optimizer.__name__ if isinstance(optimizer, type) else optimizer
     if isinstance(name, str) and name.lower() in OPTIMIZER_STATE:
         return OPTIMIZER_STATE[name.lower()]
-    raise CostError(f"optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATE)} (or "
-                    f"its torch.optim class), or the bytes of optimizer state per parameter "
+    raise CostError(f"optimizer={optimizer!r} is not an optimizer the cost model knows\n"
+                    f"use one of {', '.join(OPTIMIZER_STATE)} (or its torch.optim class), or "
+                    f"the bytes of optimizer state per parameter "
                     f"byte as a number (Adam keeps 2.0, SGD 0.0)")
+
+
+def _state_of(optimizer: torch.optim.Optimizer) -> float:
+    """The state an optimizer instance keeps, in bytes per parameter byte, read off its settings
+    (SGD's momentum, Adam's amsgrad, RMSprop's momentum and centred average), or, for another
+    kind, off the state it holds already (after a step)."""
+    kind, group = type(optimizer), optimizer.param_groups[0] if optimizer.param_groups else {}
+    momentum = float(bool(group.get("momentum", 0)))
+    if issubclass(kind, torch.optim.SGD):
+        return momentum
+    if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2.0 + bool(group.get("amsgrad", False))
+    if issubclass(kind, torch.optim.RMSprop):
+        return 1.0 + momentum + bool(group.get("centered", False))
+    if issubclass(kind, torch.optim.Adagrad):
+        return 1.0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    held = sum(t.numel() * t.element_size() for p in params
+               for t in optimizer.state.get(p, {}).values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+    if held:
+        return held / max(1, sum(p.numel() * p.element_size() for p in params))
+    return optimizer_state_factor(kind)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link, format_bytes
@@ -21,7 +20,6 @@ from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeErro
                                   ModelChangedError, PipelineClosedError, StageError)
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
-from fxpipe.passes.capture import hook_kind
 
 from . import microbatch
 from .plan_data import Plan, refuse_without_weights
@@ -29,10 +27,12 @@ from .runtime import Run
 from .saved import PlanFileError, save_stage_weights
 from .runtime.asynchronous import AsyncTraining
 from .runtime.calls import call_stages, runtime_of
+from .runtime.memory import stage_memory, tracked
 from .runtime.orchestrator import item_error
 from .runtime.step import (DeferredScale, StepLoss, check_reduction, check_target,
                            step_inputs)
 from .explain import explain
+from .model_watch import ModelWatch
 from .schedules import Action, Phase, Slot, timetable_for
 
 
@@ -41,7 +41,9 @@ class Pipeline(nn.Module):
 
     `pipe(*args, **kwargs)` equals `model(*args, **kwargs)`. `pipe.stages[s]` is stage `s`'s
     GraphModule (`print(pipe.stages[1].code)`), `pipe.plan` says how the model was split, and
-    `pipe.last_run` records what ran when in the latest call. A call or `train_step` splits
+    `pipe.last_run` records what ran when in the latest call, and with `pipe.measure_memory`
+    set, what each stage held at its peak (`last_run.peak_bytes`, also shown beside the
+    prediction by `print(pipe.plan)`; tracking costs a Python call per op). A call or `train_step` splits
     its batch into `chunks` micro-batches, or, for a batch of fewer rows (a single request, a
     dataset's last short batch), into one per row (`pipe.last_run.microbatches` says how many
     ran); an empty batch is refused.
@@ -64,20 +66,17 @@ class Pipeline(nn.Module):
         self.training = self._planned_mode = (
             self.module.training if plan.training is None else plan.training)
         self._runtime = runtime_of(plan)
-        self._model: weakref.ref | None = None     # the model compiled, to notice it changed
-        self._model_parts: dict[str, weakref.ref] = {}
-        self._model_members: list[Any] = []
-        self._uncalled: tuple[Plan | None, list[tuple[str, nn.Module]]] = (None, [])
-        self._hook_ids_seen = -1                    # see _check_hooks
+        self._watch: ModelWatch | None = None      # the model compiled, to notice it changed
         self._recipe = None                        # how to plan it again in the other mode
         self._modes: dict[bool, dict[str, Any]] = {}
         self._rows_mean_checked = False            # see runtime.step: a first step checks it
+        self.measure_memory = False      # record each stage's peak in last_run (see the class)
 
     def _keep_recipe(self, recipe: Any) -> None:
         """Keep how `fxpipe.compile` planned the model (`api.Recipe`): the model, to notice
         it changed, and the recipe, to plan it again in the other mode."""
         self._recipe = recipe
-        self._remember(recipe.model)
+        self._watch = ModelWatch(recipe.model)
 
     # What runs is the plan's.
     chunks = property(lambda self: self.plan.chunks)
@@ -115,24 +114,40 @@ class Pipeline(nn.Module):
     def _check_open(self) -> None:
         if self._runtime.closed:
             raise PipelineClosedError("this pipeline was closed (close(), or its with block "
-                                      "ended): compile or load it again to run it")
+                                      "ended)\ncompile or load it again to run it")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
         model = self._as_is()
         if model is not None:      # the model's own forward, as it is now: every hook fires
-            return self._run_as_is(model, args, kwargs)
+            with self._measuring(training=False):
+                return self._run_as_is(model, args, kwargs)
         self._check_model()
-        self._check_hooks()
-        return call_stages(self.plan, self._runtime, args, kwargs)
+        with self._measuring(training=False):
+            return call_stages(self.plan, self._runtime, args, kwargs)
+
+    @contextlib.contextmanager
+    def _measuring(self, *, training: bool) -> Iterator[None]:
+        """Around a call or step: with `measure_memory` set, each stage's peak measured
+        (`runtime.memory`) into `last_run` and the plan's `observed` record."""
+        with tracked(self.measure_memory) as measured:
+            yield
+        record = self.last_run
+        if measured is None or record is None:
+            return
+        record.peak_bytes = dict(measured.peak_bytes)
+        record.device_peak_bytes = dict(measured.device_peak_bytes)
+        self.plan.observed.clear()
+        self.plan.observed.update(peak_bytes=record.peak_bytes, training=training,
+                                  microbatches=record.microbatches)
 
     def _as_is(self) -> nn.Module | None:
         """The model, when the plan runs it as is (one stage, the whole batch, the caller's
         threads) and it is in the pipeline's mode: then a call runs the model's own forward,
         which costs what the model costs (the traced graph's generated code costs a little more)."""
-        if not self.plan.runs_as_is or self._model is None:
+        if not self.plan.runs_as_is or self._watch is None:
             return None
-        model = self._model()
+        model = self._watch.model
         return model if model is not None and model.training == self.training else None
 
     def _run_as_is(self, model: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -146,7 +161,7 @@ class Pipeline(nn.Module):
         self._runtime.last_run = record
         start = time.perf_counter()
         try:
-            with torch.random.fork_rng(devices=cuda):
+            with torch.random.fork_rng(devices=cuda), stage_memory(self._stages[0]):
                 # torch.manual_seed(seed), for the generators there are (it costs 100 us more).
                 torch.default_generator.manual_seed(seed)
                 for index in cuda:
@@ -157,7 +172,7 @@ class Pipeline(nn.Module):
             raise
         except Exception as e:
             record.error = f"{type(e).__name__} in the model run as is"
-            raise StageError(f"stage 0 (the model as is), micro-batch 0 failed: "
+            raise StageError(f"stage 0 (the model as is) failed on micro-batch 0\n"
                              f"{type(e).__name__}: {e}", stage=0, microbatch=0) from e
         finally:
             record.wall_s = time.perf_counter() - start
@@ -196,10 +211,9 @@ class Pipeline(nn.Module):
         caller's generator as it is fed, as `pipe(x)` does for its one micro-batch."""
         self._check_open()
         self._check_model()
-        self._check_hooks()
         limit = max_in_flight if max_in_flight is not None else 2 * len(self._stages)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise BatchError(f"max_in_flight={max_in_flight!r}: use a number of items >= 1")
+            raise BatchError(f"max_in_flight={max_in_flight!r}: must be a number of items >= 1")
         signature, placeholders = self._signature, self._placeholders
 
         def graph_inputs() -> Iterator[dict[str, Any]]:
@@ -243,15 +257,16 @@ class Pipeline(nn.Module):
         check_reduction(reduction)
         self._check_open()
         self._check_model()
-        self._check_hooks()
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split_up_to(values, self.chunks, self._batch_dims)
         check_target(target, microbatch.batch_size(values, self._batch_dims))
         model = self._as_is()
-        if model is not None:
-            return self._train_as_is(model, inputs, target, loss_fn, reduction, tensors(values))
-        return self._train(chunks, microbatch.split(target, len(chunks)), loss_fn, reduction,
-                           leaves=tensors(values))
+        with self._measuring(training=True):
+            if model is not None:
+                return self._train_as_is(model, inputs, target, loss_fn, reduction,
+                                         tensors(values))
+            return self._train(chunks, microbatch.split(target, len(chunks)), loss_fn,
+                               reduction, leaves=tensors(values))
 
     def _train(self, chunks: list[dict[str, Any]], targets: list[Any],
                loss_fn: Callable[[Any, Any], Any], reduction: Literal["mean", "sum"], *,
@@ -316,28 +331,32 @@ class Pipeline(nn.Module):
         check_reduction(reduction)
         self._check_open()
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise BatchError(f"window={window!r}: use a number of items >= 1 per optimizer step")
+            raise BatchError(f"window={window!r}: must be a number of items >= 1 per optimizer "
+                             f"step")
         if partial not in ("train", "drop"):
-            raise BatchError(f"partial={partial!r}: use 'train' to train a last window of fewer "
-                             f"items than window={window}, or 'drop' to leave it out")
+            raise BatchError(f"partial={partial!r} is not 'train' or 'drop'\n"
+                             f"use 'train' to train a last window of fewer items than "
+                             f"window={window}, or 'drop' to leave it out")
         held = {id(p) for p in self.parameters()}
         if not any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
-            raise InputError("the optimizer holds none of the pipeline's parameters, so nothing "
-                             "would learn: make it from them, e.g. "
+            raise InputError("the optimizer holds none of the pipeline's parameters\n"
+                             "nothing would learn: make it from them, e.g. "
                              "torch.optim.SGD(pipe.parameters(), lr=1e-2)")
         if mode == "exact":
             if max_staleness is not None:
-                raise BatchError(f"max_staleness={max_staleness!r} bounds mode='async': the "
-                                 f"exact mode applies every gradient before the next window "
-                                 f"enters. Pass mode='async', or leave max_staleness out")
+                raise BatchError(f"max_staleness={max_staleness!r} bounds mode='async', not "
+                                 f"mode='exact'\nthe exact mode applies every gradient before "
+                                 f"the next window enters; pass mode='async', or leave "
+                                 f"max_staleness out")
             return self._windows(iter(items), loss_fn, optimizer, window, partial == "train",
                                  reduction)
         if mode != "async":
-            raise BatchError(f"mode={mode!r}: use 'exact' (equal to the model trained window "
-                             f"after window) or 'async' (all stages busy, stale gradients)")
+            raise BatchError(f"mode={mode!r} is not 'exact' or 'async'\n"
+                             f"use 'exact' (equal to the model trained window after window) or "
+                             f"'async' (all stages busy, stale gradients)")
         bound = len(self._stages) - 1 if max_staleness is None else max_staleness
         if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
-            raise BatchError(f"max_staleness={max_staleness!r}: use a number of optimizer "
+            raise BatchError(f"max_staleness={max_staleness!r}: must be a number of optimizer "
                              f"steps >= 0")
         self._check_async_memory(bound, window)
         return self._async(iter(items), loss_fn, optimizer, window, bound, partial == "train",
@@ -350,18 +369,17 @@ class Pipeline(nn.Module):
             if bytes_ > device.memory_bytes:
                 params = sum(p.numel() * p.element_size() for p in self.stages[s].parameters())
                 raise DeviceError(
-                    f"stage {s} would hold {format_bytes(bytes_)} in stream_train(mode='async', "
-                    f"max_staleness={max_staleness}, window={window}), more than {device.name}'s "
-                    f"{format_bytes(device.memory_bytes)}: each step of staleness stashes one more "
-                    f"copy of its parameters ({format_bytes(params)}). Lower max_staleness, or use "
-                    f"mode='exact'")
+                    f"stage {s} would hold {format_bytes(bytes_)}, over {device.name}'s "
+                    f"{format_bytes(device.memory_bytes)}\nin stream_train(mode='async', "
+                    f"max_staleness={max_staleness}, window={window}) each step of staleness "
+                    f"stashes one more copy of its parameters ({format_bytes(params)}), more than "
+                    f"the device holds\nlower max_staleness, or use mode='exact'")
 
     def _async(self, items: Iterator[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any],
                optimizer: torch.optim.Optimizer, window: int, max_staleness: int,
                train_partial: bool, reduction: Literal["mean", "sum"]) -> Iterator[torch.Tensor]:
         """`stream_train(mode="async")`'s loop (see `fxpipe.runtime.asynchronous`)."""
         self._check_model()
-        self._check_hooks()
         run = AsyncTraining(self._runtime, list(self.parameters()), loss_fn=loss_fn,
                             signature=self._signature, optimizer=optimizer, window=window,
                             max_staleness=max_staleness, reduction=reduction,
@@ -379,7 +397,6 @@ class Pipeline(nn.Module):
             if not taken or (len(taken) < window and not train_partial):
                 return
             self._check_model()
-            self._check_hooks()
             chunks, targets = zip(*(self._stream_item(first + i, item)
                                     for i, item in enumerate(taken)))
             optimizer.zero_grad()
@@ -402,7 +419,7 @@ class Pipeline(nn.Module):
         target; an item that is no `(input, target)` pair is refused, naming its index."""
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             what = f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
-            raise InputError(f"item {index} of the stream is a {type(item).__name__}{what}: "
+            raise InputError(f"item {index} of the stream is a {type(item).__name__}{what}\n"
                              f"stream_train takes (input, target) pairs, the input a tensor, a "
                              f"tuple of positional inputs or a dict of keyword inputs")
         inputs, target = item
@@ -427,8 +444,9 @@ class Pipeline(nn.Module):
         earlier or later would cost). See `fxpipe.explain`."""
         if not isinstance(self.module, fx.GraphModule) or not any(
                 "cost" in n.meta for n in self.module.graph.nodes):
-            raise CostError("explain() needs the costed graph, which a compiled pipeline keeps "
-                            "and a loaded plan does not: compile the model to explain its plan")
+            raise CostError("explain() needs the costed graph, which a loaded plan does not keep\n"
+                            "compile the model to explain its plan (a compiled pipeline keeps "
+                            "the costed graph)")
         part = self.plan.partition
         link = self.plan.link_fn or default_link
         return explain(self.module, dict(part.stage_of), part.devices, link=link,
@@ -470,19 +488,19 @@ class Pipeline(nn.Module):
         if self._recipe is None and captured is not None and captured != mode:
             have, want = ("train", "eval") if captured else ("eval", "train")
             raise ModelChangedError(
-                f"this pipeline's graph was captured by torch.export in {have} mode, which fixes "
-                f"how its dropout and BatchNorm behave: compile the model after model.{want}() "
-                f"to run it in {want} mode")
+                f"this pipeline's graph was captured by torch.export in {have} mode\n"
+                f"that fixes how its dropout and BatchNorm behave: compile the model after "
+                f"model.{want}() to run it in {want} mode")
         if self._recipe is None and mode != self._planned_mode:
             # Without the model there is no capturing it again, and an fx graph may have read
             # `self.training` in Python at capture: run only the mode it was planned in.
             have, want = ("train", "eval") if self._planned_mode else ("eval", "train")
             raise ModelChangedError(
-                f"this pipeline runs a plan made in {have} mode, and has no model to capture in "
-                f"{want} mode: plan the model after model.{want}() for that (or compile it, "
-                f"which switches modes)")
+                f"a plan made in {have} mode has no model to capture in {want} mode\n"
+                f"this pipeline runs such a plan; plan the model after model.{want}() for "
+                f"that (or compile it, which switches modes)")
         if self._recipe is not None and mode != self.training and mode not in self._modes:
-            self._check_model()
+            self._watch.replaced(self._stages)
             self._modes[self.training] = self._mode_state()
             other = self._recipe.build_for_mode(mode, self.module)
             self._modes[mode] = (self._modes[self.training] if other is None else
@@ -502,70 +520,21 @@ class Pipeline(nn.Module):
         """What differs between the pipelines of one model in train and in eval mode."""
         return {name: getattr(self, name) for name in self._MODE_FIELDS}
 
-    def _remember(self, model: nn.Module) -> None:
-        """Keep (weakly) the model and what its names refer to, for `_check_model`."""
-        self._model = weakref.ref(model)
-        self._model_parts = {name: weakref.ref(value) for name, value in _parts(model)}
-        self._model_members = _members(model)
-
     def _check_model(self) -> None:
-        """Refuse to run when a module, parameter or buffer of the model was replaced since
-        compile and a stage still holds the old one: it would run the old model. (A stage that
-        calls the model's own module, as fx graphs do, follows a parameter replaced in it.)"""
-        model = self._model() if self._model is not None else None
-        if model is None:
-            return
-        members = _members(model)
-        if len(members) == len(self._model_members) and all(
-                a is b for a, b in zip(members, self._model_members)):
-            return      # nothing replaced: the common case, checked in a few microseconds
-        for name, value in _parts(model):
-            old = self._model_parts.get(name)
-            if old is not None and old() is value:
-                continue
-            for stage in self._stages:
-                held = _lookup(stage.module, name)
-                if held is not None and held is not value:
-                    self._changed(name)
-
-    def _changed(self, name: str) -> None:
-        raise ModelChangedError(f"the model's {name!r} was replaced after compile, and the "
-                                f"pipeline still runs the old one: compile the model again (to "
-                                f"change weights in place instead, assign to .data or use "
-                                f"load_state_dict)")
-
-    def _check_hooks(self) -> None:
-        """Refuse to run when a module of the model that no stage calls got a hook after compile:
-        the model itself, or a module fx traced through (export, every module), whose operations
-        the stages run without calling it, so the hook would never fire. Hooks on the modules
-        stages call (kept whole: compile keeps a hooked module so) and on their submodules fire
-        once per micro-batch.
-
-        Registering any hook (on a module, a tensor, ...) takes an id from one counter,
-        `RemovableHandle.next_id`: while it stands still there is nothing to look at, and the
-        check costs one comparison; otherwise it reads the hook dicts of each uncalled module
-        (output-recording hooks, which transformers installs at a first call, do not count)."""
-        registered = RemovableHandle.next_id
-        if registered == self._hook_ids_seen and self._uncalled[0] is self.plan:
-            return
-        model = self._model() if self._model is not None else None
-        if model is None:
-            return
-        if self._uncalled[0] is not self.plan:     # a plan of its own per mode
-            self._uncalled = (self.plan, _uncalled_modules(model, self._stages))
-        for name, module in self._uncalled[1]:
-            kind = hook_kind(module)
-            if kind is not None:
-                raise ModelChangedError(_never_fires(model, name, module, kind))
-        self._hook_ids_seen = registered
+        """Refuse to run when the model changed since compile in a way the pipeline cannot
+        follow (`ModelWatch`)."""
+        if self._watch is not None:
+            self._watch.check(self.plan)
 
     def _apply(self, fn, recurse=True):
-        raise DeviceError("a Pipeline places each stage on its own device: pass the devices to "
-                          "fxpipe.compile(model, devices=...) instead of moving the pipeline")
+        raise DeviceError("a Pipeline cannot be moved: it places each stage on its own device\n"
+                          "pass the devices to fxpipe.compile(model, devices=...) instead of "
+                          "moving the pipeline")
 
     def __reduce_ex__(self, protocol):
-        raise PlanFileError("a Pipeline cannot be pickled (torch.save(pipe)): it holds generated "
-                            "stage code, devices and threads. Save its weights with "
+        raise PlanFileError("a Pipeline cannot be pickled (torch.save(pipe))\n"
+                            "it holds generated stage code, devices and threads. Save its "
+                            "weights with "
                             "torch.save(pipe.state_dict(), path); to resume, compile the model "
                             "again and call pipe.load_state_dict(torch.load(path)) (the names are "
                             "the model's, so model.load_state_dict works too)")
@@ -624,54 +593,3 @@ def _module_at(root: nn.Module, path: str) -> nn.Module:
             module._modules[part] = nn.Module()
         module = module._modules[part]
     return module
-
-
-def _members(model: nn.Module) -> list[Any]:
-    """Every module, parameter and buffer of `model`, in a fixed order (kept alive: a stage
-    holds them anyway), to see at a glance whether any was replaced."""
-    found, todo, seen = [], [model], {id(model)}
-    while todo:
-        module = todo.pop()
-        for table in (module._modules, module._parameters, module._buffers):
-            found.extend(table.values())
-        for m in module._modules.values():
-            if m is not None and id(m) not in seen:    # modules may be shared, or even cycle
-                seen.add(id(m))
-                todo.append(m)
-    return found
-
-
-def _uncalled_modules(model: nn.Module, stages: Sequence[Stage]) -> list[tuple[str, nn.Module]]:
-    """The model's modules that no stage calls, by name: the model itself and those traced
-    through. A stage holds the modules it calls, and they call their own submodules; a stage
-    placed away from a module's tensors holds a shallow copy of it, which shares its hooks (so
-    modules are known by their hook dicts)."""
-    called = {id(m._forward_hooks) for stage in stages for m in stage.module.modules()}
-    return [(name, m) for name, m in model.named_modules() if id(m._forward_hooks) not in called]
-
-
-def _never_fires(model: nn.Module, name: str, module: nn.Module, kind: str) -> str:
-    """Why a `kind` of hook registered after compile on `module` (at `name`, uncalled) never
-    fires, and the fix."""
-    if not name:
-        return (f"the model ({type(model).__name__}) got a {kind} after compile, and a pipeline "
-                f"never calls the model: it runs the model's graph in stages. Register the hook "
-                f"on the pipeline instead (pipe.register_forward_hook(...), as on the model)")
-    return (f"module {name!r} ({type(module).__name__}) got a {kind} after compile, and no stage "
-            f"calls that module: the stages run its operations, spread among them, so the hook "
-            f"would never fire. Compile the model again with the hook registered: fxpipe then "
-            f"keeps the module whole, and its hooks fire once per micro-batch")
-
-
-def _parts(model: nn.Module) -> list[tuple[str, Any]]:
-    return [*model.named_modules(), *model.named_parameters(), *model.named_buffers()]
-
-
-def _lookup(model: nn.Module, name: str) -> Any:
-    """The model's attribute at a dotted path (a module, parameter or buffer), or None."""
-    value: Any = model
-    for part in name.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value if isinstance(value, (nn.Module, torch.Tensor)) else None

@@ -117,6 +117,12 @@ class Plan:
     # reads), and the link function that priced the transfers.
     graph: fx.GraphModule | None = field(default=None, compare=False, repr=False)
     link_fn: LinkFn | None = field(default=None, compare=False, repr=False)
+    # In memory only: what a Pipeline running this plan measured in its latest call or step
+    # tracking memory (`Pipeline.measure_memory`): each stage's peak (`peak_bytes`), whether it
+    # trained, and its micro-batches; `print(plan)` shows it beside the prediction. Each plan
+    # has its own (not passed on by `dataclasses.replace`), and a saved plan keeps it empty.
+    observed: dict[str, Any] = field(default_factory=dict, init=False, compare=False,
+                                     repr=False)
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`): the
@@ -208,8 +214,8 @@ def refuse_without_weights(plan: Plan) -> None:
         (index, name), more = missing[0], len(missing) - 1
         raise DeviceError(
             f"stage {index} holds {name!r}{f' and {more} more tensors' if more else ''} on the "
-            f"meta device, without values: the plan was made from a model built on meta, and a "
-            f"pipeline needs their values. Give them first: Pipeline(plan.with_weights('ckpt/')) "
+            f"meta device\nwithout values: the plan was made from a model built on meta, and a "
+            f"pipeline needs their values\ngive them first: Pipeline(plan.with_weights('ckpt/')) "
             f"(a safetensors file or directory, a torch file, a state_dict, or 'init' for the "
             f"model's own initialisation), or fxpipe.load_plan(path, weights='ckpt/') for a "
             f"saved plan")

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from fxpipe.passes.annotate_costs import UNSTEADY
-from fxpipe.passes.cost_model import format_bytes
+from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
+from fxpipe.passes.device import is_gpu
 from fxpipe.passes.materialize import blockless
 
 from .search import in_flight, notes
@@ -54,6 +55,8 @@ def describe(plan: Plan) -> str:
         *_measurement(plan),
         *_sources(plan),
         *_activations(plan),
+        *measured_memory(plan),
+        *_cuda_context(plan),
         *_comparison(plan),
         *_stand_ins(plan),
         *_choice(plan),
@@ -145,6 +148,41 @@ def _activations(plan: Plan) -> list[str]:
             f"keeps per micro-batch in flight; recompute='{plan.recompute}'):",
             tabulate(rows, headers=["stage", "in flight", "keeping", "recomputing",
                                     "device has", "planned", "chosen"])]
+
+
+def measured_memory(plan: Plan) -> list[str]:
+    """Each stage's memory measured in the latest run that tracked it, beside the prediction
+    (where the run was one the plan priced: its mode and its micro-batches)."""
+    seen = plan.observed
+    if not seen:
+        return []
+    priced = (seen["training"] == bool(plan.training) and seen["microbatches"] == plan.chunks)
+    # The optimizer's state is the caller's, made by its first step, outside the run.
+    state = plan.partition.memory.optimizer_state if plan.training else 0.0
+    rows = []
+    for s, cost in enumerate(plan.partition.stages):
+        measured = seen["peak_bytes"].get(s, 0)
+        predicted = cost.memory_bytes - state * plan.stage_param_bytes[s]
+        rows.append((s, format_bytes(predicted) if priced else "-", format_bytes(measured),
+                     f"{predicted / measured:.2f}" if priced and measured else "-"))
+    run = (f"{'a train step' if seen['training'] else 'a call'} of "
+           f"{_count(seen['microbatches'], 'micro-batch')}")
+    note = "" if priced else (f"; the plan priced {'train steps' if plan.training else 'calls'} "
+                              f"of {_count(plan.chunks, 'micro-batch')}")
+    without = " (the optimizer's state, the caller's, left out)" if state else ""
+    return [f"memory measured in the latest run ({run}{note}): each stage's peak, with its "
+            f"parameters and buffers{without}",
+            tabulate(rows, headers=["stage", "predicted", "measured", "predicted/measured"])]
+
+
+def _cuda_context(plan: Plan) -> list[str]:
+    """The CUDA context each GPU holds besides the stages' memory."""
+    gpus = sorted({d.name for d in plan.partition.devices if is_gpu(d.name)})
+    if not gpus:
+        return []
+    return [f"each GPU used ({', '.join(gpus)}) also holds the process's CUDA context, about "
+            f"{format_bytes(CUDA_CONTEXT_BYTES)}: outside the stages' memory above, and not "
+            f"charged against a device's memory_bytes"]
 
 
 def _comparison(plan: Plan) -> list[str]:

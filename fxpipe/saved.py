@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from fxpipe.passes.codegen import place
+from fxpipe.passes.capture.regions import regions_as_modules
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import DeviceSpec, format_bytes
 from fxpipe.passes.device import is_cpu, same_memory
@@ -79,7 +80,7 @@ def versions() -> dict[str, str]:
 def save(plan: Plan, path: str | os.PathLike) -> Path:
     """Write `plan` (a `fxpipe.Plan` with its stages) to the directory `path` (made if needed)."""
     if not plan.stages:
-        raise PlanFileError("this plan has no stages to save: save the plan of a Pipeline "
+        raise PlanFileError("this plan has no stages to save\nsave the plan of a Pipeline "
                             "(pipe.plan.save(path)) or of fxpipe.plan(...)")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -99,10 +100,11 @@ def save(plan: Plan, path: str | os.PathLike) -> Path:
                                                   stage.module.code.encode())
         if own or not _without_weights(plan):
             files[f"stage_{stage.index}.pt"] = _write_torch(root / f"stage_{stage.index}.pt", own)
-    with _without_tensors([stage.module for stage in plan.stages]):
+    stages = _picklable(plan.stages)
+    with _without_tensors([stage.module for stage in stages]):
         # The costed graph and the link function are the process's own, not the plan's to keep.
-        files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE,
-                                          dataclasses.replace(plan, graph=None, link_fn=None))
+        files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE, dataclasses.replace(
+            plan, stages=stages, graph=None, link_fn=None))
     document = {"format": FORMAT, **versions(), "summary": str(plan).splitlines()[0],
                 **_description(plan), "shared": shared, "weights": manifest(plan),
                 "files": files}
@@ -158,8 +160,9 @@ def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None 
     kept = {id(t) for stage in plan.stages for name, t in _tensors(stage.module)
             if name in non_persistent}
     buffer = io.BytesIO()
-    with _without_tensors([stage.module for stage in plan.stages], keep=kept):
-        torch.save(plan.stages, buffer)      # the stages' structure, on meta stand-ins
+    stages = _picklable(plan.stages)
+    with _without_tensors([stage.module for stage in stages], keep=kept):
+        torch.save(stages, buffer)      # the stages' structure, on meta stand-ins
     buffer.seek(0)
     stages = _unpickled(buffer)
     _mark_non_persistent(stages, non_persistent)
@@ -318,6 +321,13 @@ def _non_persistent(plan: Plan) -> set[str]:
             for name in owner._non_persistent_buffers_set}
 
 
+def _picklable(stages: Sequence[Stage]) -> tuple[Stage, ...]:
+    """`stages` as they pickle without losing what they run: an exported graph's autocast and
+    grad-mode regions as module calls (`regions_as_modules`), tensors shared."""
+    return tuple(dataclasses.replace(stage, module=regions_as_modules(stage.module))
+                 for stage in stages)
+
+
 class _without_tensors:
     """Inside, `modules` hold empty ("meta") stand-ins for their parameters and buffers (but
     those whose id is in `keep`), so that pickling them writes their structure only; restored
@@ -431,11 +441,11 @@ def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str
     for name, digest in needed.items():
         file = root / name
         if not file.is_file():
-            raise PlanFileError(f"the plan at {str(root)!r} is missing {name}: save the plan "
-                                f"again")
+            raise PlanFileError(f"the plan at {str(root)!r} is missing {name}\n"
+                                f"save the plan again")
         if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
-            raise PlanFileError(f"{name} in the plan at {str(root)!r} changed since the plan was "
-                                f"saved (its SHA-256 differs from plan.json's): save the plan "
+            raise PlanFileError(f"{name} in the plan at {str(root)!r} changed since it was saved"
+                                f"\nits SHA-256 differs from plan.json's; save the plan "
                                 f"again rather than editing its files")
     return root, document
 
@@ -451,27 +461,28 @@ def _document(root: Path, *, same_versions: bool = True) -> dict[str, Any]:
     """`plan.json` of the plan at `root`, once it is there, readable, of this format, saved by
     the versions running (unless not `same_versions`) and unchanged."""
     if not (root / PLAN_FILE).is_file():
-        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing (save one "
-                            f"with pipe.plan.save(path))")
+        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing\n"
+                            f"save one with pipe.plan.save(path)")
     try:
         document = json.loads((root / PLAN_FILE).read_text())
     except json.JSONDecodeError as e:
-        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e}): save the plan "
-                            f"again") from None
+        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e})\n"
+                            f"save the plan again") from None
     if document.get("format") != FORMAT:
         raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
-                            f"fxpipe reads format {FORMAT}: save the plan again with it")
+                            f"fxpipe reads format {FORMAT}\nsave the plan again with it")
     running = versions() if same_versions else {}
     differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
               for name, version in running.items() if document.get(name) != version]
     if differ:
-        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions: "
-                            f"{'; '.join(differ)}. Plan the model again with these versions")
+        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions\n"
+                            f"{'; '.join(differ)}\nplan the model again with these versions")
     if document.get("sha256") != _content_digest(document):
-        raise PlanFileError(f"{root / PLAN_FILE} changed since the plan was saved (its content no "
-                            f"longer matches its sha256): plan.json describes the plan that runs, "
+        raise PlanFileError(f"{root / PLAN_FILE} changed since the plan was saved\n"
+                            f"its content no longer matches its sha256; plan.json describes the "
+                            f"plan that runs, "
                             f"which is read from {PICKLE_FILE} and the stage files, so an edit "
-                            f"would not take effect. Save the plan again to change it "
+                            f"would not take effect\nsave the plan again to change it "
                             f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
     return document
 
@@ -480,6 +491,7 @@ def _load_skeleton(root: Path, document: dict[str, Any]) -> Plan:
     """The plan pickled in `root`, its stages holding meta stand-ins, their non-persistent
     buffers marked as such (from the manifest), so that they stay out of `state_dict`."""
     plan = _unpickled(root / PICKLE_FILE)
+    vars(plan).setdefault("observed", {})       # saved before plans had it
     _mark_non_persistent(plan.stages, {name for entries in document["weights"]["stages"]
                                        for name, entry in entries.items()
                                        if not entry["persistent"]})
@@ -507,7 +519,7 @@ def _on_devices(plan: Plan, devices: Sequence[DeviceLike], what: str) -> Plan:
     specs = parse_devices(devices)
     if len(specs) != len(plan.stages):
         raise DeviceError(f"devices= names {len(specs)} devices for the {len(plan.stages)} "
-                          f"stages of {what}: give one per stage")
+                          f"stages of {what}\ngive one per stage")
     moved = _moved(plan, dict(enumerate(specs)), what)
     first_holder: dict[int, tuple[Stage, str]] = {}
     for stage in moved.stages:
@@ -515,8 +527,8 @@ def _on_devices(plan: Plan, devices: Sequence[DeviceLike], what: str) -> Plan:
             first, _ = first_holder.setdefault(id(tensor), (stage, name))
             if not same_memory(first.device, stage.device):
                 raise DeviceError(
-                    f"stages {first.index} and {stage.index} of {what} share {name!r} (a tied "
-                    f"tensor), but devices= puts them on {first.device} and {stage.device}: a "
+                    f"stages {first.index} and {stage.index} of {what} share the tied {name!r}"
+                    f"\nbut devices= puts them on {first.device} and {stage.device}: a "
                     f"tensor lives on one device; give those stages the same one")
     return moved
 
@@ -534,8 +546,8 @@ def _moved(plan: Plan, specs: dict[int, DeviceSpec], what: str) -> Plan:
             which = (f"stage {stages[0]}" if len(stages) == 1 else
                      f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}")
             raise DeviceError(f"{which} of {what} need"
-                              f"{'s' if len(stages) == 1 else ''} {format_bytes(need)} (planned) "
-                              f"but {name} has {format_bytes(memory)}: give "
+                              f"{'s' if len(stages) == 1 else ''} {format_bytes(need)}; "
+                              f"{name} has {format_bytes(memory)}\nthat is the planned need; give "
                               f"{'it' if len(stages) == 1 else 'them'} a device with more memory, "
                               f"or plan the model again for these devices")
     stages = tuple(dataclasses.replace(stage, device=torch.device(specs[s].name))
@@ -568,8 +580,9 @@ def _fill(root: Path, stage: Stage, document: dict[str, Any], loaded: _Loaded, *
         if not entry["saved"] or (weighed and entry["persistent"]):
             return None
         if s not in files:
-            files[s] = torch.load(root / f"stage_{s}.pt", map_location=stage.device,
-                                  weights_only=True)
+            # torch.load restores to "cpu", never to "cpu:1" (one memory: a plan's CPU names)
+            where = "cpu" if stage.device.type == "cpu" else stage.device
+            files[s] = torch.load(root / f"stage_{s}.pt", map_location=where, weights_only=True)
         return files[s][name]
 
     for qualified, stand_in in _tensors(stage.module):
@@ -664,10 +677,10 @@ def _take_weights(plan: Plan, model: nn.Module, root: Path) -> None:
                 problems.append(f"{name!r} is {tuple(theirs.shape)} {theirs.dtype} in the model, "
                                 f"{tuple(tensor.shape)} {tensor.dtype} in the plan")
     if problems:
-        raise PlanFileError(f"the plan at {str(root)!r} is for another model: "
+        raise PlanFileError(f"the plan at {str(root)!r} is for another model\n"
                             f"{'; '.join(problems[:3])}" +
                             (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "") +
-                            ": plan this model, or load the plan without model=")
+                            "\nplan this model, or load the plan without model=")
     with torch.no_grad():
         for stage in plan.stages:
             for name, tensor in _tensors(stage.module):

@@ -83,7 +83,7 @@ def async_warmup(stage: int, num_stages: int, max_staleness: int, window: int) -
 def timetable_for(schedule: ScheduleName, num_stages: int, chunks: int, *,
                   backward: bool) -> Timetable:
     if schedule not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"unknown schedule {schedule!r}\nuse one of {', '.join(SCHEDULES)}")
     if schedule == "1f1b" and backward:
         return one_f_one_b(num_stages, chunks)
     return gpipe(num_stages, chunks, backward=backward)
@@ -162,8 +162,9 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
                 progressed = True
         if not progressed:
             stuck = next(a[position[s]] for s, a in enumerate(timetable) if position[s] < len(a))
-            raise ScheduleError(f"the timetable deadlocks: no stage can run its next action "
-                                f"(first blocked: {stuck})\n{format_timetable(timetable, stuck)}")
+            raise ScheduleError(f"the timetable deadlocks (first blocked: {stuck})\n"
+                                f"no stage can run its next action\n"
+                                f"{format_timetable(timetable, stuck)}")
     return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
 
 
@@ -202,8 +203,8 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             if any(p < len(a) for p, a in zip(position, timetable)):
                 stuck = next(a[position[s]] for s, a in enumerate(timetable)
                              if position[s] < len(a))
-                raise ScheduleError(f"the timetable deadlocks: no stage can run its next action "
-                                    f"(first blocked: {stuck})\n"
+                raise ScheduleError(f"the timetable deadlocks (first blocked: {stuck})\n"
+                                    f"no stage can run its next action\n"
                                     f"{format_timetable(timetable, stuck)}")
             return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
         shares = [min(1.0, capacity / max(sum(asks[s] for s in running), 1e-30))
@@ -233,9 +234,9 @@ def validate(timetable: Timetable, chunks: int, reads_from: Mapping[int, Sequenc
         expected = sorted((m, p.value) for m in range(chunks) for p in phases)
         got = sorted((a.microbatch, a.phase.value) for a in actions)
         if got != expected or any(a.stage != s for a in actions):
-            raise ScheduleError(f"stage {s} must run each of {chunks} micro-batches "
-                                f"{'forward and backward' if backward else 'forward'} once, "
-                                f"on itself:\n{format_timetable(timetable)}")
+            raise ScheduleError(f"stage {s} must run each of {chunks} micro-batches once, on "
+                                f"itself\n({'forward and backward' if backward else 'forward'})"
+                                f":\n{format_timetable(timetable)}")
     simulate(timetable, lambda a: 1.0, reads_from)
 
 
@@ -329,12 +330,13 @@ def validate_messages(timetable: Timetable, reads_from: Mapping[int, Sequence[in
         if sent == asked:
             continue
         if sorted(sent, key=str) != sorted(asked, key=str):
-            raise ScheduleError(f"rank {p} sends rank {q} other messages than rank {q} asks "
+            raise ScheduleError(f"rank {p} sends rank {q} other messages than it asks "
                                 f"for:\n  sent:  {_messages(sent)}\n  asked: {_messages(asked)}")
         i = next(i for i, (a, b) in enumerate(zip(sent, asked)) if a != b)
         raise ScheduleError(
-            f"rank {q} asks rank {p} for {_message(asked[i])} where rank {p} sends "
-            f"{_message(sent[i])} (message {i}), which rank {q} must keep aside:\n"
+            f"rank {q} asks rank {p} for {_message(asked[i])} out of order\n"
+            f"rank {p} sends {_message(sent[i])} there (message {i}), which rank {q} must keep "
+            f"aside:\n"
             f"  sent:  {_messages(sent, i)}\n  asked: {_messages(asked, i)}\n"
             f"{format_timetable(timetable)}")
 

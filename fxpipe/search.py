@@ -272,7 +272,9 @@ def _consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], lin
                                         rows=rows, microbatches=config.chunks,
                                         gpu_overhead_bytes=gpu_overhead_bytes(specs)))
     except PartitionError as e:
-        return Candidate(config, None, 0, None, str(e).split("\n")[0])
+        # One line, for the table of configurations: the problem, then its details and fix.
+        return Candidate(config, None, 0, None, "; ".join(
+            line.strip() for line in str(e).splitlines() if line.strip()))
     predicted = predict_step_s(costed, part, config.chunks, config.schedule, training, cores)
     return Candidate(config, predicted, max(s.memory_bytes for s in part.stages), part)
 
@@ -284,7 +286,7 @@ def choose(candidates: Sequence[Candidate], unpipelined: Candidate | None) -> tu
     if not fitting and unpipelined is not None and unpipelined.predicted_s is not None:
         return unpipelined, "no pipeline is predicted faster than the model run whole (none fits)"
     if not fitting:
-        raise PartitionError("no configuration fits: " + "; ".join(
+        raise PartitionError("no configuration fits\n" + "\n".join(
             f"{c}: {c.problem}" for c in candidates))
     best_s = min(c.predicted_s for c in fitting)
     close = [c for c in fitting if c.predicted_s <= best_s * (1 + TIE)]

@@ -66,13 +66,13 @@ def check_chain(plan: Plan) -> None:
             if sender != expected:
                 where = "the graph's input" if sender == DRIVER else f"stage {sender}"
                 raise NotAChainError(
-                    f"stage {stage.index} reads {names[0]!r} from {where}, not from stage "
-                    f"{expected}: torch.distributed.pipelining passes values to the next stage "
+                    f"stage {stage.index} reads {names[0]!r} from {where}, not stage "
+                    f"{expected}\ntorch.distributed.pipelining passes values to the next stage "
                     f"only; run this plan with fxpipe.distributed, which routes skips")
     for sender in flow.reads.get(DRIVER, {}):
         if sender != last:
             raise NotAChainError(f"stage {sender} returns a graph output, not the last stage "
-                                 f"{last}: run this plan with fxpipe.distributed")
+                                 f"{last}\nrun this plan with fxpipe.distributed")
 
 
 def chain_module(plan: Plan, index: int) -> nn.Module:
@@ -94,13 +94,14 @@ def pipeline_stages(path: str | os.PathLike, *, device: DeviceLike | None = None
     from torch.distributed.pipelining import PipelineStage
 
     if not dist.is_initialized():
-        raise DistributedError("no process group: start the processes with torchrun and call "
+        raise DistributedError("no process group\nstart the processes with torchrun and call "
                                "torch.distributed.init_process_group() before pipeline_stages()")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     count = stage_count(path)
     if count % world:
-        raise WorldSizeError(f"the plan at {str(path)!r} has {count} stages, not a multiple of the "
-                             f"{world} processes: start {count} (or a divisor of it) with torchrun")
+        raise WorldSizeError(f"the plan's {count} stages are not a multiple of the {world} "
+                             f"processes\nthe plan at {str(path)!r}: start {count} (or a "
+                             f"divisor of it) with torchrun")
     stages = []
     for index in range(rank, count, world):
         plan, stage = load_stage_plan(path, index,

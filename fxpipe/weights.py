@@ -12,6 +12,8 @@ tensor and the file; a dtype is cast only when the weights were opened with `cas
 
 `Init` draws values instead, as the model initialises them, module by module; planning's
 `Init(..., stand_ins=True)` gives a tensor no rule writes plausible values (`stand_in_`).
+`build_on_meta(make_model)` builds a model's structure as on meta, but with its buffers computed
+(a non-persistent buffer made in `__init__` is in no checkpoint, and no rule computes it again).
 """
 
 from __future__ import annotations
@@ -87,20 +89,20 @@ class Weights(abc.ABC):
         """Refuse a tensor whose shape, or dtype without `cast`, is not the model's."""
         if tuple(shape) != tuple(want.shape):
             raise PlanFileError(
-                f"tensor {name!r} in {source} has shape {list(shape)}, the model's has "
-                f"{list(want.shape)}: these weights are for another model (or another "
+                f"shape of {name!r}: {list(shape)} in {source}, {list(want.shape)} in the model"
+                f"\nthese weights are for another model (or another "
                 f"configuration of it); give the checkpoint of this model")
         if dtype != want.dtype and not self.cast:
             raise PlanFileError(
-                f"tensor {name!r} in {source} is {dtype}, the model's is {want.dtype}: open the "
-                f"weights with cast=True (open_weights(..., cast=True)) to cast it, or plan the "
-                f"model in {dtype}")
+                f"tensor {name!r} in {source} is {dtype}, the model's is {want.dtype}\n"
+                f"open the weights with cast=True (open_weights(..., cast=True)) to cast it, or "
+                f"plan the model in {dtype}")
 
     def _missing(self, group: list[str], available: set[str]) -> str:
         names = " or ".join(repr(name) for name in group)
         close = difflib.get_close_matches(group[0], available, n=1)
         hint = f" (it holds {close[0]!r})" if close else ""
-        return (f"tensor {names} is not in {self.where}{hint}: these weights are for another "
+        return (f"tensor {names} is not in {self.where}{hint}\nthese weights are for another "
                 f"model, or name its tensors otherwise; give the checkpoint of this model, saved "
                 f"under the model's names (model.state_dict()). A tied weight stored once is "
                 f"found when the tensors asked share one object under both names, as the "
@@ -166,24 +168,24 @@ class _Safetensors(Weights):
         out = {}
         for file, names in by_file.items():
             if not file.is_file():
-                raise PlanFileError(f"{file}, which {self.where} names as holding tensor "
-                                    f"{names[0]!r}, does not exist: copy the checkpoint whole")
+                raise PlanFileError(f"{file} does not exist; {self.where} names it as holding "
+                                    f"{names[0]!r}\ncopy the checkpoint whole")
             try:
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for name in names:
                         stored = self.stored_as.get(name, name)
                         if stored not in f.keys():
                             raise PlanFileError(
-                                f"tensor {stored!r} is not in {file}, which {self.where} names "
-                                f"as holding it: the index and its files disagree; copy the "
+                                f"tensor {stored!r} is not in {file}, which {self.where} says "
+                                f"holds it\nthe index and its files disagree; copy the "
                                 f"checkpoint whole, or write it again")
                         header = f.get_slice(stored)
                         dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())
                         self._check(name, str(file), header.get_shape(), dtype, like[name])
                         out[name] = f.get_tensor(stored).to(like[name].dtype)
             except SafetensorError as e:
-                raise PlanFileError(f"{file} is not a readable safetensors file ({e}): copy the "
-                                    f"checkpoint again") from e
+                raise PlanFileError(f"{file} is not a readable safetensors file ({e})\n"
+                                    f"copy the checkpoint again") from e
         return out
 
 
@@ -239,14 +241,15 @@ def open_weights(spec, *, cast: bool = False) -> Weights:
     if isinstance(spec, str) and spec == "init":
         return Init()
     if not isinstance(spec, (str, os.PathLike)):
-        raise PlanFileError(f"weights={spec!r} is not weights: give a path to a checkpoint "
-                            f"(.safetensors file or directory, torch state_dict file), a "
-                            f"state_dict, \"init\" or a fxpipe.weights.Weights")
+        raise PlanFileError(f"weights={spec!r} is not weights\n"
+                            f"give a path to a checkpoint (.safetensors file or directory, "
+                            f"torch state_dict file), a state_dict, \"init\" or a "
+                            f"fxpipe.weights.Weights")
     path = Path(spec)
     if not path.exists():
-        raise PlanFileError(f"no checkpoint at {str(path)!r}: the path does not exist; give the "
-                            f"path of a .safetensors file, a directory of them, or a torch "
-                            f"state_dict file")
+        raise PlanFileError(f"no checkpoint at {str(path)!r}: the path does not exist\n"
+                            f"give the path of a .safetensors file, a directory of them, or a "
+                            f"torch state_dict file")
     if path.is_dir():
         if (path / INDEX_FILE).is_file():
             return _safetensors_index(path / INDEX_FILE, cast)
@@ -254,10 +257,10 @@ def open_weights(spec, *, cast: bool = False) -> Weights:
             return _safetensors_file(path / SINGLE_FILE, cast)
         if (path / DCP_FILE).is_file():
             return _DistributedCheckpoint(path, cast)
-        raise PlanFileError(f"no checkpoint in the directory {path}: it holds none of "
-                            f"{INDEX_FILE} (Hugging Face sharded safetensors), {SINGLE_FILE}, "
-                            f"{DCP_FILE} (torch.distributed.checkpoint); give the directory "
-                            f"holding one, or the path of a checkpoint file")
+        raise PlanFileError(f"no checkpoint in the directory {path}\n"
+                            f"it holds none of {INDEX_FILE} (Hugging Face sharded safetensors), "
+                            f"{SINGLE_FILE}, {DCP_FILE} (torch.distributed.checkpoint); give "
+                            f"the directory holding one, or the path of a checkpoint file")
     if path.suffix == ".safetensors":
         return _safetensors_file(path, cast)
     return _torch_file(path, cast)
@@ -270,8 +273,8 @@ def _safetensors_file(path: Path, cast: bool) -> _Safetensors:
         with safe_open(path, framework="pt") as f:
             return _Safetensors(dict.fromkeys(f.keys(), path), f"{path} (safetensors)", cast)
     except SafetensorError as e:
-        raise PlanFileError(f"{path} is not a readable safetensors file ({e}): give a "
-                            f"checkpoint file") from e
+        raise PlanFileError(f"{path} is not a readable safetensors file ({e})\n"
+                            f"give a checkpoint file") from e
 
 
 def _safetensors_index(index: Path, cast: bool) -> _Safetensors:
@@ -280,7 +283,7 @@ def _safetensors_index(index: Path, cast: bool) -> _Safetensors:
         files = {name: index.parent / file for name, file in document["weight_map"].items()}
         tied = document.get("metadata", {}).get(TIED_KEY, {})
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise PlanFileError(f"{index} is not a Hugging Face index ({type(e).__name__}: {e}): "
+        raise PlanFileError(f"{index} is not a Hugging Face index ({type(e).__name__}: {e})\n"
                             f"it needs a \"weight_map\" of tensor names to files; copy the "
                             f"checkpoint again") from e
     return _Safetensors(files, f"{index} (Hugging Face sharded safetensors)", cast, tied)
@@ -292,14 +295,55 @@ def _torch_file(path: Path, cast: bool) -> _StateDict:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:      # torch raises pickle's, zipfile's or its own errors
         raise PlanFileError(f"{path} is not a checkpoint fxpipe reads ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}): give a .safetensors "
-                            f"file or directory, or a torch state_dict file saved with "
-                            f"torch.save(model.state_dict(), path)") from e
+                            f"{str(e).splitlines()[0] if str(e) else ''})\n"
+                            f"give a .safetensors file or directory, or a torch state_dict "
+                            f"file saved with torch.save(model.state_dict(), path)") from e
     if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor)
                                                  for t in state.values()):
         raise PlanFileError(f"{path} holds a {type(state).__name__}, not a state_dict of "
-                            f"tensors by name: save it with torch.save(model.state_dict(), path)")
+                            f"tensors by name\n"
+                            f"save it with torch.save(model.state_dict(), path)")
     return _StateDict(state, f"{path} (torch state_dict)", cast)
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()` run on the CPU, each parameter put on meta as its module registers it: the
+    model's structure, as `with torch.device("meta"): build()` gives it, but its buffers
+    computed as its modules compute them (a rotary `freqs` registered with `persistent=False`
+    in `__init__`, which no checkpoint holds and no init rule writes). Plan this model (the
+    plan then holds those buffers' values, and loads from a checkpoint alone), or give it as
+    `model=` where a plan made on meta is loaded (`load_plan(path, model, weights=...)`,
+    `fxpipe.distributed.load`).
+
+    Cost: the buffers, and each parameter made on the CPU for as long as its module takes to
+    register it (nn.Linear's and nn.Embedding's `torch.empty`, whose memory is never touched;
+    a `torch.ones(d)`): one parameter at a time, never the model's weights together. The
+    modules' own init then runs on meta parameters (nothing drawn). `nn.Module.register_parameter`
+    is patched while `build` runs: build in one thread at a time."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        held = module._parameters.get(name)
+        if held is not None and not held.is_meta:
+            if type(held) is nn.Parameter:
+                moved = nn.Parameter(held.to("meta"), held.requires_grad)
+                moved.__dict__.update(held.__dict__)
+            else:       # a Parameter subclass takes its fields as arguments
+                moved = type(held)(held.to("meta"), **{**held.__dict__,
+                                                      "requires_grad": held.requires_grad})
+            module._parameters[name] = moved
+
+    with _BUILDING:
+        nn.Module.register_parameter = on_meta
+        try:
+            with torch.device("cpu"):
+                return build()
+        finally:
+            nn.Module.register_parameter = register
+
+
+_BUILDING = threading.RLock()    # build_on_meta patches nn.Module for one build at a time
 
 
 class Init(Weights):
@@ -313,10 +357,13 @@ class Init(Weights):
     A module's seed is drawn from (seed, module path), so values depend neither on the
     partition nor on the order of reads (they do on the device type: CPU and CUDA generators
     differ). Cost: each module's own tensors, once per read asking for them, on their device.
-    `model` is the model's structure (built on meta is fine), or `build` builds it on meta;
-    without either, give it later with `bind(model)`. A tensor that no rule writes is refused
-    by name. Draws in one process take turns (the generators are global); another thread of
-    yours drawing random numbers meanwhile would change them.
+    `model` is the model's structure (built on meta is fine), or `build` builds it with
+    `build_on_meta` (parameters on meta, buffers computed on the CPU); without either, give it
+    later with `bind(model)`. A tensor that no rule writes takes the value the model holds (a
+    non-persistent buffer its module computed in `__init__`, the model built by
+    `build_on_meta`); where the model holds none (built on meta) it is refused by name. Draws
+    in one process take turns (the generators are global); another thread of yours drawing
+    random numbers meanwhile would change them.
 
     Exact mode, `Init(build=callable, seed=seed, exact=True)`: the values of
     `torch.manual_seed(seed); build()` on CPU, bit for bit. Cost: the whole model built once in
@@ -335,9 +382,9 @@ class Init(Weights):
                  build: Callable[[], nn.Module] | None = None, exact: bool = False,
                  stand_ins: bool = False):
         if exact and build is None:
-            raise PlanFileError("Init(exact=True) builds the model on CPU: give the function "
-                                "that builds it, Init(build=lambda: MyModel(config), "
-                                "exact=True)")
+            raise PlanFileError("Init(exact=True) builds the model on CPU, but has no builder\n"
+                                "give the function that builds it, "
+                                "Init(build=lambda: MyModel(config), exact=True)")
         self.model, self.seed, self.build, self.exact = model, seed, build, exact
         self.stand_ins = stand_ins
         self.stood_in: set[str] = set()     # the names given stand-ins so far
@@ -377,16 +424,19 @@ class Init(Weights):
             by_module.setdefault(name.rpartition(".")[0], []).append(name)
         out = {}
         for path, names in by_module.items():
-            drawn = self._draw(path, device)
+            drawn = self._draw(path, device, {name.rpartition(".")[2] for name in names})
             for name in names:
                 tensor = drawn[name.rpartition(".")[2]]
                 self._check(name, self.where, tensor.shape, tensor.dtype, like[name])
                 out[name] = tensor
         return out
 
-    def _draw(self, path: str, device: torch.device) -> dict[str, torch.Tensor]:
+    def _draw(self, path: str, device: torch.device, asked: set[str]
+              ) -> dict[str, torch.Tensor]:
         """The own tensors of the module at `path`, made on `device` and initialised by its
-        rules under the seed of (seed, path); the model is not touched."""
+        rules under the seed of (seed, path); one no rule writes takes the value the model
+        holds (a buffer its module computed as `build_on_meta` built it), else a stand-in
+        (`stand_ins`), else, when `asked` names it, is refused. The model is not touched."""
         model = self._structure()
         module = model.get_submodule(path)
         fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
@@ -394,6 +444,7 @@ class Init(Weights):
                if t is not None}
         versions = {name: t._version for name, t in own.items()}
         rules = self._rules(model, fresh, path)
+        held = {**module._parameters, **module._buffers}
         with _seeded(_module_seed(self.seed, path), device):
             for rule in rules:
                 rule()
@@ -401,10 +452,20 @@ class Init(Weights):
             for name, t in own.items():
                 if after[name] is not t or t._version != versions[name]:
                     continue
+                if not held[name].is_meta:          # the model holds its value
+                    with torch.no_grad():
+                        t.copy_(held[name])
+                    continue
+                if not self.stand_ins and name not in asked:
+                    continue            # not returned: left as made
+                if not self.stand_ins and name in module._non_persistent_buffers_set:
+                    raise _no_value(path, name, module)
+                if not rules and not self.stand_ins:
+                    raise _no_rule(path, fresh)
                 if not self.stand_ins:
                     raise PlanFileError(
                         f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule "
-                        f"to initialise it: its module's rules left it unwritten. Fix: load it "
+                        f"to initialise it\nits module's rules left it unwritten; load it "
                         f"from a checkpoint, write it in the module's reset_parameters(), or "
                         f"use Init(build=..., exact=True), which builds the model")
                 stand_in_(t, name)
@@ -430,13 +491,6 @@ class Init(Weights):
                 rules.append(_reset_rule(inner))
         if callable(getattr(model, "_init_weights", None)):      # a Hugging Face PreTrainedModel
             rules.append(lambda: model._init_weights(fresh))
-        if not rules and not self.stand_ins:
-            raise PlanFileError(
-                f"module {path or '(the model)'!r} ({type(fresh).__name__}) holds tensors "
-                f"({', '.join(_join(path, n) for n in (*fresh._parameters, *fresh._buffers))}) "
-                f"but has no reset_parameters() to initialise them. Fix: give it "
-                f"reset_parameters(), load these tensors from a checkpoint, or use "
-                f"Init(build=..., exact=True)")
         return rules
 
     def _built_on_cpu(self) -> _StateDict:
@@ -448,11 +502,11 @@ class Init(Weights):
 
     def _structure(self) -> nn.Module:
         if self.model is None and self.build is not None:
-            with torch.device("meta"):
-                self.model = self.build()
+            self.model = build_on_meta(self.build)      # its buffers computed, as built
         if self.model is None:
-            raise PlanFileError("Init has no model to initialise: give its structure, "
-                                "Init(model) or init.bind(model) (built on meta is fine)")
+            raise PlanFileError("Init has no model to initialise\n"
+                                "give its structure, Init(model) or init.bind(model) (built on "
+                                "meta is fine)")
         return self.model
 
     def _owners(self) -> Mapping[str, torch.Tensor]:
@@ -515,6 +569,31 @@ def _reset_rule(module: nn.Module) -> Callable[[], None] | None:
         if callable(getattr(module, name, None)):
             return getattr(module, name)
     return None
+
+
+def _no_rule(path: str, fresh: nn.Module) -> PlanFileError:
+    return PlanFileError(
+        f"module {path or '(the model)'!r} ({type(fresh).__name__}) has no "
+        f"reset_parameters() for its tensors\n"
+        f"its tensors: "
+        f"{', '.join(_join(path, n) for n in (*fresh._parameters, *fresh._buffers))}\n"
+        f"give it reset_parameters(), load these tensors from a checkpoint, or use "
+        f"Init(build=..., exact=True)")
+
+
+def _no_value(path: str, name: str, module: nn.Module) -> PlanFileError:
+    """A non-persistent buffer (in no checkpoint) that no rule computes and the model, built
+    on meta, holds no value of."""
+    return PlanFileError(
+        f"buffer {_join(path, name)!r} ({type(module).__name__}) has no value to run with\n"
+        f"it is not persistent (register_buffer(..., persistent=False)), so no checkpoint holds "
+        f"it, and no init rule computes it: its module computes it as it is built, and the "
+        f"model was built on meta\n"
+        f"build the model with fxpipe.weights.build_on_meta(make_model) (its parameters on "
+        f"meta, its buffers computed on the CPU) and plan it again (the plan keeps the "
+        f"buffer), or give that model as model= where the plan is loaded "
+        f"(load_plan(path, model, weights=...), fxpipe.distributed.load(path, model=model, "
+        f"weights=...)); or compute the buffer in the module's reset_parameters()")
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -585,8 +664,8 @@ def shard_layout(groups: Sequence[Mapping[str, torch.Tensor]], *,
     gives a stored tensor that no group holds (name -> stored name: a stage holds a tied
     weight under the model's first name only)."""
     if max_shard_bytes <= 0:
-        raise PlanFileError(f"max_shard_bytes={max_shard_bytes} must be positive: give the "
-                            f"most bytes one shard file may hold")
+        raise PlanFileError(f"max_shard_bytes={max_shard_bytes} must be positive\n"
+                            f"give the most bytes one shard file may hold")
     first_name: dict[object, str] = {}
     stored_names: set[str] = set()
     tied = dict(tied or {})
@@ -622,7 +701,7 @@ def shard_layout(groups: Sequence[Mapping[str, torch.Tensor]], *,
     missing = {name: stored for name, stored in tied.items() if stored not in files}
     if missing:
         name, stored = next(iter(missing.items()))
-        raise PlanFileError(f"tied name {name!r} shares tensor {stored!r}, which no group holds: "
+        raise PlanFileError(f"tied name {name!r} shares tensor {stored!r}, which no group holds\n"
                             f"give the groups every stored tensor")
     return ShardLayout(files, group_files, tied, total)
 
@@ -656,11 +735,11 @@ def save_weights(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLi
     layout = layout or shard_layout([tensors], max_shard_bytes=max_shard_bytes)
     unknown = [name for name in tensors if name not in layout.files and name not in layout.tied]
     if unknown:
-        raise PlanFileError(f"tensor {unknown[0]!r} is not in the layout given to save_weights: "
+        raise PlanFileError(f"tensor {unknown[0]!r} is not in the layout given to save_weights\n"
                             f"compute the layout from every stage's names (shard_layout)")
     if not 0 <= group < len(layout.shards):
         raise PlanFileError(f"group={group}, but the layout has groups 0 to "
-                            f"{len(layout.shards) - 1}: give the index of this writer's group")
+                            f"{len(layout.shards) - 1}\ngive the index of this writer's group")
     directory.mkdir(parents=True, exist_ok=True)
     names_in: dict[str, list[str]] = {}
     for name, file in layout.files.items():
@@ -669,9 +748,9 @@ def save_weights(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLi
         names = names_in[file]
         absent = [name for name in names if name not in tensors]
         if absent:
-            raise PlanFileError(f"shard {file} holds tensor {absent[0]!r}, which this "
-                                f"save_weights call was not given: give group {group}'s "
-                                f"tensors as shard_layout was given them")
+            raise PlanFileError(f"shard {file}: tensor {absent[0]!r} was not given to this "
+                                f"save_weights call\n"
+                                f"give group {group}'s tensors as shard_layout was given them")
         _write_shard({name: tensors[name] for name in names}, directory / file)
     if write_index:
         index = {"metadata": {"total_size": layout.total_size, TIED_KEY: layout.tied},

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .blocks import blocks, repeated_blocks, value_type
+from .blocks import block_of, blocks, counterparts, meta_types, repeated_blocks, value_type
 from .codegen import placed_copy
 from .cost_model import NodeCost
 from .device import is_gpu, start_timer
@@ -66,7 +66,8 @@ class CostInterpreter(MaterializingInterpreter):
         self.saved_values: dict[fx.Node, set[fx.Node]] = {}
         self.watch: StateWatch | None = None     # set for a run that finds the state written
         self.runs = 0
-        self.reuse = Reuse(gm, reuse_blocks)
+        # A graph on meta knows its repeats from the capture's types, before anything runs.
+        self.reuse = Reuse(gm, reuse_blocks, early=materialize is not None)
         self.estimates = Estimates(self, max_node_bytes)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -88,7 +89,7 @@ class CostInterpreter(MaterializingInterpreter):
         except Exception as e:
             if self.estimates.take(n, e):
                 return self._not_measured(n)
-            raise CostError(f"node {n.name!r} failed while its cost was measured: "
+            raise CostError(f"node {n.name!r} failed while its cost was measured\n"
                             f"{type(e).__name__}: {e}\n  node: {n.format_node()}") from e
         return self._record(n, result)
 
@@ -138,6 +139,34 @@ class CostInterpreter(MaterializingInterpreter):
                 elif where not in state:
                     new += t.untyped_storage().nbytes()
         return new, tuple(views)
+
+    def copy_repeats(self) -> None:
+        """After a first run that skipped the repeats (`Reuse.early`): each repeat's output
+        bytes, new memory, shapes and what it keeps for backward are those of the node it
+        repeats, its views and kept values that node's mapped onto its own block
+        (`blocks.counterparts`), and the buffers it touches and writes (`StateWatch`) that
+        node's renamed into its block."""
+        of, by_name = self.reuse.of, {n.name: n for n in self.module.graph.nodes}
+        repeats: dict[str, list[fx.Node]] = {}
+        for n in of:
+            repeats.setdefault(block_of(n), []).append(n)
+        for name, nodes in repeats.items():
+            first = [of[n] for n in nodes]
+            mapped = counterparts(first, nodes)
+            renamed = _renaming(block_of(first[0]), name)
+            for n, f in zip(nodes, first):
+                self.out_bytes[n], self.shapes[n] = self.out_bytes[f], self.shapes[f]
+                self.new_bytes[n] = self.new_bytes[f]
+                self.views[n] = tuple(mapped[by_name[v]].name if by_name[v] in mapped else v
+                                      for v in self.views[f])
+                if f in self.saved_bytes:
+                    self.saved_bytes[n] = self.saved_bytes[f]
+                if f in self.saved_values:
+                    self.saved_values[n] = {mapped.get(v, v) for v in self.saved_values[f]}
+                if self.watch is not None and f in self.watch.touched:
+                    self.watch.touched[n] = set(map(renamed, self.watch.touched[f]))
+            if self.watch is not None:
+                self.watch.written |= set(map(renamed, self.watch.written))
 
     def _count(self) -> None:
         self.done += 1
@@ -205,9 +234,15 @@ class Reuse:
     """Which nodes repeat a block measured before (`fxpipe.passes.blocks`), found from the types
     of the first run; a repeat runs in that run only. Values that cross a block's edge are kept
     through the first run (one per block's output: a decoder layer's hidden state), then only
-    those a measured node reads from a repeat, handed to it (copied) in later runs."""
+    those a measured node reads from a repeat, handed to it (copied) in later runs.
 
-    def __init__(self, gm: fx.GraphModule, enabled: bool):
+    With `early` (a graph on meta, where a run draws every weight it reads), and where the
+    capture recorded every block node's type (`blocks.meta_types`), the repeats are found from
+    those before the first run, and never run: a measured node reading a repeat's value is given
+    the value of the node it repeats (the same type), and the repeat's bytes are that node's
+    (`CostInterpreter.copy_repeats`). A decoder's first run then computes one layer, not all."""
+
+    def __init__(self, gm: fx.GraphModule, enabled: bool, early: bool = False):
         self.enabled = enabled
         self.types: dict[fx.Node, Hashable] = {}     # value_type of each value of the first run
         self.of: dict[fx.Node, fx.Node] = {}         # a repeat's node -> the node it repeats
@@ -215,17 +250,25 @@ class Reuse:
         block = {n: name for name, nodes in (blocks(gm) if enabled else {}).items()
                  for n in nodes}
         self.crossing = {n for n in block if any(block.get(u) != block[n] for u in n.users)}
+        recorded = meta_types(gm) if enabled and early else None
+        self.of = repeated_blocks(gm, recorded) if recorded is not None else {}
+        self.early = bool(self.of)
+        # Early: the nodes whose values stand in for a repeat's that a measured node reads.
+        self.standing_in = {self.of[n] for n in self.crossing
+                            if n in self.of and any(u not in self.of for u in n.users)}
 
     def ran(self, n: fx.Node, value: Any) -> None:
         """Record a node's value in the first run."""
         if not self.enabled:
             return
         self.types[n] = value_type(value)
-        if n in self.crossing:
+        if n in (self.standing_in if self.early else self.crossing):
             self.kept[n] = value
 
     def found(self, gm: fx.GraphModule) -> None:
         """After the first run: find the repeats, keep only what measured nodes read of them."""
+        if self.early:
+            return
         if self.enabled:
             self.of = repeated_blocks(gm, self.types)
         self.kept = {n: v for n, v in self.kept.items()
@@ -235,7 +278,7 @@ class Reuse:
         return n in self.of
 
     def value(self, n: fx.Node) -> Any:
-        return _clone(self.kept.get(n))
+        return _clone(self.kept.get(self.of[n] if self.early else n))
 
 
 class Estimates:
@@ -322,8 +365,8 @@ class Estimates:
         if not ran:
             first = next(n for n in self.interpreter.module.graph.nodes if n in self.nodes)
             raise CostError(
-                f"node {first.name!r} cannot run on {self.interpreter.device} and no node ran "
-                f"there to measure its speed for an estimate: measure on a device with kernels "
+                f"node {first.name!r} cannot run on {self.interpreter.device}\nand no node ran "
+                f"there to measure its speed for an estimate; measure on a device with kernels "
                 f"for the model's ops, or raise max_node_bytes")
         overhead_s = min(fwd_s for _, fwd_s, _ in ran)     # what the smallest node costs
         counting = [(p.flops, fwd_s) for p, fwd_s, _ in ran if p.flops > 0]
@@ -424,7 +467,10 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     types the first run met) are measured once: with `reuse_blocks`, a repeat's nodes run in the
     first run only, which measures their own output and saved bytes, and take the times of the
     node they repeat (`NodeCost.source` "reused"); what a measured node reads from them is kept
-    from that run. A node that cannot run here, having no kernel for the device or needing more
+    from that run. A graph on meta (given `materialize`) whose capture recorded every block
+    node's type finds its repeats from those before running and never runs them: their bytes
+    are those of the node they repeat (see `Reuse`), their weights never drawn. A node that
+    cannot run here, having no kernel for the device or needing more
     than `max_node_bytes` for its parameters and output (None: no limit), is estimated (see
     `Estimates`).
 
@@ -448,6 +494,8 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
             fresh = [_to_device(_clone(v), device) for v in inputs]
             interpreter.run(*fresh)
             if run == 0:
+                if interpreter.reuse.early:
+                    interpreter.copy_repeats()
                 interpreter.watch.mark()
                 interpreter.reuse.found(measured)
             if run + 1 >= warmup + repeats and interpreter.estimates.ready:
@@ -476,6 +524,8 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
             continue
         if n in estimated:
             (fwd_s, bwd_s, spread_), source, first = guess(n), "estimated", ""
+        elif n in repeats and repeats[n] in estimated:   # known early: estimated as it is
+            (fwd_s, bwd_s, spread_), source, first = guess(repeats[n]), "estimated", ""
         elif n in repeats:
             (fwd_s, bwd_s, spread_), source, first = timed[repeats[n]], "reused", repeats[n].name
         else:
@@ -491,6 +541,13 @@ def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) 
                                   views=interpreter.views.get(n, ()))
         n.meta["shapes"] = interpreter.shapes.get(n, ())
         n.meta["output_kept"] = n in kept      # in its saved_bytes: some node keeps it
+
+
+def _renaming(first: str, block: str) -> Callable[[str], str]:
+    """A name under block `first` (`layers.0.bn.running_mean`) -> the same under `block`;
+    any other name as it is."""
+    prefix = first + "."
+    return lambda name: block + "." + name[len(prefix):] if name.startswith(prefix) else name
 
 
 def _bases(kept: set[fx.Node], gm: fx.GraphModule, interpreter: CostInterpreter

@@ -12,7 +12,9 @@ made. A node of a repeat costs what the same node of the first block it repeats 
 
 The types come from the values a run recorded (`value_type`), by default from the nodes' own
 `meta["val"]` (torch.export's fake tensors) or `meta["tensor_meta"]` (fx's `ShapeProp`). A block
-with a node of unknown type repeats nothing.
+with a node of unknown type repeats nothing. `meta_types` gives the types the capture recorded,
+where it recorded every block node's: repeats known before anything runs. `counterparts` pairs
+a repeat's nodes, and the values it reads from outside, with those of the block it repeats.
 """
 
 from __future__ import annotations
@@ -53,6 +55,53 @@ def repeated_blocks(gm: fx.GraphModule, types: Mapping[fx.Node, Hashable] | None
     return repeats
 
 
+def meta_types(gm: fx.GraphModule) -> dict[fx.Node, Hashable] | None:
+    """`value_type` of every node's value as the capture recorded it (`meta["val"]`, else
+    `meta["tensor_meta"]`), a symbolic size by its expression (`s0`: equal where the same);
+    None where a node of a block has neither, or a value of a type `value_type` cannot tell."""
+    types: dict[fx.Node, Hashable] = {}
+    in_blocks = {n for nodes in blocks(gm).values() for n in nodes}
+    for n in gm.graph.nodes:
+        recorded = n.meta.get("val", n.meta.get("tensor_meta"))
+        if recorded is None:
+            if n in in_blocks:
+                return None
+            continue
+        try:
+            types[n] = _symbols_named(value_type(recorded))
+            hash(types[n])
+        except TypeError:          # a symbolic value that cannot be hashed or compared
+            if n in in_blocks:
+                return None
+            types.pop(n, None)
+    return types
+
+
+def _symbols_named(value: Any) -> Any:
+    """`value` (a `value_type`) with each symbolic size or scalar (a `torch.SymInt`, ...) as the
+    text of its expression: two equal ones compare equal, without guarding on them."""
+    if isinstance(value, tuple):
+        return tuple(_symbols_named(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("symbol", str(value))
+    return value
+
+
+def counterparts(first: list[fx.Node], nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """For a block (`nodes`) repeating `first` (`repeated_blocks`): each node of `first` -> the
+    same node of the block, and each value `first` reads from outside -> the one the block reads
+    in its place (the same argument of the same node)."""
+    found = dict(zip(first, nodes))
+    for a, b in zip(first, nodes):
+        read_a: list[fx.Node] = []
+        read_b: list[fx.Node] = []
+        fx.node.map_arg((a.args, a.kwargs), read_a.append)
+        fx.node.map_arg((b.args, b.kwargs), read_b.append)
+        for x, y in zip(read_a, read_b):
+            found.setdefault(x, y)
+    return found
+
+
 def blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """The nodes of each block (the outermost numbered module on their path), in graph order."""
     found: dict[str, list[fx.Node]] = {}
@@ -84,6 +133,8 @@ def value_type(value: Any) -> Hashable:
         return ("dict", *((k, value_type(v)) for k, v in value.items()))
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):   # as captured
+        return ("symbol", str(value))
     return type(value).__qualname__
 
 

@@ -327,15 +327,16 @@ def _check(nodes: Sequence[fx.Node], stage_of: Mapping[str, int], num_stages: in
         if n.name not in stage_of and n.op == "get_attr":
             continue                   # copied into the stages that read it
         if n.name not in stage_of:
-            raise PartitionError(f"node {n.name!r} has no stage: every node needs one")
+            raise PartitionError(f"node {n.name!r} has no stage; every node needs one")
         if not 0 <= stage_of[n.name] < num_stages:
             raise PartitionError(f"node {n.name!r} is in stage {stage_of[n.name]}, "
                                  f"outside 0..{num_stages - 1}")
         for p in n.all_input_nodes:
             if p.op not in ("placeholder", "get_attr") and stage_of[p.name] > stage_of[n.name]:
                 raise PartitionError(
-                    f"node {n.name!r} (stage {stage_of[n.name]}) reads {p.name!r} from the later "
-                    f"stage {stage_of[p.name]}: stages may only pass values forward")
+                    f"node {n.name!r} reads {p.name!r} from a later stage\nnode {n.name!r} is "
+                    f"in stage {stage_of[n.name]}, {p.name!r} in the later stage "
+                    f"{stage_of[p.name]}; stages may only pass values forward")
 
 
 def _move(stages: Sequence[Stage], placed: Placed) -> None:
@@ -346,8 +347,9 @@ def _move(stages: Sequence[Stage], placed: Placed) -> None:
             first = home.setdefault(id(t), stage)
             if not same_memory(first.device, stage.device):
                 raise DeviceError(
-                    f"{name!r} is used by stage {first.index} on {first.device} and by stage "
-                    f"{stage.index} on {stage.device}, inside a submodule both call: a parameter "
-                    f"lives on one device; place those stages on the same device")
+                    f"{name!r} is used on two devices, {first.device} and {stage.device}\nby "
+                    f"stage {first.index} on {first.device} and by stage {stage.index} on "
+                    f"{stage.device}, inside a submodule both call: a "
+                    f"parameter lives on one device; place those stages on the same device")
     for stage in stages:
         place(stage.module, stage.device, placed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Literal, Mapping, NamedTuple, Sequence
@@ -244,8 +245,9 @@ def cost_graph(gm: fx.GraphModule, *, training: bool = False,
     for n in nodes:
         if n.meta.get("cost") is None:
             raise CostError(
-                f"node {n.name!r} ({n.format_node()}) has no cost: run fxpipe.passes.annotate_costs on the "
-                f"graph first, or set node.meta['cost'] = NodeCost(...) by hand")
+                f"node {n.name!r} ({n.format_node()}) has no cost\nrun "
+                f"fxpipe.passes.annotate_costs on the graph first, or set "
+                f"node.meta['cost'] = NodeCost(...) by hand")
     preds = [list(dict.fromkeys(index[p] for p in n.all_input_nodes if p in index)) for n in nodes]
     units = _units(preds, state_units(nodes, preds))
     unit_of = {i: u for u, members in enumerate(units) for i in members}
@@ -692,6 +694,7 @@ def standalone_held(graph: CostGraph, members: Sequence[int]) -> Held:
     outside = set(read_outside)
     sent = [i for i in members if graph.to_output[i] or any(j not in inside
                                                              for j in graph.succs[i])]
+    saved = list(itertools.accumulate(graph.saved_bytes[i] for i in members))
     return Held(
         param_bytes=sum(graph.param_bytes[i] for i in members),
         activation_bytes=sum(graph.out_bytes[i] for i in members) + received_bytes,
@@ -702,9 +705,10 @@ def standalone_held(graph: CostGraph, members: Sequence[int]) -> Held:
         returned_bytes=sum(graph.out_bytes[i] for i in members if graph.to_output[i]),
         peak_bytes=forward_peak(graph, members),
         moved_bytes=sum(graph.out_bytes[i] for i in read_outside if graph.output_kept[i]),
-        backward_bytes=sum(graph.out_bytes[i] for i in read_outside) + max(
-            ((0 if i in outside else graph.out_bytes[i]) +
-             sum(graph.out_bytes[p] for p in graph.preds[i]) for i in members), default=0),
+        backward_bytes=sum(graph.out_bytes[i] for i in read_outside) + max(0, max(
+            (kept + (0 if i in outside else graph.out_bytes[i]) +
+             sum(graph.out_bytes[p] for p in graph.preds[i])
+             for i, kept in zip(members, saved)), default=0) - (saved[-1] if saved else 0)),
         grad_temp_bytes=max((graph.param_bytes[i] for i in members), default=0))
 
 
@@ -1170,12 +1174,16 @@ class Pricing:
         graph, devices, k = self.graph, self.devices, self.k
         moved, transient, temp = [0] * k, [0] * k, [0] * k
         sent, received = [0] * k, [0] * k      # per micro-batch, from and to other stages
+        saved = [0] * k         # what the stage's nodes so far keep, per micro-batch
         reads: list[set[int]] = [set() for _ in range(k)]
         for i in graph.compute_nodes:
             s = stage_of[i]
             receivers = {stage_of[j] for j in graph.succs[i]} - {s}
-            transient[s] = max(transient[s], (0 if receivers else graph.out_bytes[i]) +
-                               sum(graph.out_bytes[p] for p in graph.preds[i]))
+            # As node i's backward runs, the later nodes' backwards have freed what they kept:
+            # what is kept then is the nodes' up to i, with i's transient gradients.
+            saved[s] += graph.saved_bytes[i]
+            transient[s] = max(transient[s], saved[s] + (0 if receivers else graph.out_bytes[i])
+                               + sum(graph.out_bytes[p] for p in graph.preds[i]))
             temp[s] = max(temp[s], graph.param_bytes[i])
             if graph.output_kept[i] and any(same_memory(devices[r].name, devices[s].name)
                                             for r in receivers):
@@ -1185,8 +1193,9 @@ class Pricing:
             for r in receivers:
                 reads[r].add(s)
                 received[r] += graph.out_bytes[i]
-        held = [t.held._replace(moved_bytes=moved[s], backward_bytes=sent[s] + transient[s],
-                                grad_temp_bytes=temp[s]) for s, t in enumerate(tallies)]
+        held = [t.held._replace(moved_bytes=moved[s], grad_temp_bytes=temp[s],
+                                backward_bytes=sent[s] + max(0, transient[s] - saved[s]))
+                for s, t in enumerate(tallies)]
         rows = self.memory.rows
         if rows is None or len(rows) != k:
             return held

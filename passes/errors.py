@@ -1,4 +1,5 @@
-"""The errors fxpipe raises. Each message names the problem and the fix."""
+"""The errors fxpipe raises. Each message names the problem in its first line (at most about 80
+characters) and the fix on the line(s) below it."""
 
 from __future__ import annotations
 

@@ -146,9 +146,9 @@ def functionalize(gm: fx.GraphModule, args: tuple | None = None,
     if gm.meta.get("input_writes"):      # found by trace's run of the model, shown by no node
         name = gm.meta["input_writes"][0]
         raise TraceError(
-            f"forward writes in place on its input {name!r} (e.g. `{name} += 1`): a pipeline runs "
+            f"forward writes in place on its input {name!r} (e.g. `{name} += 1`)\na pipeline runs "
             f"the model on micro-batches cut from the inputs, so it would not write the caller's "
-            f"tensor as the model does. Write it out of place (`{name} = {name} + 1`), or copy "
+            f"tensor as the model does\nwrite it out of place (`{name} = {name} + 1`), or copy "
             f"the input first: `{name} = {name}.clone()`")
     gm.graph.lint()
     gm.recompile()
@@ -282,7 +282,7 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     except FxpipeError:         # the weights' own (a tensor missing from a checkpoint), as it is
         raise
     except Exception as e:
-        raise GraphRunFailed(f"{RUN_FAILED}: {type(e).__name__}: {e}") from e
+        raise GraphRunFailed(f"{RUN_FAILED}\n{type(e).__name__}: {e}") from e
     storages = {node: _storages(value) for node, value in interpreter.env.items()}
     storages.update({node: found for node, (found, _) in interpreter.freed.items()})
     return interpreter.env, storages, {node: at for node, (_, at) in interpreter.freed.items()}
@@ -365,11 +365,12 @@ def _meta_value(node: fx.Node) -> Any:
 def _aliased_write_error(node: fx.Node, mutated: fx.Node, alias: fx.Node) -> TraceError:
     where = _source_line(node)
     return TraceError(
-        f"node {node.name!r} ({node.format_node()}) writes in place on {mutated.name!r}, whose "
-        f"memory {alias.name!r} shares (a view, or the base of one), and {alias.name!r} is read "
-        f"afterwards{':' if where else '.'}\n{where}"
+        f"node {node.name!r} writes in place on {mutated.name!r}, then read as {alias.name!r}\n"
+        f"node {node.name!r}: {node.format_node()}; {alias.name!r} shares the memory of "
+        f"{mutated.name!r} (a view, or the base of one) and is read afterwards"
+        f"{':' if where else '.'}\n{where}"
         f"fxpipe rewrites in-place ops out of place so pipeline stages can share tensors, which "
-        f"would lose this write. Write it out of place and use the result where the updated "
+        f"would lose this write\nwrite it out of place and use the result where the updated "
         f"value is wanted: e.g. `h = h + 1` instead of `h.add_(1)` on a view, or "
         f"`x = torch.relu(x)` instead of `inplace=True`")
 
@@ -379,10 +380,10 @@ def _input_write_error(node: fx.Node, mutated: fx.Node, placeholder: fx.Node) ->
     where = _source_line(node)
     hint = _out_of_place_hint(node, name) if mutated is placeholder else ""
     return TraceError(
-        f"forward writes in place on its input {name!r} (node {node.name!r}: "
-        f"{node.format_node()}){':' if where else '.'}\n{where}"
-        f"A pipeline runs the model on micro-batches cut from the inputs, so it would not write "
-        f"the caller's tensor as the model does. Write it out of place and use the result"
+        f"forward writes in place on its input {name!r} (node {node.name!r})\n"
+        f"node {node.name!r}: {node.format_node()}{':' if where else '.'}\n{where}"
+        f"a pipeline runs the model on micro-batches cut from the inputs, so it would not write "
+        f"the caller's tensor as the model does\nwrite it out of place and use the result"
         f"{hint}, or copy the input first: `{name} = {name}.clone()`")
 
 

@@ -100,7 +100,8 @@ def unfilled(read: Materialize) -> Materialize:
     """`read`, but floating-point parameters left unfilled (`torch.empty`): for a run that
     looks at which values share memory, never at their values. Nothing is drawn, and a large
     weight that is only read is never made resident (its fresh pages read as the kernel's
-    zero page). Buffers and other tensors are read (an index's values matter)."""
+    zero page, huge pages where the kernel allows: `_huge_pages`). Buffers and other tensors
+    are read (an index's values matter)."""
     def given(like: Mapping[str, torch.Tensor], device: torch.device
               ) -> dict[str, torch.Tensor]:
         values = read({name: t for name, t in like.items() if Tiled._role(name, t, device) is None},
@@ -108,10 +109,48 @@ def unfilled(read: Materialize) -> Materialize:
         empty: dict[int, torch.Tensor] = {}       # tied names share one tensor
         for name, t in like.items():
             if name not in values:
-                values[name] = empty.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype,
-                                                                   device=device))
+                if id(t) not in empty:
+                    empty[id(t)] = _huge_pages(torch.empty(t.shape, dtype=t.dtype,
+                                                           device=device))
+                values[name] = empty[id(t)]
         return values
     return given
+
+
+HUGE_PAGE = 1 << 21      # a transparent huge page on x86-64 and most arm64 kernels
+MADV_HUGEPAGE = 14
+
+
+def _huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """`t` (fresh, never written), its memory advised to the kernel as huge pages
+    (`madvise(MADV_HUGEPAGE)`, on Linux where transparent huge pages are "madvise"): a read of
+    an unwritten huge page maps the huge zero page, one fault per 2 MB instead of per 4 KB
+    (a 6.4 GB layer of unfilled weights read by its matmuls: 1.6 million faults, about a
+    second per 2 GB on a 2-core machine, against 3,000). Only on the CPU, for tensors over 32
+    huge pages, the advice covering the huge pages wholly inside the tensor; nothing
+    where the call is refused. Not for memory that is written: there each huge page must be
+    found whole, which the kernel may compact memory for (slower than small pages)."""
+    nbytes = t.untyped_storage().nbytes()
+    if _MADVISE is None or t.device.type != "cpu" or nbytes < 32 * HUGE_PAGE:
+        return t
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        _MADVISE(start, end - start, MADV_HUGEPAGE)
+    return t
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        call = ctypes.CDLL("libc.so.6").madvise
+    except (OSError, AttributeError):      # not glibc
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call
+
+
+_MADVISE = _madvise()
 
 
 def _tiled(sample: torch.Tensor, shape: torch.Size) -> torch.Tensor:

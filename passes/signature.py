@@ -142,9 +142,10 @@ class Signature:
         if len(args) > self.positional and self.var_positional is None:
             by_keyword = self.names[self.positional:]
             raise InputError(
-                f"{len(args)} positional inputs given, but the graph takes {self.positional} "
-                f"positionally ({', '.join(self.names[:self.positional]) or 'none'})" +
-                (f": pass {', '.join(by_keyword)} by keyword, as the example did" if by_keyword
+                f"{len(args)} positional inputs given; the graph takes {self.positional} "
+                f"positionally\nits positional inputs: "
+                f"{', '.join(self.names[:self.positional]) or 'none'}" +
+                (f"\npass {', '.join(by_keyword)} by keyword, as the example did" if by_keyword
                  else ""))
         given = dict(zip(self.names, args[:self.positional]))
         if self.var_positional is not None:
@@ -154,10 +155,10 @@ class Signature:
         if self.var_keyword is not None:
             given[self.var_keyword] = {k: kwargs.pop(k) for k in unknown}
         elif unknown:
-            hint = ("; the graph was exported from an example without them: compile with them in "
+            hint = ("\nthe graph was exported from an example without them: compile with them in "
                     "example_kwargs" if self.in_spec is not None else "")
-            raise InputError(f"inputs {unknown} are not inputs of the graph "
-                             f"({', '.join(self.names)}){hint}")
+            raise InputError(f"inputs {unknown} are not inputs of the graph\n"
+                             f"its inputs: {', '.join(self.names)}{hint}")
         for name, value in kwargs.items():
             if name in given:
                 raise InputError(f"input {name!r} given twice, positionally and by keyword")
@@ -165,15 +166,15 @@ class Signature:
         for name in self.names:
             if name not in given:
                 if name not in self.defaults:
-                    raise InputError(f"no value for input {name!r}: pass it positionally or by "
+                    raise InputError(f"no value for input {name!r}\npass it positionally or by "
                                      f"keyword")
                 given[name] = self.defaults[name]
         for name, traced in self.specialised.items():
             if not _same(given[name], traced):
                 raise InputError(
-                    f"input {name!r} is {_shown(given[name])}, but the graph was traced with {name}={traced!r}: "
-                    f"torch.fx fixed it to that value (an input the example does not give is "
-                    f"traced at its default). Pass {traced!r} or leave it out; to pass other "
+                    f"input {name!r} is {_shown(given[name])}; the graph was traced with {traced!r}"
+                    f"\ntorch.fx fixed {name}={traced!r} (an input the example does not give is "
+                    f"traced at its default)\npass {traced!r} or leave it out; to pass other "
                     f"values, compile again with {name} in example_inputs or example_kwargs, so "
                     f"that it becomes an input of the graph")
         return given
@@ -190,9 +191,10 @@ class Signature:
             (kind, key), rest = path[:2], path[2:]
             name = (self.names[key.idx] if kind.idx == 0 else key.key) + pytree.keystr(rest)
             raise InputError(
-                f"input {name!r} is {_shown(value)}, but the graph was exported with {name}="
-                f"{exported!r}: torch.export fixes every input that is not a tensor to its example "
-                f"value, and the graph computes with that one. Pass {exported!r}; for another "
+                f"input {name!r} is {_shown(value)}; the graph was exported with {exported!r}\n"
+                f"torch.export fixes every input that is not a tensor to its example value "
+                f"({name}={exported!r}), and the graph computes with that one\n"
+                f"pass {exported!r}; for another "
                 f"value, compile a pipeline with that value in the example (one pipeline per "
                 f"value), or pass the input as a tensor if the model computes with it")
 
@@ -203,9 +205,9 @@ class Signature:
             wanted = ", ".join("*" if s is None else str(s) for s in sizes)
             if leaf.dim() != len(sizes):
                 raise InputError(
-                    f"input {name!r} has shape {tuple(leaf.shape)}, but the graph was exported "
-                    f"for shape ({wanted}), * marking a free size: pass inputs with "
-                    f"{len(sizes)} dimensions, as the example had")
+                    f"input {name!r} has shape {tuple(leaf.shape)}; the graph's is ({wanted})\n"
+                    f"the graph was exported for that shape, * marking a free size; pass inputs "
+                    f"with {len(sizes)} dimensions, as the example had")
             dim = next((d for d, (s, n) in enumerate(zip(sizes, leaf.shape))
                         if s is not None and s != n), None)
             if dim is None:
@@ -213,14 +215,14 @@ class Signature:
             line = self.fixed_at.get((i, dim))
             where = f"\n    {line}\n" if line else " "
             raise InputError(
-                f"input {name!r} has shape {tuple(leaf.shape)}, but the graph was exported for "
-                f"shape ({wanted}), * marking a free size: dimension {dim} is fixed to "
-                f"{sizes[dim]} by the model's code{where}(torch.export keeps free every size the "
-                f"code lets vary; the batch size too, unless the code depends on it). Fix: "
-                f"compute that size from the input in the model (x.shape[{dim}], or -1 in a "
-                f"view or reshape) and compile again; or pass inputs of that shape, or compile "
-                f"one pipeline per shape with an example of it (and chunks=1 if the batch size "
-                f"is fixed)")
+                f"input {name!r} has shape {tuple(leaf.shape)}; the graph's is ({wanted})\n"
+                f"the graph was exported for that shape, * marking a free size: dimension {dim} "
+                f"is fixed to {sizes[dim]} by the model's code{where}(torch.export keeps free "
+                f"every size the code lets vary; the batch size too, unless the code depends on "
+                f"it)\nFix: compute that size from the input in the model (x.shape[{dim}], or "
+                f"-1 in a view or reshape) and compile again; or pass inputs of that shape, or "
+                f"compile one pipeline per shape with an example of it (and chunks=1 if the "
+                f"batch size is fixed)")
 
     def _check_size_rules(self, leaves: list[Any]) -> None:
         """Refuse inputs whose free sizes break a condition the exported graph assumes."""
@@ -230,11 +232,11 @@ class Signature:
                                    for name, leaf in zip(self.placeholders, leaves)
                                    if isinstance(leaf, torch.Tensor))
                 raise InputError(
-                    f"the inputs' sizes ({shapes}) break a condition the graph was exported "
-                    f"under: {rule.shown}. torch.export assumes it of every size it leaves "
-                    f"free, since the model's code (a branch on a size, a view, a table of "
-                    f"positions) needs it. Pass inputs meeting it, or compile a pipeline with an "
-                    f"example of these sizes")
+                    f"the inputs' sizes break a condition the graph was exported under\n"
+                    f"condition: {rule.shown}; sizes: {shapes}\ntorch.export assumes it of "
+                    f"every size it leaves free, since the model's code (a branch on a size, a "
+                    f"view, a table of positions) needs it; pass inputs meeting it, or compile "
+                    f"a pipeline with an example of these sizes")
 
 
 def signature_of(gm: fx.GraphModule) -> Signature:
@@ -396,8 +398,9 @@ def _exported(placeholders: list[fx.Node], output: fx.Node, arg_names: Sequence[
     positional parameter names (None: `arg_0`, ...), the sizes and constants export fixed."""
     if not (in_spec.type is tuple and in_spec.num_children == 2 and
             in_spec.child(0).type is tuple and in_spec.child(1).type is dict):
-        raise InputError(f"the graph's in_spec {in_spec} is not the (args, kwargs) pair "
-                         f"torch.export writes: capture the model with fxpipe.passes.capture.trace")
+        raise InputError(f"the graph's in_spec is not the (args, kwargs) pair torch.export "
+                         f"writes\nin_spec: {in_spec}\n"
+                         f"capture the model with fxpipe.passes.capture.trace")
     positional = in_spec.child(0).num_children
     arg_names = list(arg_names or [f"arg_{i}" for i in range(positional)])
     names = tuple(arg_names[:positional]) + tuple(in_spec.child(1).context)

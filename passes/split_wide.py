@@ -131,13 +131,13 @@ def split_wide(gm: fx.GraphModule, parts: Mapping[str, int]) -> fx.GraphModule:
         split = None if node is None else _split_of(gm, node)
         if split is None or not 2 <= count <= split.features:
             raise PartitionError(
-                f"cannot split node {name!r} into {count} parts: "
+                f"cannot split node {name!r} into {count} parts\n"
                 + ("the graph has no such node" if node is None else
                    f"{node.format_node()} is not a node split_wide splits (a linear layer, "
                    f"addmm, mm or matmul by a 2-D weight, a one-group conv2d; with no hooks, "
                    f"touching no buffer written in forward)" if split is None else
                    f"it has {split.features} output features")
-                + "; split only nodes `splittable` accepts, into 2 to their features' parts")
+                + "\nsplit only nodes `splittable` accepts, into 2 to their features' parts")
         _rewrite(gm, node, split, count, floors)
     gm.graph.lint()
     gm.recompile()

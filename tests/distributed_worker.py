@@ -11,6 +11,7 @@ other ranks write theirs). MODE changes the step:
     inputgrad  stage 0's inputs are given with `requires_grad`; their gradient is saved too
     sum        the loss is a sum (`F.mse_loss(..., reduction="sum")`, `reduction="sum"`)
     twice      two train_steps, gradients not zeroed between them (the second loss saved)
+    call       the call alone, no train_step (a plan made for inference)
     train      one SGD step (lr 0.1) after the train_step, then `stage.save_weights(OUT/saved)`
     memory     loads its stage and runs a call, measuring its peak resident memory growth
                (saved to OUT/rank<r>.memory.pt with its stage's bytes and the output)
@@ -82,7 +83,8 @@ def main(plan: str, data: str, out: str, mode: str = "run") -> None:
         try:
             with torch.no_grad():
                 output = stage(x if stage.index == 0 else None)
-            for _ in range(2 if mode == "twice" else 1):
+            loss = None
+            for _ in range(0 if mode == "call" else 2 if mode == "twice" else 1):
                 loss = stage.train_step(x if stage.index == 0 else None,
                                         target if stage.index == stage.last else None, loss_fn,
                                         reduction=reduction)

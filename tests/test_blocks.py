@@ -264,6 +264,56 @@ def test_a_node_without_a_kernel_here_is_estimated():
 
 
 def test_nothing_able_to_run_is_refused_naming_the_node_and_the_fix():
-    with pytest.raises(CostError, match=r"'layers_0_up' cannot run on cpu .* max_node_bytes"):
+    with pytest.raises(CostError, match=r"'layers_0_up' cannot run on cpu\n.* max_node_bytes"):
         annotate_costs(captured(Stack(), "fx"), (torch.randn(4, 8),), repeats=1,
                        max_node_bytes=0)
+
+
+# ---- on meta: repeats known from the capture's types, never run ------------------------------
+
+def _recorded(gm: fx.GraphModule) -> dict[str, tuple]:
+    """What measuring records on each node besides its times."""
+    return {n.name: (c.out_bytes, c.new_bytes, c.views, c.saved_bytes, c.param_bytes, c.source,
+                     c.reused_from, n.meta["output_kept"], n.meta.get("state"),
+                     n.meta["shapes"])
+            for n in gm.graph.nodes if n.op != "output" for c in [n.meta["cost"]]}
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_on_meta_repeats_never_run_and_record_what_a_run_of_every_layer_records(
+        backward, monkeypatch):
+    """A decoder built on meta: the capture's types say which layers repeat the first, so only
+    the first layer's weights are ever read (a 405B layer is 6.4 GB, drawn and run 126 times
+    otherwise); each node's bytes, views, kept values and sources are those found by a first
+    run through every layer (the repeats found from its types, as for a model holding values)."""
+    import fxpipe.passes.annotate_costs as costs_module
+    from fxpipe.weights import Init
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=32, use_cache=False, vocab_size=64,
+        bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    init = Init(model, seed=0).for_planning(model)
+    gm = trace(model, (), {"input_ids": ids}, capture="export")
+    layers_read: list[set[str]] = []
+
+    def measured():
+        read: set[str] = set()
+
+        def materialize(like, device):
+            read.update(name.split(".")[2] for name in like if ".layers." in name)
+            return init.read(like, device)
+        annotate_costs(gm, (), {"input_ids": ids}, repeats=1, max_repeats=1,
+                       backward=backward, materialize=materialize)
+        layers_read.append(read)
+        return _recorded(gm)
+    early = measured()
+    monkeypatch.setattr(costs_module, "meta_types", lambda gm: None)    # as before: run all
+    every_layer_run = measured()
+    assert layers_read == [{"0"}, {"0", "1", "2"}]
+    assert early == every_layer_run
+    assert [recorded[5] for recorded in early.values()].count("reused") > 0    # the source
+

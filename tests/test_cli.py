@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.__main__ import COLOURS, _devices, main
+from fxpipe.__main__ import COLOURS, _devices, _measured_inputs, _token_inputs, main
 from fxpipe.passes.cost_model import format_bytes
+from fxpipe.testing import assert_same_up_to_rounding
+from fxpipe.weights import save_weights
 
 LAYER = ["torch.nn:TransformerEncoderLayer", "--kwargs",
          '{"d_model": 32, "nhead": 4, "batch_first": true, "dropout": 0.0}', "--input", "8x10x32"]
@@ -50,9 +52,24 @@ def test_the_pictures_are_svg_with_one_colour_per_stage(saved):
 
 def test_run_measures_a_saved_plan_against_its_prediction(saved, capsys):
     assert main(["run", str(saved / "two"), "--input", "8x10x32", "--repeats", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "predicted ms" in out and "measured ms" in out
-    assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2
+    times, memory = capsys.readouterr().out.split("memory measured in the latest run")
+    assert "predicted ms" in times and "measured ms" in times
+    assert len([line for line in times.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2
+    # each stage's memory, predicted beside measured (one more call, tracked)
+    rows = [line.split() for line in memory.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert len(rows) == 2 and all(row[-2] in ("KB", "MB") for row in rows), memory
+
+
+def test_run_without_inputs_draws_them_shaped_as_the_plans_example(saved, capsys):
+    """The example was 8x10x32 floats in 2 micro-batches: the plan measured one of 4x10x32,
+    4 bytes an element. --tokens needs an embedding reading the first input."""
+    (x,), keywords = _measured_inputs(fxpipe.load_plan(saved / "two"), None)
+    assert x.shape == (8, 10, 32) and x.dtype == torch.float32 and keywords == {}
+    assert main(["run", str(saved / "two"), "--repeats", "1"]) == 0
+    assert "measured ms" in capsys.readouterr().out
+    assert main(["run", str(saved / "two"), "--tokens", "8x10"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fxpipe run: error: --tokens: the plan reads no token ids with an embedding")
 
 
 def test_diff_shows_where_two_plans_differ(saved, capsys):
@@ -77,7 +94,7 @@ def test_plan_explains_its_cuts(command, capsys):
     (["plan", "torch.nn:ReLU", "--input", "4x4", "--devices", "gpu7"], "'gpu7' is not a device"),
     (["show", "/nonexistent/plan"], "no saved plan"),
     (["plan", *LAYER, "--memory", "2000"],      # the CPU's, shared by its two stages
-     "more than any device has (at most 1.0 KB)"),
+     "no device has more than 1.0 KB"),
     (["plan", "transformers:AutoModelForCausalLM", "--config", "/nonexistent/config.json",
       "--meta", "--tokens", "1x16"], "--config /nonexistent/config.json: no such file"),
     (["plan", "torch.nn:Embedding", "--config", "/nonexistent.json", "--tokens", "1x16"],
@@ -85,15 +102,20 @@ def test_plan_explains_its_cuts(command, capsys):
     (["plan", "torch.nn:ReLU", "--tokens", "2x"], "--tokens '2x' is not BxS"),
     (["plan", "torch.nn:ReLU", "--tokens", "2x3x4"], "--tokens '2x3x4' is not BxS"),
     (["plan", "torch.nn:ReLU", "--tokens", "2x16"], "the model has no nn.Embedding"),
-    (["plan", "torch.nn:ReLU"], "no inputs: give --tokens BxS"),
+    (["plan", "torch.nn:ReLU"], "no inputs\n  give --tokens BxS"),
     (["plan", "torch.nn:ReLU", "--input", "4x4", "--devices", "cpu:0=400XB"],
      "is not a memory size"),
     (["plan", "torch.nn:ReLU", "--input", "4x4", "--memory", "lots"], "is not a memory size"),
 ])
-def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+def test_bad_input_is_one_error_line_and_exit_2(argv, message, capsys):
+    """The problem on one `error:` line of at most about 80 characters after the prefix; the
+    fix, if any, on the lines below it, indented."""
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+    first, *fix = err.strip().splitlines()
+    assert first.startswith(f"fxpipe {argv[0]}: error: ") and message in err
+    assert len(first.split(": error: ", 1)[1]) <= 80 and "Traceback" not in err
+    assert all(line.startswith("  ") for line in fix if line)
 
 
 def test_the_module_runs_as_a_program():
@@ -220,7 +242,9 @@ def test_plan_builds_a_hugging_face_config_on_meta_and_show_gives_each_stages_te
     entries = {name: entry for stage in document["weights"]["stages"]
                for name, entry in stage.items()}
     assert entries["lm_head.weight"]["dtype"] == "bfloat16"
-    assert not any(entry["saved"] for entry in entries.values())     # a manifest, no values
+    # a manifest, no values of the checkpoint's tensors; the rotary inv_freq, in none, computed
+    assert not any(entry["saved"] for entry in entries.values() if entry["persistent"])
+    assert entries["model.rotary_emb.inv_freq"]["saved"]
     # The model's own bf16 rounding, measured: between one bf16 epsilon and the unmeasured 16.
     assert 2 ** -7 <= document["verify_tolerance"] < 16 * 2 ** -7
     assert document["verify_tolerance_source"].endswith("measured against float32")
@@ -253,6 +277,39 @@ def test_plan_calls_a_plain_factory_with_its_config_file_in_the_dtype_asked(tmp_
     assert weight["shape"] == [50, 8] and weight["dtype"] == "bfloat16" and weight["saved"]
     assert main(["show", str(tmp_path / "plan")]) == 0
     assert "the plan's files hold their values" in capsys.readouterr().out
+    assert list(_token_inputs(fxpipe.load_plan(tmp_path / "plan")).values()) == [50]
+    assert main(["run", str(tmp_path / "plan"), "--tokens", "4x6", "--repeats", "1"]) == 0
+
+
+def test_run_gives_a_plan_made_on_meta_its_weights_from_a_checkpoint(tmp_path, capsys):
+    """A Hugging Face config planned on meta (`plan --meta`), its checkpoint written by
+    save_weights: `run --weights` runs it on token ids below its vocabulary (`--tokens`, or
+    shaped as the example); without --weights, one line saying to pass it. What it runs is
+    the model (the rotary inv_freq, in no checkpoint, kept in the plan)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**TINY_LLAMA)
+    config.to_json_file(tmp_path / "config.json")
+    plan, checkpoint = str(tmp_path / "plan"), str(tmp_path / "ckpt")
+    assert main(["plan", "transformers:AutoModelForCausalLM", "--config",
+                 str(tmp_path / "config.json"), "--meta", "--tokens", "2x16",
+                 "--devices", "cpu:0=400MB,cpu:1=400MB", "--quiet", "--save", plan]) == 0
+    torch.manual_seed(0)
+    real = transformers.AutoModelForCausalLM.from_config(config).eval()
+    save_weights(real.state_dict(), checkpoint)
+    capsys.readouterr()
+    assert main(["run", plan, "--tokens", "4x8"]) == 2
+    assert capsys.readouterr().err == (
+        f"fxpipe run: error: the plan at {plan} holds no weights\n  it was planned on the meta "
+        f"device: pass --weights CKPT, a .safetensors file or a Hugging Face sharded folder\n")
+    for inputs in (["--tokens", "4x8"], []):
+        assert main(["run", plan, "--weights", checkpoint, *inputs, "--repeats", "1"]) == 0
+        assert "measured ms" in capsys.readouterr().out
+    loaded = fxpipe.load_plan(plan, weights=checkpoint)
+    (ids,), keywords = _measured_inputs(loaded, None)
+    assert ids.shape == (2, 16) and ids.dtype == torch.int64 and 0 <= ids.min() <= ids.max() < 256
+    with torch.no_grad():
+        assert_same_up_to_rounding(fxpipe.Pipeline(loaded)(ids, **keywords).logits,
+                                   real(ids).logits)
 
 
 def test_devices_take_their_memory_in_units_and_memory_the_rest():

@@ -246,7 +246,7 @@ def test_a_world_size_unlike_the_plan_is_refused_on_every_rank(tmp_path):
     for rank in range(2):
         message = (tmp_path / "out" / f"rank{rank}.err").read_text()
         assert message.startswith("WorldSizeError")
-        assert "3 stages but 2 processes" in message
+        assert "3 stages; 2 processes run it" in message
         assert "torchrun --nproc-per-node 3" in message
 
 
@@ -284,12 +284,8 @@ def test_two_replicas_of_two_stages_add_up_to_the_whole_batch(tmp_path):
     x = x.clone().requires_grad_()
     F.mse_loss(model(x), target).backward()
     assert_same_up_to_rounding(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
-    expected = dict(model.named_parameters())
-    for rank, got in enumerate(ranks):
-        assert got["grads"], rank
-        assert_same_up_to_rounding(got["grads"],
-                                   {name: expected[name].grad for name in got["grads"]},
-                                   what=f"rank {rank}: gradient")
+    assert all(got["grads"] for got in ranks), [list(got["grads"]) for got in ranks]
+    expected = assert_each_ranks_gradients(ranks, model)
     assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(expected)
     assert ranks[0]["grads"].keys() == ranks[2]["grads"].keys()
 
@@ -317,6 +313,17 @@ def held_by(plan: Path, name: str) -> list[int]:
         (plan / "plan.json").read_text())["shared"]) if refs.get(name) == [0, name]]
 
 
+def assert_each_ranks_gradients(ranks, model, times=1):
+    """Each rank's gradients, of the parameters it holds, are `times` the model's (each rank's
+    set compared together); returns the model's parameters by name."""
+    expected = dict(model.named_parameters())
+    for rank, got in enumerate(ranks):
+        assert_same_up_to_rounding(got["grads"],
+                                   {name: times * expected[name].grad for name in got["grads"]},
+                                   what=f"rank {rank}: gradient")
+    return expected
+
+
 def assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks):
     """Every rank's gradient of each parameter it holds (a tied weight: on each rank holding
     it) is the threaded pipeline's and the model's, on the whole batch."""
@@ -326,12 +333,8 @@ def assert_every_rank_has_the_whole_gradients(model, x, target, pipe, ranks):
     model.zero_grad()
     F.mse_loss(model(x), target).backward()
     assert_same_up_to_rounding(piped, grads_of(model), what="gradient")
-    expected = dict(model.named_parameters())
-    for rank, got in enumerate(ranks):
-        assert got["grads"], rank
-        assert_same_up_to_rounding(got["grads"],
-                                   {name: expected[name].grad for name in got["grads"]},
-                                   what=f"rank {rank}: gradient")
+    assert all(got["grads"] for got in ranks), [list(got["grads"]) for got in ranks]
+    expected = assert_each_ranks_gradients(ranks, model)
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
@@ -374,11 +377,7 @@ def test_replicas_of_a_summed_loss_add_up_to_the_whole_batch_sum(tmp_path):
         assert_same_up_to_rounding(last["loss"], whole)
     model.zero_grad()
     summed(model(x), target).backward()
-    expected = dict(model.named_parameters())
-    for rank, got in enumerate(ranks):
-        assert_same_up_to_rounding(got["grads"],
-                                   {name: expected[name].grad for name in got["grads"]},
-                                   what=f"rank {rank}: gradient")
+    expected = assert_each_ranks_gradients(ranks, model)
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
@@ -397,11 +396,7 @@ def test_losses_as_sum_and_count_give_the_whole_batch_mean_on_every_replica(tmp_
     expected_loss.backward()
     for last in (ranks[1], ranks[3]):
         assert_same_up_to_rounding(last["loss"], expected_loss.detach())
-    expected = dict(model.named_parameters())
-    for rank, got in enumerate(ranks):
-        assert_same_up_to_rounding(got["grads"],
-                                   {name: expected[name].grad for name in got["grads"]},
-                                   what=f"rank {rank}: gradient")
+    assert_each_ranks_gradients(ranks, model)
     assert_same_up_to_rounding(torch.cat([ranks[0]["x_grad"], ranks[2]["x_grad"]]), x.grad)
 
 
@@ -413,11 +408,7 @@ def test_gradients_of_two_steps_accumulate_with_tied_weights_and_replicas(tmp_pa
     assert_same_up_to_rounding(ranks[3]["loss"], F.mse_loss(model(x), target))
     model.zero_grad()
     F.mse_loss(model(x), target).backward()
-    expected = dict(model.named_parameters())
-    for rank, got in enumerate(ranks):
-        assert_same_up_to_rounding(got["grads"],
-                                   {name: 2 * expected[name].grad for name in got["grads"]},
-                                   what=f"rank {rank}: gradient")
+    expected = assert_each_ranks_gradients(ranks, model, times=2)
     assert {name for r in ranks for name in r["grads"]} == set(expected)
 
 
@@ -426,7 +417,7 @@ def test_a_world_size_not_a_multiple_of_the_stages_is_refused(tmp_path):
     launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 3)
     for message in errors(tmp_path / "out", 3):
         assert message.startswith("WorldSizeError")
-        assert "2 stages but 3 processes" in message
+        assert "2 stages; 3 processes run it" in message
         assert "torchrun --nproc-per-node 2 (or 4 for two replicas)" in message
 
 
@@ -438,7 +429,7 @@ def test_a_failing_stage_ends_every_rank_at_once_naming_it(tmp_path):
     start = time.monotonic()
     launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 3, "raise1", timeout=10)
     first, failed, last = errors(tmp_path / "out", 3)
-    assert failed.startswith("StageError: rank 1: stage 1 (on cpu) failed on micro-batch 0")
+    assert failed.startswith("StageError: rank 1: stage 1 failed on micro-batch 0 (forward)")
     assert "the test's stage fails here" in failed
     for message in (first, last):
         assert message.startswith("PeerFailedError: rank 1 failed: rank 1: stage 1"), message
@@ -486,7 +477,8 @@ def test_a_rank_that_cannot_load_its_stage_stops_every_rank(tmp_path):
     launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 2, timeout=10)
     first, second = errors(tmp_path / "out", 2)
     assert second.startswith("PlanFileError") and "stage_1.pt" in second
-    assert first.startswith("DistributedError: rank 1 could not load its stage (PlanFileError")
+    assert first.startswith("DistributedError: rank 1 could not load its stage, so rank 0 stops "
+                            "too\nPlanFileError")
 
 
 def test_the_torchrun_example_trains_as_the_model(tmp_path):

@@ -147,7 +147,7 @@ def test_a_length_the_models_code_fixes_is_refused_naming_the_dimension_and_the_
 def test_a_length_breaking_a_condition_of_the_graph_is_refused_naming_it():
     model = EvenLength()
     pipe = exported(model)
-    with pytest.raises(fxpipe.InputError, match=r"break a condition .*: \(x\.shape\[1\] % 2\) "
+    with pytest.raises(fxpipe.InputError, match=r"break a condition .*\ncondition: \(x\.shape\[1\] % 2\) "
                                                 r"== 0"):
         pipe(torch.randn(4, 17, 8))
     x = torch.randn(3, 48, 8)
@@ -171,7 +171,7 @@ def test_a_position_table_sliced_to_the_length_serves_every_length_up_to_its_row
 
 def test_a_length_beyond_the_position_table_is_refused_naming_the_bound():
     _, pipe = positions_pipeline()
-    with pytest.raises(fxpipe.InputError, match=r"break a condition .*: x\.shape\[1\] <= 32"):
+    with pytest.raises(fxpipe.InputError, match=r"break a condition .*\ncondition: x\.shape\[1\] <= 32"):
         pipe(torch.randn(3, 40, 8))
 
 

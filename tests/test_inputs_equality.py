@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
-from fxpipe.testing import assert_same_up_to_rounding, grads_of
+from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.passes.capture import trace
 
 
@@ -63,8 +63,9 @@ def test_export_refuses_another_non_tensor_input(options_pipe, args, kwargs, nam
     _, pipe = options_pipe
     captured = {"flag": True, "steps": 3, "temperature": 0.5}[name]
     with pytest.raises(fxpipe.InputError,
-                       match=rf"input '{name}' is {re.escape(shown)}, but the graph was exported with "
-                             rf"{name}={captured!r}.*one pipeline per value"):
+                       match=rf"input '{name}' is {re.escape(shown)}; the graph was exported with "
+                             rf"{captured!r}\n.*\({name}={captured!r}\)[\s\S]*one pipeline per "
+                             rf"value"):
         pipe(torch.randn(8, 8), *args, **kwargs)
 
 
@@ -147,7 +148,7 @@ def test_backward_hook_on_a_composite_module_fires_per_microbatch():
     seen.clear()
     pipe(x).square().sum().backward()
     assert len(seen) == 4
-    assert_same_up_to_rounding(grads_of(model), grads_of(reference), what="gradient")
+    assert_same_training(model, reference)
 
 
 def test_export_refuses_hooked_modules():
@@ -162,7 +163,7 @@ def test_export_refuses_hooked_modules():
 def test_hook_on_the_model_itself_is_refused():
     model = Tower().eval()
     model.register_forward_hook(lambda m, inputs, output: output * 2)
-    with pytest.raises(fxpipe.TraceError, match=r"Tower\) has a forward hook.*"
+    with pytest.raises(fxpipe.TraceError, match=r"Tower\) has a forward hook[\s\S]*"
                                                 r"pipe.register_forward_hook"):
         fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),))
 
@@ -220,7 +221,7 @@ def test_a_hook_added_after_compile_to_a_module_traced_through_is_refused(tower_
     handle = register(model.blocks[2], kind, calls)
     try:
         with pytest.raises(fxpipe.ModelChangedError,
-                           match=rf"module 'blocks.2' \(Block\) got a {kind} after compile.*"
+                           match=rf"module 'blocks.2' \(Block\) got a {kind} after compile\n.*"
                                  rf"never fire. Compile the model again"):
             CALLS[call](pipe, torch.randn(16, 8))
     finally:
@@ -261,7 +262,7 @@ def test_a_hook_added_after_compile_to_the_model_itself_is_refused(tower_pipe):
     handle = model.register_forward_hook(lambda m, inputs, output: output * 2)
     try:
         with pytest.raises(fxpipe.ModelChangedError, match=r"the model \(Tower\) got a forward "
-                                                           r"hook after compile.*on the pipeline"):
+                                                           r"hook after compile\n.*on the pipeline"):
             pipe.train_step(torch.randn(16, 8), torch.randn(16, 2), F.mse_loss)
     finally:
         handle.remove()
@@ -318,7 +319,7 @@ class Counter(nn.Module):
 def test_a_list_appended_in_forward_is_refused_and_left_as_it_was(capture):
     model = nn.Sequential(nn.Linear(8, 8), Recorder())
     with pytest.raises(fxpipe.TraceError,
-                       match=r"module '1' \(Recorder\)'s attribute 'seen'.*\n.*"
+                       match=r"module '1' \(Recorder\)'s attribute 'seen'.*\n.*\n.*"
                              r"self\.seen\.append\(x\)\n.*Fix: move it out of forward"):
         fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
     assert model[1].seen == []
@@ -327,7 +328,7 @@ def test_a_list_appended_in_forward_is_refused_and_left_as_it_was(capture):
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_a_counter_incremented_in_forward_is_refused_and_left_as_it_was(capture):
     model = Counter()
-    with pytest.raises(fxpipe.TraceError, match=r"Counter's attribute 'calls'.*\n.*"
+    with pytest.raises(fxpipe.TraceError, match=r"Counter's attribute 'calls'[\s\S]*"
                                                 r"self\.calls \+= 1"):
         fxpipe.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(8, 8),), capture=capture)
     assert model.calls == 0

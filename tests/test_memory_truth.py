@@ -255,5 +255,108 @@ def test_a_plan_that_fits_by_what_stages_hold_is_no_longer_refused():
     assert all(c.memory_bytes <= cap for c in plan.partition.stages)
     with fxpipe.Pipeline(plan) as pipe:
         found = measured(pipe, x, False)
-    # what they hold, within the bound above (messages wait as the stages' speeds have it)
-    assert all(b <= 1.25 * cap for b in found.values()), (found, cap)
+    # what they hold, within the bound above, but for messages waiting as the stages' speeds
+    # have it: on busy cores, up to every later micro-batch's values sent
+    late = [3 * c.sent_bytes if s == 0 else 0 for s, c in enumerate(plan.partition.stages)]
+    assert all(found[s] <= 1.25 * (cap + late[s]) for s in found), (found, cap, late)
+
+
+# --- measured beside predicted: last_run and print(plan) ------------------------------------
+
+def test_last_run_records_each_stages_peak_when_the_pipeline_measures_memory(tmp_path):
+    torch.manual_seed(0)
+    model, x = Residual().train(), torch.randn(64, 256)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages=2, chunks=4, training=True,
+                          optimizer="sgd", verify=False, repeats=1)
+    with pipe:
+        target = torch.zeros(64, 256)
+        pipe.train_step(x, target, F.mse_loss)
+        assert pipe.last_run.peak_bytes is None and not pipe.plan.observed   # off by default
+        assert "memory measured" not in str(pipe.plan)
+        for p in pipe.parameters():
+            p.grad = None
+        pipe.measure_memory = True
+        with track_memory() as outside:       # the same run, tracked from outside too
+            pipe.train_step(x, target, F.mse_loss)
+        peaks = pipe.last_run.peak_bytes
+        assert peaks == outside.peak_bytes and sorted(peaks) == [0, 1]
+        for s, cost in enumerate(pipe.plan.partition.stages):
+            # the stage's parameters, its gradients, and more
+            assert peaks[s] > 2 * pipe.plan.stage_param_bytes[s]
+            assert 0.75 * cost.memory_bytes <= peaks[s] <= 1.25 * cost.memory_bytes
+        lines = str(pipe.plan).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("memory measured"))
+        assert "a train step of 4 micro-batches" in lines[at]
+        for s in range(2):      # stage, predicted, measured, their ratio
+            row = lines[at + 3 + s].split()
+            assert row[0] == str(s) and float(row[-1]) == pytest.approx(
+                pipe.plan.partition.stages[s].memory_bytes / peaks[s], abs=0.01)
+        # a run of other micro-batches than the plan priced is shown, not set beside it
+        pipe.train_step(x[:2], target[:2], F.mse_loss)
+        lines = str(pipe.plan).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("memory measured"))
+        assert "a train step of 2 micro-batches; the plan priced train steps of 4" in lines[at]
+        for s in range(2):      # no prediction, no ratio
+            row = lines[at + 3 + s].split()
+            assert row[1] == "-" and row[-1] == "-"
+        # a saved plan keeps no measurement
+        loaded = fxpipe.load_plan(pipe.plan.save(tmp_path / "plan"))
+        assert loaded.observed == {} and "memory measured" not in str(loaded)
+
+
+def test_a_model_run_as_is_measures_its_one_stage():
+    torch.manual_seed(0)
+    model, x = Convs().eval(), torch.randn(16, 3, 32, 32)
+    pipe = fxpipe.compile(model, ["cpu"], (x,), num_stages=1, chunks=1, verify=False,
+                          repeats=1)
+    with pipe:
+        pipe.measure_memory = True
+        with torch.no_grad():
+            pipe(x)
+        with torch.no_grad(), track_memory() as outside:
+            model(x)
+    assert list(pipe.last_run.peak_bytes) == [0]
+    # the model's own forward, with its parameters: what the same forward holds, tracked
+    # whole, plus the parameters (there before it ran)
+    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert pipe.last_run.peak_bytes[0] == outside.live_peak_bytes[-1] + params
+
+
+@pytest.mark.parametrize("optimizer, state", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 0.0),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0),
+    (lambda ps: torch.optim.Adam(ps), 2.0),
+    (lambda ps: torch.optim.AdamW(ps, amsgrad=True), 3.0),
+    (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 3.0),
+    (lambda ps: torch.optim.Adagrad(ps), 1.0)])
+def test_an_optimizer_given_is_read_for_its_state(optimizer, state):
+    from fxpipe.options import optimizer_state_factor
+    assert optimizer_state_factor(optimizer(nn.Linear(4, 4).parameters())) == state
+
+
+def test_an_optimizer_of_another_kind_is_read_off_the_state_it_holds():
+    model = nn.Linear(8, 8)
+    opt = torch.optim.Adamax(model.parameters())      # exp_avg and exp_inf: 2x
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    from fxpipe.options import optimizer_state_factor
+    assert optimizer_state_factor(opt) == 2.0
+    torch.manual_seed(0)
+    x = torch.randn(64, 256)
+    plan = fxpipe.plan(Residual().train(), ["cpu"], (x,), training=True, verify=False,
+                       repeats=1, optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(),
+                                                            lr=0.1, momentum=0.9))
+    assert plan.partition.memory.optimizer_state == 1.0
+
+
+def test_the_plan_states_the_cuda_context_outside_the_stages_memory():
+    from types import SimpleNamespace
+
+    from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
+    from fxpipe.report import _cuda_context
+    on = lambda *names: SimpleNamespace(partition=SimpleNamespace(
+        devices=[DeviceSpec(n) for n in names]))
+    assert _cuda_context(on("cpu", "cpu:1")) == []
+    (line,) = _cuda_context(on("cuda:1", "cpu", "cuda:0", "cuda:0"))
+    assert "(cuda:0, cuda:1)" in line and format_bytes(CUDA_CONTEXT_BYTES) in line
+    assert "not charged against a device's memory_bytes" in line

@@ -22,8 +22,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe.passes.codegen import with_tensors
-from fxpipe.testing import assert_same_up_to_rounding, grads_of
+from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.weights import Init, Weights
+from nets import Skips
 
 
 class Values(Weights):
@@ -49,24 +50,7 @@ def values_of(model: nn.Module) -> Values:
                    **dict(model.named_buffers(remove_duplicate=False))})
 
 
-class Net(nn.Module):
-    """Layers with a skip past a cut, a norm and a buffer."""
-
-    def __init__(self, width=16, layers=4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 4)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, x):
-        h = x
-        for layer in self.layers:
-            h = torch.tanh(layer(h)) + h
-        return self.head(self.norm(h) * self.scale)
-
-
-def built(cls=Net, **kwargs):
+def built(cls=Skips, **kwargs):
     """The model materialised (seeded) and the same model built on meta, both in eval mode."""
     torch.manual_seed(0)
     real = cls(**kwargs).eval()
@@ -131,8 +115,7 @@ def test_a_meta_model_planned_for_training_given_its_values_trains_as_the_model(
     loss = pipe.train_step((x,), target, mse)
     expected = mse(real(x), target)
     expected.backward()
-    assert_same_up_to_rounding(loss.detach(), expected.detach())
-    assert_same_up_to_rounding(grads_of(pipe), grads_of(real), what="gradient")
+    assert_same_training(pipe, real, loss=(loss, expected))
 
 
 def test_the_plan_says_it_was_planned_from_meta_and_its_peak_memory(tmp_path):
@@ -246,7 +229,7 @@ def test_pipeline_of_a_meta_plan_says_weights_are_needed_and_how_to_give_them():
     real, meta = built()
     plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=values_of(real))
     with pytest.raises(fxpipe.DeviceError, match=r"stage 0 holds 'layers.0.weight' and \d+ "
-                                                 r"more tensors on the meta device.*"
+                                                 r"more tensors on the meta device\n[\s\S]*"
                                                  r"plan.with_weights\('ckpt/'\).*"
                                                  r"fxpipe.load_plan\(path, weights='ckpt/'\)"):
         fxpipe.Pipeline(plan)
@@ -258,20 +241,21 @@ def test_a_saved_meta_plan_records_its_source_and_peak_and_loads_refusing_to_run
     saved = json.loads((plan.save(tmp_path / "plan") / "plan.json").read_text())
     assert saved["weights_source"] == Values.where
     assert saved["planning_peak_rss_bytes"] == plan.planning_peak_rss_bytes > 0
-    with pytest.raises(fxpipe.DeviceError, match="on the meta device, without values"):
+    with pytest.raises(fxpipe.DeviceError, match="on the meta device\nwithout values"):
         fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
 
 
 def test_weights_for_a_materialised_model_are_refused():
     real, _ = built()
     with pytest.raises(fxpipe.InputError, match=r"weights= was given, but the model holds its "
-                                                r"own values.*load_state_dict"):
+                                                r"own values\n.*load_state_dict"):
         fxpipe.plan(real, ["cpu"] * 2, (torch.randn(8, 16),), weights=values_of(real))
 
 
 def test_weights_of_another_kind_are_refused_naming_what_works():
     _, meta = built()
-    with pytest.raises(fxpipe.InputError, match=r"weights=int: .*a checkpoint path.*state_dict"):
+    with pytest.raises(fxpipe.InputError, match=r"weights=int is not where weights come from\n"
+                                                r".*a checkpoint path.*state_dict"):
         fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=3)
 
 
@@ -325,7 +309,9 @@ def planning_growth(layers: int, capture: str) -> int:
                            capture_output=True, text=True, timeout=600)
     assert found.returncode == 0, found.stderr
     grown, recorded_minus_measured = map(int, found.stdout.split())
-    assert recorded_minus_measured == 0
+    # the peak is a high-water mark: what runs after the plan records it (the return, a stage
+    # worker of the race ending on a busy machine) may raise it a little, never lower it
+    assert -16e6 <= recorded_minus_measured <= 0, recorded_minus_measured
     return grown
 
 
@@ -395,3 +381,27 @@ def test_finding_aliases_on_unfilled_weights_falls_back_to_drawn_ones_where_a_no
                        costs=expected)
     assert plan.verified == "yes"
     assert plan.partition.stage_of == expected.partition.stage_of
+
+
+def test_unfilled_weights_are_advised_as_huge_pages_within_their_own_memory(monkeypatch):
+    """A large unfilled weight's memory is advised as huge pages (reads map the huge zero page:
+    fewer faults), on whole huge pages inside the tensor only; a small one is left alone; tied
+    names still share one tensor."""
+    import fxpipe.passes.materialize as materialize
+
+    advised = []
+    monkeypatch.setattr(materialize, "_MADVISE", lambda *call: advised.append(call) or 0)
+    with torch.device("meta"):
+        big, small = nn.Linear(4096, 5000, bias=False), nn.Linear(4, 4, bias=False)   # 82 MB
+    read = materialize.unfilled(lambda like, device: {})
+    values = read({"big.weight": big.weight, "tied.weight": big.weight,
+                   "small.weight": small.weight}, torch.device("cpu"))
+    assert values["big.weight"] is values["tied.weight"]
+    assert values["big.weight"].shape == (5000, 4096) and values["small.weight"].shape == (4, 4)
+    (start, length, advice), = advised
+    tensor = values["big.weight"]
+    end = tensor.data_ptr() + tensor.untyped_storage().nbytes()
+    assert advice == materialize.MADV_HUGEPAGE
+    assert start % materialize.HUGE_PAGE == 0 and length % materialize.HUGE_PAGE == 0
+    assert tensor.data_ptr() <= start and start + length <= end
+    assert length > end - tensor.data_ptr() - 2 * materialize.HUGE_PAGE

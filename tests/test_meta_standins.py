@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ import fxpipe
 from fxpipe.passes.codegen import with_tensors
 from fxpipe.passes.errors import PlanFileError
 from fxpipe.passes.capture import trace
-from fxpipe.weights import Init, open_weights, save_weights, stand_in_
+from fxpipe.testing import assert_same_up_to_rounding
+from fxpipe.weights import Init, build_on_meta, open_weights, save_weights, stand_in_
 
 VOCAB, WIDTH, LAYERS, HEADS = 256, 64, 4, 4
 
@@ -127,11 +129,11 @@ def test_the_saved_plan_keeps_its_stand_ins_and_runs_from_a_safetensors_checkpoi
 def test_weights_init_at_load_refuses_the_norm_weight_by_name_with_the_fix(planned, tmp_path):
     model, plan = planned
     fixes = r"reset_parameters\(\).*checkpoint.*Init\(build=\.\.\., exact=True\)"
-    with pytest.raises(PlanFileError, match=r"layers\.0\.norm1\.weight.*" + fixes):
+    with pytest.raises(PlanFileError, match=r"(?s)layers\.0\.norm1\.weight.*" + fixes):
         plan.with_weights("init", model=model)
-    with pytest.raises(PlanFileError, match=r"layers\.0\.norm1\.weight.*" + fixes):
+    with pytest.raises(PlanFileError, match=r"(?s)layers\.0\.norm1\.weight.*" + fixes):
         fxpipe.load_plan(plan.save(tmp_path / "plan"), model, weights="init")
-    with pytest.raises(PlanFileError, match=r"norm\.weight.*" + fixes):
+    with pytest.raises(PlanFileError, match=r"(?s)norm\.weight.*" + fixes):
         Init(model).read({"norm.weight": model.norm.weight}, "cpu")
 
 
@@ -165,7 +167,7 @@ def test_stand_ins_fill_only_what_no_rule_writes_the_same_on_every_read():
     with torch.device("meta"):
         model = HalfInitialised()
     like = {"weight": model.weight, "gain": model.gain}
-    with pytest.raises(PlanFileError, match=r"'gain'.*unwritten.*reset_parameters\(\)"):
+    with pytest.raises(PlanFileError, match=r"(?s)'gain'.*unwritten.*reset_parameters\(\)"):
         Init(model).read(like, "cpu")
     planning = Init(model, stand_ins=True)
     first, second = planning.read(like, "cpu"), planning.read(like, "cpu")
@@ -194,6 +196,155 @@ def test_a_plan_made_from_a_checkpoint_names_no_stand_ins(tmp_path):
                        weights=tmp_path / "ckpt", verify=False)
     assert plan.stand_ins == ()
     assert "stand-in" not in str(plan)
+
+
+# ---- under torchrun: 4 ranks, each reading its stage from the checkpoint ---------------------
+
+def real_decoder(cls=None, seed: int = 1) -> nn.Module:
+    """The model built on CPU, its norms unlike the stand-ins' ones (a leak would show)."""
+    torch.manual_seed(seed)
+    real = (cls or Decoder)().eval()
+    with torch.no_grad():
+        for name in NORMS:
+            real.get_parameter(name).normal_(1.0, 0.2)
+    return real
+
+
+def on_ranks(tmp_path, plan_dir, checkpoint, x, **env) -> list[Path]:
+    """Run tests/distributed_worker.py on 4 ranks with the plan saved at `plan_dir`, each
+    reading its stage from `checkpoint` (`env`: FXPIPE_MODEL, ...); each rank's result file
+    (rank<r>.pt, or rank<r>.err where it met an FxpipeError)."""
+    from test_distributed import WORKER, torchrun
+    torch.save({"x": x, "target": torch.randn(*x.shape, VOCAB)}, tmp_path / "data.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    code, text = torchrun([str(WORKER), str(plan_dir), str(tmp_path / "data.pt"), str(out),
+                           "call"], 4, {"FXPIPE_TIMEOUT": "30",
+                                        "FXPIPE_WEIGHTS": str(checkpoint), **env})
+    assert code == 0, text[-3000:]
+    return [next(out.glob(f"rank{r}.*")) for r in range(4)]
+
+
+def test_under_torchrun_four_ranks_run_the_meta_plan_from_a_safetensors_checkpoint(
+        planned, tmp_path):
+    """The decoder planned on meta (its norms stand-ins), saved without weights, run by 4 ranks
+    on cpu:0..cpu:3, each reading its own stage's tensors from the checkpoint: the last rank's
+    output is the model's, built on CPU with the checkpoint's values."""
+    model, plan = planned
+    real = real_decoder()
+    save_weights(real.state_dict(), tmp_path / "ckpt")
+    saved = plan.save(tmp_path / "plan")
+    x = ids()
+    files = on_ranks(tmp_path, saved, tmp_path / "ckpt", x)
+    assert [f.suffix for f in files] == [".pt"] * 4, [f.read_text() for f in files
+                                                      if f.suffix == ".err"]
+    results = [torch.load(f) for f in files]
+    assert [r["output"] is None for r in results] == [True, True, True, False]
+    with torch.no_grad():
+        assert_same_up_to_rounding(results[-1]["output"], real(x))
+
+
+# ---- non-persistent buffers computed in __init__ (no checkpoint holds them) ------------------
+
+class RopeDecoder(Decoder):
+    """The decoder with rotary frequencies as plain-torch decoders register them: computed in
+    `__init__`, `persistent=False` (no checkpoint holds them), and no rule to compute them
+    again. The model built on meta holds them as meta tensors."""
+
+    def __init__(self):
+        super().__init__()
+        half = WIDTH // HEADS // 2
+        inv_freq = 1.0 / 10000 ** (torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freqs", torch.outer(torch.arange(16.0), inv_freq),
+                             persistent=False)
+
+    def forward(self, ids):
+        rotation = torch.cos(self.freqs[: ids.shape[1]]).repeat(1, 2 * HEADS)
+        h = self.embed(ids) * rotation
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def rope_structure() -> RopeDecoder:
+    """What the torchrun worker builds as `model=` (FXPIPE_MODEL)."""
+    return build_on_meta(RopeDecoder).eval()
+
+
+@pytest.fixture(scope="module")
+def rope_checkpoint(tmp_path_factory):
+    real = real_decoder(RopeDecoder)
+    path = save_weights(real.state_dict(), tmp_path_factory.mktemp("rope") / "ckpt")
+    assert "freqs" not in real.state_dict()
+    return real, path
+
+
+def assert_runs_as(plan: fxpipe.Plan, real: nn.Module) -> None:
+    x = ids()
+    with torch.no_grad():
+        assert_same_up_to_rounding(fxpipe.Pipeline(plan)(x), real(x))
+
+
+def test_a_buffer_computed_in_init_is_refused_at_load_by_name_with_a_fix_that_works(
+        rope_checkpoint, tmp_path):
+    real, checkpoint = rope_checkpoint
+    with torch.device("meta"):
+        model = RopeDecoder().eval()
+    plan = fxpipe.plan(model, DEVICES, example_inputs=(ids(),), chunks=2)
+    assert plan.stand_ins == (*NORMS, "freqs")      # planning is fine with a stand-in
+    saved = plan.save(tmp_path / "plan")
+    refused = r"(?s)^buffer 'freqs' \(RopeDecoder\) has no value.*not persistent.*" \
+              r"fxpipe\.weights\.build_on_meta\(make_model\).*model="
+    for attempt in [lambda: fxpipe.load_plan(saved, weights=checkpoint),
+                    lambda: fxpipe.load_plan(saved, model, weights=checkpoint),
+                    lambda: plan.with_weights(checkpoint, model=model)]:
+        with pytest.raises(PlanFileError, match=refused.replace("RopeDecoder", r"\w+")):
+            attempt()
+    with pytest.raises(PlanFileError, match=refused):
+        Init(model).read({"freqs": model.freqs}, "cpu")
+    # The fix: the model's structure with its buffers computed, as model= at load.
+    structure = build_on_meta(RopeDecoder)
+    assert structure.freqs.device.type == "cpu" and torch.equal(structure.freqs, real.freqs)
+    assert all(p.is_meta for p in structure.parameters())
+    assert_runs_as(fxpipe.load_plan(saved, structure, weights=checkpoint), real)
+    assert_runs_as(plan.with_weights(checkpoint, model=structure), real)
+
+
+def test_a_model_built_on_meta_with_its_buffers_computed_plans_a_plan_that_holds_them(
+        rope_checkpoint, tmp_path):
+    """Planned from `build_on_meta`, the plan holds the buffer's values (no stand-in for it)
+    and loads from the checkpoint alone."""
+    real, checkpoint = rope_checkpoint
+    plan = fxpipe.plan(rope_structure(), DEVICES, example_inputs=(ids(),), chunks=2)
+    assert plan.stand_ins == NORMS
+    saved = plan.save(tmp_path / "plan")
+    entries = {name: entry for stage in json.loads((saved / "plan.json").read_text())[
+        "weights"]["stages"] for name, entry in stage.items()}
+    assert entries["freqs"]["saved"] and not entries["freqs"]["persistent"]
+    assert_runs_as(fxpipe.load_plan(saved, weights=checkpoint), real)
+
+
+def test_init_built_gives_a_buffer_computed_in_init_its_value(rope_checkpoint):
+    real, _ = rope_checkpoint
+    got = Init(build=RopeDecoder).read({"freqs": torch.empty(16, 8, device="meta")}, "cpu")
+    assert torch.equal(got["freqs"], real.freqs)
+
+
+def test_under_torchrun_a_buffer_computed_in_init_comes_from_the_model_given(
+        rope_checkpoint, tmp_path):
+    """A plan made on meta, run by 4 ranks given `model=build_on_meta(RopeDecoder)`: each rank
+    computes the buffer from it, and the output is the model's."""
+    real, checkpoint = rope_checkpoint
+    with torch.device("meta"):
+        model = RopeDecoder().eval()
+    saved = fxpipe.plan(model, DEVICES, example_inputs=(ids(),), chunks=2).save(tmp_path / "p")
+    x = ids()
+    files = on_ranks(tmp_path, saved, checkpoint, x,
+                     FXPIPE_MODEL="test_meta_standins:rope_structure")
+    assert [f.suffix for f in files] == [".pt"] * 4, [f.read_text() for f in files
+                                                      if f.suffix == ".err"]
+    with torch.no_grad():
+        assert_same_up_to_rounding(torch.load(files[-1])["output"], real(x))
 
 
 # ---- capture on fake tensors where meta alone fails ----------------------------------------------

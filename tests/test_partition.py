@@ -305,7 +305,7 @@ def test_limits_are_a_parameter_and_tiny_ones_certify_without_proving():
 
 def test_reordering_is_bounded_by_the_limits():
     devices = [DeviceSpec("cpu", speed=1.0), DeviceSpec("cpu", speed=3.0)]
-    with pytest.raises(PartitionError, match="2 distinct orders of 2 devices are too many"):
+    with pytest.raises(PartitionError, match=r"2 device orders are too many to try[\s\S]*2 distinct orders of 2 devices"):
         partition(chain(4), devices, reorder_devices=True, limits=Limits(device_orders=1))
 
 
@@ -366,7 +366,7 @@ def test_the_exact_search_proves_that_nothing_fits():
     small = [DeviceSpec("cpu", memory_bytes=15e6)] * 2
     assert exact_outcome(graph, small, Limits().work)[1] == Infeasible()
     with pytest.raises(PartitionError, match=r"^no partition into 2 stages fits the devices' "
-                                             r"memory\. .* stage \d on cpu needs 20\.0 MB"):
+                                             r"memory\n.* stage \d on cpu needs 20\.0 MB"):
         partition(graph, small)
 
 

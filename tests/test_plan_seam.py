@@ -10,31 +10,15 @@ from typing import get_args
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
-from fxpipe.testing import assert_same_up_to_rounding, grads_of
+from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.__main__ import main
 from fxpipe.options import LinkName, Options, Recompute
 from fxpipe.plan_data import Plan
 from fxpipe.passes.stage import Stage
-
-
-class Net(nn.Module):
-    """Layers with a skip past a cut, a norm and a buffer: enough for three stages."""
-
-    def __init__(self, width=16):
-        super().__init__()
-        self.a, self.b, self.c = (nn.Linear(width, width) for _ in range(3))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 4)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        g = self.norm(self.b(h)) + h
-        return self.head(torch.relu(self.c(g)) * self.scale)
+from nets import Skips
 
 
 @pytest.fixture
@@ -66,7 +50,7 @@ def stage_workers(names):
 def test_plan_builds_no_pipeline_and_starts_no_stage_worker(no_pipeline_no_worker, training,
                                                             chunks, devices, monkeypatch):
     torch.manual_seed(0)
-    model, x = Net().train(training), torch.randn(12, 16)
+    model, x = Skips().train(training), torch.randn(12, 16)
     plan = fxpipe.plan(model, ["cpu"] * devices, (x,), chunks=chunks, training=training)
     assert stage_workers(no_pipeline_no_worker) == []
     assert isinstance(plan, Plan) and plan.partition.num_stages == devices
@@ -84,13 +68,12 @@ def test_plan_builds_no_pipeline_and_starts_no_stage_worker(no_pipeline_no_worke
     loss = pipe.train_step(x, target, F.mse_loss)
     expected = F.mse_loss(reference(x), target)
     expected.backward()
-    assert_same_up_to_rounding(loss, expected.detach())
-    assert_same_up_to_rounding(grads_of(pipe), grads_of(reference), what="gradient")
+    assert_same_training(pipe, reference, loss=(loss, expected))
 
 
 def test_a_plan_prints_as_the_pipeline_compiled_with_it():
     torch.manual_seed(0)
-    model, x = Net().eval(), torch.randn(12, 16)
+    model, x = Skips().eval(), torch.randn(12, 16)
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
     text = str(plan)
     assert text.startswith("fxpipe plan: 2 stages, 2 micro-batches")
@@ -115,7 +98,7 @@ def test_options_are_checked_before_anything_runs(option, error, monkeypatch):
 
     monkeypatch.setattr(fxpipe.api.Recipe, "of", lambda *a: pytest.fail("planning began"))
     with pytest.raises(error, match=next(iter(option))):
-        fxpipe.plan(Net(), ["cpu"] * 2, (torch.randn(4, 16),), **option)
+        fxpipe.plan(Skips(), ["cpu"] * 2, (torch.randn(4, 16),), **option)
     options = Options(["cpu"] * 2, chunks="auto")
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.chunks = 2
@@ -147,7 +130,7 @@ def test_a_plan_pickled_under_the_old_module_paths_loads(tmp_path, monkeypatch):
     report imports no plan at run time, and plans saved by earlier fxpipe versions are
     refused by their version anyway.)"""
     torch.manual_seed(0)
-    model, x = Net().eval(), torch.randn(12, 16)
+    model, x = Skips().eval(), torch.randn(12, 16)
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
     monkeypatch.setattr(Stage, "__module__", "fxpipe.passes.codegen")
     plan.save(tmp_path / "plan")
@@ -167,7 +150,7 @@ def test_diff_compares_plans_saved_by_other_versions(tmp_path, capsys):
     from fxpipe.saved import _content_digest
 
     torch.manual_seed(0)
-    model, x = Net().eval(), torch.randn(12, 16)
+    model, x = Skips().eval(), torch.randn(12, 16)
     for name, k in (("two", 2), ("three", 3)):
         fxpipe.plan(model, ["cpu"] * k, (x,), chunks=2).save(tmp_path / name)
     path = tmp_path / "three" / "plan.json"

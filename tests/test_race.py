@@ -14,7 +14,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
-from fxpipe.testing import assert_same_up_to_rounding, grads_of
+from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.measure import Race
 
 
@@ -133,8 +133,7 @@ def test_training_races_train_steps_and_keeps_the_faster(model_predicted_slow, m
     loss = pipe.train_step(x, target, torch.nn.functional.mse_loss)
     expected = torch.nn.functional.mse_loss(reference(x), target)
     expected.backward()
-    assert_same_up_to_rounding(loss, expected)
-    assert_same_up_to_rounding(grads_of(pipe), grads_of(reference), what="gradient")
+    assert_same_training(pipe, reference, loss=(loss, expected))
 
 
 def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time():

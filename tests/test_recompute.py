@@ -9,59 +9,38 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.testing import assert_same_up_to_rounding
+from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.passes.cost_model import Pricing, cost_graph
 from fxpipe.testing.memory import can_measure
+from nets import NormDrop
 
 
-class Net(nn.Module):
-    """Dropout, BatchNorm and a skip connection across stages."""
+def step(pipe, x, target):
+    """One train_step from seed 1: its loss.
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 8)
-        self.norm = nn.BatchNorm1d(32)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x):
-        h = torch.relu(self.a(x))
-        g = self.drop(torch.relu(self.norm(self.b(h)))) + h
-        return self.c(g)
-
-
-def step(pipe, model, x, target):
-    """One train_step from seed 1: its loss, and the model's gradients and buffers after it."""
+    Steps with and without recomputing are compared by `assert_same_training(..., buffers=True)`:
+    loss, every gradient, every buffer (BatchNorm's statistics updated once per micro-batch,
+    not again where recomputed) equal up to rounding: other stage counts sum in another order,
+    and a value that is small because large terms cancel (the gradient of a bias right before a
+    BatchNorm, zero in exact arithmetic) carries their rounding, so each set is compared within
+    epsilons of its own largest magnitude (all the gradients together)."""
     torch.manual_seed(1)
-    loss = pipe.train_step(x, target, F.mse_loss)
-    return (loss, {n: p.grad for n, p in model.named_parameters()},
-            {n: b.clone() for n, b in model.named_buffers()})
-
-
-def assert_same_step(first, second):
-    """Loss (or output), every gradient, every buffer (BatchNorm's statistics updated once per
-    micro-batch, not again where recomputed) equal up to rounding: other stage counts sum in
-    another order, and a value that is small because large terms cancel (the gradient of a bias
-    right before a BatchNorm, zero in exact arithmetic) carries their rounding, so each set is
-    compared within epsilons of its own largest magnitude (all the gradients together)."""
-    (loss, grads, buffers), (loss2, grads2, buffers2) = first, second
-    assert_same_up_to_rounding(loss2, loss, what="loss")
-    assert_same_up_to_rounding(grads2, grads, what="gradient")
-    assert_same_up_to_rounding(buffers2, buffers, what="buffer")
+    return pipe.train_step(x, target, F.mse_loss)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_recomputing_gives_the_same_step_dropout_and_batchnorm_included(schedule):
     torch.manual_seed(0)
-    model, x, target = Net().train(), torch.randn(16, 8), torch.randn(16, 8)
+    model, x, target = NormDrop().train(), torch.randn(16, 8), torch.randn(16, 8)
     twin = copy.deepcopy(model)
     runs = {}
     for recompute, m in (("never", model), ("always", twin)):
         pipe = fxpipe.compile(m, ["cpu"] * 3, (x,), chunks=4, schedule=schedule,
                               recompute=recompute)
         assert pipe.plan.recompute == recompute
-        runs[recompute] = step(pipe, m, x, target)
-    assert_same_step(runs["never"], runs["always"])
-    assert runs["never"][2]["norm.num_batches_tracked"].item() == 4
+        runs[recompute] = step(pipe, x, target)
+    assert_same_training(twin, model, loss=(runs["always"], runs["never"]), buffers=True)
+    assert model.norm.num_batches_tracked.item() == 4
 
 
 @pytest.mark.parametrize("recompute", ["always", "runs"])
@@ -70,7 +49,7 @@ def test_a_recomputing_step_reads_no_tensor_on_the_host(recompute, host_reads):
     GPU each comparison would wait for it), and the step is unchanged."""
     from fxpipe.passes.recompute import checkpoint_regions
     torch.manual_seed(0)
-    model, x, target = Net().train(), torch.randn(16, 8), torch.randn(16, 8)
+    model, x, target = NormDrop().train(), torch.randn(16, 8), torch.randn(16, 8)
     twin = copy.deepcopy(model)
     plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4)
     pipe = fxpipe.compile(twin, ["cpu"] * 2, (x,), chunks=4,
@@ -79,13 +58,13 @@ def test_a_recomputing_step_reads_no_tensor_on_the_host(recompute, host_reads):
         for stage in pipe.plan.stages:
             checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
                                               if n.op == "call_module"})
-    step(plain, model, x, target)     # a first step checks that loss_fn is a mean over rows,
-    step(pipe, twin, x, target)       # reading its verdict on the host once: later steps do not
-    expected = step(plain, model, x, target)
+    step(plain, x, target)     # a first step checks that loss_fn is a mean over rows,
+    step(pipe, x, target)      # reading its verdict on the host once: later steps do not
+    expected = step(plain, x, target)
     host_reads.clear()
-    got = step(pipe, twin, x, target)
+    got = step(pipe, x, target)
     assert host_reads == []
-    assert_same_step(expected, got)
+    assert_same_training(twin, model, loss=(got, expected), buffers=True)
 
 
 def test_a_recomputing_stage_keeps_only_its_inputs_until_its_backward():
@@ -112,7 +91,7 @@ def test_a_recomputing_stage_keeps_only_its_inputs_until_its_backward():
 
 def test_recompute_is_checked():
     with pytest.raises(fxpipe.FxpipeError, match="recompute='sometimes'"):
-        fxpipe.compile(Net(), ["cpu"], (torch.randn(4, 8),), recompute="sometimes")
+        fxpipe.compile(NormDrop(), ["cpu"], (torch.randn(4, 8),), recompute="sometimes")
 
 
 def test_the_plan_shows_each_stages_training_memory_kept_and_recomputed():
@@ -197,7 +176,8 @@ def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(s
                   zip(auto.plan.stage_recompute, auto.plan.stage_recomputed)]
     assert recomputes == [c.memory_kept_bytes > cap for c in stages] and any(recomputes)
     never = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
-    assert_same_step(step(never, model, x, target), step(auto, twin, x, target))
+    expected, got = step(never, x, target), step(auto, x, target)
+    assert_same_training(twin, model, loss=(got, expected), buffers=True)
 
 
 def test_a_model_that_fits_nowhere_is_told_the_memory_that_would_do():
@@ -302,16 +282,17 @@ def test_runs_of_recomputed_nodes_give_the_same_step_dropout_and_batchnorm_inclu
     for stage in partial.plan.stages:
         checkpoint_regions(stage.module, recomputed(stage))
     assert any(isinstance(m, Recomputed) for s in partial.plan.stages for m in s.module.modules())
-    assert_same_step(step(plain, model, x, target), step(partial, twin, x, target))
+    expected, got = step(plain, x, target), step(partial, x, target)
+    assert_same_training(twin, model, loss=(got, expected), buffers=True)
     # A plain call whose backward is the caller's: nothing recomputed, buffers written once.
-    calls = []
-    for pipe, m in ((plain, model), (partial, twin)):
+    outputs = []
+    for pipe in (plain, partial):
         torch.manual_seed(2)
         out = pipe(x)
         out.sum().backward()
-        calls.append((out, {n: p.grad for n, p in m.named_parameters()},
-                      {n: b.clone() for n, b in m.named_buffers()}))
-    assert_same_step(*calls)
+        outputs.append(out)
+    assert_same_up_to_rounding(outputs[1], outputs[0], what="output")
+    assert_same_training(twin, model, buffers=True)
 
 
 def test_a_stage_input_named_for_recomputation_stays_an_input():

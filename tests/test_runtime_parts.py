@@ -142,7 +142,7 @@ def test_the_orchestrator_parks_its_workers_when_a_stage_raises(training):
     before = stage_threads()
 
     for _ in range(2):      # the second run on the same workers, which the first left at rest
-        with pytest.raises(StageError, match=f"stage {failing} .*micro-batch 0.*exploded") as info:
+        with pytest.raises(StageError, match=rf"stage {failing} .*micro-batch 0[\s\S]*exploded") as info:
             runtime.run(timetable, inputs, loss_of=loss_of)
         assert stage_threads() - before == set(runtime.workers.threads)
         assert runtime.workers._lock.acquire(blocking=False)     # no job holds them

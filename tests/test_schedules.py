@@ -65,7 +65,7 @@ def test_every_schedule_is_valid_on_any_stage_dag(dag, chunks):
 
 def test_a_deadlocking_timetable_is_shown_with_the_blocked_step():
     bad = [[Action(0, 0, Phase.BACKWARD), Action(0, 0, Phase.FORWARD)]]
-    with pytest.raises(FxpipeError, match=r"deadlocks.*\n.*\[0B0\]"):
+    with pytest.raises(FxpipeError, match=r"deadlocks[\s\S]*\[0B0\]"):
         validate(bad, 1, {}, backward=True)
 
 
@@ -152,7 +152,7 @@ def test_ranks_ask_for_messages_in_the_order_they_are_sent_unless_inputs_run_ahe
     for timetable, backward in ((gpipe(k, chunks), False), (gpipe(k, chunks, backward=True), True),
                                 (one_f_one_b(k, chunks), True)):
         if ahead:
-            with pytest.raises(FxpipeError, match=r"asks rank 0 for .* must keep aside"):
+            with pytest.raises(FxpipeError, match=r"asks rank 0 for .* out of order\n.* must keep aside"):
                 validate_messages(timetable, reads_from, backward=backward,
                                   input_grads=input_grads)
         else:
@@ -175,6 +175,6 @@ def test_a_stage_taking_micro_batches_out_of_order_is_shown_where_the_orders_par
     timetable = one_f_one_b(2, 2)
     timetable[1] = [Action(1, 1, Phase.FORWARD), Action(1, 1, Phase.BACKWARD),
                     Action(1, 0, Phase.FORWARD), Action(1, 0, Phase.BACKWARD)]
-    with pytest.raises(FxpipeError, match=r"rank 1 asks rank 0 for 0F1>1 where rank 0 sends "
-                                          r"0F0>1 \(message 0\)(.|\n)*asked: \[0F1>1\] 0F0>1"):
+    with pytest.raises(FxpipeError, match=r"rank 1 asks rank 0 for 0F1>1 out of order\nrank 0 sends "
+                                          r"0F0>1 there \(message 0\)(.|\n)*asked: \[0F1>1\] 0F0>1"):
         validate_messages(timetable, {0: [INPUTS], 1: [0]}, backward=True)

@@ -16,25 +16,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.testing import assert_same_up_to_rounding
+from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe import search
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, StageCost
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.split_wide import split_wide, splittable, wide_nodes
 from fxpipe.passes.capture import trace
-
-
-class Head(nn.Module):
-    """A small body and a wide linear head, the head `heavy` in the scripted costs."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh())
-        self.head = nn.Linear(32, 96)
-
-    def forward(self, x):
-        return self.head(self.body(x))
+from nets import Head
 
 
 class ConvHead(nn.Module):
@@ -172,9 +161,9 @@ def test_costs_are_shared_among_the_parts_by_their_features():
 
 def test_a_node_that_cannot_be_split_is_refused_by_name():
     gm = torch.fx.symbolic_trace(built(Head))
-    with pytest.raises(PartitionError, match="'body_1'.*not a node split_wide splits"):
+    with pytest.raises(PartitionError, match=r"'body_1'[\s\S]*not a node split_wide splits"):
         split_wide(gm, {"body_1": 2})
-    with pytest.raises(PartitionError, match="'nothing'.*no such node"):
+    with pytest.raises(PartitionError, match=r"'nothing'[\s\S]*no such node"):
         split_wide(gm, {"nothing": 2})
     with pytest.raises(PartitionError, match="96 output features"):
         split_wide(gm, {"head": 97})
@@ -201,8 +190,7 @@ def test_a_split_head_trains_as_the_model_on_several_stages(scripted_costs, mode
     assert "split to balance the stages" in str(pipe.plan)
     assert_same_up_to_rounding(pipe(x), reference(x))
     loss = pipe.train_step(x, target, loss_fn)
-    assert_same_up_to_rounding(loss, loss_fn(reference(x), target))
-    assert_same_up_to_rounding(gradients(model), gradients(reference), **TOLERANCE)
+    assert_same_training(model, reference, loss=(loss, loss_fn(reference(x), target)))
     assert set(pipe.state_dict()) == set(reference.state_dict())
 
 
@@ -215,11 +203,10 @@ def test_a_split_head_tied_to_the_embedding_trains_the_one_parameter(scripted_co
     pipe = fxpipe.compile(model, ["cpu"] * 3, (ids,), chunks=2, capture=capture)
     assert dict(pipe.plan.chosen.split)["head"] >= 2
     loss = pipe.train_step(ids, ids, token_loss)
-    assert_same_up_to_rounding(loss, token_loss(reference(ids), ids))
     assert model.head.weight is model.embed.weight
     assert_same_up_to_rounding(model.embed.weight.grad, reference.embed.weight.grad,
                                **TOLERANCE)
-    assert_same_up_to_rounding(gradients(model), gradients(reference), **TOLERANCE)
+    assert_same_training(model, reference, loss=(loss, token_loss(reference(ids), ids)))
     state = pipe.state_dict()
     assert set(state) == set(reference.state_dict())
     assert state["embed.weight"].shape == (300, 16)

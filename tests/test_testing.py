@@ -116,3 +116,40 @@ def test_the_scale_is_the_whole_sets_or_the_one_given():
     with pytest.raises(AssertionError):
         assert_same_up_to_rounding(nudged, small)
     assert_same_up_to_rounding(nudged, small, scale=100.0)
+
+
+# ---- assert_same_training: loss, gradients and buffers of a step -----------------------------
+
+def stepped(model, x, bug=""):
+    """`model` after one mean-squared step on `x` (BatchNorm in training mode), `bug` spoiling
+    one part of what the step left; its loss."""
+    loss = model(x).square().mean()
+    loss.backward()
+    with torch.no_grad():
+        if bug == "gradient":
+            model[0].weight.grad[0, 0] += 0.01
+        if bug == "no gradient":
+            model[0].bias.grad = None
+        if bug == "buffer":
+            model[1].running_mean[0] += 0.01
+    return loss.detach() + (0.01 if bug == "loss" else 0.0)
+
+
+@pytest.mark.parametrize("tolerance", [{}, {"rtol": 1e-4, "atol": 1e-5}],
+                         ids=["rounding", "assert_close"])
+@pytest.mark.parametrize("bug", ["loss", "gradient", "no gradient", "buffer"])
+def test_assert_same_training_compares_the_loss_every_gradient_and_every_buffer(bug, tolerance):
+    import copy
+    from fxpipe.testing import assert_same_training
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 2))
+    twin, other = (copy.deepcopy(model) for _ in range(2))
+    x = torch.randn(6, 4)
+    loss, same = stepped(model, x), stepped(twin, x)
+    assert_same_training(twin, model, loss=(same, loss), buffers=True, **tolerance)
+    wrong = stepped(other, x, bug)
+    with pytest.raises(AssertionError, match=bug.split()[-1]):
+        assert_same_training(other, model, loss=(wrong, loss), buffers=True, **tolerance)
+    if bug == "buffer":                   # buffers are compared only where asked
+        assert_same_training(other, model, loss=(wrong, loss), **tolerance)

@@ -181,13 +181,13 @@ def test_another_shape_or_dtype_names_the_tensor_and_the_file(format, tmp_path):
     state = built(small).state_dict()
     meta = like(on_meta(small))
     wide = write(format, {**state, "0.bias": torch.zeros(5)}, tmp_path / "wide")
-    with pytest.raises(PlanFileError, match=rf"tensor '0\.bias' in \S*{NAMED_FILE[format]}\S* "
-                                            rf"(\(.*\) )?has shape \[5\], the model's has \[3\]"):
+    with pytest.raises(PlanFileError, match=rf"shape of '0\.bias': \[5\] in \S*{NAMED_FILE[format]}\S*"
+                                            rf"( \(.*\))?, \[3\] in the model"):
         open_weights(wide).read(meta, "cpu")
     half = write(format, {**state, "0.bias": state["0.bias"].half()}, tmp_path / "half")
     with pytest.raises(PlanFileError, match=rf"tensor '0\.bias' in \S*{NAMED_FILE[format]}\S* "
                                             rf"(\(.*\) )?is torch\.float16, the model's is "
-                                            rf"torch\.float32: open the weights with cast=True"):
+                                            rf"torch\.float32\nopen the weights with cast=True"):
         open_weights(half).read(meta, "cpu")
     got = open_weights(half, cast=True).read(meta, "cpu")
     assert got["0.bias"].dtype == torch.float32
@@ -201,7 +201,7 @@ def test_a_path_that_does_not_exist_is_refused_by_name(tmp_path):
 
 def test_a_directory_with_no_checkpoint_is_refused_by_name(tmp_path):
     (tmp_path / "notes.txt").write_text("no tensors here")
-    with pytest.raises(PlanFileError, match=rf"no checkpoint in the directory {tmp_path}: it "
+    with pytest.raises(PlanFileError, match=rf"no checkpoint in the directory {tmp_path}\nit "
                                             rf"holds none of {INDEX_FILE}"):
         open_weights(tmp_path)
 
@@ -219,8 +219,8 @@ def test_a_shard_the_index_names_but_that_is_gone_is_refused_by_name(tmp_path):
     path = write("hf-sharded", built(small).state_dict(), tmp_path)
     shard = json.loads((path / INDEX_FILE).read_text())["weight_map"]["3.bias"]
     (path / shard).unlink()
-    with pytest.raises(PlanFileError, match=rf"{shard}, which .* names as holding tensor "
-                                            rf"'3\.bias', does not exist"):
+    with pytest.raises(PlanFileError, match=rf"{shard} does not exist; .* names it as holding "
+                                            rf"'3\.bias'"):
         open_weights(path).read(like(on_meta(small)), "cpu")
 
 
@@ -272,7 +272,8 @@ def test_init_per_module_refuses_a_tensor_with_no_rule_by_name():
             self.scale = nn.Parameter(torch.ones(3))
 
     model = on_meta(lambda: nn.Sequential(nn.Linear(3, 3), Scaled()))
-    with pytest.raises(PlanFileError, match=r"module '1' \(Scaled\) holds tensors \(1\.scale\)"
+    with pytest.raises(PlanFileError, match=r"module '1' \(Scaled\) has no reset_parameters\(\) "
+                                            r"for its tensors\nits tensors: 1\.scale\n"
                                             r".*reset_parameters.*exact=True"):
         Init(model).read(like(model), "cpu")
     assert set(Init(model).read({"0.weight": model[0].weight}, "cpu")) == {"0.weight"}
@@ -388,8 +389,8 @@ def test_each_writer_writes_its_own_shards_and_one_the_index(tmp_path):
     assert sorted(load_file(tmp_path / "model-00002-of-00002.safetensors")) == [
         "norm.bias", "norm.weight"]
     assert_equal(open_weights(tmp_path).read(dict(state), "cpu"), state)
-    with pytest.raises(PlanFileError, match=r"holds tensor 'norm\.bias', which this save_weights "
-                                            r"call was not given"):
+    with pytest.raises(PlanFileError, match=r"tensor 'norm\.bias' was not given to this "
+                                            r"save_weights call"):
         save_weights({"norm.weight": state["norm.weight"]}, tmp_path, layout=layout, group=1)
 
 
@@ -413,7 +414,7 @@ def test_a_hugging_face_checkpoint_is_read_per_stage(tmp_path):
              if ".layers.1." in name or name in ("lm_head.weight", "model.embed_tokens.weight")}
     got = open_weights(tmp_path).read(stage, "cpu")
     assert_equal(got, {name: like(model)[name] for name in stage})
-    with pytest.raises(PlanFileError, match="tensor 'lm_head.weight' is not in .*A tied weight "
+    with pytest.raises(PlanFileError, match=r"tensor 'lm_head.weight' is not in [\s\S]*A tied weight "
                                             "stored once is found when the tensors asked share"):
         open_weights(tmp_path).read({"lm_head.weight": meta["lm_head.weight"]}, "cpu")
 

@@ -82,8 +82,8 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
     stages = stage_count(path)
     if world % stages:
         raise WorldSizeError(
-            f"the plan at {str(path)!r} has {stages} stages but {world} processes run it (rank "
-            f"{rank}): start a multiple of the stages, one process per stage and replica: "
+            f"the plan at {str(path)!r} has {stages} stages; {world} processes run it\n"
+            f"rank {rank}: start a multiple of the stages, one process per stage and replica: "
             f"torchrun --nproc-per-node {stages} (or {2 * stages} for two replicas)")
     replica, index = divmod(rank, stages)
     loaded, error = None, None
@@ -94,8 +94,9 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
         here = rank_device(planned_device(path, index), device)
         if nccl and not is_gpu(torch.device(getattr(here, "name", here))):
             raise DistributedError(
-                f"rank {rank} runs stage {index} on {here}, but the process group is NCCL, "
-                f"which carries CUDA tensors only: give every rank a GPU (device='cuda:N'), or "
+                f"stage {index} is on {here}, but the process group is NCCL\n"
+                f"rank {rank} runs it; NCCL carries CUDA tensors only: give every rank a GPU "
+                f"(device='cuda:N'), or "
                 f"start the process group with gloo")
         loaded = (load_stage_plan(path, index, device=here, weights=weights, model=model),
                   shared_tensors(path), stored_names(path))
@@ -126,15 +127,15 @@ def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: f
     try:
         dist.all_gather_object(states, note, group=group)
     except RuntimeError as e:
-        raise DistributedError(f"rank {rank} could not hear from every rank within {timeout:g} s "
-                               f"after loading ({e}): see the other ranks' output") from None
+        raise DistributedError(f"rank {rank} did not hear from every rank within {timeout:g} s of "
+                               f"loading\n{e}\nsee the other ranks' output") from None
     if error is not None:
         raise error
     failed = [(r, n) for r, n in enumerate(states) if n is not None]
     if failed:
-        raise DistributedError(f"rank {failed[0][0]} could not load its stage "
-                               f"({failed[0][1]}), so rank {rank} stops too: fix the plan "
-                               f"files and start every rank again")
+        raise DistributedError(f"rank {failed[0][0]} could not load its stage, so rank {rank} "
+                               f"stops too\n{failed[0][1]}\nfix the plan files and start every "
+                               f"rank again")
 
 
 def _replica_groups(replicas: int, stages: int, replica: int, index: int,
@@ -191,7 +192,7 @@ def _process_group(timeout: float) -> tuple[Any, bool]:
 
     The default group when it is gloo; a gloo group of every rank beside another backend."""
     if not dist.is_available():
-        raise DistributedError("this torch has no torch.distributed: install a build with it")
+        raise DistributedError("this torch has no torch.distributed\ninstall a build with it")
     wait = datetime.timedelta(seconds=timeout)
     if dist.is_initialized():
         return (None if dist.get_backend() == "gloo" else
@@ -200,7 +201,7 @@ def _process_group(timeout: float) -> tuple[Any, bool]:
                if v not in os.environ]
     if missing:
         raise DistributedError(
-            f"no process group, and {', '.join(missing)} not set: start the script with "
+            f"no process group, and {', '.join(missing)} not set\nstart the script with "
             f"torchrun --nproc-per-node <stages> script.py, or call "
             f"torch.distributed.init_process_group first")
     dist.init_process_group("gloo", init_method="env://", timeout=wait)

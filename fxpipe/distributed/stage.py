@@ -16,7 +16,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 
 from .. import microbatch
 from ..runtime.executor import StageExecutor
-from ..runtime.orchestrator import Run, StageRow, row_executor, send_inputs, stage_error
+from ..runtime.orchestrator import Driver, Run, StageRow, row_executor, send_inputs
 from ..saved import save_stage_weights
 from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
 from ..schedules import Phase, gpipe, timetable_for
@@ -184,9 +184,9 @@ class DistributedStage:
         try:
             dist.barrier(group=self.group)
         except RuntimeError as e:
-            raise DistributedError(f"rank {self.rank} could not hear that every rank wrote its "
-                                   f"weights within {self.timeout:g} s ({e}): see the other "
-                                   f"ranks' output") from None
+            raise DistributedError(f"rank {self.rank} waited {self.timeout:g} s for every rank to "
+                                   f"write its weights\nit could not hear that every rank wrote "
+                                   f"them ({e}); see the other ranks' output") from None
         return Path(directory)
 
     def close(self) -> None:
@@ -239,7 +239,7 @@ class DistributedStage:
             dist.all_reduce(flat, group=group)
         except RuntimeError as e:
             raise DistributedError(
-                f"rank {self.rank} could not {what} within {self.timeout:g} s ({e}): a rank "
+                f"rank {self.rank} could not {what} within {self.timeout:g} s\n{e}: a rank "
                 f"went silent or failed; see the other ranks' output") from None
         offset = 0
         for t in tensors:
@@ -272,14 +272,14 @@ class DistributedStage:
             dist.broadcast_object_list(box, src=source, group=self.pipeline_group)
         except RuntimeError as e:
             raise DistributedError(
-                f"rank {self.rank} could not start the step with the ranks of replica "
-                f"{self.replica} within {self.timeout:g} s ({e}): one went silent or failed; "
+                f"rank {self.rank} could not start the step within {self.timeout:g} s\n"
+                f"with the ranks of replica {self.replica} ({e}): one went silent or failed; "
                 f"see their output") from None
         if error is not None:
             raise error
         status, value = box[0]
         if status == "error":
-            raise DistributedError(f"rank {source} could not start the step: {value}")
+            raise DistributedError(f"rank {source} could not start the step\n{value}")
         return value
 
     def _run(self, timetable: list, chunks: list[dict[str, Any]], seeds: list[int],
@@ -294,9 +294,6 @@ class DistributedStage:
         executor = row_executor(self.stage, self.flow, timetable[index],
                                 loss_of=loss_of if index == self.last else None,
                                 seeds=seeds, recompute=self.plan.stage_recompute[index])
-        if index == 0:
-            for m, values in enumerate(chunks):
-                send_inputs(self.flow, self.transport, m, values)
         inputs: dict[int, dict[str, Any]] = {}      # micro-batch -> graph inputs received
 
         def received(m: int, values: dict[str, Any], out: dict[str, Any]) -> None:
@@ -306,30 +303,18 @@ class DistributedStage:
                 forwarded(m, values, out)
 
         row = StageRow(executor, timetable[index], self.flow, self.transport)
-        record = self.last_run = Run(num_stages=self.num_stages)
-        try:
-            with executor.computing():
-                row.walk(forwarded=received, clock=record.clock, done=record.done)
-            if training and index != 0:
-                self._send_input_grads(inputs)
-            if training and index == 0:
-                self._take_input_grads(chunks)
-            self.transport.finish_step()
-        except PeerFailedError as e:
-            record.error = str(e)
-            self.transport.abort(e.note, origin=e.origin)
-            raise
-        except DistributedError as e:
-            record.error = str(e)
-            self.transport.abort(f"rank {self.rank} stopped: {e}")
-            raise
-        except Exception as e:
-            error = self._stage_error(row.action, e)
-            record.error = str(error)
-            self.transport.abort(f"rank {self.rank} failed: {error}")
-            raise error from e
-        finally:
-            record.wall_s = record.clock()
+        rank, record = _RankRun(self, executor), Run(num_stages=self.num_stages)
+        with rank.driving(record, None, failure=self._named):
+            if index == 0:
+                for m, values in enumerate(chunks):
+                    send_inputs(self.flow, self.transport, m, values)
+            rank.walk(row, forwarded=received, clock=record.clock, done=record.done)
+            if not rank.errors:
+                if training and index != 0:
+                    self._send_input_grads(inputs)
+                if training and index == 0:
+                    self._take_input_grads(chunks)
+                self.transport.finish_step()
         return executor
 
     # The graph inputs a stage on another rank reads arrive there as leaves of its autograd
@@ -362,10 +347,41 @@ class DistributedStage:
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
-    def _stage_error(self, action: Any, error: BaseException) -> StageError:
-        """The runtime's `StageError` for `error`, naming this rank and replica too."""
-        if isinstance(error, StageError):
-            return error
-        inner = stage_error(self.stage, action, error)
+    def _named(self, error: StageError) -> StageError:
+        """The runtime's `StageError` of this rank's stage, naming this rank and replica too."""
         where = f"rank {self.rank}" + (f" (replica {self.replica})" if self.replicas > 1 else "")
-        return StageError(f"{where}: {inner}", stage=inner.stage, microbatch=inner.microbatch)
+        named = StageError(f"{where}: {error}", stage=error.stage, microbatch=error.microbatch)
+        named.__cause__ = error.__cause__
+        return named
+
+
+class _RankRun(Driver):
+    """This rank's part of one step, driven as every run is (`runtime.orchestrator.Driver`):
+    its stage's one row walked on the caller's thread against its peers, whom a failure here
+    (the stage's, named by rank, or the caller's) or a peer's news of one is told."""
+
+    transport_errors = (DistributedError,)
+
+    def __init__(self, owner: DistributedStage, executor: StageExecutor):
+        super().__init__(owner.transport)
+        self.owner = owner
+        self.executors = [executor]
+
+    def recorded(self, record: Run) -> None:
+        self.owner.last_run = record
+
+    def abort(self) -> None:
+        self.stopping.set()
+        self.transport.abort(f"rank {self.owner.rank} failed: "
+                             f"{self.owner._named(self.errors[0])}")
+
+    def caller_failed(self, error: BaseException, record: Run) -> None:
+        self.stopping.set()
+        record.error = str(error)
+        if isinstance(error, PeerFailedError):      # a peer's news: passed on to the others
+            self.transport.abort(error.note, origin=error.origin)
+        elif isinstance(error, DistributedError):
+            self.transport.abort(f"rank {self.owner.rank} stopped: {error}")
+        else:
+            self.transport.abort(f"rank {self.owner.rank} failed: {type(error).__name__}: "
+                                 f"{error}")

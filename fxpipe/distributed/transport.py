@@ -133,7 +133,7 @@ class DistributedTransport:
         while key not in self.kept:
             if peer == self.rank or peer in self.done:
                 raise DistributedError(f"{phase.name.lower()} message {sender} -> {receiver} "
-                                       f"of micro-batch {microbatch} was never sent")
+                                       f"was never sent\n(of micro-batch {microbatch})")
             self._take(peer)
         return self.kept.pop(key)
 
@@ -274,7 +274,7 @@ class DistributedTransport:
     def _lost(self, peer: int, error: BaseException) -> DistributedError:
         self.lost.add(peer)
         return DistributedError(
-            f"rank {self.rank} waited for rank {peer} and lost it: rank {peer} went silent for "
+            f"rank {self.rank} waited for rank {peer} and lost it\nrank {peer} went silent for "
             f"{self.timeout:g} s or failed ({type(error).__name__}: {error}); see its output")
 
 

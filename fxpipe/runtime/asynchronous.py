@@ -304,7 +304,7 @@ class AsyncTraining(_Rows):
             window.counts.append(self.loss.counts.pop(m))
         elif window.counts:
             raise LossError("loss_fn returned (loss_sum, count) for one item but not for "
-                            "another: return the same for every item")
+                            "another\nreturn the same for every item")
 
     def _step(self, window: _Window) -> torch.Tensor:
         """Scale the window's gradients, step the optimizer, start the next version; the

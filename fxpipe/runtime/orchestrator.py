@@ -6,8 +6,9 @@ forward receives the micro-batch's values from every stage (or the driver) the s
 has the stage's `StageExecutor` compute, and sends each reader its values; a backward receives the
 readers' gradients and sends the inputs' gradients back to their producers. Messages travel by a
 `Transport` (here `ThreadTransport`, threads and queues); workers release the GIL inside torch
-ops, so stages overlap. Walking one row is `StageRow`'s, which `fxpipe.distributed` shares: there
-each process walks its own stage's row against a transport on `torch.distributed`. The workers
+ops, so stages overlap. Walking one row is `StageRow`'s, and driving a run `Driver`'s, which
+`fxpipe.distributed` shares: there each process drives its own stage's row against a transport
+on `torch.distributed`. The workers
 are the runtime's own, started at its first run and parked between runs (`workers.Workers`),
 so a stage's thread state (intra-op threads, GPU, cuDNN's plans) lives across calls, steps and
 streams. One stage runs on the caller's thread: no worker to hand over to, so a pipeline of one
@@ -76,6 +77,11 @@ class Run:
     # item's forward (the weights it used), and the steps between those and its own update.
     versions: list[int] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
+    # Measured when the pipeline tracks memory (`Pipeline.measure_memory`; None otherwise): each
+    # stage's peak, its parameters and buffers included (`runtime.memory.Measured`), and each
+    # GPU's allocator peak over the run.
+    peak_bytes: dict[int, int] | None = None
+    device_peak_bytes: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
     _slots: list[Slot] = field(default_factory=list, repr=False)
     # GPU actions not read yet: (action, seconds at its stream's origin event, that event,
@@ -174,56 +180,65 @@ class Runtime:
         return _Stream(self, max_in_flight, seed).run(iter(inputs))
 
 
-class _Rows:
-    """What a call and a stream share: the rows of one run (or stream) of the stages, walked
-    against one `ThreadTransport` along `flow`; the first failures; the abort."""
+class Driver:
+    """One run's driving, written once for every way of running stages: a call, a step, a
+    stream, asynchronous learning (`_Rows`, on the runtime's workers) and a torchrun rank's
+    stage (`fxpipe.distributed`, on the caller's thread against its peers): the record made
+    the latest run's, the stages' GPU work ordered after the caller's, each row walked with its
+    failures kept as `StageError`s, the abort, and after the run the first failure raised.
 
-    def __init__(self, runtime: Runtime, flow: Flow):
-        self.rt = runtime
-        self.flow = flow
-        self.stopping = threading.Event()
-        self.transport = ThreadTransport(
-            flow.channels(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
-            self.stopping)
-        self.errors: list[StageError] = []
+    A subclass gives the `transport`, its `executors` and, to hand rows to threads, `workers`;
+    `recorded(record)` is told the run's record, `abort()` tells whoever waits that the run
+    stopped, and `caller_failed(error, record)` is what the caller's own exception does."""
 
     executors: list[StageExecutor]
+    workers: Workers | None = None
+    # What the transport raises that is no stage's failure (a lost peer): raised as it is.
+    transport_errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.stopping = threading.Event()
+        self.errors: list[StageError] = []
+
+    def recorded(self, record: "Run") -> None:
+        """`record` is the run's from now on."""
 
     def abort(self) -> None:
         self.stopping.set()
         self.transport.abort(_reason(self.errors))
 
+    def caller_failed(self, error: BaseException, record: "Run") -> None:
+        """The caller's thread raised `error` (Ctrl-C, a failing source, a stage's abort):
+        recorded at once, before the workers are waited for, and the run aborted."""
+        if not (isinstance(error, GeneratorExit) or self.errors and isinstance(error, Aborted)):
+            record.error = f"{type(error).__name__} in the caller's thread"
+        self.abort()
+
     @contextlib.contextmanager
     def driving(self, record: Run, work: Callable[[int], None] | None,
                 failure: Callable[[StageError], StageError] = lambda e: e) -> Iterator[Any]:
-        """One run's set-up, hand-off, failure handling and record, written once for a call, a
-        step, a stream and asynchronous learning: `record` made the latest run's; the stages'
-        GPU work ordered after the caller's; `work(i)` handed to every worker i for the block
-        (yielding its `Jobs`; with `work` None the block runs the stages itself); what the
-        caller's thread raises recorded, and its later GPU work queued after the stages'. After
-        the block, the first stage failure is raised (as `failure` renames it), also in place
-        of the `Aborted` it made the caller's thread raise."""
-        self.rt.last_run = record
+        """One run's set-up, hand-off, failure handling and record: `record` made the latest
+        run's; the stages' GPU work ordered after the caller's; `work(i)` handed to every
+        worker i for the block (yielding its `Jobs`; with `work` None the block runs the stages
+        itself); what the caller's thread raises recorded, and its later GPU work queued after
+        the stages'. After the block, the first stage failure is raised (as `failure` renames
+        it), also in place of the `Aborted` it made the caller's thread raise."""
+        self.recorded(record)
         record.started = time.perf_counter()
         for executor in self.executors:    # the caller's latest work on inputs and parameters
             executor.wait_for_caller()
         self.started(record)
-
-        def stop(error: BaseException) -> None:
-            """The caller's thread raised (Ctrl-C, a failing source, a stage's abort): recorded
-            at once, before the workers are waited for, and the run aborted."""
-            if not (isinstance(error, GeneratorExit) or self.errors and isinstance(error, Aborted)):
-                record.error = f"{type(error).__name__} in the caller's thread"
-            self.abort()
         try:
             with contextlib.nullcontext() if work is None else \
-                    self.rt.workers.run(work, stop) as jobs:
+                    self.workers.run(work, lambda e: self.caller_failed(e, record)) as jobs:
                 yield jobs
         except GeneratorExit:      # a stream's consumer stopped early: the workers are at rest
             raise
         except BaseException as e:     # Ctrl-C, or anything else raised in the caller's thread
             if not (self.errors and isinstance(e, Aborted)):
-                record.error = f"{type(e).__name__} in the caller's thread"
+                if work is None or record.error is None:    # (else the hand-off told it)
+                    self.caller_failed(e, record)
                 raise
         finally:
             for executor in self.executors:
@@ -231,8 +246,8 @@ class _Rows:
             record.wall_s = record.clock()
             record._slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         if self.errors:
-            record.error = str(self.errors[0])
             error = failure(self.errors[0])
+            record.error = str(error)
             raise error from error.__cause__
 
     def started(self, record: Run) -> None:
@@ -240,13 +255,19 @@ class _Rows:
 
     def walk(self, row: "StageRow", **timing: Any) -> None:
         """Walk `row` on this thread, with its stage's intra-op threads; a failure is kept as a
-        `StageError` and aborts the run (but the caller's own Ctrl-C, on the caller's thread)."""
+        `StageError` and aborts the run (but the caller's own Ctrl-C, on the caller's thread,
+        and the transport's own errors). An abort this run did not make (a peer's, under
+        torchrun) is raised."""
         executor = row.executor
         try:
             with executor.computing():
                 row.walk(stopping=self.stopping.is_set, **timing)
         except Aborted:
-            return
+            if self.errors or self.stopping.is_set():
+                return
+            raise
+        except self.transport_errors:
+            raise
         except BaseException as e:   # whatever it is, the run must end
             if isinstance(e, KeyboardInterrupt) and threading.current_thread() is \
                     threading.main_thread():
@@ -255,6 +276,23 @@ class _Rows:
                 self.errors.append(stage_error(executor.stage, row.action, e))
             finally:
                 self.abort()
+
+
+class _Rows(Driver):
+    """What a call and a stream share: the rows of one run (or stream) of the runtime's stages,
+    walked on its workers against one `ThreadTransport` along `flow`."""
+
+    def __init__(self, runtime: Runtime, flow: Flow):
+        self.rt = runtime
+        self.flow = flow
+        self.workers = runtime.workers
+        super().__init__(None)
+        self.transport = ThreadTransport(
+            flow.channels(), {DRIVER: None, **{s.index: s.device for s in runtime.stages}},
+            self.stopping)
+
+    def recorded(self, record: Run) -> None:
+        self.rt.last_run = record
 
 
 class _Stream(_Rows):
@@ -275,7 +313,7 @@ class _Stream(_Rows):
         flow = runtime.wiring.flow(training=False)
         silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
         if silent:
-            raise PartitionError(f"stage {silent[0]} reads no input nor other stage, so it would "
+            raise PartitionError(f"stage {silent[0]} reads no input nor other stage\nso it would "
                                  f"never learn that a stream ended: plan on fewer devices")
         super().__init__(runtime, flow)
         self.limit = max_in_flight
@@ -570,8 +608,8 @@ def stage_error(stage: Stage, action: Action, error: BaseException) -> StageErro
     for frame in traceback.extract_tb(error.__traceback__):
         if frame.filename.startswith("<eval_with_key>") and frame.line:
             statement = f"\n  at: {frame.line.strip()}"
-    message = (f"stage {stage.index} (on {stage.device}) failed on micro-batch {action.microbatch} "
-               f"({action.phase.name.lower()}): {_describe(error)}{statement}\n"
+    message = (f"stage {stage.index} failed on micro-batch {action.microbatch} "
+               f"({action.phase.name.lower()})\non {stage.device}: {_describe(error)}{statement}\n"
                f"  print(pipe.stages[{stage.index}].code) shows the stage's code")
     result = StageError(message, stage=stage.index, microbatch=action.microbatch)
     result.__cause__ = error

@@ -69,9 +69,10 @@ def check_loss(loss: Any, output: Any, expected: str = "a 0-d tensor") -> None:
         raise LossError(f"loss_fn must return {expected}, got {loss!r:.80}")
     if not loss.requires_grad and any(t.requires_grad for t in tensors(output)):
         raise LossError(
-            "loss_fn returned a loss that does not require grad, though the model's "
-            "output does: nothing would reach .grad. Compute the loss from the output "
-            "with torch ops (no .detach(), .item(), .data or torch.no_grad() in loss_fn)")
+            "loss_fn returned a loss that does not require grad, though the output does\n"
+            "the model's output requires grad, so nothing would reach .grad; compute the loss "
+            "from the output with torch ops (no .detach(), .item(), .data or torch.no_grad() "
+            "in loss_fn)")
 
 
 def micro_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any
@@ -89,12 +90,12 @@ def check_target(target: Any, rows_in: int, what: str = "train_step") -> None:
     """Refuse a target without rows, or with other rows than the inputs' (`rows_in`), and an
     empty batch (a mean over no rows is no loss)."""
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors(target)):
-        raise InputError(f"{what} needs a target with one row per sample (dimension 0 the batch), "
-                         f"split into micro-batches with the inputs and given to "
-                         f"loss_fn(output, target); got {target!r:.80}")
+        raise InputError(f"{what} needs a target with one row per sample; got {target!r:.80}\n"
+                         f"dimension 0 the batch, split into micro-batches with the inputs and "
+                         f"given to loss_fn(output, target)")
     rows = microbatch.batch_size(target)
     if rows != rows_in:
-        raise BatchError(f"{what}: the target has {rows} rows but the inputs have {rows_in}: "
+        raise BatchError(f"{what}: the target has {rows} rows but the inputs have {rows_in}\n"
                          f"pass one target row per sample")
     if rows == 0:
         raise BatchError(f"{what}: {microbatch.EMPTY_BATCH}")
@@ -102,7 +103,8 @@ def check_target(target: Any, rows_in: int, what: str = "train_step") -> None:
 
 def check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
-        raise LossError(f"reduction={reduction!r}: use 'mean' or 'sum', as loss_fn reduces")
+        raise LossError(f"reduction={reduction!r} is not 'mean' or 'sum'\n"
+                        f"use 'mean' or 'sum', as loss_fn reduces")
 
 
 class StepLoss:
@@ -157,7 +159,7 @@ class StepLoss:
             self.grads.start()   # no backward ran yet: the last stage's comes first
         elif self.counts:
             raise LossError("loss_fn returned (loss_sum, count) for one micro-batch but not "
-                            "for another: return the same for every micro-batch")
+                            "for another\nreturn the same for every micro-batch")
         if self.counts:
             return loss
         if self.check_rows_mean:
@@ -216,10 +218,11 @@ class StepLoss:
 
 
 _NOT_ROWS_MEAN = (
-    "train_step(..., reduction='mean') weights each micro-batch's loss by its share of the rows, "
+    "loss_fn is not a mean over rows, as train_step(..., reduction='mean') needs\n"
+    "the step weights each micro-batch's loss by its share of the rows, "
     "which gives the whole batch's loss only for a loss_fn averaging over rows; {what} (a token "
     "loss whose rows count different numbers of tokens, e.g. with ignore_index, averages over "
-    "tokens). No gradient was written. Let loss_fn return (loss_sum, count): the step's loss is "
+    "tokens)\nno gradient was written; let loss_fn return (loss_sum, count): the step's loss is "
     "then sum(loss_sums) / sum(counts), with the whole batch's gradients, e.g.\n"
     "    def loss_fn(out, labels):\n"
     "        logits = out.logits if hasattr(out, 'logits') else out\n"

@@ -67,7 +67,7 @@ def _run(job: _Job) -> None:
     _working.add(me)
     try:
         job.work(job.index)
-    except BaseException:  # a run records its own failures (`_Rows.walk`): the worker lives on
+    except BaseException:  # a run records its own failures (`Driver.walk`): the worker lives on
         pass
     finally:
         job.work = None
@@ -138,8 +138,8 @@ class Workers:
         """Hand `work(i)` to every worker i; if the caller's block raises, `abort(error)` the
         run; wait for every job to end, always."""
         if self.closed:
-            raise PipelineClosedError("this pipeline was closed: its stage workers are gone. "
-                                      "Compile (or load) it again to run it")
+            raise PipelineClosedError("this pipeline was closed: its stage workers are gone\n"
+                                      "compile (or load) it again to run it")
         if os.getpid() != self._pid:         # a forked child: workers of its own
             self._fresh()
         kept = self._lock.acquire(blocking=False)

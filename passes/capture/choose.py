@@ -56,7 +56,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
     run's), is exported again on fake tensors of that kind (`fxpipe.passes.capture.export`).
     """
     if capture not in CAPTURE_MODES:
-        raise TraceError(f"unknown capture mode {capture!r}: use one of {', '.join(CAPTURE_MODES)}")
+        raise TraceError(f"unknown capture mode {capture!r}\n"
+                         f"use one of {', '.join(CAPTURE_MODES)}")
     request = _request(model, example_inputs, example_kwargs, leaf_modules, concrete_args,
                        batch_dims, device_type)
     tried: list[tuple[FrontEnd, CaptureFailed]] = []
@@ -149,9 +150,10 @@ def without_cache(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
         kwargs["use_cache"] = False
     elif given["use_cache"] is not False:
         raise TraceError(
-            f"use_cache={given['use_cache']!r}: a pipeline runs {type(model).__name__} on whole "
-            f"sequences and does not return the key/value cache that generation carries from one "
-            f"call to the next. Fix: leave use_cache out of the example (it is then False), and "
+            f"use_cache={given['use_cache']!r}: a pipeline returns no key/value cache\n"
+            f"a pipeline runs {type(model).__name__} on whole sequences and does not return the "
+            f"key/value cache that generation carries from one call to the next\n"
+            f"    Fix: leave use_cache out of the example (it is then False), and "
             f"generate with the model itself")
     return kwargs
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..compare import difference
 from ..device import initialized_gpus
+from ..errors import FxpipeError
 from ..state import unchanged_state
 from ..user_code import describe_frame, user_frame
 
@@ -170,6 +171,9 @@ class FrontEnd(Protocol):
 
 def _describe(error: BaseException, model: nn.Module) -> str:
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    if isinstance(error, FxpipeError):        # fxpipe's own: its fix, on the lines below, too
+        message += "".join(f"\n      {line.strip()}" for line in str(error).strip().splitlines()[1:]
+                           if line.strip())
     frame = user_frame(error)
     if frame is not None:
         message += "\n" + describe_frame(frame, "      ", one_line=True)

@@ -121,9 +121,17 @@ def _copy_state(source: nn.Module, target: fx.GraphModule) -> None:
 
 
 def keep_non_persistent(source: nn.Module, target: fx.GraphModule) -> None:
-    """Mark non-persistent in `target` the buffers `source` holds as non-persistent:
+    """Mark non-persistent in `target` the buffers `source` holds as non-persistent, and the
+    tensor constants tracing made (`_tensor_constant0`: a `torch.tensor(...)` in forward):
     `fx.GraphModule` registers every tensor it copies as a persistent buffer, and the
-    pipeline's `state_dict()` must be the model's (a rotary `inv_freq` is in no checkpoint)."""
+    pipeline's `state_dict()` must be the model's (a rotary `inv_freq` is in no checkpoint,
+    a constant in no model's `state_dict`)."""
+    own = {name for name, _ in source.named_parameters(remove_duplicate=False)} | {
+        name for name, _ in source.named_buffers(remove_duplicate=False)}
+    for path, owner in target.named_modules(remove_duplicate=False):
+        for name in owner._buffers:
+            if ".".join(filter(None, (path, name))) not in own:
+                owner._non_persistent_buffers_set.add(name)
     for path, module in source.named_modules(remove_duplicate=False):
         for name in module._non_persistent_buffers_set:
             try:

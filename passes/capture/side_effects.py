@@ -48,10 +48,10 @@ def hooked_modules(model: nn.Module) -> dict[str, str]:
         kind = hook_kind(module)
         if kind and not name:
             raise TraceError(
-                f"the model ({type(model).__name__}) has a {kind}, which a pipeline never runs: "
-                f"it runs the model's graph in stages and never calls the model. Fix: register "
-                f"the hook on the pipeline (pipe.register_forward_hook(...), as on the model), "
-                f"or on a submodule, which fxpipe keeps whole so that its hooks run")
+                f"the model ({type(model).__name__}) has a {kind}, which a pipeline never runs\n"
+                f"it runs the model's graph in stages and never calls the model\n"
+                f"    Fix: register the hook on the pipeline (pipe.register_forward_hook(...), as "
+                f"on the model), or on a submodule, which fxpipe keeps whole so that its hooks run")
         if kind:
             hooked[name] = kind
     return hooked
@@ -198,8 +198,9 @@ def _per_call(value: Any) -> bool:
 def _side_effect_error(model: nn.Module, module: nn.Module, name: str) -> TraceError:
     path = next((p for p, m in model.named_modules() if m is module), "")
     where = f"module {path!r} ({type(module).__name__})" if path else type(module).__name__
-    message = (f"forward changes {where}'s attribute {name!r}: a Python side effect, which a "
-               f"pipeline would not reproduce, since it runs the model's tensor operations only")
+    message = (f"forward changes {where}'s attribute {name!r}: a Python side effect\n"
+               f"a pipeline would not reproduce it, since it runs the model's tensor operations "
+               f"only")
     try:
         lines, start = inspect.getsourcelines(type(module).forward)
         file = inspect.getsourcefile(type(module).forward)

@@ -56,9 +56,9 @@ def partition(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSpec],
             count //= math.factorial(copies)
         if count > limits.device_orders:
             raise PartitionError(
-                f"{count} distinct orders of {len(devices)} devices are too many to try (at "
-                f"most {limits.device_orders}): pass reorder_devices=False and order them "
-                f"yourself")
+                f"{count} device orders are too many to try (at most {limits.device_orders})\n"
+                f"{count} distinct orders of {len(devices)} devices; pass reorder_devices=False "
+                f"and order them yourself")
         orders = list(_distinct_orders(devices))
     found = [_partition(graph, ds, link, memory, limits) for ds in orders]
     results = [p for p in found if isinstance(p, Partition)]
@@ -94,7 +94,7 @@ def num_stages_for(graph: CostGraph | fx.GraphModule, devices: Sequence[DeviceSp
     if isinstance(graph, fx.GraphModule):
         graph = cost_graph(graph, training=training, kinds=[d.kind for d in devices])
     if not devices:
-        raise PartitionError("no devices: pass at least one")
+        raise PartitionError("no devices\npass at least one")
     limit = min(len(devices), len(graph.compute_nodes))
     found = []
     for k in range(1, limit + 1):
@@ -130,16 +130,16 @@ def _check_request(graph: CostGraph, devices: Sequence[DeviceSpec]) -> None:
     k = len(devices)
     computing = len(graph.compute_nodes)
     if k < 1:
-        raise PartitionError("no devices: pass at least one device")
+        raise PartitionError("no devices\npass at least one device")
     if computing < k:
-        shared = (" (the nodes that read or write a buffer written in forward count as one: "
-                  "they share a stage)" if graph.members is not None else "")
+        shared = ("\nthe nodes that read or write a buffer written in forward count as one: "
+                  "they share a stage" if graph.members is not None else "")
         raise PartitionError(
-            f"the graph has {computing} computing nodes{shared}, too few for {k} stages: use at "
-            f"most {computing} devices (num_stages_for() picks a useful number)")
+            f"the graph has {computing} computing nodes, too few for {k} stages{shared}\n"
+            f"use at most {computing} devices (num_stages_for() picks a useful number)")
     for d in devices:
         if not d.speed > 0:
-            raise PartitionError(f"device {d.name!r} has speed {d.speed}: speeds must be > 0")
+            raise PartitionError(f"device {d.name!r} has speed {d.speed}; speeds must be > 0")
 
 
 def _partition(graph: CostGraph, devices: tuple[DeviceSpec, ...], link: LinkFn,
@@ -219,8 +219,8 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
             need = min(memory.need(0, held), memory.need(0, held, recompute=True)
                        if memory.training and memory.recompute != "never" else math.inf)
             return PartitionError(
-                f"node {graph.names[i]!r} alone needs {format_bytes(need)}, more than any device "
-                f"has (at most {format_bytes(roomiest)}): use devices with more memory, {fix}")
+                f"node {graph.names[i]!r} alone needs {format_bytes(need)}; no device has more "
+                f"than {format_bytes(roomiest)}\nuse devices with more memory, {fix}")
     unbounded = tuple(replace(d, memory_bytes=math.inf) for d in devices)
     plan = _partition(graph, unbounded, link, memory, limits)
     assert isinstance(plan, Partition), "the slicing always finds a partition without memory limits"
@@ -230,12 +230,12 @@ def _memory_error(graph: CostGraph, devices: Sequence[DeviceSpec], link: LinkFn,
             if c.memory_bytes > d.memory_bytes]
     least = least_memory_bytes(graph, len(devices), memory)
     verdict = ("no partition into {} stages fits the devices' memory" if proven else
-               "fxpipe found no partition into {} stages that fits the devices' memory (the "
-               "graph is too large for the exact search, so one may exist)")
+               "fxpipe found no partition into {} stages that fits the devices' memory\n"
+               "the graph is too large for the exact search, so one may exist")
     return PartitionError(
-        f"{verdict.format(len(devices))}. The fastest partition ignoring memory: "
-        f"{'; '.join(over) or 'each stage fits, but no fast one does'}. With "
-        f"{format_bytes(least)} on each of the {len(devices)} devices a partition fits. Add "
+        f"{verdict.format(len(devices))}\nthe fastest partition ignoring memory: "
+        f"{'; '.join(over) or 'each stage fits, but no fast one does'}\nwith "
+        f"{format_bytes(least)} on each of the {len(devices)} devices a partition fits; add "
         f"devices, use devices with more memory, {fix}")
 
 

@@ -183,5 +183,6 @@ def check_valid(graph: CostGraph, stage_of: Sequence[int], num_stages: int) -> N
         for p in graph.preds[i]:
             if not graph.is_input[p] and stage_of[p] > stage_of[i]:
                 raise PartitionError(
-                    f"node {graph.names[i]!r} (stage {stage_of[i]}) reads {graph.names[p]!r} "
-                    f"from the later stage {stage_of[p]}: stages must only pass values forward")
+                    f"node {graph.names[i]!r} reads {graph.names[p]!r} from a later stage\n"
+                    f"node {graph.names[i]!r} is in stage {stage_of[i]}, {graph.names[p]!r} in "
+                    f"the later stage {stage_of[p]}; stages must only pass values forward")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
+from fxpipe.testing import assert_same_training
 from fxpipe.passes.recompute import Recomputed, checkpoint_regions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -32,10 +33,14 @@ def cpu(value):
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
+# Equal but for summation order: GPU kernels are chosen per shape, so a micro-batch's matmul
+# may add up in another order than the whole batch's.
+SUMMATION_ORDER = dict(rtol=1e-4, atol=1e-5)
+
+
 def close(actual, expected, **kwargs):
-    """Equal but for summation order: GPU kernels are chosen per shape, so a micro-batch's
-    matmul may add up in another order than the whole batch's."""
-    torch.testing.assert_close(cpu(actual), cpu(expected), rtol=1e-4, atol=1e-5, **kwargs)
+    """Equal but for summation order (`SUMMATION_ORDER`)."""
+    torch.testing.assert_close(cpu(actual), cpu(expected), **SUMMATION_ORDER, **kwargs)
 
 
 def per_microbatch(model, x, chunks):
@@ -151,15 +156,11 @@ def test_recomputing_with_dropout_first_gives_the_same_gradients_on_a_gpu(recomp
         for stage in pipe.plan.stages:
             checkpoint_regions(stage.module, drawing_runs(stage))
         assert any(isinstance(m, Recomputed) for s in pipe.stages for m in s.modules())
-    steps = []
-    for p, m in ((plain, model), (pipe, twin)):
+    losses = []
+    for p in (plain, pipe):
         torch.manual_seed(1)
-        loss = p.train_step(x, target, F.mse_loss)
-        steps.append((loss, {n: q.grad for n, q in m.named_parameters()}))
-    (loss, grads), (loss2, grads2) = steps
-    close(loss2, loss)
-    for name in grads:
-        close(grads2[name], grads[name], msg=name)
+        losses.append(p.train_step(x, target, F.mse_loss))
+    assert_same_training(twin, model, loss=(losses[1], losses[0]), **SUMMATION_ORDER)
 
 
 @pytest.mark.parametrize("devices", [ONE_GPU, TWO_GPUS])
@@ -172,9 +173,8 @@ def test_train_step_with_a_cpu_target_on_gpu_stages_equals_the_model(devices):
     pipe = fxpipe.compile(model, devices, (x,), chunks=4)
     loss = pipe.train_step(x, target, F.mse_loss)
     assert target.device.type == "cpu"
-    close(loss, reference_step(reference, x, target, 4))
-    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
-        close(p.grad, q.grad, msg=name)
+    assert_same_training(pipe, reference, loss=(loss, reference_step(reference, x, target, 4)),
+                         **SUMMATION_ORDER)
 
 
 @pytest.mark.parametrize("devices", [ONE_GPU, TWO_GPUS])
@@ -212,9 +212,7 @@ def test_sum_and_count_losses_on_gpus_give_the_whole_batchs_mean(devices):
     kept = target.to("cuda:0") > 0
     expected = F.mse_loss(reference(x)[kept], target.to("cuda:0")[kept])
     expected.backward()
-    close(loss, expected)
-    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
-        close(p.grad, q.grad, msg=name)
+    assert_same_training(pipe, reference, loss=(loss, expected), **SUMMATION_ORDER)
 
 
 @two_gpus

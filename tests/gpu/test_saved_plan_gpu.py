@@ -64,7 +64,7 @@ def test_stages_sharing_a_tied_weight_cannot_be_put_on_two_devices(tmp_path):
     torch.manual_seed(0)
     fxpipe.plan(TiedEnds(), ["cpu"] * 3, (torch.randint(0, 20, (8, 5)),),
                 chunks=2).save(tmp_path / "plan")
-    with pytest.raises(fxpipe.DeviceError, match="stages 0 and 2 .* share 'emb.weight'"):
+    with pytest.raises(fxpipe.DeviceError, match="stages 0 and 2 .* share the tied 'emb.weight'"):
         fxpipe.load_plan(tmp_path / "plan", devices=["cpu", "cpu", "cuda:0"])
     with pytest.raises(fxpipe.DeviceError, match="stage 1 of the plan .* needs"):
         fxpipe.load_plan(tmp_path / "plan",
