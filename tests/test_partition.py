@@ -22,7 +22,7 @@ from fxpipe.passes.partition.lattice import _Lattice
 from fxpipe.passes.partition.limits import _Budget
 from fxpipe.passes.partition.result import Certified, Infeasible, OverBudget, Proved, Route
 from fxpipe.passes.partition.search import _exact
-from fxpipe.passes.partition.slicing import _best_slicing
+from fxpipe.passes.partition.slicing import _best_slicing, _orders
 
 MS = 1e-3
 CPU = DeviceSpec("cpu")
@@ -377,3 +377,28 @@ def test_partitions_a_graph_module_with_costs_on_its_nodes():
     result = partition(gm, [CPU] * 3)
     assert sorted(result.stage_of.values()) == [0, 1, 2]
     assert result.optimal
+
+
+def test_slicing_that_fails_with_no_time_limit_tries_balanced_limits():
+    """Greedy slicing with no time limit fills the first stages as far as their memory goes;
+    where the exact view (here a 2 MB output waiting for the join) keeps a stage over whatever
+    room the retries keep, no slicing was found at all, though a balanced one fits (a 70B
+    decoder's training plan was refused so). A time limit spreads the nodes: found by the
+    search from hypothesis, kept as it came."""
+    n = 12
+    graph = CostGraph(
+        names=tuple(f"n{i}" for i in range(n)), time_s=(0.0,) * 10 + (1e-4, 0.0),
+        out_bytes=(0,) * 5 + (2_000_000,) + (0,) * 6, param_bytes=(0,) * n,
+        preds=((), (), (), (), (), (), (0, 1), (0,), (0, 1), (0, 1, 2), (0,), ()),
+        is_input=(False,) * n, to_output=(True,) * n,
+        new_bytes=(0,) * 5 + (2_000_000,) + (0,) * 6,
+        views=((),) * 6 + ((0,),) * 5 + ((),))
+    devices = (DeviceSpec("cpu", 0.5), DeviceSpec("cuda:0", 0.5, memory_bytes=600_000.0),
+               DeviceSpec("cpu", 0.5))
+    memory = Memory(in_flight=(1, 1, 1), training=True, optimizer_state=0.0)
+    model = Pricing(graph, devices, memory=memory)
+    (_, order), = [o for o in _orders(graph) if o[0] == "depth-first"]
+    # with no time limit, the greedy pass and its retries found no slicing of this order
+    stage_of = _best_slicing(model, order, lower_bound_s(graph, devices))
+    assert stage_of is not None and all(e <= 0 for e in model.memory_over(stage_of))
+    assert isinstance(partition(graph, devices, memory=memory), Partition)

@@ -71,6 +71,13 @@ def _best_slicing(model: Pricing, order: list[int], bound: float) -> list[int] |
         return None
 
     best = feasible(math.inf)
+    for j in range(21) if best is None else ():
+        # With no time limit the greedy pass fills the first stages up to their memory, where
+        # what only the exact view counts (values waiting between stages) may keep one over
+        # whatever room is kept; a time limit spreads the nodes, and the stages with them.
+        best = feasible(bound * (1 + 2 ** j / 1024))
+        if best is not None:
+            break
     if best is None:
         return None
     high = best[1]
