@@ -330,6 +330,7 @@ def test_init_built_gives_a_buffer_computed_in_init_its_value(rope_checkpoint):
     assert torch.equal(got["freqs"], real.freqs)
 
 
+@pytest.mark.slow     # the rule's one-process tests run in make test; this adds the ranks' path
 def test_under_torchrun_a_buffer_computed_in_init_comes_from_the_model_given(
         rope_checkpoint, tmp_path):
     """A plan made on meta, run by 4 ranks given `model=build_on_meta(RopeDecoder)`: each rank
