@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import queue
 import statistics
+import threading
 import time
 
 import torch
@@ -146,6 +148,30 @@ def measure(device: str, stages: int, chunks: int, repeats: int) -> list[list]:
     return rows
 
 
+def queue_hop_us(rounds: int = 20_000) -> float:
+    """The floor under any hand-off between threads on this machine: microseconds for one
+    message through a `queue.SimpleQueue` to a parked thread (half a ping-pong's round trip)."""
+    there, back = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def echo():
+        while (item := there.get()) is not None:
+            back.put(item)
+    thread = threading.Thread(target=echo)
+    thread.start()
+    try:
+        for _ in range(rounds // 20):     # warm
+            there.put(1)
+            back.get()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            there.put(1)
+            back.get()
+        return (time.perf_counter() - start) / rounds / 2 * 1e6
+    finally:
+        there.put(None)
+        thread.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
@@ -160,6 +186,8 @@ def main() -> None:
           f"{args.chunks} items); median of {args.repeats} interleaved rounds")
     print(tabulate(rows, headers=["device", "run", "runtime", "hops", "ms", "us/hop",
                                   "x model"]))
+    print(f"the floor: one message through a queue to a parked thread, {queue_hop_us():.1f} us "
+          f"(the runtime's hop is that plus its own Python per message and action)")
 
 
 if __name__ == "__main__":
