@@ -7,7 +7,8 @@ A tiny model (Linear 16->16 and tanh per stage, one row per micro-batch) does ne
 so a pipeline's time is its hand-offs. A hop is one message between two stages or the driver
 (counted by the transport as the run sends it): a call of 4 stages and 16 micro-batches makes
 80, a train step twice as many less the driver's. "us/hop" is the pipeline's time less the model
-run on one thread (the same rows, one call), over the hops. Calls, train steps and streams (16
+run on one thread (the same rows, one call), over the hops; the model on all the caller's cores
+is shown too ("x model" is against the model on one thread). Calls, train steps and streams (16
 items of one row) are timed in interleaved rounds, the median of each. "per-run threads" ends
 the workers after each run, so the next run starts them again, as every run did before the
 workers were kept. `--gpu` runs the same on cuda:0 (all stages on the one GPU) where there is one.
@@ -125,6 +126,9 @@ def measure(device: str, stages: int, chunks: int, repeats: int) -> list[list]:
             "stream": (stream, model_stream)}
     counts = {name: hops(lambda: run(kept)) for name, (run, _) in runs.items()}
     caller = torch.get_num_threads()
+    # The plain model on the caller's cores, timed apart (switching thread counts inside a
+    # timed run would cost more than this tiny model).
+    whole = side_by_side({name: baseline for name, (_, baseline) in runs.items()}, repeats, sync)
     torch.set_num_threads(1)     # the model on one thread (the driver's own work too)
     try:
         fns = {}
@@ -140,6 +144,8 @@ def measure(device: str, stages: int, chunks: int, repeats: int) -> list[list]:
     rows = []
     for name in runs:
         base = times[name, "model, 1 thread"]
+        rows.append([device, name, "model, all cores", "-", f"{whole[name] * 1e3:.3f}", "-",
+                     f"{base / whole[name]:.2f}x"])
         rows.append([device, name, "model, 1 thread", "-", f"{base * 1e3:.3f}", "-", "1.00x"])
         for how in ("per-run threads", "kept workers"):
             t = times[name, how]
