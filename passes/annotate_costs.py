@@ -64,6 +64,10 @@ class CostInterpreter(MaterializingInterpreter):
         # which nodes' values it keeps (its inputs', its own).
         self.saved_bytes: dict[fx.Node, int] = {}
         self.saved_values: dict[fx.Node, set[fx.Node]] = {}
+        # The values autograd does not track in the model's own training run (none of what made
+        # them needs a gradient: a rotary table, a mask): given to a node's backward as they
+        # are, not as leaves, so that it keeps and computes what the model's backward does.
+        self.untracked: set[fx.Node] = set()
         self.watch: StateWatch | None = None     # set for a run that finds the state written
         self.runs = 0
         # A graph on meta knows its repeats from the capture's types, before anything runs.
@@ -84,6 +88,9 @@ class CostInterpreter(MaterializingInterpreter):
             else:
                 result = self.run_plain(n)
             self.times_s.setdefault(n, []).append(elapsed_s())
+            if n.op in ("placeholder", "get_attr") and \
+                    not any(t.requires_grad for t in tensors(result)):
+                self.untracked.add(n)
             if self.backward and n.op.startswith("call"):
                 self.backward_s.setdefault(n, []).append(self._time_backward(n))
         except Exception as e:
@@ -193,7 +200,8 @@ class CostInterpreter(MaterializingInterpreter):
 
         def give(v: Any) -> Any:          # activations become leaves; parameters stay;
             new = (v.detach().clone() if storage_of(v) in buffers else   # buffers are copied,
-                   v if id(v) in state else _leaf_if_float(v))            # so a write stays off
+                   v if id(v) in state else                               # so a write stays off
+                   v.detach() if origin.get(id(v)) in self.untracked else _leaf_if_float(v))
             if isinstance(v, torch.Tensor) and id(v) in origin:
                 given.setdefault(storage_of(new), origin[id(v)])
             return new
@@ -217,6 +225,8 @@ class CostInterpreter(MaterializingInterpreter):
         self.saved_values[n] = {given[where] for where in saved if where in given}
         self.saved_bytes[n] = sum(b for where, b in saved.items() if where not in given)
         outputs = [t for t in tensors(out) if t.requires_grad]
+        if not outputs:
+            self.untracked.add(n)
         wanted = [t for t in tensors((args, kwargs)) if t.requires_grad]
         modules = [self.env[p] for p in n.all_input_nodes if isinstance(self.env[p], nn.Module)]
         if n.op == "call_module":

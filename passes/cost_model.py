@@ -441,7 +441,9 @@ class Held(NamedTuple):
     known only to the exact view, a backward's transient gradients (`backward_bytes`, the most
     over the stage's nodes of the gradient of a node's output and those it makes for its
     inputs) and the largest weight gradient made before it is added into `.grad`
-    (`grad_temp_bytes`)."""
+    (`grad_temp_bytes`), and the values it returns, or sends to another memory, that no node
+    keeps (`outputs_bytes`: the stage holds its outputs per micro-batch until that one's
+    backward, unless it recomputes its whole forward)."""
 
     param_bytes: int = 0
     activation_bytes: int = 0
@@ -455,6 +457,7 @@ class Held(NamedTuple):
     moved_bytes: int = 0
     backward_bytes: int = 0
     grad_temp_bytes: int = 0
+    outputs_bytes: int = 0
     # The exact view's training timeline (`Pricing.training_held`): per action start, the
     # micro-batches held, the bytes held besides them, and whether it is a backward.
     arms: tuple[tuple[int, int, bool], ...] = ()
@@ -476,7 +479,7 @@ class Memory:
     In training it holds its parameters and `optimizer_state` bytes of optimizer state per
     parameter byte throughout, and for each micro-batch whose backward is still to come what
     autograd keeps for it (`saved_bytes`, measured, less what a later stage took over,
-    `moved_bytes`) and the values it received. Gradients exist from a step's first backward on
+    `moved_bytes`), the values it received, and its outputs no node keeps (`outputs_bytes`). Gradients exist from a step's first backward on
     (until the optimizer's `zero_grad`, which sets them to None by default), so its peak is the
     larger of: the first backward starting, `in_flight[s]` micro-batches held (read off the
     timetable: GPipe holds all of them, 1F1B fewer on later stages), and a later backward,
@@ -527,7 +530,7 @@ class Memory:
         if not self.training:
             return held.param_bytes + self.inference_bytes(held)
         if recompute:
-            return self.need_partial(s, held, 0, held.saved_bytes)
+            return self.need_partial(s, held._replace(outputs_bytes=0), 0, held.saved_bytes)
         return self.need_partial(s, held, max(0, held.saved_bytes - held.moved_bytes), 0)
 
     def inference_bytes(self, held: Held) -> int:
@@ -548,7 +551,7 @@ class Memory:
         largest recomputed run saves, once, while it runs again (see the class)."""
         first, later = self._arms(s, held, kept_bytes)
         most = max(first, later) + transient_bytes
-        per_batch = held.received_bytes + kept_bytes
+        per_batch = held.received_bytes + held.outputs_bytes + kept_bytes
         for count, fixed, backward in held.arms:
             most = max(most, count * per_batch + fixed +
                        (held.backward_bytes + transient_bytes if backward else 0))
@@ -557,7 +560,7 @@ class Memory:
     def _arms(self, s: int, held: Held, kept_bytes: int) -> tuple[int, int]:
         """What a training stage holds besides its parameters and optimizer state, as its first
         backward starts and as a later one runs (0 where none does), less a recomputed run."""
-        per_batch = held.received_bytes + kept_bytes
+        per_batch = held.received_bytes + held.outputs_bytes + kept_bytes
         first = self.held(s) * per_batch + held.backward_bytes
         after = self.held_after(s)
         later = (held.param_bytes + after * per_batch + held.backward_bytes +
@@ -1175,26 +1178,41 @@ class Pricing:
         moved, transient, temp = [0] * k, [0] * k, [0] * k
         sent, received = [0] * k, [0] * k      # per micro-batch, from and to other stages
         saved = [0] * k         # what the stage's nodes so far keep, per micro-batch
+        stays = [0] * k         # of which the kept values it sends
+        outputs = [0] * k       # what it returns or sends to another memory, not kept
         reads: list[set[int]] = [set() for _ in range(k)]
         for i in graph.compute_nodes:
             s = stage_of[i]
             receivers = {stage_of[j] for j in graph.succs[i]} - {s}
-            # As node i's backward runs, the later nodes' backwards have freed what they kept:
-            # what is kept then is the nodes' up to i, with i's transient gradients.
+            # As node i's backward runs, the later nodes' backwards have freed what they kept
+            # but for the values the stage sent (the executor holds them until its backward
+            # ends): what is kept then is the nodes' up to i, the kept values sent, and i's
+            # transient gradients (`stays[s]` is added once the stage's nodes are all seen).
             saved[s] += graph.saved_bytes[i]
-            transient[s] = max(transient[s], saved[s] + (0 if receivers else graph.out_bytes[i])
-                               + sum(graph.out_bytes[p] for p in graph.preds[i]))
+            if receivers and graph.output_kept[i]:
+                stays[s] += graph.out_bytes[i]
+            transient[s] = max(transient[s], saved[s] - stays[s] +
+                               (0 if receivers else graph.out_bytes[i]) +
+                               sum(graph.out_bytes[p] for p in graph.preds[i]))
             temp[s] = max(temp[s], graph.param_bytes[i])
             if graph.output_kept[i] and any(same_memory(devices[r].name, devices[s].name)
                                             for r in receivers):
                 moved[s] += graph.out_bytes[i]
             if receivers:
                 sent[s] += graph.out_bytes[i]
+            if not graph.output_kept[i] and (graph.to_output[i] or any(
+                    not same_memory(devices[r].name, devices[s].name) for r in receivers)):
+                outputs[s] += graph.out_bytes[i]
             for r in receivers:
                 reads[r].add(s)
                 received[r] += graph.out_bytes[i]
+        # A backward holds the gradients of what the stage sent, what a later stage took over
+        # of its kept values (back from it: that stage's backward of the micro-batch is done),
+        # and its nodes' transient gradients beyond what they keep.
         held = [t.held._replace(moved_bytes=moved[s], grad_temp_bytes=temp[s],
-                                backward_bytes=sent[s] + max(0, transient[s] - saved[s]))
+                                outputs_bytes=outputs[s],
+                                backward_bytes=sent[s] + moved[s] +
+                                max(0, transient[s] + stays[s] - saved[s]))
                 for s, t in enumerate(tallies)]
         rows = self.memory.rows
         if rows is None or len(rows) != k:
