@@ -429,7 +429,7 @@ def main() -> None:
                           "yes" if r["reuse_error"] <= r["layer_spread"] else "NO"))
     print(tabulate(rows, headers=["model", "mode", "plan s", "measured", "reused", "estimated",
                                   "peak RSS", "grew while planning", "model", "largest block",
-                                  "balance", "predicted ms"]))
+                                  "balance", "predicted ms"], disable_numparse=True))
     if compared:
         print("\nthe meta plan (layers reused) against the materialised one (every node "
               "measured), each partition priced on both plans' costs:")

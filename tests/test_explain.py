@@ -38,14 +38,14 @@ HALVES = {"a": 0, "b": 0, "c": 1, "d": 1}
 
 def test_a_moved_cut_that_does_not_fit_its_device_says_so():
     # Training without optimizer state: the last two layers hold 2 * 2000 bytes of weights and
-    # gradients, 200 saved and 100 received, a backward's 200 passing gradient bytes and a
-    # weight's 1000-byte gradient before it is added in (5.5 KB); the last three 7.6 KB, which
-    # only stage 0's device has.
+    # gradients, 200 saved, 100 received and the 100-byte output until its backward, a
+    # backward's 200 passing gradient bytes and a weight's 1000-byte gradient before it is
+    # added in (5.6 KB); the last three 7.7 KB, which only stage 0's device has.
     devices = [DeviceSpec("cpu", memory_bytes=8000), DeviceSpec("cpu", memory_bytes=6000)]
     text = explain(costed_chain(), HALVES, devices, training=True,
                    memory=Memory(training=True, optimizer_state=0.0))
     earlier = next(line for line in text.splitlines() if "one node earlier" in line)
-    assert earlier.endswith("does not fit: stage 1 needs 7.6 KB but cpu has 6.0 KB")
+    assert earlier.endswith("does not fit: stage 1 needs 7.7 KB but cpu has 6.0 KB")
     assert text.count("does not fit") == 1     # the plan and the cut one node later fit
 
 
