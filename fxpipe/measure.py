@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.passes.annotate_costs import annotate_costs, bind_inputs
+from fxpipe.passes.annotate_costs import WRITTEN, annotate_costs, bind_inputs
 from fxpipe.passes.device import is_cpu, start_timer
 from fxpipe.passes.codegen import placed_copy
 from fxpipe.passes.materialize import holds_meta
@@ -50,6 +50,7 @@ class Costs:
         self.gm, self.recipe, self.training = gm, recipe, training
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
+        self.marks: dict[tuple, dict[str, dict[str, Any]]] = {}
         saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
             key: m for key, m in (saved.measurements if saved is not None else {}).items()
@@ -71,7 +72,7 @@ class Costs:
         for (chunks, kind, worker), costs in self.measured.items():
             found[self._key(chunks, kind, worker)] = Measurement(
                 {n.name: cost for n, cost in costs.items()},
-                self.calibration[chunks, kind, worker])
+                self.calibration[chunks, kind, worker], self.marks[chunks, kind, worker])
         return found
 
     def _key(self, chunks: int, kind: str, worker: bool) -> tuple:
@@ -110,6 +111,9 @@ class Costs:
         reused = self.saved.get(self._key(chunks, device.kind, worker))
         if reused is not None:
             self.calibration[chunks, device.kind, worker] = reused.calibration
+            self.marks[chunks, device.kind, worker] = dict(reused.marks)
+            for n in gm.graph.nodes:     # as measuring writes them: the state units read these
+                n.meta.update(reused.marks.get(n.name, {}))
             return {n: reused.costs[n.name] for n in gm.graph.nodes if n.op != "output"}
         args, kwargs = microbatch.split((recipe.args, recipe.kwargs), chunks,
                                         recipe.input_dims)[0]
@@ -123,6 +127,9 @@ class Costs:
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))
         _on_worker_thread(run) if worker else run()
+        self.marks[chunks, device.kind, worker] = {
+            n.name: {key: n.meta[key] for key in WRITTEN if key != "cost" and key in n.meta}
+            for n in gm.graph.nodes}
         return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
 
 

@@ -35,11 +35,14 @@ from .wiring import Wiring
 
 @dataclass(frozen=True)
 class Measurement:
-    """Every node's cost (by node name) measured in one condition, and the calibration applied
-    to them (forward and backward factors): what `compile(..., costs=plan)` reuses."""
+    """Every node's cost (by node name) measured in one condition, the calibration applied
+    to them (forward and backward factors), and what else measuring wrote on each node
+    (`annotate_costs.WRITTEN`: its output's shapes, whether a node keeps its output, the state
+    it writes): what `compile(..., costs=plan)` reuses."""
 
     costs: Mapping[str, NodeCost]
     calibration: tuple[float, float]
+    marks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 class Runs(enum.Enum):

@@ -64,7 +64,7 @@ from .weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_la
 if TYPE_CHECKING:      # plan_data saves its plans here: the type only, or a cycle
     from .plan_data import Plan
 
-FORMAT = 3
+FORMAT = 4
 PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
 
 

@@ -514,11 +514,11 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
                     break
     if measured is not gm:     # the copy's nodes are `gm`'s, in order
         for n, copied in zip(gm.graph.nodes, measured.graph.nodes):
-            n.meta.update({key: copied.meta[key] for key in _WRITTEN if key in copied.meta})
+            n.meta.update({key: copied.meta[key] for key in WRITTEN if key in copied.meta})
     return gm
 
 
-_WRITTEN = ("cost", "shapes", "output_kept", "state")    # what measuring writes on a node
+WRITTEN = ("cost", "shapes", "output_kept", "state")     # what measuring writes on a node
 
 
 def _write_costs(gm: fx.GraphModule, interpreter: CostInterpreter, warmup: int) -> None:

@@ -1,5 +1,6 @@
 """A plan saved to disk and loaded back runs as the pipeline it came from, without the model."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -341,6 +342,43 @@ def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, mon
     # Two threads per stage are a new kind of device: measured, once.
     fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=2, costs=saved)
     assert measured == [2]
+
+
+class SharedNorm(nn.Module):
+    """One BatchNorm called twice in training: both calls write its statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(self.norm(x))))
+
+
+def test_a_plan_from_reused_costs_keeps_what_measuring_found_besides_times(tmp_path):
+    # Which nodes write a buffer (they share a stage, so its writes keep micro-batch order)
+    # and which keep their output for the backward (memory): a plan from costs= had neither,
+    # and split the two BatchNorm calls over two stages.
+    torch.manual_seed(0)
+    model, x = SharedNorm().train(), torch.randn(32, 16)
+    options = dict(num_stages=2, chunks=2, training=True, optimizer="sgd", repeats=1)
+    measured = fxpipe.plan(model, ["cpu"] * 2, (x,), **options)
+    marks = lambda plan: {n.name: (n.meta.get("state"), n.meta.get("output_kept"))
+                          for n in plan.graph.graph.nodes}
+    for costs in (fxpipe.load_plan(measured.save(tmp_path / "plan")), measured):
+        reused = fxpipe.plan(model, ["cpu"] * 2, (x,), costs=costs, **options)
+        assert marks(reused) == marks(measured)
+        assert reused.partition.stage_of["norm"] == reused.partition.stage_of["norm_1"]
+        assert [c.memory_bytes for c in reused.partition.stages] == \
+            [c.memory_bytes for c in measured.partition.stages]
+    # and it trains as the model does on the same micro-batches, statistics included
+    reference, target = copy.deepcopy(model), torch.randn(32, 16)
+    with fxpipe.Pipeline(reused) as pipe:
+        loss = pipe.train_step(x, target, F.mse_loss)
+    expected = sum(F.mse_loss(reference(xc), tc) / 2
+                   for xc, tc in zip(x.tensor_split(2), target.tensor_split(2)))
+    expected.backward()
+    assert_same_training(pipe, reference, loss=(loss, expected), buffers=True)
 
 
 def test_saved_costs_of_another_model_are_refused(saved):
