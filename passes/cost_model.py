@@ -479,10 +479,11 @@ class Memory:
     In training it holds its parameters and `optimizer_state` bytes of optimizer state per
     parameter byte throughout, and for each micro-batch whose backward is still to come what
     autograd keeps for it (`saved_bytes`, measured, less what a later stage took over,
-    `moved_bytes`), the values it received, and its outputs no node keeps (`outputs_bytes`). Gradients exist from a step's first backward on
-    (until the optimizer's `zero_grad`, which sets them to None by default), so its peak is the
-    larger of: the first backward starting, `in_flight[s]` micro-batches held (read off the
-    timetable: GPipe holds all of them, 1F1B fewer on later stages), and a later backward,
+    `moved_bytes`), the values it received, and its outputs no node keeps (`outputs_bytes`).
+    Gradients exist from a step's first backward on (until the optimizer's `zero_grad`, which
+    sets them to None by default), so its peak is the larger of: the first backward starting,
+    `in_flight[s]` micro-batches held (read off the timetable: GPipe holds all of them, 1F1B
+    fewer on later stages), and a later backward,
     every gradient made and `after_backward[s]` micro-batches held (GPipe: one fewer; 1F1B:
     as many, where a forward follows each backward), with the largest weight gradient made
     before it is added in (`grad_temp_bytes`); both with the backward's transient gradients
