@@ -15,7 +15,7 @@ import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe import DeviceError, PlanFileError
 from fxpipe.passes.cost_model import DeviceSpec
-from fxpipe.saved import load_stage
+from fxpipe.saved import FORMAT, load_stage
 from fxpipe.weights import Init
 
 
@@ -151,9 +151,9 @@ def test_an_older_plan_is_refused_with_the_fix(tmp_path):
     model, ids = example()
     fxpipe.plan(model, ["cpu"] * 2, (ids,), chunks=2).save(tmp_path / "plan")
     path = tmp_path / "plan" / "plan.json"
-    path.write_text(path.read_text().replace('"format": 3', '"format": 2'))
-    with pytest.raises(PlanFileError, match="has format 2, this fxpipe reads format 3\nsave "
-                                            "the plan again"):
+    path.write_text(path.read_text().replace(f'"format": {FORMAT}', '"format": 2'))
+    with pytest.raises(PlanFileError, match=f"has format 2, this fxpipe reads format {FORMAT}\n"
+                                            "save the plan again"):
         fxpipe.load_plan(tmp_path / "plan")
 
 
