@@ -335,8 +335,9 @@ def test_a_stages_backward_holds_what_it_sent_and_what_a_later_stage_took():
     for s, cost in enumerate(part.stages):
         # Over by at most what it sent that the later stage kept: alive as the sender's
         # backward runs (its executor holds it), measured as the later stage's where the
-        # sender's backward does not read it.
-        assert 0.9 * found[s] <= cost.memory_bytes <= 1.1 * found[s] + held[s].moved_bytes, \
+        # sender's backward does not read it. Under by a fifth at most (the rule before: 0.64x;
+        # another CPU's convolution kernels may hold a workspace of their own).
+        assert 0.8 * found[s] <= cost.memory_bytes <= 1.1 * found[s] + held[s].moved_bytes, \
             (s, cost.memory_bytes, found)
 
 
