@@ -225,7 +225,7 @@ def test_plan_builds_a_hugging_face_config_on_meta_and_show_gives_each_stages_te
     """A config.json read from disk, the model built on meta in bf16, planned on two CPU
     devices of 400 MB on token ids, saved with its manifest; `show` says which of the
     checkpoint's tensors each stage reads."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.LlamaConfig(**TINY_LLAMA)
     config.to_json_file(tmp_path / "config.json")
     assert main(["plan", "transformers:AutoModelForCausalLM", "--config",
@@ -286,7 +286,7 @@ def test_run_gives_a_plan_made_on_meta_its_weights_from_a_checkpoint(tmp_path, c
     save_weights: `run --weights` runs it on token ids below its vocabulary (`--tokens`, or
     shaped as the example); without --weights, one line saying to pass it. What it runs is
     the model (the rotary inv_freq, in no checkpoint, kept in the plan)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.LlamaConfig(**TINY_LLAMA)
     config.to_json_file(tmp_path / "config.json")
     plan, checkpoint = str(tmp_path / "plan"), str(tmp_path / "ckpt")

@@ -127,7 +127,7 @@ def test_the_plan_says_it_was_planned_from_meta_and_its_peak_memory(tmp_path):
 
 
 def test_a_small_llama_built_on_meta_plans_and_its_plan_runs_as_the_model():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from examples.zoo.hf import build_hf
     real, inputs = build_hf("llama", size="tiny", batch=4)
     with torch.device("meta"):
@@ -144,7 +144,7 @@ def test_a_llama_built_on_meta_plans_from_its_checkpoint_and_runs_from_it(tmp_pa
     """The checkpoint holds what the model's state_dict holds: the rotary inv_freq, which it
     lacks, is computed as the model initialises it, for planning and for running; stages on
     "cpu:N" devices read safetensors onto the CPU."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from examples.zoo.hf import build_hf
     from fxpipe.weights import save_weights
     real, inputs = build_hf("llama", size="tiny", batch=4)
@@ -190,7 +190,7 @@ def test_weights_missing_a_tensor_or_of_another_shape_are_refused_naming_it():
 
 
 def test_a_small_llama_built_on_meta_plans_on_the_values_it_initialises():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from examples.zoo.hf import build_hf
     real, inputs = build_hf("llama", size="tiny", batch=4)
     with torch.device("meta"):

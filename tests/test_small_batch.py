@@ -195,12 +195,13 @@ def test_a_stream_of_single_rows_through_a_pipeline_of_four_chunks_equals_the_mo
             close(out, model(x), "output")
 
 
-def test_the_model_run_as_is_reports_its_one_micro_batch():
+def test_the_model_run_as_is_reports_its_one_micro_batch(scripted_costs):
+    # Scripted costs (every node 1 ms, no race): no pipeline of one device is predicted
+    # faster than the model as is, whatever the machine's load.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     pipe = fxpipe.compile(model, ["cpu"], (torch.randn(8, 6),), num_stages="auto")
-    if not pipe.plan.runs_as_is:
-        pytest.skip("the plan chose a pipeline on this machine")
+    assert pipe.plan.runs_as_is
     for rows in (1, 5):
         x = torch.randn(rows, 6)
         with torch.no_grad():
