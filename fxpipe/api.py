@@ -34,7 +34,7 @@ from fxpipe.passes.randomness import seed_random_ops
 from fxpipe.passes.recompute import checkpoint_regions
 from fxpipe.passes.signature import signature_of
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.capture import CaptureMode, trace, without_cache
+from fxpipe.passes.capture import CaptureMode, trace, with_tensor_defaults, without_cache
 
 from . import microbatch, search
 from .checks import holding, meta_reference, reference_of, streamed_stages, verify
@@ -291,7 +291,8 @@ class Recipe:
             raise InputError(f"example_kwargs is a {type(example_kwargs).__name__}, not a dict\n"
                              f"pass the model's keyword example inputs as a dict (name -> value), "
                              f"positional ones in example_inputs")
-        example_kwargs = without_cache(model, example_inputs, example_kwargs)   # what it runs
+        example_kwargs = with_tensor_defaults(                                    # what it runs
+            model, example_inputs, without_cache(model, example_inputs, example_kwargs))
         _refuse_meta_inputs((example_inputs, example_kwargs))
         batch_dims = options.batch_dims
         return Recipe(model, example_inputs, example_kwargs,

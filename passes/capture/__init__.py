@@ -23,7 +23,7 @@ be recovered from the graph afterwards.
 Python a pipeline would not run (attribute changes in forward, hooks) is in `side_effects`.
 """
 
-from .choose import CAPTURE_MODES, CaptureMode, trace, without_cache
+from .choose import CAPTURE_MODES, CaptureMode, trace, with_tensor_defaults, without_cache
 from .export import EXPORT
 from .frontend import Capture, Captured, CaptureFailed, FrontEnd, Method, Request
 from .fx import FX
@@ -33,4 +33,4 @@ from .side_effects import attributes_restored, hook_kind
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureFailed", "CaptureMode", "Captured", "EXPORT", "FX",
            "FX_LEAVES", "FrontEnd", "Method", "Request", "attributes_restored", "hook_kind",
-           "module_path", "trace", "without_cache"]
+           "module_path", "trace", "with_tensor_defaults", "without_cache"]

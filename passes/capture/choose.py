@@ -20,9 +20,15 @@ from typing import Any, Iterable, Literal, Mapping
 import torch.fx as fx
 from torch import nn
 
-from ..errors import TraceError
+import torch
+import torch.utils._pytree as pytree
+
+from ..device import initialized_gpus
+from ..errors import FxpipeError, InputError, TraceError
+from ..materialize import holds_meta
+from ..state import unchanged_state
 from .export import EXPORT
-from .frontend import Capture, Captured, CaptureFailed, FrontEnd, Request
+from .frontend import Capture, Captured, CaptureFailed, FrontEnd, Request, copied, describe
 from .fx import FX
 from .fx_leaves import FX_LEAVES
 from .side_effects import hooked_modules, without_side_effects
@@ -85,6 +91,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
         coarse.meta["capture"] = replace(kept, failures=(*kept.failures, failures[-1]),
                                          reason=f"{kept.reason}; {why}" if kept.reason else why)
         return coarse
+    _raise_if_the_model_fails(model, request)
     raise TraceError(f"could not capture {type(model).__name__} as a graph:\n  - " +
                      "\n  - ".join(failures))
 
@@ -94,7 +101,7 @@ def _request(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None,
              batch_dims: Any, device_type: str | None) -> Request:
     """What every front-end is asked (see `Request`): the example without the key/value cache,
     the inputs fx fixes, the modules it keeps whole (those given, then those with hooks)."""
-    kwargs = without_cache(model, args, kwargs)
+    kwargs = with_tensor_defaults(model, args, without_cache(model, args, kwargs))
     concrete = _default_concrete_args(model, args, kwargs)
     concrete.update(concrete_args or {})
     if kwargs.get("use_cache") is False:    # fx fixes use_cache, which forward branches on
@@ -115,11 +122,34 @@ def _attempt(front_end: FrontEnd, model: nn.Module, request: Request,
     except CaptureFailed as failure:
         tried.append((front_end, failure))
         return None
+    except FxpipeError:
+        raise
+    except Exception as e:     # whatever breaks inside a front-end is that front-end's failure
+        tried.append((front_end, CaptureFailed.of(e, model)))
+        return None
     failures = _failures(tried)
     captured.gm.meta["capture"] = Capture(
         front_end.method, captured.leaves, failures, training=captured.training,
         reason=reason or _because(failures), uncached=request.uncached, fake=captured.fake)
     return captured
+
+
+def _raise_if_the_model_fails(model: nn.Module, request: Request) -> None:
+    """An `InputError` quoting torch where `model` itself fails on the example (a shape, a
+    dtype, a device): no front-end could capture it then, and none is the cause."""
+    if holds_meta(model) or not (request.args or request.kwargs):
+        return
+    given = copied((request.args, request.kwargs))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=initialized_gpus()), \
+                unchanged_state(model):
+            without_side_effects(model, request.example, lambda: model(*given[0], **given[1]))
+    except Exception as e:
+        raise InputError(
+            f"{type(model).__name__} fails on its example inputs: {describe(e, model)}\n"
+            f"    Fix: give example inputs the model runs on, as "
+            f"model(*example_inputs, **example_kwargs) takes them (their shapes, dtypes and "
+            f"devices those of the model's parameters)") from e
 
 
 def _failures(tried: Iterable[tuple[FrontEnd, CaptureFailed]]) -> tuple[str, ...]:
@@ -199,8 +229,23 @@ def _too_coarse(model: nn.Module, gm: fx.GraphModule, given_leaves: Iterable[str
     return f"torch.fx kept {name!r} ({type(module).__name__}{share}) whole, {why}"
 
 
+def with_tensor_defaults(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:
+    """`kwargs` (a copy) with the defaults that hold tensors (`y=torch.zeros(B, D)`) of the
+    inputs the example does not give: those are captured as inputs, given their defaults, so
+    that a call may pass another value and each micro-batch takes its rows of the default (a
+    graph cannot hold a tensor as a default, and fixing it would fix the batch size)."""
+    return {**kwargs, **{
+        name: default for name, default in _defaults(model, args, kwargs).items()
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(default))}}
+
+
 def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:
     """Inputs the example does not give are traced at their defaults (e.g. `labels=None`)."""
+    return _defaults(model, args, kwargs)
+
+
+def _defaults(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:
+    """The defaults of forward's parameters that the example does not give."""
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):

@@ -153,7 +153,7 @@ class CaptureFailed(Exception):
     @classmethod
     def of(cls, error: BaseException, model: nn.Module) -> "CaptureFailed":
         """The failure `error`, raised while capturing `model`, stands for."""
-        return cls(_describe(error, model), _culprit(error, model))
+        return cls(describe(error, model), _culprit(error, model))
 
 
 class FrontEnd(Protocol):
@@ -169,7 +169,8 @@ class FrontEnd(Protocol):
         ...
 
 
-def _describe(error: BaseException, model: nn.Module) -> str:
+def describe(error: BaseException, model: nn.Module) -> str:
+    """`error`'s type and first line, the user's line it came from and the module running."""
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     if isinstance(error, FxpipeError):        # fxpipe's own: its fix, on the lines below, too
         message += "".join(f"\n      {line.strip()}" for line in str(error).strip().splitlines()[1:]

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..materialize import holds_meta
@@ -62,6 +63,13 @@ def traced(model: nn.Module, request: Request, leaves: Iterable[str | type]) -> 
             if (node.args and name != node.target and name in concrete
                     and not isinstance(concrete[name], (tuple, list, dict))):
                 node.args = (concrete[name],)
+            held = [leaf for leaf in pytree.tree_leaves(node.args)
+                    if isinstance(leaf, (torch.Tensor, fx.Node))]
+            if held:      # generated code cannot spell a tensor default: the signature has it
+                node.args = ()
+                for constant in held:
+                    if isinstance(constant, fx.Node) and not constant.users:
+                        graph.erase_node(constant)
         if tracer.grad_contexts.autocast is not None:
             raise CaptureFailed(
                 f"forward runs ops under torch.autocast ({tracer.grad_contexts.autocast}), "
