@@ -208,16 +208,18 @@ def rounding_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
       where the model is (never reduced).
 
     None too where the float64 run fails (code that fixes a dtype), or gives no float32 output,
-    where the model is on the meta device, or where a float64 copy of its tensors would not fit
-    in the host's available memory.
+    or where a float64 copy of its tensors would not fit in the host's available memory.
 
     A reduced-precision model (its parameters in bf16 or fp16, `REDUCED_DTYPES`), whose
     micro-batches round otherwise than its whole batch by its dtype's epsilons: 4 times the
     largest error of its outputs (of any floating dtype: logits cast to float32 too) against
     the same model run in float32 from the same seed, at least one epsilon of its dtype; where
-    that cannot be measured, 16 of them. On the model's device (`rounded` as above); a
-    graph on the meta device (`_GraphRun`) against the model's own forward run module by module
-    on the same plausible values in float32 (`_GraphRun.float32`).
+    that cannot be measured, 16 of them. On the model's device (`rounded` as above).
+
+    A graph on the meta device (`_GraphRun`), run on plausible values: against the model's own
+    forward run module by module on the same values in the wider dtype (float32 for a
+    reduced-precision model, float64 for a float32 one: `_GraphRun.wider`), so that no more than
+    one module's tensors are widened at a time.
     """
     return measured_tolerance(model, args, kwargs, devices, rounded=rounded, seed=seed)[0]
 
@@ -234,6 +236,9 @@ def measured_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
                            *model.buffers()] if isinstance(t, torch.Tensor)]
     gpu = next((t.device for t in tensors if t.device.type == "cuda"),
                next((torch.device(d) for d in devices if torch.device(d).type == "cuda"), None))
+    inner = model.model if isinstance(model, _Holding) else model
+    if isinstance(inner, _GraphRun):
+        return _meta_tolerance(inner, args, kwargs, rounded=rounded, seed=seed)
     if any(t.device.type == "meta" for t in tensors):
         return None, "the model's rounding is not measured on the meta device"
     if not _copy_fits(tensors, (torch.float32,), torch.float64):
@@ -267,6 +272,14 @@ def measured_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
     finally:
         for m, flag in flags.items():
             m.training = flag
+    return _float32_tolerance(rounded, exact, reduced,
+                              f"TF32 rounding on {gpu}" if reduced else "float32 rounding")
+
+
+def _float32_tolerance(rounded: Any, exact: Any, reduced: bool, rule: str
+                       ) -> tuple[float | None, str]:
+    """4 times the largest error of `rounded`'s float32 outputs against `exact` (float64), at
+    least 16 float32 epsilons (see `rounding_tolerance`), and where it came from."""
     errors = _errors(rounded, exact, (torch.float32,))
     if not errors:
         return None, "the model's rounding is not measured: no float32 output"
@@ -274,11 +287,32 @@ def measured_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
         return None, ("the model's rounding is not measured: its float64 run computes "
                       "something else")
     least, measured = 16 * torch.finfo(torch.float32).eps, 4 * max(errors)
-    rule = f"TF32 rounding on {gpu}" if reduced else "float32 rounding"
     if measured < least:
         return least, (f"16 float32 epsilons, the least; the model's own {rule} x4, measured "
                        f"against float64, is {measured:.2g}")
     return measured, f"the model's own {rule} x4, measured against float64"
+
+
+def _meta_tolerance(graph: _GraphRun, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                    rounded: Any, seed: int) -> tuple[float | None, str]:
+    """`measured_tolerance` of a float32 graph on the meta device: its float32 run on plausible
+    values (`rounded`) against the model's own forward on the same values in float64, module by
+    module (`_GraphRun.wider`), so no more than one module's tensors are widened at a time."""
+    if graph.wider is None or rounded is None:
+        return None, "the model's rounding is not measured on the meta device"
+    double = lambda v: (v.detach().double() if isinstance(v, torch.Tensor)  # noqa: E731
+                        and v.dtype == torch.float32 else v)
+    try:
+        run = graph.wider()
+        with unchanged(run):
+            torch.manual_seed(seed)
+            exact = run(*pytree.tree_map(double, copied(args)),
+                        **pytree.tree_map(double, copied(kwargs)))
+    except FxpipeError:
+        raise
+    except Exception:       # the model cannot run in float64 module by module
+        return None, "the model's rounding is not measured: it cannot run in float64"
+    return _float32_tolerance(rounded, exact, False, "float32 rounding")
 
 
 def reduced_precision(model: nn.Module) -> torch.dtype | None:
@@ -306,9 +340,9 @@ def _reduced_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
                        and v.dtype in REDUCED_DTYPES else v)
     inner, values = (model.model, model.values) if isinstance(model, _Holding) else (model, {})
     if isinstance(inner, _GraphRun):
-        if inner.float32 is None or rounded is None:
+        if inner.wider is None or rounded is None:
             return unmeasured("is not measured on the meta device")
-        run, state = inner.float32(), None
+        run, state = inner.wider(), None
     else:
         tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *inner.parameters(),
                                *inner.buffers()] if isinstance(t, torch.Tensor)]
@@ -503,14 +537,15 @@ def _draws_random_numbers(model: nn.Module, args: tuple, kwargs: Mapping[str, An
 class _GraphRun(nn.Module):
     """A graph holding meta tensors called as the model is: node by node, each node's weights
     materialised before it runs and dropped after (`fxpipe.passes.materialize.run_graph`).
-    `float32`, for a reduced-precision model, makes the model run in float32 on the same
-    values, which `rounding_tolerance` measures the graph's rounding against."""
+    `wider` makes the model run module by module on the same values in a wider dtype (float32
+    for a reduced-precision model, float64 for a float32 one), which `rounding_tolerance`
+    measures the graph's rounding against."""
 
     def __init__(self, gm: nn.Module, materialize: Materialize, device: torch.device,
-                 float32: Callable[[], nn.Module] | None = None):
+                 wider: Callable[[], nn.Module] | None = None):
         super().__init__()
         self.gm, self.materialize, self.device = gm, materialize, device
-        self.float32 = float32
+        self.wider = wider
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return run_graph(self.gm, args, kwargs, self.materialize, self.device)
@@ -591,12 +626,14 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
     outputs could not be checked ("" when they can be)."""
     materialize = recipe.materialize
     dims = _output_dims_on_meta(gm, recipe, chunks) if chunks > 1 and not verify else None
-    # A reduced-precision graph's rounding is measured against the model's own forward in
-    # float32, module by module, on the same plausible values.
-    float32 = None if reduced_precision(model) is None else \
-        (lambda: streamed(model, _widened(recipe.plausible), device))
+    # The graph's rounding is measured against the model's own forward in a wider dtype
+    # (float32 for a reduced-precision model, float64 for a float32 one), module by module, on
+    # the same plausible values: one module's tensors widened at a time.
+    wide = torch.float32 if reduced_precision(model) is not None else torch.float64
     reference = Reference(dims) if dims is not None else reference_of(
-        _GraphRun(gm, recipe.plausible, device, float32), recipe, chunks, verify, tolerance)
+        _GraphRun(gm, recipe.plausible, device,
+                  lambda: streamed(model, _widened(recipe.plausible, wide), device)),
+        recipe, chunks, verify, tolerance)
     if not reference.verify:
         return reference, ""
     copy = streamed(model, materialize, device)
@@ -615,10 +652,11 @@ def meta_reference(model: nn.Module, gm: nn.Module, recipe: Recipe, chunks: int,
     return replace(reference, expected=microbatch.merge(parts, reference.output_dims)), ""
 
 
-def _widened(materialize: Materialize) -> Materialize:
-    """`materialize` giving its reduced-precision values in float32."""
+def _widened(materialize: Materialize, wide: torch.dtype) -> Materialize:
+    """`materialize` giving its floating values narrower than `wide` in `wide`."""
     def read(like: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        return {name: value.float() if value.dtype in REDUCED_DTYPES else value
+        return {name: value.to(wide) if value.is_floating_point() and
+                torch.finfo(value.dtype).eps > torch.finfo(wide).eps else value
                 for name, value in materialize(like, device).items()}
     return read
 
