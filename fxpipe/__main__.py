@@ -1,6 +1,6 @@
 """The command line: plan a model, look at a saved plan, run one.
 
-    python -m fxpipe plan torchvision.models:resnet50 --devices cpu,cpu --input 8x3x224x224
+    python -m fxpipe plan examples.zoo:model --kwargs '{"name": "resnet50"}' --input 8x3x32x32
     python -m fxpipe plan mypkg.nets:Net --kwargs '{"width": 64}' --input 16x32 --save plans/net
     python -m fxpipe plan transformers:AutoModelForCausalLM --config llama/config.json --meta \
         --tokens 1x512 --dtype bf16 --devices cuda:0=80GB,cuda:1=80GB --save plans/llama
@@ -43,6 +43,7 @@ import torch
 from tabulate import tabulate
 
 import fxpipe
+from fxpipe.passes.capture import CAPTURE_MODES
 from fxpipe.passes.cost_model import format_bytes
 from fxpipe.passes.errors import FxpipeError
 
@@ -68,11 +69,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (FxpipeError, FileNotFoundError) as e:
         # The problem on the error line, the fix (the message's next lines) indented below it.
-        first, *rest = str(e).strip().splitlines() or [type(e).__name__]
+        first, *rest = _as_flags(str(e)).strip().splitlines() or [type(e).__name__]
         print(f"fxpipe {args.name}: error: {first}", file=sys.stderr)
         for line in rest:
             print(f"  {line}" if line.strip() else "", file=sys.stderr)
         return 2
+
+
+# The options an error's fix names, as this command line spells them.
+_FLAGS = ((re.compile(r"\bbatch_dims=(?=[\s;:,.)]|$)"), "--batch-dims DIM"),
+          (re.compile(r"\bbatch_dims="), "--batch-dims "),
+          (re.compile(r"\bchunks=(\w+)"), r"--chunks \1"),
+          (re.compile(r"\bverify=False\b"), "--no-verify"),
+          (re.compile(r"\bnum_stages="), "--stages "),
+          (re.compile(r"\bcapture='(\w+)'"), r"--capture \1"),
+          (re.compile(r"\bleaf_modules=\[\.\.\.\]"), "--leaf-modules NAME,..."),
+          (re.compile(r"\brecompute='(\w+)'"), r"--recompute \1"))
+
+
+def _as_flags(message: str) -> str:
+    """`message` with the Python options its fix names written as this command's flags."""
+    for pattern, flag in _FLAGS:
+        message = pattern.sub(flag, message)
+    return message
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,8 +145,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _planning(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="module:factory, e.g. torchvision.models:resnet50 or "
-                                      "transformers:AutoModelForCausalLM")
+    parser.add_argument("model", help="module:factory, e.g. examples.zoo:model (in the "
+                                      "repository) or transformers:AutoModelForCausalLM")
     parser.add_argument("--devices", default="cpu,cpu",
                         help="comma-separated devices, one per stage, each with its memory if "
                              "wanted: cpu,cpu (the default), cpu:0=400MB,cpu:1=400MB, "
@@ -146,6 +165,18 @@ def _planning(parser: argparse.ArgumentParser) -> None:
                         help="build the model on the meta device (shapes, no values): planned "
                              "without holding it, saved with a manifest of each stage's tensors")
     parser.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
+    parser.add_argument("--batch-dims", default="0", metavar="JSON",
+                        help="the batch dimension of the inputs: one for all (1 for a "
+                             "sequence-first model), null for none, or one per --input as a "
+                             "list, e.g. [1, null] (default: 0)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the check of the stages against the model (accepting what "
+                             "micro-batches compute, as for a model normalising over the batch)")
+    parser.add_argument("--capture", choices=CAPTURE_MODES, default="auto",
+                        help="how to capture the model: torch.fx then torch.export (auto, the "
+                             "default), or only one of them")
+    parser.add_argument("--leaf-modules", default="", metavar="NAME,...",
+                        help="qualified names of submodules to keep whole, as one node each")
     parser.add_argument("--stages", default=None, help="number of stages to use, or auto")
     parser.add_argument("--train", action="store_true", help="plan for training (train_step)")
     parser.add_argument("--recompute", choices=get_args(Recompute), default="never",
@@ -191,7 +222,9 @@ def _plan(args: argparse.Namespace) -> int:
         inputs = (torch.randint(0, _vocabulary(model), tokens), *inputs)
     options = {"chunks": _count(args.chunks), "training": args.train,
                "progress": False if args.quiet else None, "recompute": args.recompute,
-               "optimizer": args.optimizer, "link": args.link}
+               "optimizer": args.optimizer, "link": args.link, "verify": not args.no_verify,
+               "batch_dims": _batch_dims(args.batch_dims), "capture": args.capture,
+               "leaf_modules": [name for name in args.leaf_modules.split(",") if name]}
     if args.stages is not None:
         options["num_stages"] = _count(args.stages)
     devices = _devices(args.devices, None if args.memory is None else
@@ -467,7 +500,7 @@ def _factory(target: str) -> Any:
     module_name, _, factory_name = target.partition(":")
     if not module_name or not factory_name:
         raise UsageError(f"model {target!r} is not module:factory\nwrite it as "
-                         f"module:factory, e.g. torchvision.models:resnet50")
+                         f"module:factory, e.g. torch.nn:TransformerEncoderLayer")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -636,6 +669,21 @@ def _random_inputs(shapes: Sequence[str], dtype_name: str) -> tuple[torch.Tensor
 
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else ""
+
+
+def _batch_dims(text: str) -> Any:
+    """--batch-dims: an int or null for every input, or a list of them, one per --input."""
+    try:
+        dims = json.loads(text)
+    except json.JSONDecodeError:
+        dims = text
+    if dims is None or (isinstance(dims, int) and not isinstance(dims, bool)):
+        return dims
+    if isinstance(dims, list) and all(d is None or (isinstance(d, int) and not isinstance(d, bool))
+                                      for d in dims):
+        return dict(enumerate(dims))
+    raise UsageError(f"--batch-dims {text!r} is not a dimension\ngive an int (1: every input's "
+                     f"dimension 1), null, or a list with one per --input, e.g. [1, null]")
 
 
 def _count(text: str) -> int | str:

@@ -118,6 +118,32 @@ def test_bad_input_is_one_error_line_and_exit_2(argv, message, capsys):
     assert all(line.startswith("  ") for line in fix if line)
 
 
+SEQUENCE_FIRST = ["plan", "torch.nn:TransformerEncoderLayer", "--kwargs",
+                  '{"d_model": 32, "nhead": 4, "dropout": 0.0}', "--input", "8x10x32",
+                  "--devices", "cpu,cpu", "--chunks", "2", "--quiet"]
+
+
+def test_an_errors_fix_names_the_flags_that_exist_and_they_work(capsys):
+    """A sequence-first model split along dimension 0 mixes samples: the fix names --batch-dims,
+    --chunks 1 and --no-verify (the options' command-line spellings), and each plans."""
+    assert main(SEQUENCE_FIRST) == 2
+    err = capsys.readouterr().err
+    assert "mixes samples across the batch" in err
+    for flag in ("--batch-dims DIM", "--chunks 1", "--no-verify"):
+        assert flag in err, err
+    assert "batch_dims=" not in err and "verify=False" not in err
+    for fix in (["--batch-dims", "1"], ["--batch-dims", "[1]"], ["--no-verify"]):
+        assert main([*SEQUENCE_FIRST, *fix]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert ("outputs checked against the model: yes" in out) == (fix != ["--no-verify"])
+
+
+@pytest.mark.parametrize("dims", ["x", "[1, true]", '{"a": 1}'])
+def test_a_batch_dims_flag_that_is_no_dimension_is_refused(dims, capsys):
+    assert main(["plan", *LAYER[:3], "--input", "4x4x32", "--batch-dims", dims]) == 2
+    assert f"--batch-dims {dims!r} is not a dimension" in capsys.readouterr().err
+
+
 def test_the_module_runs_as_a_program():
     done = subprocess.run([sys.executable, "-m", "fxpipe", "show", "/nonexistent"],
                           capture_output=True, text=True, timeout=120)

@@ -104,6 +104,35 @@ def test_a_token_mean_is_refused_naming_the_fix_whose_code_trains_as_the_model(c
                                expected_fn=token_mean)
 
 
+def next_token_mean(out, labels):
+    """A causal LM's token loss: each position's logits predict the next token."""
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                           ignore_index=-100)
+
+
+def test_the_fix_for_a_next_token_mean_keeps_the_shift_and_trains_as_the_model(compiled):
+    name, model, pipe = compiled
+    inputs = padded_inputs(name, 4)
+    labels = labels_of(inputs)
+    with pytest.raises(fxpipe.LossReductionError, match=r"return \(loss_sum, count\)") as refused:
+        pipe.train_step(inputs, labels, next_token_mean)
+    assert "logits[:, :-1], labels[:, 1:]" in str(refused.value)
+    assert_trains_as_the_model(pipe, model, inputs, labels, code_in(str(refused.value)),
+                               expected_fn=next_token_mean)
+
+
+def test_the_fix_for_a_token_mean_of_another_form_says_to_slice_as_it_does(compiled):
+    name, model, pipe = compiled
+    inputs = padded_inputs(name, 4)
+    labels = labels_of(inputs)
+
+    def smoothed(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                               label_smoothing=0.1)
+    with pytest.raises(fxpipe.LossReductionError, match="slice logits and labels here as your"):
+        pipe.train_step(inputs, labels, smoothed)
+
+
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
 def test_a_mean_over_rows_trains_as_the_model(compiled, loss):
     name, model, pipe = compiled

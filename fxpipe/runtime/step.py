@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from fxpipe.passes.compare import difference
 from fxpipe.passes.errors import BatchError, InputError, LossError, LossReductionError
@@ -131,6 +132,7 @@ class StepLoss:
         self.weights: list[float] = []
         self.counts: dict[int, torch.Tensor] = {}   # kept on their device: no sync per micro-batch
         self.kept: dict[int, tuple[Any, torch.Tensor]] = {}   # checked: (output, loss), detached
+        self.suggested = _TOKEN_LOSS.format(slicing=_AS_YOURS)   # the fix's code, once checked
 
     def split_targets(self, target: Any, chunks: int, device: torch.device, rows_in: int) -> None:
         """`target` in `chunks` micro-batches on `device` (the last stage's), one row per input
@@ -182,6 +184,9 @@ class StepLoss:
             return ""     # refused as a micro-batch's loss would be
         if not difference(weighted.to(whole.dtype), whole, None):
             return ""
+        self.suggested = token_loss_code(self.loss_fn, microbatch.merge(list(outputs),
+                                                                        self.output_dims),
+                                         microbatch.merge(self.targets), whole)
         return (f"on this batch of {sum(rows)} rows in {len(rows)} micro-batches, loss_fn gives "
                 f"{whole.item():.6g} on the whole batch but its micro-batch losses weighted by "
                 f"their rows give {weighted.item():.6g}")
@@ -207,7 +212,8 @@ class StepLoss:
             self.grads.give_back()
             raise LossReductionError(_NOT_ROWS_MEAN.format(
                 what=not_rows_mean or "on this batch, a last stage found loss_fn no mean over "
-                                      "rows (see its rank's error)"))
+                                      "rows (see its rank's error)",
+                code=self.suggested))
         scale = torch.where(count > 0, count.reciprocal(), 0.0) if counted else None
         self.grads.finish(scale)
         if scale is not None:
@@ -223,13 +229,42 @@ _NOT_ROWS_MEAN = (
     "which gives the whole batch's loss only for a loss_fn averaging over rows; {what} (a token "
     "loss whose rows count different numbers of tokens, e.g. with ignore_index, averages over "
     "tokens)\nno gradient was written; let loss_fn return (loss_sum, count): the step's loss is "
-    "then sum(loss_sums) / sum(counts), with the whole batch's gradients, e.g.\n"
+    "then sum(loss_sums) / sum(counts), with the whole batch's gradients, e.g.\n{code}"
+    "(a loss that mixes the rows of a batch cannot be split into micro-batches: use chunks=1)")
+
+# The (loss_sum, count) form of a token loss; `{slicing}` is one of the lines below it.
+_TOKEN_LOSS = (
     "    def loss_fn(out, labels):\n"
     "        logits = out.logits if hasattr(out, 'logits') else out\n"
+    "{slicing}"
     "        loss_sum = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), "
     "ignore_index=-100, reduction='sum')\n"
-    "        return loss_sum, (labels != -100).sum()\n"
-    "(a loss that mixes the rows of a batch cannot be split into micro-batches: use chunks=1)")
+    "        return loss_sum, (labels != -100).sum()\n")
+_SHIFTED = "        logits, labels = logits[:, :-1], labels[:, 1:]   # the next token, as yours\n"
+_AS_YOURS = "        # (slice logits and labels here as your loss_fn does: a causal LM shifts them)\n"
+
+
+def token_loss_code(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any,
+                    loss: torch.Tensor) -> str:
+    """The `(loss_sum, count)` code to suggest for `loss_fn`, whose `loss` on `output` and
+    `target` is not a mean over rows: the token loss, shifted to the next token where that is
+    what gives `loss` (a causal LM's), as is where that does, else with a line saying to slice
+    as `loss_fn` does. Pasted as is, it trains on the user's own target."""
+    logits = getattr(output, "logits", output)
+    slicing = _AS_YOURS
+    if (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor)
+            and logits.is_floating_point() and not target.is_floating_point()
+            and logits.dim() == 3 and target.shape == logits.shape[:2]):
+        with torch.no_grad():
+            for line, (x, y) in ((_SHIFTED, (logits[:, :-1], target[:, 1:])),
+                                 ("", (logits, target))):
+                if (y != -100).any():
+                    mean = F.cross_entropy(x.flatten(0, -2).float(), y.flatten(),
+                                           ignore_index=-100)
+                    if not difference(mean.to(loss.dtype), loss, None):
+                        slicing = line
+                        break
+    return _TOKEN_LOSS.format(slicing=slicing)
 
 
 class DeferredScale:
