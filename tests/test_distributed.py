@@ -15,6 +15,8 @@ import time
 import socket
 import subprocess
 import sys
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -85,11 +87,15 @@ def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run",
     for _ in range(2):
         if not (ok and code != 0 and _aborted_at_exit(text, out)):
             break
-        # A known defect, intermittent and older than these tests (1 launch in 8 to 16 of the
-        # recomputing 1F1B case on 2 ranks; twice in a row in one busy CI-style run): a rank
-        # finishes its work, then aborts in the interpreter's finalization ("terminate called
-        # without an active exception", no Python frame). Launched again, twice at most;
-        # anything else fails at once.
+        # A rank that finished its work aborted in the interpreter's exit, what a gloo group
+        # alive then does (see fxpipe.distributed.stage.release_groups): seen in 1 launch in 8
+        # to 16 of the recomputing 1F1B case in earlier runs, not reproduced since
+        # (`python -m benchmarks.torchrun_exit` counts it: 0 in 162 launches of the recomputing
+        # cases before `close` destroyed every group `load` made, 0 in 50 after). Launched
+        # again, twice at most, and said in the test summary (pytest -ra); anything else fails.
+        warnings.warn(f"torchrun {WORKER.name} {mode} on {processes} ranks: a rank aborted at "
+                      f"exit (terminate called without an active exception); launched again\n"
+                      f"{text[-1500:]}", AbortedAtExit)
         for result in out.iterdir():
             result.unlink()
         code, text = torchrun([str(WORKER), str(plan), str(data), str(out), mode], processes,
@@ -99,6 +105,10 @@ def launch(plan: Path, data: Path, out: Path, processes: int, mode: str = "run",
     else:
         assert code != 0, text[-3000:]
     return text
+
+
+class AbortedAtExit(UserWarning):
+    """A torchrun launch was made again: a rank that finished its work aborted at exit."""
 
 
 def _aborted_at_exit(text: str, out: Path) -> bool:
@@ -261,6 +271,121 @@ def test_without_torchrun_load_says_how_to_start(tmp_path, monkeypatch):
         pytest.skip("a process group is already initialised")
     with pytest.raises(fxpipe.distributed.DistributedError, match="torchrun --nproc-per-node"):
         fxpipe.distributed.load(tmp_path)
+
+
+def threads() -> dict[int, str]:
+    """This process's threads, by id, with their names, read from /proc: gloo's are C++
+    threads, which `threading.enumerate()` does not list."""
+    found = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            found[int(task.name)] = (task / "comm").read_text().strip()
+        except OSError:     # a thread that ended meanwhile
+            continue
+    return found
+
+
+def gloo_threads() -> set[int]:
+    """The ids of this process's gloo threads: each gloo group's workers and its loop."""
+    return {tid for tid, name in threads().items() if name in ("pt_gloo_runloop", "gloo_tcp_loop")}
+
+
+def settles(condition) -> bool:
+    """Whether `condition()` holds within 30 s: a thread names itself once it runs, and a
+    joined one may still be listed for a moment after the join returns."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def started_gloo_threads(earlier: set[int]) -> set[int]:
+    """The gloo threads started since `earlier` (thread ids), once each has named itself."""
+    assert settles(lambda: all(name != "python" for tid, name in threads().items()
+                               if tid not in earlier))
+    return gloo_threads() - earlier
+
+
+def one_process_stage(tmp_path: Path):
+    """A one-stage plan (world size 1) trained one step in this process; (plan path, batch)."""
+    torch.manual_seed(0)
+    model, x, target = Branchy(), torch.randn(4, 8), torch.randn(4, 4)
+    fxpipe.compile(model, ["cpu"], (x,), chunks=2, training=True).plan.save(tmp_path / "plan")
+    return tmp_path / "plan", x, target
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(),
+                                reason="reads this process's threads from /proc")
+
+
+@needs_proc
+def test_a_closed_stage_leaves_no_process_group_or_gloo_thread_of_its_own(tmp_path, monkeypatch):
+    """`load` started the default group (torchrun's environment, world size 1, in this
+    process): after `close`, no process group is left and every gloo thread ended, so none
+    can free a tensor while the interpreter exits (a SIGABRT at exit); closing again does
+    nothing, and the closed stage refuses to run."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised")
+    plan, x, target = one_process_stage(tmp_path)
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                            WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    before, python_threads = gloo_threads(), set(threading.enumerate())
+    stage = fxpipe.distributed.load(plan)
+    try:
+        assert settles(lambda: gloo_threads() - before)     # the group's threads run
+        stage.train_step(x, target, F.mse_loss)
+    finally:
+        stage.close()
+    assert not torch.distributed.is_initialized()
+    assert not torch.distributed.distributed_c10d._world.pg_map
+    assert settles(lambda: gloo_threads() == before), threads()
+    assert set(threading.enumerate()) <= python_threads
+    stage.close()
+    with pytest.raises(fxpipe.distributed.DistributedError, match="stage is closed"):
+        stage.train_step(x, target, F.mse_loss)
+
+
+def _gloo_under_another_name(store, rank, size, timeout):
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+
+
+@needs_proc
+@pytest.mark.parametrize("backend", ["gloo", "fxpipe_test"])
+def test_closing_destroys_the_groups_load_made_and_leaves_the_callers(tmp_path, backend):
+    """The caller started the default group (world size 1, a FileStore), as the docs' scripts
+    do. Over gloo, `load` makes no group; over another backend ("fxpipe_test", gloo under
+    another name, as NCCL would be) it makes a gloo group of its own for its messages. After
+    `close`, the caller's group alone is left, still usable, and only its gloo threads run:
+    destroying it then ends every gloo thread, though the stage object is still held."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist = torch.distributed
+    dist.Backend.register_backend("fxpipe_test", _gloo_under_another_name, devices=["cpu"])
+    plan, x, target = one_process_stage(tmp_path)
+    before, earlier = gloo_threads(), set(threads())
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        callers = before | started_gloo_threads(earlier)
+        stage = fxpipe.distributed.load(plan)
+        try:
+            made = len(dist.distributed_c10d._world.pg_map) - 1
+            assert made == (backend != "gloo")
+            stage.train_step(x, target, F.mse_loss)
+        finally:
+            stage.close()
+        assert list(dist.distributed_c10d._world.pg_map) == [dist.group.WORLD]
+        assert settles(lambda: gloo_threads() == callers), threads()
+        total = torch.ones(2)
+        dist.all_reduce(total)
+        assert total.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    assert settles(lambda: gloo_threads() == before), threads()
+    assert stage.closed
 
 
 def test_two_replicas_of_two_stages_add_up_to_the_whole_batch(tmp_path):

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-from test_distributed import torchrun
+from test_distributed import AbortedAtExit, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -81,8 +82,12 @@ def run_script(block: Block, where: str, cwd: Path) -> None:
     for _ in range(2):
         if code == 0 or not _aborted_at_exit(text):
             break
-        # A known defect, intermittent (see tests/test_distributed.py): a rank that finished its
-        # work aborts in the interpreter's finalization. Launched again; anything else fails.
+        # A rank that finished its work aborted at exit (see tests/test_distributed.py's
+        # `launch`): launched again, twice at most, and said in the test summary (pytest -ra);
+        # anything else fails.
+        warnings.warn(f"{where} ({script} under torchrun): a rank aborted at exit (terminate "
+                      f"called without an active exception); launched again\n{text[-1500:]}",
+                      AbortedAtExit)
         code, text = _torchrun(script, processes, cwd)
     assert code == 0, f"{where} ({script} under torchrun):\n{text[-3000:]}"
 

@@ -22,7 +22,7 @@ from fxpipe.passes.device import is_gpu
 from ..devices import DeviceLike
 from ..report import LINK_DESCRIPTIONS
 from ..saved import load_stage_plan, planned_device, shared_tensors, stage_count, stored_names
-from .stage import DistributedStage
+from .stage import DistributedStage, release_groups
 from .transport import DistributedError
 
 
@@ -48,16 +48,17 @@ def load(path: str | os.PathLike, *, weights: Any = None, device: DeviceLike | N
     under torchrun, and one planned on the CPU on the CPU. Joins the default process group,
     initialised here from torchrun's environment (env://, gloo) unless the caller did; `timeout`
     (seconds) bounds every wait for another rank. A rank that cannot load its stage makes every
-    rank raise: itself its error, the others a `DistributedError` naming it.
+    rank raise: itself its error, the others a `DistributedError` naming it. The stage's
+    `close()` (leaving `with` does it) destroys the groups made here, and the default group
+    if it was started here; a default group the caller started is the caller's to destroy.
     """
-    group, owned = _process_group(timeout)
+    made: list[Any] = []    # the groups made here, destroyed with the stage (release_groups)
+    group, owned = _process_group(timeout, made)
     try:
-        return _load(path, device, timeout, group, owned, weights, model)
+        return _load(path, device, timeout, group, owned, weights, model, made)
     except BaseException:
-        if owned:    # a process group left behind at exit can abort the process (SIGABRT)
-            dist.destroy_process_group()
+        release_groups(made, owned)
         raise
-
 
 
 def rank_device(planned: torch.device, device: DeviceLike | None = None) -> DeviceLike:
@@ -77,7 +78,8 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
 
 
 def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, group: Any,
-          owned: bool, weights: Any, model: torch.nn.Module | None) -> "DistributedStage":
+          owned: bool, weights: Any, model: torch.nn.Module | None,
+          made: list[Any]) -> "DistributedStage":
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = stage_count(path)
     if world % stages:
@@ -103,7 +105,7 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
     except Exception as e:
         error = e
     _agree_loaded(rank, error, group, timeout)
-    pipeline, gradients = _replica_groups(world // stages, stages, replica, index, timeout)
+    pipeline, gradients = _replica_groups(world // stages, stages, replica, index, timeout, made)
     (plan, stage), shared, stored = loaded
     if rank == 0 and stages > 1 and plan.link != "gloo":
         warnings.warn(f"the plan at {str(path)!r} priced the values its stages exchange as "
@@ -111,12 +113,12 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
                       f"balanced and predicted with transfers too cheap: plan with "
                       f"fxpipe.plan(..., link='gloo') for a run under torchrun", stacklevel=3)
     tied = _tied_groups(_tied_parameters(plan, shared), stage, stages, world // stages,
-                        replica, timeout)
+                        replica, timeout, made)
     return DistributedStage(plan, stage, rank, group, timeout, owned, replica=replica,
                             replicas=world // stages, pipeline_group=pipeline,
                             gradient_group=gradients, tied=tied,
                             tensor_group=dist.group.WORLD if nccl else None,
-                            stored_names=stored)
+                            stored_names=stored, made_groups=made)
 
 
 def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: float) -> None:
@@ -139,10 +141,10 @@ def _agree_loaded(rank: int, error: BaseException | None, group: Any, timeout: f
 
 
 def _replica_groups(replicas: int, stages: int, replica: int, index: int,
-                    timeout: float) -> tuple[Any, Any]:
+                    timeout: float, made: list[Any]) -> tuple[Any, Any]:
     """This rank's pipeline group (its replica's ranks) and gradient group (its stage's
     replicas); None for both with one replica. Every rank creates every group, in one order,
-    as `dist.new_group` requires."""
+    as `dist.new_group` requires (each added to `made`)."""
     if replicas == 1:
         return None, None
     wait = datetime.timedelta(seconds=timeout)
@@ -150,6 +152,7 @@ def _replica_groups(replicas: int, stages: int, replica: int, index: int,
                                 backend="gloo") for k in range(replicas)]
     gradients = [dist.new_group([k * stages + i for k in range(replicas)], timeout=wait,
                                 backend="gloo") for i in range(stages)]
+    made.extend([*pipelines, *gradients])
     return pipelines[replica], gradients[index]
 
 
@@ -170,33 +173,37 @@ def _tied_parameters(plan: Any, shared: dict[tuple[int, str], dict[int, str]]
 
 
 def _tied_groups(tied: dict[tuple[int, ...], list[dict[int, str]]], stage: Any, stages: int,
-                 replicas: int, replica: int, timeout: float
+                 replicas: int, replica: int, timeout: float, made: list[Any]
                  ) -> list[tuple[Any, list[torch.nn.Parameter]]]:
     """For each set of stages sharing parameters, in one order on every rank, a gloo group of
-    the ranks holding them in each replica (`dist.new_group` is collective); this rank's groups
-    with its parameters in each, in that order."""
+    the ranks holding them in each replica (`dist.new_group` is collective, each added to
+    `made`); this rank's groups with its parameters in each, in that order."""
     wait = datetime.timedelta(seconds=timeout)
     mine = []
     for holders, parameters in sorted(tied.items()):
         for k in range(replicas):
             group = dist.new_group([k * stages + s for s in holders],
                                    timeout=wait, backend="gloo")
+            made.append(group)
             if k == replica and stage.index in holders:
                 mine.append((group, [stage.module.get_parameter(held[stage.index])
                                      for held in parameters]))
     return mine
 
 
-def _process_group(timeout: float) -> tuple[Any, bool]:
+def _process_group(timeout: float, made: list[Any]) -> tuple[Any, bool]:
     """The group messages travel in, and whether this call initialised the default one.
 
-    The default group when it is gloo; a gloo group of every rank beside another backend."""
+    The default group when it is gloo; a gloo group of every rank beside another backend
+    (added to `made`)."""
     if not dist.is_available():
         raise DistributedError("this torch has no torch.distributed\ninstall a build with it")
     wait = datetime.timedelta(seconds=timeout)
     if dist.is_initialized():
-        return (None if dist.get_backend() == "gloo" else
-                dist.new_group(backend="gloo", timeout=wait)), False
+        if dist.get_backend() == "gloo":
+            return None, False
+        made.append(dist.new_group(backend="gloo", timeout=wait))
+        return made[-1], False
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
                if v not in os.environ]
     if missing:

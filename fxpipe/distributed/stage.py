@@ -36,13 +36,19 @@ class DistributedStage:
                  pipeline_group: Any = None, gradient_group: Any = None,
                  tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None,
                  tensor_group: Any = None,
-                 stored_names: dict[tuple[int, str], str] | None = None):
+                 stored_names: dict[tuple[int, str], str] | None = None,
+                 made_groups: list[Any] | None = None):
         self.plan = plan
         self.stage = stage
         self.rank = rank
         self.group = group
         self.timeout = timeout
         self.owns_group = owns_group
+        # The process groups `load` made for this stage (every rank makes every group), which
+        # `close` destroys: the gloo group beside another backend, the replicas' and the tied
+        # weights' groups.
+        self.made_groups = made_groups if made_groups is not None else []
+        self.closed = False
         self.num_stages = len(plan.stages)
         self.last = self.num_stages - 1
         self.replica = replica
@@ -178,6 +184,7 @@ class DistributedStage:
         calls it, each one of replica 0 writes its stage's shards (the other replicas hold the
         same values) and rank 0 the index, laid out from the plan's names, shapes and dtypes,
         so no rank gathers another's tensors. Returns once every rank has written."""
+        self._check_open()
         if self.replica == 0:
             save_stage_weights(self.plan, directory, [self.index], tied=self.stored_names,
                                write_index=self.rank == 0, max_shard_bytes=max_shard_bytes)
@@ -191,10 +198,20 @@ class DistributedStage:
 
     def close(self) -> None:
         """After a failed step, take the other ranks' news of it (see `DistributedTransport.close`);
-        then end the process group if `load` started it."""
-        self.transport.close()
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        then destroy the process groups `load` made, and the default group if `load` started
+        it, and let go of every handle on them, so that their gloo threads end here, not in the
+        interpreter's exit (see `release_groups`). The stage cannot run after it; closing
+        again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.transport.close()
+        finally:
+            self.transport.release()
+            self.group = self.pipeline_group = self.gradient_group = None
+            self.tied = [(None, parameters) for _, parameters in self.tied]
+            release_groups(self.made_groups, self.owns_group)
 
     def __enter__(self) -> "DistributedStage":
         return self
@@ -250,9 +267,15 @@ class DistributedStage:
     def _batch_dims(self) -> dict[str, Any]:
         return {p: self.plan.batch_dims.get(p, 0) for p in self.plan.signature.placeholders}
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DistributedError(f"rank {self.rank}'s stage is closed\nload the plan again "
+                                   f"(fxpipe.distributed.load) to run it")
+
     def _start(self, prepare: Callable[[], Any]) -> tuple[list[int], Any]:
         """Rank 0 prepares the step's inputs (`prepare()`) and draws the micro-batch seeds; every
         rank gets the seeds and what `prepare` returned, or raises if it failed on rank 0."""
+        self._check_open()
         return self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
 
     def _agree(self, source: int, prepare: Callable[[], Any]) -> Any:
@@ -353,6 +376,23 @@ class DistributedStage:
         named = StageError(f"{where}: {error}", stage=error.stage, microbatch=error.microbatch)
         named.__cause__ = error.__cause__
         return named
+
+
+def release_groups(made: list[Any], owned: bool) -> None:
+    """Destroy the process groups `load` made (`made`, emptied) and, if `owned`, the default
+    group it started, so that no gloo thread of theirs outlives them: a gloo group alive when
+    the interpreter exits lets its worker thread free a finished collective's tensors during
+    finalization, and the process aborts ("terminate called without an active exception").
+    A group's threads end only when nothing refers to it any more, so its holders drop their
+    handles too (`DistributedStage.close`). Groups the caller destroyed already are skipped;
+    the caller's default group is left to the caller."""
+    registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    while made:
+        group = made.pop()
+        if group in registered:
+            dist.destroy_process_group(group)
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _RankRun(Driver):

@@ -177,6 +177,16 @@ class DistributedTransport:
         self.kept.clear()
         self.finish_sends(failed=True)
 
+    def release(self) -> None:
+        """Let go of everything this transport holds of its process groups: the messages and
+        header receives posted (a lost peer's, never taken) and the groups themselves, so that
+        destroying the groups ends their threads (see `stage.release_groups`). The transport
+        cannot send or receive after it."""
+        self.posted.clear()
+        self.headers.clear()
+        self.kept.clear()
+        self.group = self.tensor_group = None
+
     def finish_sends(self, *, failed: bool = False) -> None:
         """Wait until each peer took what this rank posted to it; after a failure, each peer
         still there, and a peer lost now is let go."""
