@@ -10,32 +10,56 @@ import torch.utils._pytree as pytree
 
 from fxpipe.passes.compare import equal, output_name
 
-#: The default number of epsilons of the compared set's largest magnitude (see below).
+#: The default number of epsilons a float32 or float64 tensor may be off (see below).
 EPSILONS = 64
+#: The default number of epsilons a float16 or bfloat16 tensor may be off: of its own dtype,
+#: whose epsilon is 2^-7 (bfloat16) or 2^-10 (float16) where float32's is 2^-23.
+EPSILONS_16BIT = 4
+#: The share of the set's largest magnitude that every tensor of the set may be off by at least
+#: (times the epsilons): a gradient that is zero in exact arithmetic, made of terms as large as
+#: the set's (a bias right before a training-mode BatchNorm), carries their rounding. Measured:
+#: 7.5 float32 epsilons of the set on an AMD EPYC, against the 32 that half of 64 allows.
+SET_FRACTION = 0.5
+_16BIT = (torch.float16, torch.bfloat16)
 
 
 def assert_same_up_to_rounding(actual: Any, expected: Any, *, epsilons: float = EPSILONS,
-                               scale: float | None = None, what: str = "values") -> None:
+                               epsilons_16bit: float = EPSILONS_16BIT,
+                               set_fraction: float = SET_FRACTION, scale: float | None = None,
+                               what: str = "values") -> None:
     """Assert that `actual` equals `expected` up to the rounding of float arithmetic.
 
     A pipeline computes what the model computes in another order of sums: on other threads
     and thread counts, on micro-batches, split into stages, on another CPU's kernels (an AMD
     and an Intel core block a matrix product differently). Each sum is then off by about an
-    epsilon of its terms' magnitude, not of its own: an element that is small because large
-    terms cancel (the gradient of a bias right before a BatchNorm, zero in exact arithmetic)
-    carries the rounding of the large ones. So the tolerance is not relative to each element,
-    nor a fixed absolute one (1e-5 is a thousand epsilons of a gradient of 0.01, and less than
-    one of a gradient of 100): every float element must be within `epsilons` epsilons of its
-    dtype times the compared set's scale, the largest finite magnitude in `expected` and
-    `actual` over all their leaves together (`scale`, where given: the magnitude of what the
-    values are computed from). Compare together what is computed together: every gradient
-    of a model in one call (a dict), its outputs in another, a loss alone.
+    epsilon of its terms' magnitude, not of its own, so neither a tolerance relative to each
+    element nor a fixed absolute one (1e-5 is a thousand epsilons of a gradient of 0.01, and
+    less than one of a gradient of 100) fits. The rule, for each float tensor `t` of the
+    compared set:
+
+        |actual - expected| <= epsilons * eps(dtype) * max(own(t), set_fraction * scale)
+
+    element by element, where `own(t)` is the largest finite magnitude of `t` in `expected` and
+    `actual`, and `scale` the largest over every tensor of the set together (or the magnitude
+    of what the values are computed from, where given). With the defaults, 64 float32 epsilons
+    of the tensor's own magnitude, and never less than 32 of the set's: a tensor whose
+    gradient is zero in exact arithmetic (a bias right before a training-mode BatchNorm) is
+    made of terms as large as the set's and carries their rounding, some 8 epsilons of the set
+    measured on an AMD core. So a tensor off by more than 3.8e-6 of the set's largest
+    magnitude fails, whatever its own size: a bias's gradient missing a micro-batch beside a
+    10^4x larger convolution's is off by some 1e-4 of the set, 26x the allowance. Compare together what is computed together: every gradient of a model in one
+    call (`grads_of`), its outputs in another, a loss alone; and compare the whole set, never a
+    widened one (a thousand epsilons of a set whose largest gradient is 500 are 0.06: a
+    BatchNorm bias's gradient 60% off passed that).
 
     `epsilons` (64 by default) covers the error growing with the depth of the sums and of the
-    model, a few epsilons in the models tested here; a real bug (a gradient missing a
-    micro-batch, a wrong stage's output) differs by a fraction of the scale, some 1e5 epsilons.
-    Pass more for a deep model whose outputs are much larger than its inputs, or a sum of very
-    many terms.
+    model: up to 22 epsilons of a tensor's own magnitude in the models tested here, where a
+    real bug (a gradient zeroed, negated, doubled, or missing a micro-batch) moves a tensor by
+    a fraction of its own magnitude, some 1e5 epsilons. A float16 or bfloat16 tensor is allowed
+    `epsilons_16bit` (4) epsilons of its own dtype instead (so never less than 2 of the set's):
+    its epsilon is already 2^16 (bfloat16) or 2^13 (float16) times float32's, and 64 of them
+    would be half the tensor's magnitude. Pass more for a deep model whose outputs are much larger than its inputs, or a
+    sum of very many terms.
 
     `actual` and `expected` are tensors, or containers of them (dicts compared by their keys, a
     `None` where a parameter has no gradient): the same structure, shapes and dtypes; integer
@@ -73,19 +97,33 @@ def assert_same_up_to_rounding(actual: Any, expected: Any, *, epsilons: float = 
             f"{name}: infinities in other places")
         if not finite.any():
             continue
-        diff = (a[finite].to(torch.complex128 if e.is_complex() else torch.float64)
-                - e[finite].to(torch.complex128 if e.is_complex() else torch.float64)
-                ).abs().max().item()
-        allowed = epsilons * torch.finfo(e.dtype).eps * scale
+        wide = torch.complex128 if e.is_complex() else torch.float64
+        diff = (a[finite].to(wide) - e[finite].to(wide)).abs().max().item()
+        count = epsilons_16bit if e.dtype in _16BIT else epsilons
+        own = max(_largest(a), _largest(e))
+        allowed = allowance(e.dtype, own, scale, epsilons=count, set_fraction=set_fraction)
         if diff > allowed:
             where = ((a.double() - e.double()).abs().nan_to_num(0.0).argmax().item()
                      if not e.is_complex() else 0)
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), e.shape))
+            held = (f"{count:g} epsilons of its own largest magnitude {own:.3g}"
+                    if own >= set_fraction * scale else
+                    f"{count:g} epsilons of {set_fraction:g} of the set's largest magnitude "
+                    f"{scale:.3g} (its own, {own:.3g}, is smaller)")
             raise AssertionError(
                 f"{name} differs by up to {diff:.3g} (at {index}: {a[index].item():.6g} instead "
-                f"of {e[index].item():.6g}), {diff / scale if scale else math.inf:.3g} of the "
-                f"set's largest magnitude {scale:.3g}; allowed: {epsilons:g} epsilons of it, "
-                f"{allowed:.3g}")
+                f"of {e[index].item():.6g}), {diff / own if own else math.inf:.3g} of its own "
+                f"largest magnitude; allowed: {held}, {allowed:.3g}")
+
+
+def allowance(dtype: torch.dtype, own: float, scale: float, *, epsilons: float | None = None,
+              set_fraction: float = SET_FRACTION) -> float:
+    """How far a tensor of `dtype` whose largest magnitude is `own`, in a set whose largest is
+    `scale`, may be off (`assert_same_up_to_rounding`'s rule; `epsilons` by default
+    `EPSILONS_16BIT` for a 16-bit dtype, else `EPSILONS`)."""
+    if epsilons is None:
+        epsilons = EPSILONS_16BIT if dtype in _16BIT else EPSILONS
+    return epsilons * torch.finfo(dtype).eps * max(own, set_fraction * scale)
 
 
 def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
