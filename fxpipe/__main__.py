@@ -49,6 +49,7 @@ from fxpipe.passes.errors import FxpipeError
 
 from . import timeline
 from .options import LinkName, Recompute
+from .schedules import SCHEDULES
 from .pictures import COLOURS, write_node_graph, write_stage_graph  # noqa: F401 (COLOURS: tests)
 from .report import measured_memory
 from .saved import plan_document
@@ -80,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 _FLAGS = ((re.compile(r"\bbatch_dims=(?=[\s;:,.)]|$)"), "--batch-dims DIM"),
           (re.compile(r"\bbatch_dims="), "--batch-dims "),
           (re.compile(r"\bchunks=(\w+)"), r"--chunks \1"),
+          (re.compile(r"\bchunks=(?=[\s;:,.)]|$)"), "--chunks N"),
+          (re.compile(r"\bschedule='(\w+)'"), r"--schedule \1"),
           (re.compile(r"\bverify=False\b"), "--no-verify"),
           (re.compile(r"\bnum_stages="), "--stages "),
           (re.compile(r"\bcapture='(\w+)'"), r"--capture \1"),
@@ -114,17 +117,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
     show = commands.add_parser("show", help="print a saved plan")
-    show.add_argument("dir")
+    show.add_argument("dir", help="a saved plan's directory (plan --save DIR)")
     show.set_defaults(command=_show, name="show")
 
     diff = commands.add_parser("diff", help="where two saved plans differ")
-    diff.add_argument("first")
-    diff.add_argument("second")
+    diff.add_argument("first", help="a saved plan's directory")
+    diff.add_argument("second", help="another saved plan's directory")
     diff.set_defaults(command=_diff, name="diff")
 
     run = commands.add_parser("run", help="run a saved plan on random inputs; measured "
                                           "against predicted time per stage")
-    run.add_argument("dir")
+    run.add_argument("dir", help="a saved plan's directory (plan --save DIR)")
     run.add_argument("--weights", metavar="CKPT",
                      help="read each stage's tensors from this checkpoint (a .safetensors file, "
                           "a Hugging Face sharded folder, a torch state_dict file): what a plan "
@@ -164,7 +167,9 @@ def _planning(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta", action="store_true",
                         help="build the model on the meta device (shapes, no values): planned "
                              "without holding it, saved with a manifest of each stage's tensors")
-    parser.add_argument("--chunks", default="1", help="micro-batches per call, or auto")
+    parser.add_argument("--chunks", default=None,
+                        help="micro-batches per call, or auto (default: 2 per stage, at most "
+                             "the batch's rows)")
     parser.add_argument("--batch-dims", default="0", metavar="JSON",
                         help="the batch dimension of the inputs: one for all (1 for a "
                              "sequence-first model), null for none, or one per --input as a "
@@ -179,6 +184,9 @@ def _planning(parser: argparse.ArgumentParser) -> None:
                         help="qualified names of submodules to keep whole, as one node each")
     parser.add_argument("--stages", default=None, help="number of stages to use, or auto")
     parser.add_argument("--train", action="store_true", help="plan for training (train_step)")
+    parser.add_argument("--schedule", choices=[*SCHEDULES, "auto"], default="gpipe",
+                        help="the training schedule (default: gpipe; 1f1b keeps fewer "
+                             "micro-batches in flight; auto weighs both)")
     parser.add_argument("--recompute", choices=get_args(Recompute), default="never",
                         help="recompute activations in training (default: never)")
     parser.add_argument("--optimizer", default="adam",
@@ -220,9 +228,11 @@ def _plan(args: argparse.Namespace) -> int:
     if tokens is not None:
         torch.manual_seed(0)
         inputs = (torch.randint(0, _vocabulary(model), tokens), *inputs)
-    options = {"chunks": _count(args.chunks), "training": args.train,
+    options = {"chunks": None if args.chunks is None else _count(args.chunks),
+               "training": args.train,
                "progress": False if args.quiet else None, "recompute": args.recompute,
                "optimizer": args.optimizer, "link": args.link, "verify": not args.no_verify,
+               "schedule": args.schedule,
                "batch_dims": _batch_dims(args.batch_dims), "capture": args.capture,
                "leaf_modules": [name for name in args.leaf_modules.split(",") if name]}
     if args.stages is not None:
@@ -301,7 +311,8 @@ def _diff(args: argparse.Namespace) -> int:
     lines = []
     for key in ("devices", "chunks", "schedule", "threads", "fxpipe", "torch"):
         if first.get(key) != second.get(key):
-            lines.append(f"{key}: {json.dumps(first.get(key))} | {json.dumps(second.get(key))}")
+            lines.append(f"{key}: {_shown(key, first.get(key))} | "
+                         f"{_shown(key, second.get(key))}")
     a, b = first["partition"], second["partition"]
     for key in ("bottleneck_s", "lower_bound_s"):
         lines.append(f"{key.replace('_s', '')}: {_ms(a[key])} | {_ms(b[key])}")
@@ -316,6 +327,20 @@ def _diff(args: argparse.Namespace) -> int:
         lines.append(f"nodes only in {args.second}: {len(only)}")
     print("\n".join(lines))
     return 0
+
+
+def _shown(key: str, value: Any) -> str:
+    """A saved plan's entry as `diff` prints it: devices by name (with their memory where
+    bounded), lists comma-separated, the rest as is."""
+    if value is None:
+        return "-"
+    if key == "devices":
+        return ", ".join(d["name"] + ("" if d.get("memory_bytes") in (None, "inf") else
+                                      f"={format_bytes(float(d['memory_bytes']))}")
+                         for d in value)
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    return str(value)
 
 
 def _run(args: argparse.Namespace) -> int:

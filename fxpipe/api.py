@@ -13,7 +13,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -52,7 +52,7 @@ from .wiring import Wiring
 
 def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             example_inputs: tuple | Any = (), example_kwargs: Mapping[str, Any] | None = None, *,
-            chunks: int | Literal["auto"] = 1, capture: CaptureMode = "auto",
+            chunks: int | Literal["auto"] | None = None, capture: CaptureMode = "auto",
             leaf_modules: Iterable[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
             num_stages: int | Literal["auto"] | None = None,
             schedule: ScheduleName | Literal["auto"] = "gpipe", training: bool | None = None,
@@ -67,7 +67,10 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
 
     `example_inputs` is one full batch (positional; a single tensor is accepted as is) and
     `example_kwargs` its keyword inputs; costs are measured on one micro-batch of it, on
-    `devices[0]`. `chunks` is the number of micro-batches each call is split into, along
+    `devices[0]`. `chunks` is the number of micro-batches each call is split into (by default
+    2 per stage, so that the stages overlap, at most the example's rows; 1 on one stage, and
+    where micro-batches would compute something else than the whole batch: BatchNorm in
+    training, a model mixing samples; "auto" weighs several), along
     `batch_dims`: dimension 0 of every input unless given, as an int for all inputs or per input
     (`{"x": 1}` or `{0: 1}` for a sequence-first input; None for an input given whole to every
     micro-batch); a call or train step on fewer rows than `chunks` runs one micro-batch per row
@@ -168,10 +171,11 @@ def _plan(recipe: Recipe) -> Plan:
         try:
             plan = _build(model, recipe.trace(model), recipe)
         except BatchError:
-            if recipe.options.chunks != "auto":
+            if recipe.options.chunks not in ("auto", None):
                 raise
             # The model mixes or reduces the batch: micro-batches cannot compute what it
-            # computes, and "auto" never changes the result, so the plan keeps the batch whole.
+            # computes, and neither "auto" nor the default changes the result, so the plan
+            # keeps the batch whole (and says its stages then run one at a time).
             recipe.options = replace(recipe.options, chunks=1)
             plan = _build(model, recipe.trace(model), recipe)
     finally:
@@ -389,12 +393,12 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     # A model on meta cannot run whole anywhere: its own time is not measured.
     if unpipelined_s is None and not materialize:
         unpipelined_s = time_unpipelined(model, recipe, training)
-    chunk_list = _chunk_options(model, recipe, training, len(o.devices))
-    first_args, first_kwargs = microbatch.split((args, kwargs), chunk_list[0], dims)[0]
+    chunks_for = _chunk_options(model, recipe, training, len(o.devices))
+    first_args, first_kwargs = microbatch.split((args, kwargs), chunks_for(1)[0], dims)[0]
     _functionalize(gm, recipe, first_args, first_kwargs)
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
     costs = Costs(gm, recipe, training)
-    chosen, reason, considered = _choose(costs, recipe, training, chunk_list, unpipelined_s,
+    chosen, reason, considered = _choose(costs, recipe, training, chunks_for, unpipelined_s,
                                          pipelines)
     config = chosen.config
     specs = chosen.partition.devices
@@ -535,7 +539,7 @@ def _inputs_device(recipe: Recipe) -> torch.device:
     return next((t.device for t in tensors((recipe.args, recipe.kwargs))), torch.device("cpu"))
 
 
-def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[int],
+def _choose(costs: Costs, recipe: Recipe, training: bool, chunks_for: Callable[[int], list[int]],
             unpipelined_s: float | None, pipelines: bool = True
             ) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
     """Every configuration the options leave open, costed, partitioned and predicted; the one
@@ -553,7 +557,7 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunk_list: Sequence[i
     candidates = []
     for k in stage_counts:
         threads = search.stage_threads(specs, k, cores, o.threads_per_stage)
-        for chunks in (chunk_list if k > 1 or len(chunk_list) == 1 else [1]):
+        for chunks in chunks_for(k):
             for schedule in (schedules if k > 1 else schedules[:1]):   # alike on one stage
                 config = search.Config(k, chunks, schedule, threads)
                 if num_stages == "auto" and config == as_is_config:
@@ -587,18 +591,23 @@ def _recompute_part(part: Partition, stages: Sequence[Stage]) -> tuple[tuple[str
     return tuple(cost.recomputed for cost in part.stages)
 
 
-def _chunk_options(model: nn.Module, recipe: Recipe, training: bool, devices: int) -> list[int]:
-    """The micro-batch counts to consider: the one asked for, or with "auto" the powers of two
-    worth trying (`search.chunk_options`); only one micro-batch where micro-batches would
+def _chunk_options(model: nn.Module, recipe: Recipe, training: bool,
+                   devices: int) -> Callable[[int], list[int]]:
+    """The micro-batch counts to consider on a number of stages: the one asked for; with
+    "auto" the powers of two worth trying (`search.chunk_options`, one on one stage); by default
+    2 per stage (`search.default_chunks`); only one micro-batch where micro-batches would
     compute something else than the whole batch (BatchNorm normalising each in training)."""
     chunks = recipe.options.chunks
-    if chunks != "auto":
-        return [chunks]
+    if chunks not in ("auto", None):
+        return lambda stages: [chunks]
     if training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
                         for m in model.modules()):
-        return [1]
+        return lambda stages: [1]
     rows = microbatch.batch_size((recipe.args, recipe.kwargs), recipe.input_dims)
-    return search.chunk_options(rows, devices)
+    if chunks is None:
+        return lambda stages: [search.default_chunks(rows, stages)]
+    options = search.chunk_options(rows, devices)
+    return lambda stages: options if stages > 1 else [1]
 
 
 def _link_function(options: Options) -> LinkFn:

@@ -94,9 +94,12 @@ def _check(name: str) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = device.index or 0
     if index >= count:
-        have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
-        raise DeviceError(f"device {name!r} does not exist on this machine ({have})\n"
-                          f"use one of those or 'cpu'")
+        have = (f"{count} CUDA device{'s' * (count > 1)}: cuda:0..cuda:{count - 1}" if count
+                else "no CUDA device")
+        use = (f"use one of cuda:0..cuda:{count - 1}, or 'cpu'" if count else
+               "use 'cpu', or plan for GPUs without them: a DeviceSpec gives a device's memory "
+               "and speed, and a saved plan runs where its devices exist")
+        raise DeviceError(f"device {name!r} does not exist on this machine ({have})\n{use}")
 
 
 def _check_spec(spec: DeviceSpec) -> None:

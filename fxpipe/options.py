@@ -43,7 +43,7 @@ class Options:
     given as compile takes it (names, torch.devices or DeviceSpecs) and kept as DeviceSpecs."""
 
     devices: tuple[DeviceSpec, ...]
-    chunks: int | Auto = 1
+    chunks: int | Auto | None = None
     capture: CaptureMode = "auto"
     leaf_modules: tuple[str | type, ...] = ()
     concrete_args: Mapping[str, Any] | None = None
@@ -67,9 +67,10 @@ class Options:
         object.__setattr__(self, "devices", tuple(parse_devices(self.devices)))
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         chunks, threads, repeats = self.chunks, self.threads_per_stage, self.repeats
-        if chunks != "auto" and not _count(chunks):
+        if chunks not in ("auto", None) and not _count(chunks):
             raise BatchError(f"chunks={chunks!r}: the number of micro-batches must be an int "
-                             f">= 1 or 'auto'\n'auto' lets the plan choose")
+                             f">= 1 or 'auto'\n'auto' lets the plan choose; None (the default) "
+                             f"takes 2 per stage")
         if self.schedule != "auto" and self.schedule not in SCHEDULES:
             raise ScheduleError(f"unknown schedule {self.schedule!r}\nuse one of "
                                 f"{', '.join(SCHEDULES)}, or 'auto' to let the plan choose")

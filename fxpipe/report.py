@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -9,7 +10,7 @@ from tabulate import tabulate
 
 from fxpipe.passes.annotate_costs import UNSTEADY
 from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
-from fxpipe.passes.device import is_gpu
+from fxpipe.passes.device import is_cpu, is_gpu
 from fxpipe.passes.materialize import blockless
 
 from .search import in_flight, notes
@@ -33,9 +34,10 @@ def table(plan: Plan) -> str:
         modules = plan.stage_modules[s] if plan.stage_modules else ()
         runs = ", ".join(modules) if modules else f"{first} .. {last}"
         rows.append((s, plan.partition.devices[s].name, cost.num_nodes, runs,
-                     cost.time_s * 1e3, plan.stage_param_bytes[s] / 1e6, cost.sent_bytes))
+                     cost.time_s * 1e3, plan.stage_param_bytes[s] / 1e6,
+                     format_bytes(cost.sent_bytes)))
     return tabulate(rows, headers=["stage", "device", "nodes", "runs", "predicted ms",
-                                   "params MB", "bytes sent"], floatfmt=".3f",
+                                   "params MB", "sent"], floatfmt=".3f",
                     maxcolwidths=[None, None, None, 64, None, None, None])
 
 
@@ -58,6 +60,7 @@ def describe(plan: Plan) -> str:
         *measured_memory(plan),
         *_cuda_context(plan),
         *_comparison(plan),
+        *_overlap(plan),
         *_stand_ins(plan),
         *_choice(plan),
         f"outputs checked against the model: {plan.verified}{_tolerance(plan)}",
@@ -206,6 +209,22 @@ def _comparison(plan: Plan) -> list[str]:
         lines.append("warning: the pipeline is predicted slower than the model run whole: "
                      "let the plan choose (num_stages='auto', chunks='auto'), or run the "
                      "model without fxpipe")
+    return lines
+
+
+def _overlap(plan: Plan) -> list[str]:
+    """Warnings where the stages cannot all work at once: one micro-batch (each stage waits
+    for the one before), or more CPU stages than this machine has cores."""
+    stages = plan.partition.num_stages
+    lines = []
+    if stages > 1 and plan.chunks == 1:
+        lines.append(f"warning: one micro-batch per call: the {stages} stages run one after "
+                     f"another, never at once (more micro-batches, chunks=, by default 2 per "
+                     f"stage, let them overlap where the model allows)")
+    cpu_stages, cores = sum(is_cpu(d.name) for d in plan.partition.devices), os.cpu_count() or 1
+    if cpu_stages > cores:
+        lines.append(f"warning: {cpu_stages} CPU stages on {_count(cores, 'core')}: they take "
+                     f"turns on the cores, so at most {cores} run at once")
     return lines
 
 

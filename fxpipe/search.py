@@ -325,6 +325,13 @@ def notes(chosen: Candidate | None) -> list[str]:
                     for s in chosen.near_empty()]
 
 
+def default_chunks(rows: int, stages: int) -> int:
+    """The micro-batches of a call where `chunks` is not given: 2 per stage, so that every
+    stage has one to work on while the next one's arrives (one alone runs the stages one at a
+    time), at most the batch's rows; 1 on one stage. A rule measuring nothing."""
+    return max(1, min(rows, 2 * stages)) if stages > 1 else 1
+
+
 def chunk_options(rows: int, max_stages: int) -> list[int]:
     """Micro-batch counts worth trying: powers of two up to 4 per stage (a pipeline's bubble is
     then under a fifth), at most 32 and at most the batch's rows."""

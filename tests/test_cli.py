@@ -75,7 +75,8 @@ def test_run_without_inputs_draws_them_shaped_as_the_plans_example(saved, capsys
 def test_diff_shows_where_two_plans_differ(saved, capsys):
     assert main(["diff", str(saved / "two"), str(saved / "three")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("devices:") and "nodes in another stage:" in out
+    assert out.startswith("devices: cpu, cpu | cpu, cpu, cpu\n") and "nodes in another stage:" in out
+    assert "{" not in out and '"' not in out      # names, not the saved JSON
 
 
 @pytest.mark.parametrize("command", [["plan", "--explain"], ["explain"]])
@@ -132,10 +133,29 @@ def test_an_errors_fix_names_the_flags_that_exist_and_they_work(capsys):
     for flag in ("--batch-dims DIM", "--chunks 1", "--no-verify"):
         assert flag in err, err
     assert "batch_dims=" not in err and "verify=False" not in err
-    for fix in (["--batch-dims", "1"], ["--batch-dims", "[1]"], ["--no-verify"]):
+    for fix in (["--batch-dims", "1"], ["--no-verify"]):
         assert main([*SEQUENCE_FIRST, *fix]) == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         assert ("outputs checked against the model: yes" in out) == (fix != ["--no-verify"])
+
+
+def test_every_option_a_memory_refusal_offers_is_a_flag_of_plan(tmp_path):
+    from fxpipe.__main__ import _as_flags
+    from fxpipe.saved import plan_document
+    said = _as_flags("use devices with more memory, schedule='1f1b' (fewer micro-batches in "
+                     "flight), more micro-batches (chunks=), or recompute='auto'")
+    assert said == ("use devices with more memory, --schedule 1f1b (fewer micro-batches in "
+                    "flight), more micro-batches (--chunks N), or --recompute auto")
+    argv = [*LAYER, "--train", "--chunks", "4", "--schedule", "1f1b", "--quiet",
+            "--save", str(tmp_path / "plan")]
+    assert main(["plan", *argv]) == 0
+    assert plan_document(tmp_path / "plan")["schedule"] == "1f1b"
+
+
+def test_batch_dims_take_one_for_every_input_or_a_list_of_one_per_input():
+    from fxpipe.__main__ import _batch_dims
+    assert (_batch_dims("1"), _batch_dims("null"), _batch_dims("[1, null]")) == \
+        (1, None, {0: 1, 1: None})
 
 
 @pytest.mark.parametrize("dims", ["x", "[1, true]", '{"a": 1}'])
@@ -190,7 +210,7 @@ def test_progress_shows_nodes_measured_when_asked_and_not_by_default(capsys):
     model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval(), torch.randn(4, 8)
     fxpipe.compile(model, ["cpu"] * 2, (x,), progress=True)
     err = capsys.readouterr().err
-    assert "fxpipe: planning 2 stages x 1 micro-batch" in err
+    assert "fxpipe: planning 2 stages x 4 micro-batches" in err
     assert "measuring node 4 of 4" in err and err.endswith("\r")     # the line cleared after
     fxpipe.compile(model, ["cpu"] * 2, (x,))       # stderr is not a terminal here
     assert capsys.readouterr().err == ""

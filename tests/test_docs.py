@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,59 @@ def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch):
             run_hypothesis_tests(block, where, namespace)
         else:
             exec(compile(block.code, where, "exec"), namespace)
+
+
+ILLUSTRATIVE = re.compile(r"<!-- illustrative: (?P<why>[^>]+?) -->\n\Z")
+
+
+def fxpipe_commands(page: Path) -> list[tuple[int, list[list[str]]]]:
+    """The page's ```sh blocks that run `python -m fxpipe`, each as the command lines it runs
+    (continuations joined, comments dropped, the arguments after `python -m fxpipe`), with the
+    line its fence opens on; a block right after `<!-- illustrative: why -->` is left out."""
+    text = page.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        body = match.group("body")
+        if match.group("lang") not in ("sh", "bash", "shell") or "python -m fxpipe" not in body:
+            continue
+        if ILLUSTRATIVE.search(text[:match.start()]):
+            continue
+        joined = re.sub(r"\\\n\s*", " ", body)
+        commands = [shlex.split(line, comments=True) for line in joined.splitlines()]
+        found.append((text.count("\n", 0, match.start()) + 1,
+                      [c[3:] for c in commands if c[:3] == ["python", "-m", "fxpipe"]]))
+    return found
+
+
+WITH_COMMANDS = [page for page in PAGES if fxpipe_commands(page)]
+
+
+@pytest.mark.parametrize("page", WITH_COMMANDS,
+                         ids=[str(p.relative_to(ROOT)) for p in WITH_COMMANDS])
+def test_every_fxpipe_command_of_the_page_runs(page, tmp_path, monkeypatch, capsys):
+    """Each in order, in one fresh working directory (a command reads what an earlier one
+    saved), exiting 0."""
+    from fxpipe.__main__ import main
+    monkeypatch.chdir(tmp_path)
+    for line, commands in fxpipe_commands(page):
+        for argv in commands:
+            code = main(argv)
+            assert code == 0, (f"{page.relative_to(ROOT)}:{line}: fxpipe {' '.join(argv)}\n"
+                               f"{capsys.readouterr().err[-2000:]}")
+
+
+def test_every_illustrative_command_block_says_why():
+    """A ```sh block left out names its reason (a GPU, a checkpoint), and every other block
+    running fxpipe is run above."""
+    for page in PAGES:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            if "python -m fxpipe" not in match.group("body"):
+                continue
+            marked = ILLUSTRATIVE.search(text[:match.start()])
+            assert marked is None or len(marked.group("why")) > 10, page.name
+    assert any("python -m fxpipe plan" in " ".join(["python -m fxpipe", *c])
+               for page in WITH_COMMANDS for _, cs in fxpipe_commands(page) for c in cs)
 
 
 def test_a_script_started_by_torchrun_says_so_on_its_first_line():

@@ -110,3 +110,35 @@ def test_a_tensor_default_argument_trains_as_the_model(y):
     loss = pipe.train_step(inputs, target, F.mse_loss)
     assert_same_up_to_rounding(loss, expected_loss)
     assert_same_up_to_rounding(grads_of(pipe), expected)
+
+
+def test_a_stage_failing_on_a_call_names_the_callers_inputs_and_a_fix():
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (torch.randn(8, 32),), chunks=2)
+    with pytest.raises(fxpipe.StageError, match="stage 0 failed on micro-batch 0") as error:
+        pipe(torch.randn(8, 31))
+    message = str(error.value)
+    assert "the call's inputs: input_1 (8, 31) float32, split into 2 micro-batches" in message
+    assert "Fix: call the pipeline with inputs the model takes" in message
+    assert error.value.stage == 0 and error.value.microbatch == 0
+
+
+def test_a_capture_reason_stops_before_a_structure_it_cannot_close():
+    from fxpipe.passes.capture.choose import _because
+    dumped = ("torch.export: UserError: expected TreeSpec(tuple, None, [TreeSpec(dict, ['x'],\n"
+              "  [*]), *])\n    Fix: ...")
+    assert _because([dumped]) == "torch.export failed: UserError: expected TreeSpec (...)"
+    assert _because(["torch.fx: NameError: name (a) is not defined\n  ..."]) == \
+        "torch.fx failed: NameError: name (a) is not defined"
+
+
+def test_a_gpu_that_does_not_exist_is_refused_saying_what_there_is():
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(fxpipe.DeviceError) as error:
+        fxpipe.plan(Net(), [f"cuda:{count}"], (torch.randn(8, 32),))
+    message = str(error.value)
+    if count:
+        assert f"use one of cuda:0..cuda:{count - 1}, or 'cpu'" in message
+    else:
+        assert "(no CUDA device)" in message and "use 'cpu'" in message
+        assert "one of those" not in message

@@ -86,7 +86,7 @@ def test_the_plan_is_a_table_and_stage_code_is_printable():
     model, x = Net().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2)
     text = str(pipe.plan)
-    for column in ("stage", "device", "nodes", "predicted ms", "params MB", "bytes sent"):
+    for column in ("stage", "device", "nodes", "predicted ms", "params MB", "sent"):
         assert column in text
     assert "captured by fx" in text
     assert pipe.stages[1].code.lstrip().startswith("def forward(self")

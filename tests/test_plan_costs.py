@@ -139,7 +139,7 @@ def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(mon
     monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
     devices = [fxpipe.DeviceSpec("cpu", threads=2), fxpipe.DeviceSpec("cpu", threads=1)]
     x = torch.randn(4, 8)
-    pipe = fxpipe.compile(TwoParts().eval(), devices, (x,), leaf_modules=[Threads])
+    pipe = fxpipe.compile(TwoParts().eval(), devices, (x,), leaf_modules=[Threads], chunks=1)
     assert sorted(measured) == [1, 2]
     nodes = [n for n in pipe.module.graph.nodes if "costs" in n.meta]
     assert nodes and all(set(n.meta["costs"]) == {"cpu/2", "cpu/1"} for n in nodes)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxpipe.passes.errors import StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
@@ -36,10 +37,27 @@ def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any
     signature = plan.signature
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
     chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
-    outputs, _ = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
-                             seeds=microbatch_seeds(len(chunks)))
+    try:
+        outputs, _ = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
+                                 seeds=microbatch_seeds(len(chunks)))
+    except StageError as error:
+        raise with_the_call(error, plan, values, len(chunks)) from error.__cause__
     return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
                              for chunk, out in zip(chunks, outputs)], plan.output_dims)
+
+
+def with_the_call(error: StageError, plan: Plan, values: dict[str, Any],
+                  chunks: int) -> StageError:
+    """`error`, a stage's on a micro-batch, with the caller's inputs (their shapes, as given,
+    before the split into micro-batches) and the sizes the plan serves."""
+    given = ", ".join(f"{name} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+                      for name, v in values.items() if isinstance(v, torch.Tensor))
+    message = (f"{error}\nthe call's inputs: {given or 'no tensor'}, split into "
+               f"{chunks} micro-batch{'es' * (chunks > 1)}; the plan serves "
+               f"{plan.signature.sizes_served()}\nFix: call the pipeline with inputs the model "
+               f"takes, shaped as its example (every size the plan does not mark free), or "
+               f"compile again on an example of these")
+    return StageError(message, stage=error.stage, microbatch=error.microbatch)
 
 
 def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> None:

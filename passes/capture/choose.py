@@ -189,8 +189,20 @@ def without_cache(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
 
 
 def _because(failures: Iterable[str]) -> str:
-    """`torch.fx failed: TraceError: ...`: the first line of each failure, as a reason."""
-    return "; ".join(f.splitlines()[0].replace(": ", " failed: ", 1) for f in failures)
+    """`torch.fx failed: TraceError: ...`: the first line of each failure, as a reason (up to
+    a bracket it leaves open: a structure dumped over several lines, a TreeSpec, is left out)."""
+    return "; ".join(_closed(f.splitlines()[0]).replace(": ", " failed: ", 1) for f in failures)
+
+
+def _closed(line: str) -> str:
+    """`line` up to the first bracket it does not close, marked `(...)`; as is if none."""
+    pairs, opened = {")": "(", "]": "[", "}": "{"}, []
+    for i, c in enumerate(line):
+        if c in "([{":
+            opened.append(i)
+        elif c in pairs and opened and line[opened[-1]] == pairs[c]:
+            opened.pop()
+    return line if not opened else line[:opened[0]].rstrip(" :,=") + " (...)"
 
 
 def _too_coarse(model: nn.Module, gm: fx.GraphModule, given_leaves: Iterable[str | type],
