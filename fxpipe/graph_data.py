@@ -276,8 +276,8 @@ class Codec:
     # a namedtuple's class by name and fields (rebuilt alike where not given), torch's
     # structseqs (`torch.return_types.max`), or a class registered with torch's pytree (a
     # Hugging Face ModelOutput) found among those registered by `module.qualname`.
-    _CONTAINERS = {"tuple": tuple, "list": list, "dict": dict, "OrderedDict": collections.OrderedDict,
-                   "deque": collections.deque}
+    _CONTAINERS = {"tuple": tuple, "list": list, "dict": dict,
+                   "OrderedDict": collections.OrderedDict, "deque": collections.deque}
 
     def _encode_spec(self, spec: pytree.TreeSpec) -> Any:
         if spec.is_leaf():

@@ -14,8 +14,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
     from .plan_data import Plan
 
 _SCHEMA = "fxpipe-plan"       # what plan_data.json says it is
+FORMAT = 5
+PICKLED_FORMATS = (4,)      # plans holding a pickle: loaded only with trust_pickle=True
+PLAN_FILE, DATA_FILE, PICKLE_FILE = "plan.json", "plan_data.json", "plan.pt"
 
 
 def _types() -> dict[str, type]:
@@ -117,9 +123,9 @@ def decode_plan(data: Mapping[str, Any], *, functions: Iterable[Callable] = (),
         raise PlanFileError(f"{where} holds malformed plan data ({type(e).__name__}: {e})"
                             f"\nsave the plan again") from None
     plan_type = _types()["Plan"]
-    if set(fields) - {f.name for f in dataclasses.fields(plan_type)}:
-        raise PlanFileError(f"{where} holds fields no plan has: "
-                            f"{sorted(set(fields) - {f.name for f in dataclasses.fields(plan_type)})}")
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(plan_type)})
+    if unknown:
+        raise PlanFileError(f"{where} holds fields no plan has: {unknown}")
     signature = fields.get("signature")
     for rule in getattr(signature, "size_rules", ()):
         check_rule(rule.code, where)
@@ -264,3 +270,84 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+# ---- plan.json, read: the checks of every load ---------------------------------------------------
+
+def versions() -> dict[str, str]:
+    """The versions a plan is saved with and must be loaded with."""
+    try:
+        ours = importlib.metadata.version("fxpipe")
+    except importlib.metadata.PackageNotFoundError:     # run from a source tree
+        ours = "unknown"
+    return {"fxpipe": ours, "torch": torch.__version__}
+
+
+def _checked(path: str | os.PathLike, index: int | None,
+             trust_pickle: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The plan's directory and `plan.json`, once the files a load reads are there and
+    unchanged (all of them, or those stage `index` needs) and the versions match."""
+    root = Path(path)
+    document = _document(root, trust_pickle=trust_pickle)
+    needed = dict(document["files"])
+    if index is not None:
+        holders = {holder for holder, _ in document["shared"][index].values()} | {index} \
+            if index < len(document["shared"]) else set()
+        needed = {name: digest for name, digest in needed.items()
+                  if not name.startswith("stage_") or name.endswith(".py") or
+                  int(name[6:].split(".")[0]) in holders}
+    for name, digest in needed.items():
+        file = root / name
+        if not file.is_file():
+            raise PlanFileError(f"the plan at {str(root)!r} is missing {name}\n"
+                                f"save the plan again")
+        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            raise PlanFileError(f"{name} in the plan at {str(root)!r} changed since it was saved"
+                                f"\nits SHA-256 differs from plan.json's; save the plan "
+                                f"again rather than editing its files")
+    return root, document
+
+
+def plan_document(path: str | os.PathLike) -> dict[str, Any]:
+    """`plan.json` of the plan saved at `path`, checked as a load checks it (there, readable,
+    of this format, unchanged) but saved by any versions of fxpipe and torch: what
+    `fxpipe diff` compares, plans from other versions included."""
+    return _document(Path(path), same_versions=False)
+
+
+def _document(root: Path, *, same_versions: bool = True,
+              trust_pickle: bool = False) -> dict[str, Any]:
+    """`plan.json` of the plan at `root`, once it is there, readable, of this format (or, with
+    `trust_pickle`, a pickled one), saved by the versions running (unless not `same_versions`)
+    and unchanged."""
+    if not (root / PLAN_FILE).is_file():
+        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing\n"
+                            f"save one with pipe.plan.save(path)")
+    try:
+        document = json.loads((root / PLAN_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e})\n"
+                            f"save the plan again") from None
+    if document.get("format") in PICKLED_FORMATS and not trust_pickle:
+        raise PlanFileError(
+            f"the plan at {str(root)!r} is of format {document['format']}, a pickle\nloading "
+            f"its {PICKLE_FILE} runs whatever code its directory holds\nconvert it once, if "
+            f"you trust it: fxpipe.saved.convert(old, new) or `fxpipe convert old new`; or "
+            f"load it with trust_pickle=True")
+    if document.get("format") != FORMAT and document.get("format") not in PICKLED_FORMATS:
+        raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
+                            f"fxpipe reads format {FORMAT}\nsave the plan again with it")
+    running = versions() if same_versions else {}
+    differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
+              for name, version in running.items() if document.get(name) != version]
+    if differ:
+        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions\n"
+                            f"{'; '.join(differ)}\nplan the model again with these versions")
+    if document.get("sha256") != _content_digest(document):
+        raise PlanFileError(f"{root / PLAN_FILE} changed since the plan was saved\n"
+                            f"its content no longer matches its sha256; plan.json describes the "
+                            f"plan that runs, "
+                            f"which is read from {DATA_FILE} and the stage files, so an edit "
+                            f"would not take effect\nsave the plan again to change it "
+                            f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
+    return document

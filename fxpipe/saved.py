@@ -4,34 +4,33 @@
     plan = fxpipe.load_plan("plans/resnet50-4")
     pipe = fxpipe.Pipeline(plan)
 
-A saved plan is a directory:
+A saved plan (format 5) is a directory of data; loading it runs no code it holds:
 
 - `plan.json`: what a person (or a tool) reads: the versions it was saved with, the capture, the
   devices, chunks, schedule and threads, the partition with its bound and proof, the stage
   wiring, every node's measured costs per kind of device, a SHA-256 of every other file and
   one of its own content (`sha256`, over the rest of the document). It describes what runs,
-  which is read from `plan.pt` and the stage files, so an edit would not take effect: an edited
-  plan.json is refused at load rather than believed; to change a plan, plan and save it again.
+  which is read from `plan_data.json` and the stage files, so an edit would not take effect: an
+  edited plan.json is refused at load rather than believed; to change a plan, plan it again.
+- `plan_data.json`: the plan itself, stages included, as data (`fxpipe.plan_format`,
+  `fxpipe.graph_data`): each node's target by name, resolved at load through closed tables.
+  What a plan names but cannot hold comes from the caller: `functions=` (functions kept whole
+  with `torch.fx.wrap`) and `model=` (modules of the model's own classes kept whole).
 - `stage_<s>.py`: stage `s`'s generated code, to read (`print(pipe.stages[s].code)`).
 - `stage_<s>.pt`: stage `s`'s own tensors (torch's format, loaded with `weights_only=True`):
   parameters, buffers persistent or not, and the tensor constants the graph reads; a tensor
   several stages share is saved once, with the first stage holding it.
-- `plan.pt`: the plan itself (stages as GraphModules with their tensors left out, the calling
-  convention), pickled by `torch.save`. Loading it unpickles Python objects: load only plans you
-  trust, as with any pickle. A stage that calls a module class from outside torch (a leaf module
-  kept whole) needs that class importable where the plan is loaded; everything else is torch's.
 
 Loading checks every file against `plan.json` (missing, changed), plan.json against itself, and
-the fxpipe and torch versions against those running, and says what differs.
+the fxpipe and torch versions against those running, and says what differs. A plan of format 4
+holds `plan.pt`, a pickle: loaded only with `trust_pickle=True`, rewritten by `convert`.
 
 A plan's devices are those it was planned for; `load_plan(path, devices=[...])` (one per stage)
 and `load_stage(path, index, device=...)` put the stages on others: each stage's tensors are
 loaded there, and the devices its code names (`full_like(h, 2.0, device=cpu)` in an export
 graph) become its new one. Stages whose planned memory exceeds their new device's (a GPU's own,
 or `DeviceSpec(memory_bytes=...)`; stages put on one device share it) are refused by name, as
-are stages sharing a tensor (a tied weight) put on different devices. A stage's code is traced again as it loads (torch pickles a
-GraphModule's code, not its graph): an op reading only constants (`arange(8)`) then runs once,
-at load, and its result is a tensor constant of the loaded stage, on the stage's device.
+are stages sharing a tensor (a tied weight) put on different devices.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import importlib.metadata
 import json
 import os
 import pickle
@@ -58,25 +56,15 @@ from fxpipe.passes.device import is_cpu, same_memory
 from fxpipe.passes.errors import DeviceError, PlanFileError
 
 from .devices import DeviceLike, parse_devices
-from .plan_format import (decode_plan, encode_plan, manifest, _content_digest, _description,
-                          _finite, _non_persistent, _tensors)
+# The format's names and plan.json's checks live in plan_format; saved.FORMAT and the rest stay.
+from .plan_format import (DATA_FILE, FORMAT, PICKLE_FILE, PICKLED_FORMATS, PLAN_FILE,  # noqa: F401
+                          _checked, _content_digest, _description, _document, _finite,
+                          _non_persistent, _tensors, decode_plan, encode_plan, manifest,
+                          plan_document, versions)
 from .weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
 
 if TYPE_CHECKING:      # plan_data saves its plans here: the type only, or a cycle
     from .plan_data import Plan
-
-FORMAT = 5
-PICKLED_FORMATS = (4,)      # plans holding a pickle: loaded only with trust_pickle=True
-PLAN_FILE, DATA_FILE, PICKLE_FILE = "plan.json", "plan_data.json", "plan.pt"
-
-
-def versions() -> dict[str, str]:
-    """The versions a plan is saved with and must be loaded with."""
-    try:
-        ours = importlib.metadata.version("fxpipe")
-    except importlib.metadata.PackageNotFoundError:     # run from a source tree
-        ours = "unknown"
-    return {"fxpipe": ours, "torch": torch.__version__}
 
 
 def save(plan: Plan, path: str | os.PathLike) -> Path:
@@ -349,76 +337,6 @@ def _write_torch(path: Path, obj: Any) -> str:
 
 
 # ---- reading ------------------------------------------------------------------------------------
-
-def _checked(path: str | os.PathLike, index: int | None,
-             trust_pickle: bool = False) -> tuple[Path, dict[str, Any]]:
-    """The plan's directory and `plan.json`, once the files a load reads are there and
-    unchanged (all of them, or those stage `index` needs) and the versions match."""
-    root = Path(path)
-    document = _document(root, trust_pickle=trust_pickle)
-    needed = dict(document["files"])
-    if index is not None:
-        holders = {holder for holder, _ in document["shared"][index].values()} | {index} \
-            if index < len(document["shared"]) else set()
-        needed = {name: digest for name, digest in needed.items()
-                  if not name.startswith("stage_") or name.endswith(".py") or
-                  int(name[6:].split(".")[0]) in holders}
-    for name, digest in needed.items():
-        file = root / name
-        if not file.is_file():
-            raise PlanFileError(f"the plan at {str(root)!r} is missing {name}\n"
-                                f"save the plan again")
-        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
-            raise PlanFileError(f"{name} in the plan at {str(root)!r} changed since it was saved"
-                                f"\nits SHA-256 differs from plan.json's; save the plan "
-                                f"again rather than editing its files")
-    return root, document
-
-
-def plan_document(path: str | os.PathLike) -> dict[str, Any]:
-    """`plan.json` of the plan saved at `path`, checked as a load checks it (there, readable,
-    of this format, unchanged) but saved by any versions of fxpipe and torch: what
-    `fxpipe diff` compares, plans from other versions included."""
-    return _document(Path(path), same_versions=False)
-
-
-def _document(root: Path, *, same_versions: bool = True,
-              trust_pickle: bool = False) -> dict[str, Any]:
-    """`plan.json` of the plan at `root`, once it is there, readable, of this format (or, with
-    `trust_pickle`, a pickled one), saved by the versions running (unless not `same_versions`)
-    and unchanged."""
-    if not (root / PLAN_FILE).is_file():
-        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing\n"
-                            f"save one with pipe.plan.save(path)")
-    try:
-        document = json.loads((root / PLAN_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e})\n"
-                            f"save the plan again") from None
-    if document.get("format") in PICKLED_FORMATS and not trust_pickle:
-        raise PlanFileError(
-            f"the plan at {str(root)!r} is of format {document['format']}, a pickle\nloading "
-            f"its {PICKLE_FILE} runs whatever code its directory holds\nconvert it once, if "
-            f"you trust it: fxpipe.saved.convert(old, new) or `fxpipe convert old new`; or "
-            f"load it with trust_pickle=True")
-    if document.get("format") != FORMAT and document.get("format") not in PICKLED_FORMATS:
-        raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
-                            f"fxpipe reads format {FORMAT}\nsave the plan again with it")
-    running = versions() if same_versions else {}
-    differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
-              for name, version in running.items() if document.get(name) != version]
-    if differ:
-        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions\n"
-                            f"{'; '.join(differ)}\nplan the model again with these versions")
-    if document.get("sha256") != _content_digest(document):
-        raise PlanFileError(f"{root / PLAN_FILE} changed since the plan was saved\n"
-                            f"its content no longer matches its sha256; plan.json describes the "
-                            f"plan that runs, "
-                            f"which is read from {DATA_FILE} and the stage files, so an edit "
-                            f"would not take effect\nsave the plan again to change it "
-                            f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
-    return document
-
 
 def _load_skeleton(root: Path, document: dict[str, Any], functions: Sequence[Callable] = (),
                    model: nn.Module | None = None) -> Plan:
