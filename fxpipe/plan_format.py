@@ -310,9 +310,10 @@ def _checked(path: str | os.PathLike, index: int | None,
 
 def plan_document(path: str | os.PathLike) -> dict[str, Any]:
     """`plan.json` of the plan saved at `path`, checked as a load checks it (there, readable,
-    of this format, unchanged) but saved by any versions of fxpipe and torch: what
-    `fxpipe diff` compares, plans from other versions included."""
-    return _document(Path(path), same_versions=False)
+    of this format or format 4, whose pickle it leaves unread, unchanged) but saved by any
+    versions of fxpipe and torch: what `fxpipe diff` compares, plans from other versions
+    included."""
+    return _document(Path(path), same_versions=False, trust_pickle=True)
 
 
 def _document(root: Path, *, same_versions: bool = True,

@@ -255,6 +255,7 @@ def test_a_format_4_plan_loads_only_when_trusted_and_converts(planned, tmp_path)
     write_format_4(fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, capture="fx", repeats=1), old)
     with pytest.raises(fxpipe.PlanFileError, match="is of format 4, a pickle"):
         fxpipe.load_plan(old)
+    assert saved.plan_document(old)["format"] == 4       # `fxpipe diff` reads its plan.json
     with torch.no_grad():
         expected = model(x)
         with fxpipe.Pipeline(fxpipe.load_plan(old, trust_pickle=True)) as pipe:
