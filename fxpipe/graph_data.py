@@ -372,9 +372,10 @@ def encode_module(module: nn.Module, tensor_index: Callable[[torch.Tensor], int]
         if name not in _MODULE_KEYS:
             try:
                 attributes[name] = codec.encode(value)
-            except PlanFileError:         # a value no data holds: rebuilt from the model
-                record["class"] = f"{type(module).__module__}.{type(module).__qualname__}"
-                return encode_module(module, tensor_index, codec)
+            except PlanFileError:         # a value no data holds (LSTM's list of its weights)
+                return {**record, "children": {}, "tensors": {
+                    n: tensor_index(t) for n, t in _all_tensors(module)},
+                    "class": f"{type(module).__module__}.{type(module).__qualname__}"}
     record["attributes"] = attributes
     return record
 
@@ -440,7 +441,12 @@ def decode_module(record: Mapping[str, Any], tensors: Sequence[torch.Tensor], pa
         module._modules[_part(key, where)] = decode_module(
             child, tensors, ".".join(filter(None, (path, key))), codec, model, where)
     if name == "GraphModule":
-        module.graph = decode_graph(record["graph"], module, codec, where)
+        graph = decode_graph(record["graph"], module, codec, where)
+        try:
+            module.graph = graph              # writes and compiles its code
+        except (RuntimeError, SyntaxError) as e:
+            raise PlanFileError(f"{where}: a graph of the plan does not compile\n"
+                                f"{type(e).__name__}: {e}") from None
     return module
 
 
@@ -511,7 +517,10 @@ def decode_graph(data: Mapping[str, Any], module: nn.Module, codec: Codec,
             codec.nodes[name] = node
     finally:
         codec.nodes = None
-    graph.lint()
+    try:
+        graph.lint()
+    except RuntimeError as e:
+        raise PlanFileError(f"{where}: a graph of the plan is malformed\n{e}") from None
     return graph
 
 

@@ -40,6 +40,15 @@ PICKLED_FORMATS = (4,)      # plans holding a pickle: loaded only with trust_pic
 PLAN_FILE, DATA_FILE, PICKLE_FILE = "plan.json", "plan_data.json", "plan.pt"
 
 
+_REGISTERED: dict[str, type] = {}
+
+
+def register_types(**types: type) -> None:
+    """Add types a plan holds under the names given: how plan_data gives `Plan`, `Runs` and
+    `Measurement` as it is imported (importing it here would import this module back)."""
+    _REGISTERED.update(types)
+
+
 def _types() -> dict[str, type]:
     """The dataclasses and enums a plan holds, by the names plan_data.json gives them."""
     from fxpipe.passes.capture.frontend import Capture, Method as CaptureMethod
@@ -47,10 +56,9 @@ def _types() -> dict[str, type]:
     from fxpipe.passes.partition.result import DeviceOrders, Method, Partition
     from fxpipe.passes.signature import Constant, Signature
 
-    from .plan_data import Measurement, Plan, Runs
     from .search import Candidate, Config
     from .wiring import Flow, Wiring
-    return {"Plan": Plan, "Runs": Runs, "Measurement": Measurement, "Capture": Capture,
+    return {**_REGISTERED, "Capture": Capture,
             "CaptureMethod": CaptureMethod, "Partition": Partition, "PartitionMethod": Method,
             "DeviceOrders": DeviceOrders, "Memory": Memory, "DeviceSpec": DeviceSpec,
             "StageCost": StageCost, "NodeCost": NodeCost, "Signature": Signature,
@@ -119,7 +127,7 @@ def decode_plan(data: Mapping[str, Any], *, functions: Iterable[Callable] = (),
             tuple(map(str, s["inputs"])), tuple(map(str, s["outputs"])),
             torch.device(s["device"])) for s in data["stages"])
         fields = {name: codec.decode(value) for name, value in data["plan"].items()}
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise PlanFileError(f"{where} holds malformed plan data ({type(e).__name__}: {e})"
                             f"\nsave the plan again") from None
     plan_type = _types()["Plan"]

@@ -266,3 +266,24 @@ def test_a_format_4_plan_loads_only_when_trusted_and_converts(planned, tmp_path)
             assert json.loads((tmp_path / new / "plan.json").read_text())["format"] == 5
             with fxpipe.Pipeline(fxpipe.load_plan(tmp_path / new)) as pipe:
                 assert_same_up_to_rounding(pipe(x), expected)
+
+
+class Recurrent(nn.Module):
+    """An LSTM keeps a list of its weights (`_flat_weights`): no attribute a plan holds as data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.rnn, self.b = nn.Linear(8, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.rnn(torch.relu(self.a(x)))[0])
+
+
+def test_a_torch_module_holding_more_than_data_comes_from_the_model(tmp_path):
+    torch.manual_seed(0)
+    model, x = Recurrent().eval(), torch.randn(4, 5, 8)
+    fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, capture="fx", repeats=1).save(tmp_path / "p")
+    with pytest.raises(fxpipe.PlanFileError, match="calls 'rnn', a torch.nn.modules.rnn.LSTM"):
+        fxpipe.load_plan(tmp_path / "p")
+    with fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "p", model)) as pipe, torch.no_grad():
+        assert_same_up_to_rounding(pipe(x), model(x))
