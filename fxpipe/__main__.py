@@ -52,6 +52,7 @@ from .options import LinkName, Recompute
 from .schedules import SCHEDULES
 from .pictures import COLOURS, write_node_graph, write_stage_graph  # noqa: F401 (COLOURS: tests)
 from .report import measured_memory
+from . import saved
 from .saved import plan_document
 from .weights import build_on_meta
 
@@ -124,6 +125,13 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("first", help="a saved plan's directory")
     diff.add_argument("second", help="another saved plan's directory")
     diff.set_defaults(command=_diff, name="diff")
+
+    convert = commands.add_parser("convert", help="rewrite a saved plan of format 4 (a "
+                                  "pickle: reading it runs its code, so only one you trust) in "
+                                  "this format, which holds no code")
+    convert.add_argument("old")
+    convert.add_argument("new")
+    convert.set_defaults(command=_convert, name="convert")
 
     run = commands.add_parser("run", help="run a saved plan on random inputs; measured "
                                           "against predicted time per stage")
@@ -256,6 +264,12 @@ def _plan(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     print(fxpipe.load_plan(args.dir))
     print(weight_shares(plan_document(args.dir)))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    new = saved.convert(args.old, args.new)
+    print(f"{args.old} converted into {new} (format {saved.FORMAT}, which holds no code)")
     return 0
 
 

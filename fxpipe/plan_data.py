@@ -27,6 +27,7 @@ from fxpipe.passes.stage import Stage
 from fxpipe.passes.capture import Capture, module_path
 
 from . import saved
+from .plan_format import register_types
 from .report import describe
 from .schedules import Slot, async_warmup
 from .search import predict_slots
@@ -205,6 +206,9 @@ class Plan:
     def threads(self) -> tuple[int | None, ...]:
         """Each stage's intra-op threads (None: as its worker starts), read off its device."""
         return tuple(d.threads for d in self.partition.devices[:len(self.stages)])
+
+
+register_types(Plan=Plan, Runs=Runs, Measurement=Measurement)     # a saved plan's names for them
 
 
 def refuse_without_weights(plan: Plan) -> None:

@@ -4,34 +4,33 @@
     plan = fxpipe.load_plan("plans/resnet50-4")
     pipe = fxpipe.Pipeline(plan)
 
-A saved plan is a directory:
+A saved plan (format 5) is a directory of data; loading it runs no code it holds:
 
 - `plan.json`: what a person (or a tool) reads: the versions it was saved with, the capture, the
   devices, chunks, schedule and threads, the partition with its bound and proof, the stage
   wiring, every node's measured costs per kind of device, a SHA-256 of every other file and
   one of its own content (`sha256`, over the rest of the document). It describes what runs,
-  which is read from `plan.pt` and the stage files, so an edit would not take effect: an edited
-  plan.json is refused at load rather than believed; to change a plan, plan and save it again.
+  which is read from `plan_data.json` and the stage files, so an edit would not take effect: an
+  edited plan.json is refused at load rather than believed; to change a plan, plan it again.
+- `plan_data.json`: the plan itself, stages included, as data (`fxpipe.plan_format`,
+  `fxpipe.graph_data`): each node's target by name, resolved at load through closed tables.
+  What a plan names but cannot hold comes from the caller: `functions=` (functions kept whole
+  with `torch.fx.wrap`) and `model=` (modules of the model's own classes kept whole).
 - `stage_<s>.py`: stage `s`'s generated code, to read (`print(pipe.stages[s].code)`).
 - `stage_<s>.pt`: stage `s`'s own tensors (torch's format, loaded with `weights_only=True`):
   parameters, buffers persistent or not, and the tensor constants the graph reads; a tensor
   several stages share is saved once, with the first stage holding it.
-- `plan.pt`: the plan itself (stages as GraphModules with their tensors left out, the calling
-  convention), pickled by `torch.save`. Loading it unpickles Python objects: load only plans you
-  trust, as with any pickle. A stage that calls a module class from outside torch (a leaf module
-  kept whole) needs that class importable where the plan is loaded; everything else is torch's.
 
 Loading checks every file against `plan.json` (missing, changed), plan.json against itself, and
-the fxpipe and torch versions against those running, and says what differs.
+the fxpipe and torch versions against those running, and says what differs. A plan of format 4
+holds `plan.pt`, a pickle: loaded only with `trust_pickle=True`, rewritten by `convert`.
 
 A plan's devices are those it was planned for; `load_plan(path, devices=[...])` (one per stage)
 and `load_stage(path, index, device=...)` put the stages on others: each stage's tensors are
 loaded there, and the devices its code names (`full_like(h, 2.0, device=cpu)` in an export
 graph) become its new one. Stages whose planned memory exceeds their new device's (a GPU's own,
 or `DeviceSpec(memory_bytes=...)`; stages put on one device share it) are refused by name, as
-are stages sharing a tensor (a tied weight) put on different devices. A stage's code is traced again as it loads (torch pickles a
-GraphModule's code, not its graph): an op reading only constants (`arange(8)`) then runs once,
-at load, and its result is a tensor constant of the loaded stage, on the stage's device.
+are stages sharing a tensor (a tied weight) put on different devices.
 """
 
 from __future__ import annotations
@@ -39,13 +38,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import importlib.metadata
 import json
-import math
 import os
+import pickle
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,23 +56,15 @@ from fxpipe.passes.device import is_cpu, same_memory
 from fxpipe.passes.errors import DeviceError, PlanFileError
 
 from .devices import DeviceLike, parse_devices
-from .report import cost_sources
+# The format's names and plan.json's checks live in plan_format; saved.FORMAT and the rest stay.
+from .plan_format import (DATA_FILE, FORMAT, PICKLE_FILE, PICKLED_FORMATS, PLAN_FILE,  # noqa: F401
+                          _checked, _content_digest, _description, _document, _finite,
+                          _non_persistent, _tensors, decode_plan, encode_plan, manifest,
+                          plan_document, versions)
 from .weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
 
 if TYPE_CHECKING:      # plan_data saves its plans here: the type only, or a cycle
     from .plan_data import Plan
-
-FORMAT = 4
-PLAN_FILE, PICKLE_FILE = "plan.json", "plan.pt"
-
-
-def versions() -> dict[str, str]:
-    """The versions a plan is saved with and must be loaded with."""
-    try:
-        ours = importlib.metadata.version("fxpipe")
-    except importlib.metadata.PackageNotFoundError:     # run from a source tree
-        ours = "unknown"
-    return {"fxpipe": ours, "torch": torch.__version__}
 
 
 def save(plan: Plan, path: str | os.PathLike) -> Path:
@@ -100,11 +90,8 @@ def save(plan: Plan, path: str | os.PathLike) -> Path:
                                                   stage.module.code.encode())
         if own or not _without_weights(plan):
             files[f"stage_{stage.index}.pt"] = _write_torch(root / f"stage_{stage.index}.pt", own)
-    stages = _picklable(plan.stages)
-    with _without_tensors([stage.module for stage in stages]):
-        # The costed graph and the link function are the process's own, not the plan's to keep.
-        files[PICKLE_FILE] = _write_torch(root / PICKLE_FILE, dataclasses.replace(
-            plan, stages=stages, graph=None, link_fn=None))
+    # The costed graph and the link function are the process's own, not the plan's to keep.
+    files[DATA_FILE] = _write(root / DATA_FILE, json.dumps(encode_plan(plan)).encode())
     document = {"format": FORMAT, **versions(), "summary": str(plan).splitlines()[0],
                 **_description(plan), "shared": shared, "weights": manifest(plan),
                 "files": files}
@@ -115,7 +102,8 @@ def save(plan: Plan, path: str | os.PathLike) -> Path:
 
 
 def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
-              weights: Any = None, devices: Sequence[DeviceLike] | None = None) -> Plan:
+              weights: Any = None, devices: Sequence[DeviceLike] | None = None,
+              functions: Sequence[Callable] = (), trust_pickle: bool = False) -> Plan:
     """The plan saved at `path`, every stage with its weights on its device.
 
     With `model`, the stages take that model's current weights instead of the saved ones (a
@@ -128,9 +116,17 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
     keeps those tensors on meta: it prints and saves, and `Pipeline` refuses it. With `devices`
     (one per stage: "cuda:0", a torch.device or a DeviceSpec), stage `s` runs on `devices[s]`
     instead of the device it was planned for (see the module docstring).
+
+    Loading runs no code of the plan's directory: its stages are rebuilt from data (see
+    `fxpipe.graph_data`). What a plan names but cannot hold comes from the caller: `functions`,
+    your functions kept whole in the graph (`torch.fx.wrap`), and `model`, the modules of your
+    own classes a capture kept whole ("fx+leaves"); the error says which is needed. A plan of
+    format 4 (plan.pt, a pickle) loads only with `trust_pickle=True`, which unpickles it and so
+    runs whatever code its directory holds: only for a plan you made or trust; `convert` turns
+    it into this format once.
     """
-    root, document = _checked(path, None)
-    plan = _load_skeleton(root, document)
+    root, document = _checked(path, None, trust_pickle)
+    plan = _load_skeleton(root, document, functions, model)
     if devices is not None:
         plan = _on_devices(plan, devices, f"the plan at {str(root)!r}")
     loaded: _Loaded = {}
@@ -141,6 +137,14 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
     elif model is not None:
         _take_weights(plan, model, root)
     return plan
+
+
+def convert(old: str | os.PathLike, new: str | os.PathLike) -> Path:
+    """Write the plan saved at `old` in a pickled format (4) into the directory `new` in this
+    one, which holds no code: `load_plan(new)` then runs none. Reading `old` unpickles it, so
+    runs whatever code that directory holds: convert only a plan you made or trust (what
+    `fxpipe convert old new` does)."""
+    return save(load_plan(old, trust_pickle=True), new)
 
 
 def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None = None, *,
@@ -173,21 +177,26 @@ def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None 
 
 
 def load_stage(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None,
-               weights: Any = None, model: nn.Module | None = None) -> Stage:
+               weights: Any = None, model: nn.Module | None = None,
+               functions: Sequence[Callable] = (), trust_pickle: bool = False) -> Stage:
     """Stage `index` of the plan saved at `path`, with its own weights only (a process running
     one stage loads nothing else), on `device` when given (else the one it was planned for). A
     tensor it shares with an earlier stage is read from that stage's file, or from `weights`
-    when given (as `load_plan` reads it, `model` the structure `Init` draws from)."""
-    return load_stage_plan(path, index, device=device, weights=weights, model=model)[1]
+    when given (as `load_plan` reads it, `model` the structure `Init` draws from, and the
+    modules of the model's own classes; `functions` and `trust_pickle` as `load_plan` takes)."""
+    return load_stage_plan(path, index, device=device, weights=weights, model=model,
+                           functions=functions, trust_pickle=trust_pickle)[1]
 
 
 def load_stage_plan(path: str | os.PathLike, index: int, *, device: DeviceLike | None = None,
-                    weights: Any = None, model: nn.Module | None = None) -> tuple[Plan, Stage]:
+                    weights: Any = None, model: nn.Module | None = None,
+                    functions: Sequence[Callable] = (),
+                    trust_pickle: bool = False) -> tuple[Plan, Stage]:
     """The plan saved at `path` without weights (its wiring, calling convention, chunks and
     schedule: what a process running one stage needs to know of the others), and its stage
     `index` with that stage's own weights, on `device` when given (see `load_stage`)."""
-    root, document = _checked(path, index)
-    plan = _load_skeleton(root, document)
+    root, document = _checked(path, index, trust_pickle)
+    plan = _load_skeleton(root, document, functions, model)
     if not 0 <= index < len(plan.stages):
         raise PlanFileError(f"the plan at {str(root)!r} has stages 0 to {len(plan.stages) - 1}, "
                             f"not {index}")
@@ -268,57 +277,11 @@ def planned_device(path: str | os.PathLike, index: int) -> torch.device:
     return torch.device(_document(Path(path))["stages"][index]["device"])
 
 
-def manifest(plan: Plan) -> dict[str, Any]:
-    """Which tensors each stage of `plan` holds, as plan.json's `weights` entry writes them:
-    per stage, each parameter and buffer by the model's name with its shape, dtype, whether it
-    is a parameter, whether it is persistent (in the model's `state_dict`, so a checkpoint
-    holds it; a non-persistent buffer is computed by its module), and whether the stage files
-    hold its values (a tensor on meta has none); and the tied ones, one tensor held under
-    several names or by several stages, as lists of `[stage, name]`."""
-    non_persistent = _non_persistent(plan)
-    holders: dict[int, list[list]] = {}
-    stages = []
-    for stage in plan.stages:
-        entries = {}
-        for name, tensor in _tensors(stage.module):
-            holders.setdefault(id(tensor), []).append([stage.index, name])
-            entries[name] = {"shape": list(tensor.shape),
-                             "dtype": str(tensor.dtype).removeprefix("torch."),
-                             "parameter": isinstance(tensor, nn.Parameter),
-                             "persistent": name not in non_persistent,
-                             "saved": not tensor.is_meta}
-        stages.append(entries)
-    return {"stages": stages, "tied": [held for held in holders.values() if len(held) > 1]}
-
-
 # ---- writing ------------------------------------------------------------------------------------
-
-def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of `module` by qualified name, shared ones under each name."""
-    for path, owner in module.named_modules(remove_duplicate=False):
-        for table in (owner._parameters, owner._buffers):
-            for name, tensor in table.items():
-                if tensor is not None:
-                    yield ".".join(filter(None, (path, name))), tensor
-
 
 def _without_weights(plan: Plan) -> bool:
     """Whether some stage of `plan` holds a tensor on meta (shape and dtype, no values)."""
     return any(t.is_meta for stage in plan.stages for _, t in _tensors(stage.module))
-
-
-def _non_persistent(plan: Plan) -> set[str]:
-    """The names of the tensors `plan`'s stages hold that are not in the model's `state_dict`:
-    non-persistent buffers and constants the graph reads. Read off the costed graph, which
-    holds the model's state as the model does, else (a loaded plan) off the stages' modules,
-    marked at load from the manifest."""
-    if plan.graph is not None:
-        state = plan.graph.state_dict(keep_vars=True)
-        return {name for stage in plan.stages for name, _ in _tensors(stage.module)
-                if name not in state}
-    return {".".join(filter(None, (path, name))) for stage in plan.stages
-            for path, owner in stage.module.named_modules(remove_duplicate=False)
-            for name in owner._non_persistent_buffers_set}
 
 
 def _picklable(stages: Sequence[Stage]) -> tuple[Stage, ...]:
@@ -373,125 +336,24 @@ def _write_torch(path: Path, obj: Any) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _description(plan: Plan) -> dict[str, Any]:
-    """What the plan was computed from and what it decided, as JSON data."""
-    part = plan.partition
-    costs: dict[str, dict[str, Any]] = {}
-    for stage in plan.stages:
-        for node in stage.module.graph.nodes:
-            measured = node.meta.get("costs") or (
-                {"": node.meta["cost"]} if "cost" in node.meta else {})
-            for kind, cost in measured.items():
-                costs.setdefault(node.name, {})[kind] = dataclasses.asdict(cost)
-    return {
-        "capture": {"method": str(plan.capture.method), "leaves": list(plan.capture.leaves),
-                    "training": plan.capture.training, "reason": plan.capture.reason},
-        "devices": [dataclasses.asdict(d) for d in part.devices],
-        "chunks": plan.chunks, "schedule": plan.schedule, "threads": list(plan.threads),
-        "link": plan.link,
-        "partition": {"stage_of": dict(part.stage_of), "bottleneck_s": part.bottleneck_s,
-                      "lower_bound_s": part.lower_bound_s, "optimal": part.optimal,
-                      "method": str(part.method or ""),
-                      "stages": [dataclasses.asdict(c) for c in part.stages]},
-        "predicted_step_s": plan.predicted_step_s, "unpipelined_s": plan.unpipelined_s,
-        "weights_source": plan.weights, "stand_ins": list(plan.stand_ins),
-        "verified": plan.verified, "verify_tolerance": plan.verify_tolerance,
-        "verify_tolerance_source": plan.verify_tolerance_source,
-        "planning_peak_rss_bytes": plan.planning_peak_rss_bytes,
-        "stages": [{"index": s.index, "device": str(s.device), "inputs": list(s.inputs),
-                    "outputs": list(s.outputs)} for s in plan.stages],
-        "wiring": {"producer": dict(plan.wiring.producer),
-                   "graph_outputs": list(plan.wiring.output_names)},
-        "costs": costs, "cost_sources": cost_sources(plan),
-    }
-
-
-def _content_digest(document: dict[str, Any]) -> str:
-    """The SHA-256 of a plan.json document's content (as JSON reads it back), its own `sha256`
-    entry left out: indifferent to how the file is laid out, changed by any edit of a value."""
-    content = {key: value for key, value in document.items() if key != "sha256"}
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-
-
-def _finite(value: Any) -> Any:
-    """`value` with every infinite or NaN float written as a string ("inf"): JSON has none."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 # ---- reading ------------------------------------------------------------------------------------
 
-def _checked(path: str | os.PathLike, index: int | None) -> tuple[Path, dict[str, Any]]:
-    """The plan's directory and `plan.json`, once the files a load reads are there and
-    unchanged (all of them, or those stage `index` needs) and the versions match."""
-    root = Path(path)
-    document = _document(root)
-    needed = dict(document["files"])
-    if index is not None:
-        holders = {holder for holder, _ in document["shared"][index].values()} | {index} \
-            if index < len(document["shared"]) else set()
-        needed = {name: digest for name, digest in needed.items()
-                  if not name.startswith("stage_") or name.endswith(".py") or
-                  int(name[6:].split(".")[0]) in holders}
-    for name, digest in needed.items():
-        file = root / name
-        if not file.is_file():
-            raise PlanFileError(f"the plan at {str(root)!r} is missing {name}\n"
-                                f"save the plan again")
-        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
-            raise PlanFileError(f"{name} in the plan at {str(root)!r} changed since it was saved"
-                                f"\nits SHA-256 differs from plan.json's; save the plan "
-                                f"again rather than editing its files")
-    return root, document
-
-
-def plan_document(path: str | os.PathLike) -> dict[str, Any]:
-    """`plan.json` of the plan saved at `path`, checked as a load checks it (there, readable,
-    of this format, unchanged) but saved by any versions of fxpipe and torch: what
-    `fxpipe diff` compares, plans from other versions included."""
-    return _document(Path(path), same_versions=False)
-
-
-def _document(root: Path, *, same_versions: bool = True) -> dict[str, Any]:
-    """`plan.json` of the plan at `root`, once it is there, readable, of this format, saved by
-    the versions running (unless not `same_versions`) and unchanged."""
-    if not (root / PLAN_FILE).is_file():
-        raise PlanFileError(f"no saved plan at {str(root)!r}: {PLAN_FILE} is missing\n"
-                            f"save one with pipe.plan.save(path)")
-    try:
-        document = json.loads((root / PLAN_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise PlanFileError(f"{root / PLAN_FILE} is not valid JSON ({e})\n"
-                            f"save the plan again") from None
-    if document.get("format") != FORMAT:
-        raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
-                            f"fxpipe reads format {FORMAT}\nsave the plan again with it")
-    running = versions() if same_versions else {}
-    differ = [f"{name} {document.get(name)} (saved) against {version} (running)"
-              for name, version in running.items() if document.get(name) != version]
-    if differ:
-        raise PlanFileError(f"the plan at {str(root)!r} was saved by other versions\n"
-                            f"{'; '.join(differ)}\nplan the model again with these versions")
-    if document.get("sha256") != _content_digest(document):
-        raise PlanFileError(f"{root / PLAN_FILE} changed since the plan was saved\n"
-                            f"its content no longer matches its sha256; plan.json describes the "
-                            f"plan that runs, "
-                            f"which is read from {PICKLE_FILE} and the stage files, so an edit "
-                            f"would not take effect\nsave the plan again to change it "
-                            f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
-    return document
-
-
-def _load_skeleton(root: Path, document: dict[str, Any]) -> Plan:
-    """The plan pickled in `root`, its stages holding meta stand-ins, their non-persistent
-    buffers marked as such (from the manifest), so that they stay out of `state_dict`."""
-    plan = _unpickled(root / PICKLE_FILE)
-    vars(plan).setdefault("observed", {})       # saved before plans had it
+def _load_skeleton(root: Path, document: dict[str, Any], functions: Sequence[Callable] = (),
+                   model: nn.Module | None = None) -> Plan:
+    """The plan saved in `root`, its stages holding meta stand-ins, their non-persistent
+    buffers marked as such (from the manifest), so that they stay out of `state_dict`: rebuilt
+    from its data (`plan_format`), or unpickled from a plan of a pickled format (trusted)."""
+    if document["format"] in PICKLED_FORMATS:
+        plan = _unpickled(root / PICKLE_FILE)
+        vars(plan).setdefault("observed", {})       # saved before plans had it
+    else:
+        try:
+            data = json.loads((root / DATA_FILE).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanFileError(f"{root / DATA_FILE} is not valid JSON ({e})\n"
+                                f"save the plan again") from None
+        plan = decode_plan(data, functions=functions, model=model,
+                           where=f"the plan at {str(root)!r}")
     _mark_non_persistent(plan.stages, {name for entries in document["weights"]["stages"]
                                        for name, entry in entries.items()
                                        if not entry["persistent"]})
@@ -582,7 +444,7 @@ def _fill(root: Path, stage: Stage, document: dict[str, Any], loaded: _Loaded, *
         if s not in files:
             # torch.load restores to "cpu", never to "cpu:1" (one memory: a plan's CPU names)
             where = "cpu" if stage.device.type == "cpu" else stage.device
-            files[s] = torch.load(root / f"stage_{s}.pt", map_location=where, weights_only=True)
+            files[s] = _tensor_file(root / f"stage_{s}.pt", where)
         return files[s][name]
 
     for qualified, stand_in in _tensors(stage.module):
@@ -592,6 +454,22 @@ def _fill(root: Path, stage: Stage, document: dict[str, Any], loaded: _Loaded, *
                 loaded[id(stand_in)] = (stand_in, nn.Parameter(found, stand_in.requires_grad)
                                         if isinstance(stand_in, nn.Parameter) else found)
     _put(stage, loaded)
+
+
+def _tensor_file(file: Path, where: Any) -> dict[str, torch.Tensor]:
+    """A stage file's tensors, read with `weights_only`: one holding more (a pickled object,
+    whose loading would run code) is refused."""
+    try:
+        tensors = torch.load(file, map_location=where, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise PlanFileError(f"{file} holds more than tensors\na pickled object, which "
+                            f"loading would run: {str(e).splitlines()[0]}\nsave the plan again "
+                            f"from the model; load no plan of unknown origin that holds "
+                            f"one") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor)
+                                                for t in tensors.values()):
+        raise PlanFileError(f"{file} holds no tensors by name\nsave the plan again")
+    return tensors
 
 
 def _put(stage: Stage, loaded: _Loaded) -> None:

@@ -34,7 +34,7 @@ def test_plan_prints_the_plan_and_saves_it_with_its_pictures(saved, capsys):
     assert main(["show", str(saved / "two")]) == 0
     shown = capsys.readouterr().out
     assert shown.startswith("fxpipe plan: 2 stages, 2 micro-batches")
-    for name in ("plan.json", "plan.pt", "stage_0.py", "stage_1.pt", "stages.svg",
+    for name in ("plan.json", "plan_data.json", "stage_0.py", "stage_1.pt", "stages.svg",
                  "timeline.svg"):
         assert (saved / "two" / name).is_file(), name
     document = json.loads((saved / "two" / "plan.json").read_text())

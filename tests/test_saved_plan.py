@@ -104,7 +104,8 @@ def test_a_loaded_plan_draws_the_random_numbers_the_pipeline_draws(tmp_path):
     checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
                                       if n.op == "call_module" and "norm" in n.name})
     pipe.plan.save(tmp_path / "plan")
-    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
+    # halved, kept whole by torch.fx.wrap, is code: the plan names it, the caller gives it.
+    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan", functions=[halved]))
     code = "".join(s.module.code for s in loaded.plan.stages)
     assert "halved(" in code and "seeded(" in code and "recomputed_0(" in code   # kept whole
     for run in (lambda p: p(x), lambda p: p.train_step(x, target, F.mse_loss)):
@@ -495,10 +496,10 @@ def test_stages_loaded_onto_devices_with_other_threads_run_with_those(tmp_path):
     loaded onto 2-thread devices says (2, 2), and each stage runs with 2 intra-op threads."""
     model, x = Counting().eval(), torch.randn(12, 8)
     fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=1).save(tmp_path / "plan")
-    saved = fxpipe.load_plan(tmp_path / "plan")
+    saved = fxpipe.load_plan(tmp_path / "plan", functions=[threads_seen])
     assert saved.threads == (1, 1)
     two = fxpipe.DeviceSpec("cpu", threads=2)
-    loaded = fxpipe.load_plan(tmp_path / "plan", devices=[two, two])
+    loaded = fxpipe.load_plan(tmp_path / "plan", devices=[two, two], functions=[threads_seen])
     assert loaded.threads == (2, 2) and [d.threads for d in loaded.partition.devices] == [2, 2]
     with torch.no_grad():
         expected = model(x)

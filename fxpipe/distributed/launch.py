@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,16 +31,19 @@ class WorldSizeError(DistributedError):
 
 
 def load(path: str | os.PathLike, *, weights: Any = None, device: DeviceLike | None = None,
-         timeout: float = 60.0, model: torch.nn.Module | None = None) -> "DistributedStage":
+         timeout: float = 60.0, model: torch.nn.Module | None = None,
+         functions: Sequence[Callable] = ()) -> "DistributedStage":
     """This process's stage of the plan saved at `path`, its weights only.
 
     The weights are the plan's own (its stage files), or with `weights` (a checkpoint,
     "init": see `fxpipe.load_plan`) those this stage holds, read from there straight to its
     device and nothing else (`model`, when given, is the structure `fxpipe.weights.Init`
-    draws from). A stage whose planned memory exceeds its device's is refused before anything
-    is read. A checkpoint without a tensor of this stage, or with another shape or dtype, is
-    a `PlanFileError` naming the tensor and the file, and every other rank stops too, naming
-    this rank and the error.
+    draws from, and gives the modules of the model's own classes a capture kept whole;
+    `functions`, the functions kept whole with `torch.fx.wrap`: a plan holds no code, see
+    `fxpipe.load_plan`). A stage whose planned memory exceeds its device's is refused before
+    anything is read. A checkpoint without a tensor of this stage, or with another shape or
+    dtype, is a `PlanFileError` naming the tensor and the file, and every other rank stops too,
+    naming this rank and the error.
 
     The world is `replicas x stages` processes: rank r runs stage `r % stages` of replica
     `r // stages` (one process per stage is one replica). The stage runs on `device`; by default
@@ -55,7 +58,7 @@ def load(path: str | os.PathLike, *, weights: Any = None, device: DeviceLike | N
     made: list[Any] = []    # the groups made here, destroyed with the stage (release_groups)
     group, owned = _process_group(timeout, made)
     try:
-        return _load(path, device, timeout, group, owned, weights, model, made)
+        return _load(path, device, timeout, group, owned, weights, model, made, functions)
     except BaseException:
         release_groups(made, owned)
         raise
@@ -79,7 +82,7 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
 
 def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, group: Any,
           owned: bool, weights: Any, model: torch.nn.Module | None,
-          made: list[Any]) -> "DistributedStage":
+          made: list[Any], functions: Sequence[Callable] = ()) -> "DistributedStage":
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = stage_count(path)
     if world % stages:
@@ -100,7 +103,8 @@ def _load(path: str | os.PathLike, device: DeviceLike | None, timeout: float, gr
                 f"rank {rank} runs it; NCCL carries CUDA tensors only: give every rank a GPU "
                 f"(device='cuda:N'), or "
                 f"start the process group with gloo")
-        loaded = (load_stage_plan(path, index, device=here, weights=weights, model=model),
+        loaded = (load_stage_plan(path, index, device=here, weights=weights, model=model,
+                                  functions=functions),
                   shared_tensors(path), stored_names(path))
     except Exception as e:
         error = e
