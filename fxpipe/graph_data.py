@@ -88,7 +88,8 @@ def functions() -> dict[str, Callable]:
                        if not name.startswith("_") and callable(getattr(math, name))})
         _table.update({"getattr": getattr, "torch.is_grad_enabled": torch.is_grad_enabled,
                        "torch._C._set_grad_enabled": torch._C._set_grad_enabled,
-                       "fxpipe.seeded": seeded})
+                       "fxpipe.seeded": seeded,      # fx's check of an input fixed to None:
+                       "torch.fx._assert_is_none": torch.fx._symbolic_trace._assert_is_none})
         _table.update({f"torch.{name}": getattr(torch, name) for name in dir(torch)
                        if name.startswith("sym_") and callable(getattr(torch, name))})
         _table.update({f"torch.ops.higher_order.{name}": op for name, op in _HIGHER_ORDER.items()})

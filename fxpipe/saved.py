@@ -543,14 +543,20 @@ def _drawn_by(source: Any, stage: Stage, model: nn.Module | None) -> Any:
 
 
 def _take_weights(plan: Plan, model: nn.Module, root: Path) -> None:
-    """Copy `model`'s parameters and buffers into the plan's stages, by the model's names."""
-    state = model.state_dict(keep_vars=True)
+    """Copy `model`'s parameters and buffers into the plan's stages, by the model's names; a
+    tensor of the plan in no `state_dict` (a tensor constant of the graph) that the model lacks
+    keeps the plan's value."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    constants = _non_persistent(plan) - set(state)
     problems = []
     for stage in plan.stages:
         for name, tensor in _tensors(stage.module):
             theirs = state.get(name)
-            if theirs is None:
+            if theirs is None and name not in constants:
                 problems.append(f"{name!r} is not in the model")
+            elif theirs is None:
+                continue
             elif theirs.shape != tensor.shape or theirs.dtype != tensor.dtype:
                 problems.append(f"{name!r} is {tuple(theirs.shape)} {theirs.dtype} in the model, "
                                 f"{tuple(tensor.shape)} {tensor.dtype} in the plan")
@@ -562,4 +568,5 @@ def _take_weights(plan: Plan, model: nn.Module, root: Path) -> None:
     with torch.no_grad():
         for stage in plan.stages:
             for name, tensor in _tensors(stage.module):
-                tensor.copy_(state[name])
+                if name in state:
+                    tensor.copy_(state[name])

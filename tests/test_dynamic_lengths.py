@@ -80,11 +80,10 @@ def test_a_batch_of_one_runs_at_other_lengths_in_one_micro_batch(name):
 
 def test_a_saved_plan_serves_another_length(compiled, tmp_path):
     name, model, pipe = compiled
-    if name == "bert":
-        pytest.skip("a saved fx graph calling torch.fx's _assert_is_none (inputs fixed to None) "
-                    "does not load back, and the failed load breaks later fx traces")
     pipe.plan.save(tmp_path / "plan")
-    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
+    # bert's capture (fx+leaves) keeps modules of its own classes whole: they come from model=.
+    loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan",
+                                              model if name == "bert" else None))
     assert_same_logits(loaded, model, token_ids(3, 20))
 
 
