@@ -177,16 +177,15 @@ class StepLoss:
         outputs, losses = zip(*(self.kept[m] for m in range(len(self.targets))))
         rows = [microbatch.batch_size(t) for t in self.targets]
         weighted = sum(loss.double() * r / sum(rows) for loss, r in zip(losses, rows))
+        output = microbatch.merge(list(outputs), self.output_dims)
+        target = microbatch.merge(self.targets)
         with torch.no_grad():
-            whole = self.loss_fn(microbatch.merge(list(outputs), self.output_dims),
-                                 microbatch.merge(self.targets))
+            whole = self.loss_fn(output, target)
         if not isinstance(whole, torch.Tensor) or whole.dim() != 0:
             return ""     # refused as a micro-batch's loss would be
         if not difference(weighted.to(whole.dtype), whole, None):
             return ""
-        self.suggested = token_loss_code(self.loss_fn, microbatch.merge(list(outputs),
-                                                                        self.output_dims),
-                                         microbatch.merge(self.targets), whole)
+        self.suggested = token_loss_code(self.loss_fn, output, target, whole)
         return (f"on this batch of {sum(rows)} rows in {len(rows)} micro-batches, loss_fn gives "
                 f"{whole.item():.6g} on the whole batch but its micro-batch losses weighted by "
                 f"their rows give {weighted.item():.6g}")

@@ -17,11 +17,10 @@ import inspect
 from dataclasses import replace
 from typing import Any, Iterable, Literal, Mapping
 
-import torch.fx as fx
-from torch import nn
-
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import nn
 
 from ..device import initialized_gpus
 from ..errors import FxpipeError, InputError, TraceError
@@ -247,17 +246,12 @@ def with_tensor_defaults(model: nn.Module, args: tuple, kwargs: Mapping[str, Any
     that a call may pass another value and each micro-batch takes its rows of the default (a
     graph cannot hold a tensor as a default, and fixing it would fix the batch size)."""
     return {**kwargs, **{
-        name: default for name, default in _defaults(model, args, kwargs).items()
+        name: default for name, default in _default_concrete_args(model, args, kwargs).items()
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(default))}}
 
 
 def _default_concrete_args(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:
     """Inputs the example does not give are traced at their defaults (e.g. `labels=None`)."""
-    return _defaults(model, args, kwargs)
-
-
-def _defaults(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> dict:
-    """The defaults of forward's parameters that the example does not give."""
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
