@@ -1,7 +1,7 @@
 """Do torchrun jobs that finished exit 0? A loop of launches, counting the ranks' aborts at exit.
 
     python -m benchmarks.torchrun_exit [--launches 8] [--case recompute|regions|docs|alive]
-                                       [--cores DIR]
+                                       [--cores DIR] [--load N]
 
 Each launch is `python -m torch.distributed.run --nproc-per-node 2` on 127.0.0.1 (gloo):
 - `recompute` (the default): tests/distributed_worker.py on the plan of
@@ -15,18 +15,23 @@ Each launch is `python -m torch.distributed.run --nproc-per-node 2` on 127.0.0.1
   right after their collectives (most launches abort: a group's worker thread frees a finished
   all-reduce's tensors while the interpreter finalizes, its GIL taken then ends the thread, and
   the C++ destructor it unwinds through calls std::terminate).
+Each rank also says, as its interpreter starts to exit, how many gloo threads still run (they
+run into the finalization, the abort's cause): counted as launches with threads running at exit.
 A launch is counted as an abort when torchrun fails and a rank said "terminate called without
 an active exception" (what a rank aborting in its interpreter's finalization prints), as another
 failure when it fails otherwise. Prints each launch's outcome, then `aborts A/N launches`;
 exits 1 when any launch failed. With `--cores DIR`, each rank may dump a core (ulimit -c),
-kept in DIR/launch<i>/ for `gdb python core`. Run it under `nice -n 10` on a shared machine.
+kept in DIR/launch<i>/ for `gdb python core`. With `--load N`, N processes spin beside the
+launches, as the rest of a test suite does. Run it under `nice -n 10` on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import re
 import resource
 import signal
 import socket
@@ -35,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -95,6 +101,32 @@ def prepare(case: str, where: Path) -> list[str]:
     return [str(script)]
 
 
+ALIVE = "fxpipe exit check: gloo threads running"
+
+
+def _exit_report(where: Path) -> Path:
+    """A script that runs the script given after it, and says, as the interpreter starts to
+    exit (atexit), how many gloo threads still run: any of them runs into the finalization,
+    where one that takes the GIL aborts the process."""
+    script = where / "exit_report.py"
+    script.write_text(
+        "import atexit, os, runpy, sys\n"
+        "def report():\n"
+        "    names = []\n"
+        "    for task in os.listdir('/proc/self/task'):\n"
+        "        try:\n"
+        "            names.append(open(f'/proc/self/task/{task}/comm').read().strip())\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    gloo = sum(n in ('pt_gloo_runloop', 'gloo_tcp_loop') for n in names)\n"
+        f"    print({ALIVE!r}, gloo, file=sys.stderr, flush=True)\n"
+        "atexit.register(report)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return script
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,6 +157,19 @@ def launch(arguments: list[str], cwd: Path, timeout_s: float, cores: bool) -> tu
     return proc.returncode, text.decode(errors="replace")
 
 
+@contextlib.contextmanager
+def _busy(processes: int) -> Iterator[None]:
+    """`processes` processes spinning on a core each while the block runs."""
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for p in spinning:
+            p.kill()
+            p.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=8)
@@ -133,12 +178,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=120, help="seconds per launch")
     parser.add_argument("--cores", type=Path, help="keep each rank's core dump here")
     parser.add_argument("--quiet", action="store_true", help="print the counts alone")
+    parser.add_argument("--load", type=int, default=0,
+                        help="busy processes running beside the launches, as a test suite's")
     args = parser.parse_args()
-    aborts = others = 0
+    aborts = others = alive = 0
     start = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _busy(args.load):
         where = Path(tmp)
-        arguments = prepare(args.case, where)
+        arguments = [str(_exit_report(where)), *prepare(args.case, where)]
         for i in range(args.launches):
             cwd = (args.cores / f"launch{i}") if args.cores else where / f"launch{i}"
             cwd.mkdir(parents=True, exist_ok=True)
@@ -147,8 +194,11 @@ def main() -> int:
             code, text = launch([a.replace("OUT", str(out)) for a in arguments], cwd,
                                 args.timeout, args.cores is not None)
             failed = [p.name for p in out.glob("*.err")]
+            running = [int(n) for n in re.findall(rf"{ALIVE} (\d+)", text)]
+            alive += any(running)
             if code == 0:
-                outcome = "ok"
+                outcome = "ok" + (f", gloo threads running at exit: {running}" if any(running)
+                                  else "")
             elif ABORT in text and not failed:
                 aborts += 1
                 outcome = "ABORT at exit"
@@ -159,7 +209,8 @@ def main() -> int:
                 (cwd / "torchrun.txt").write_text(text)
             if not args.quiet:
                 print(f"launch {i + 1}/{args.launches}: {outcome}", flush=True)
-    print(f"aborts {aborts}/{args.launches} launches, other failures {others} "
+    print(f"aborts {aborts}/{args.launches} launches, gloo threads running into the exit in "
+          f"{alive}/{args.launches}, other failures {others} "
           f"({args.case}, {time.monotonic() - start:.0f} s)", flush=True)
     return 1 if aborts or others else 0
 

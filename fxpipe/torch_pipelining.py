@@ -31,6 +31,7 @@ from fxpipe.passes.errors import FxpipeError
 from .devices import DeviceLike
 from .plan_data import Plan
 from .distributed import DistributedError, WorldSizeError, rank_device
+from .distributed.stage import forget_captured_default_group
 from .saved import load_stage_plan, planned_device, stage_count
 from .wiring import DRIVER
 
@@ -93,6 +94,7 @@ def pipeline_stages(path: str | os.PathLike, *, device: DeviceLike | None = None
     (`rank_device`: `cuda:LOCAL_RANK` for a stage planned on a GPU, else its planned device)."""
     from torch.distributed.pipelining import PipelineStage
 
+    forget_captured_default_group()     # that import may have bound the caller's group
     if not dist.is_initialized():
         raise DistributedError("no process group\nstart the processes with torchrun and call "
                                "torch.distributed.init_process_group() before pipeline_stages()")

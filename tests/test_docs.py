@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-from test_distributed import AbortedAtExit, torchrun
+from test_distributed import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -66,30 +65,11 @@ def _torchrun(script: str, processes: int, cwd: Path) -> tuple[int, str]:
                     timeout_s=TORCHRUN_TIMEOUT_S)
 
 
-FINISHED = "fxpipe docs: this rank ran the whole script"
-
-
-def _aborted_at_exit(text: str) -> bool:
-    """Whether torchrun failed by a rank's abort at exit, after it ran the whole script (the
-    others may be stopped before they say so; a real failure fails again when launched again)."""
-    return "terminate called without an active exception" in text and FINISHED in text
-
-
 def run_script(block: Block, where: str, cwd: Path) -> None:
     match = TORCHRUN.match(block.code)
     script, processes = match.group("script"), int(match.group("processes"))
-    (cwd / script).write_text(f"{block.code}\nprint({FINISHED!r}, flush=True)\n")
+    (cwd / script).write_text(block.code)
     code, text = _torchrun(script, processes, cwd)
-    for _ in range(2):
-        if code == 0 or not _aborted_at_exit(text):
-            break
-        # A rank that finished its work aborted at exit (see tests/test_distributed.py's
-        # `launch`): launched again, twice at most, and said in the test summary (pytest -ra);
-        # anything else fails.
-        warnings.warn(f"{where} ({script} under torchrun): a rank aborted at exit (terminate "
-                      f"called without an active exception); launched again\n{text[-1500:]}",
-                      AbortedAtExit)
-        code, text = _torchrun(script, processes, cwd)
     assert code == 0, f"{where} ({script} under torchrun):\n{text[-3000:]}"
 
 

@@ -22,7 +22,7 @@ from fxpipe.passes.device import is_gpu
 from ..devices import DeviceLike
 from ..report import LINK_DESCRIPTIONS
 from ..saved import load_stage_plan, planned_device, shared_tensors, stage_count, stored_names
-from .stage import DistributedStage, release_groups
+from .stage import DistributedStage, forget_captured_default_group, release_groups
 from .transport import DistributedError
 
 
@@ -55,6 +55,7 @@ def load(path: str | os.PathLike, *, weights: Any = None, device: DeviceLike | N
     `close()` (leaving `with` does it) destroys the groups made here, and the default group
     if it was started here; a default group the caller started is the caller's to destroy.
     """
+    forget_captured_default_group()
     made: list[Any] = []    # the groups made here, destroyed with the stage (release_groups)
     group, owned = _process_group(timeout, made)
     try:

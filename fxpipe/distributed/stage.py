@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -386,6 +387,7 @@ def release_groups(made: list[Any], owned: bool) -> None:
     A group's threads end only when nothing refers to it any more, so its holders drop their
     handles too (`DistributedStage.close`). Groups the caller destroyed already are skipped;
     the caller's default group is left to the caller."""
+    forget_captured_default_group()
     registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
     while made:
         group = made.pop()
@@ -393,6 +395,27 @@ def release_groups(made: list[Any], owned: bool) -> None:
             dist.destroy_process_group(group)
     if owned and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def forget_captured_default_group() -> None:
+    """Import `torch.distributed.nn.functional` if it is not yet, and let go of the default
+    group it holds, if it does.
+
+    That module reads the default group into its functions' default arguments
+    (`group=group.WORLD`) when first imported, and `torch._dynamo` imports it, as does
+    `torch.distributed.pipelining`; `torch.utils.checkpoint` imports `torch._dynamo` on its
+    first call (a recomputing stage's first backward). Imported while a group exists, that group
+    outlives `destroy_process_group` into the interpreter's exit, where its gloo threads, still
+    running, abort the process ("terminate called without an active exception"). `load` and
+    `close` call this: the defaults become None, what the functions read as the default group
+    at call time (the same group while it lives), and no later import can bind one."""
+    import torch.distributed.nn.functional as functional
+
+    for fn in vars(functional).values():
+        defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
+                                    for d in defaults)
 
 
 class _RankRun(Driver):
