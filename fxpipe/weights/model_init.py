@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from fxpipe.passes.device import gpu_index, is_gpu, seed_gpu
 from fxpipe.passes.errors import PlanFileError
 
 from .base import Weights, _StateDict
@@ -323,12 +324,11 @@ _SEEDING = threading.Lock()     # stages loading on threads of one process draw 
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Draw from `seed` on the CPU and on `device`; the generators' states are restored after.
     Only `device`'s CUDA generator is touched (another GPU's is neither seeded nor read)."""
-    cuda = [torch.cuda.current_device() if device.index is None else device.index] \
-        if device.type == "cuda" else []
+    cuda = [gpu_index(device)] if is_gpu(device) else []
     with _SEEDING, torch.random.fork_rng(devices=cuda):
         torch.random.default_generator.manual_seed(seed)
         for index in cuda:
-            torch.cuda.default_generators[index].manual_seed(seed)
+            seed_gpu(index, seed)
         yield
 
 
