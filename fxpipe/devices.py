@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from fxpipe.passes.cost_model import DeviceSpec, Link, LinkFn
-from fxpipe.passes.device import is_cpu, is_gpu, same_memory, synchronize
+from fxpipe.passes.device import (cached_bytes, free_memory_bytes, gpu_count, gpu_index, is_cpu,
+                                  is_gpu, same_memory, synchronize)
 from fxpipe.passes.errors import DeviceError
 
 DeviceLike = str | torch.device | DeviceSpec
@@ -50,7 +51,7 @@ def _parse(device: DeviceLike) -> DeviceSpec:
         raise DeviceError(f"{name!r} is not a device\nuse 'cpu', 'cuda' or 'cuda:N'") from e
     _check(str(parsed))
     if is_gpu(parsed) and parsed.index is None:
-        parsed = torch.device("cuda", torch.cuda.current_device())
+        parsed = torch.device("cuda", gpu_index(parsed))
     spec = replace(spec, name=str(parsed)) if spec is not None else DeviceSpec(str(parsed))
     _check_spec(spec)
     if is_gpu(parsed) and spec.memory_bytes == math.inf:
@@ -64,9 +65,7 @@ GPU_MARGIN = 0.1    # of a GPU's free memory, left for CUDA's workspaces and fra
 def gpu_memory_bytes(device: torch.device) -> float:
     """What a GPU can hold for stages: its free memory (`torch.cuda.mem_get_info`, plus what
     this process's allocator keeps cached unused), less a margin (`GPU_MARGIN`)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return (free + cached) * (1 - GPU_MARGIN)
+    return (free_memory_bytes(device) + cached_bytes(device)) * (1 - GPU_MARGIN)
 
 
 def shared_memory(devices: Sequence[DeviceSpec]) -> list[DeviceSpec]:
@@ -91,7 +90,7 @@ def _check(name: str) -> None:
     if not is_gpu(device):
         raise DeviceError(f"device {name!r} is not supported\nfxpipe runs stages on 'cpu' and "
                           f"'cuda:N' devices")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = gpu_count()
     index = device.index or 0
     if index >= count:
         have = (f"{count} CUDA device{'s' * (count > 1)}: cuda:0..cuda:{count - 1}" if count

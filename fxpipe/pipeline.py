@@ -15,7 +15,7 @@ from torch import nn
 
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link, format_bytes
-from fxpipe.passes.device import initialized_gpus
+from fxpipe.passes.device import initialized_gpus, seed_gpu
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
                                   ModelChangedError, PipelineClosedError, StageError)
 from fxpipe.passes.graph_values import tensors
@@ -165,7 +165,7 @@ class Pipeline(nn.Module):
                 # torch.manual_seed(seed), for the generators there are (it costs 100 us more).
                 torch.default_generator.manual_seed(seed)
                 for index in cuda:
-                    torch.cuda.default_generators[index].manual_seed(seed)
+                    seed_gpu(index, seed)
                 out = then(model(*args, **kwargs))
         except FxpipeError as e:
             record.error = f"{type(e).__name__} in the model run as is"

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, LinkFn, Memory, cost_graph,
                                       cublas_workspace_bytes)
-from fxpipe.passes.device import is_cpu, is_gpu
+from fxpipe.passes.device import gpu_capability, is_cpu, is_gpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
 from fxpipe.passes.split_wide import split_wide, wide_nodes
@@ -105,9 +105,7 @@ def gpu_overhead_bytes(devices: Sequence[DeviceSpec]) -> int:
     gpus = [torch.device(d.name) for d in devices if is_gpu(d.name)]
     if not gpus:
         return 0
-    known = torch.cuda.is_available()
-    return max(cublas_workspace_bytes(torch.cuda.get_device_capability(g) if known else None)
-               for g in gpus)
+    return max(cublas_workspace_bytes(gpu_capability(g)) for g in gpus)
 
 
 def held_after_first_backward(schedule: str, chunks: int, num_stages: int) -> list[int]:

@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .device import is_gpu
+from .device import gpu_index, gpu_rng_state, is_gpu, set_gpu_rng_state
 from .graph_values import attr_value, tensors
 
 _SEED_RANGE = 2 ** 62
@@ -129,22 +129,21 @@ def _draw(state: RngState, op: Callable, args: tuple, kwargs: dict) -> tuple[Any
     devices = {t.device for t in tensors((args, kwargs))} or {torch.get_default_device()}
     if kwargs.get("device") is not None:                    # a factory: `randn(3, device=...)`
         devices.add(torch.device(kwargs["device"]))
-    devices = sorted({torch.cuda.current_device() if d.index is None else d.index
-                      for d in devices if is_gpu(d)})
+    devices = sorted({gpu_index(d) for d in devices if is_gpu(d)})
     with _LOCK:
         caller_cpu = torch.get_rng_state()
-        caller_cuda = {d: torch.cuda.get_rng_state(d) for d in devices}
+        caller_cuda = {d: gpu_rng_state(d) for d in devices}
         try:
             torch.set_rng_state(state.cpu)
             for d in devices:
-                torch.cuda.set_rng_state(state.cuda_state(d), d)
+                set_gpu_rng_state(state.cuda_state(d), d)
             out = op(*args, **kwargs)
             after = RngState(state.seed, torch.get_rng_state(),
-                             {**state.cuda, **{d: torch.cuda.get_rng_state(d) for d in devices}})
+                             {**state.cuda, **{d: gpu_rng_state(d) for d in devices}})
         finally:
             torch.set_rng_state(caller_cpu)
             for d, s in caller_cuda.items():
-                torch.cuda.set_rng_state(s, d)
+                set_gpu_rng_state(s, d)
     return out, after
 
 

@@ -289,7 +289,7 @@ def test_on_meta_repeats_never_run_and_record_what_a_run_of_every_layer_records(
     the first layer's weights are ever read (a 405B layer is 6.4 GB, drawn and run 126 times
     otherwise); each node's bytes, views, kept values and sources are those found by a first
     run through every layer (the repeats found from its types, as for a model holding values)."""
-    import fxpipe.passes.annotate_costs as costs_module
+    import fxpipe.passes.annotate_costs.reuse as reuse_module
     from fxpipe.weights import Init
 
     config = transformers.LlamaConfig(
@@ -314,7 +314,7 @@ def test_on_meta_repeats_never_run_and_record_what_a_run_of_every_layer_records(
         layers_read.append(read)
         return _recorded(gm)
     early = measured()
-    monkeypatch.setattr(costs_module, "meta_types", lambda gm: None)    # as before: run all
+    monkeypatch.setattr(reuse_module, "meta_types", lambda gm: None)    # as before: run all
     every_layer_run = measured()
     assert layers_read == [{"0"}, {"0", "1", "2"}]
     assert early == every_layer_run

@@ -19,9 +19,10 @@ from hypothesis.errors import InvalidArgument
 
 try:
     from fxpipe.testing import _modelgen
-except Exception:  # fxpipe/__init__.py may be mid-edit: load the file directly
-    _path = pathlib.Path(__file__).resolve().parents[1] / "fxpipe" / "testing" / "_modelgen.py"
-    _spec = importlib.util.spec_from_file_location("_fxpipe_modelgen", _path)
+except Exception:  # fxpipe/__init__.py may be mid-edit: load the package directly
+    _path = pathlib.Path(__file__).resolve().parents[1] / "fxpipe" / "testing" / "_modelgen"
+    _spec = importlib.util.spec_from_file_location("_fxpipe_modelgen", _path / "__init__.py",
+                                                   submodule_search_locations=[str(_path)])
     _modelgen = importlib.util.module_from_spec(_spec)
     sys.modules[_spec.name] = _modelgen
     _spec.loader.exec_module(_modelgen)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.passes.cost_model import DeviceSpec
-from fxpipe.passes.device import is_gpu
+from fxpipe.passes.device import is_gpu, set_device
 
 from ..devices import DeviceLike
 from ..report import LINK_DESCRIPTIONS
@@ -77,7 +77,7 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
             is_gpu(planned) and local is not None) else planned
     chosen = torch.device(device.name if isinstance(device, DeviceSpec) else device)
     if is_gpu(chosen) and chosen.index is not None:
-        torch.cuda.set_device(chosen)
+        set_device(chosen)
     return device
 
 

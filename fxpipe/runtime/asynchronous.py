@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
+from fxpipe.passes.device import is_gpu, synchronize_stream
 from fxpipe.passes.errors import LossError
 from fxpipe.passes.stage import Stage
 
@@ -200,8 +201,8 @@ class AsyncTraining(_Rows):
                     stash = _Stash([{key: self.params[key].detach().clone().requires_grad_(
                                          self.params[key].requires_grad)
                                      for key in keys} for keys in self.stage_keys])
-            for device in {p.device for p in self.params.values() if p.device.type == "cuda"}:
-                torch.cuda.current_stream(device).synchronize()   # stages copy on their own
+            for device in {p.device for p in self.params.values() if is_gpu(p.device)}:
+                synchronize_stream(device)   # stages copy on their own
             self.stashes[self.version] = stash
         return stash
 

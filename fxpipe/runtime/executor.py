@@ -32,6 +32,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Seque
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.device import Stream, current_stream, use_stream, wait_stream
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
@@ -86,7 +87,7 @@ class StageExecutor:
     def __init__(self, stage: Stage, *, from_stages: Collection[str] = (),
                  backward_for: Collection[int] = (), loss_of: LossFn | None = None,
                  seeds: Sequence[int | None] | None = None,
-                 stream: torch.cuda.Stream | None = None, recompute: bool = False):
+                 stream: Stream | None = None, recompute: bool = False):
         self.stage = stage
         self.recompute = recompute
         self.from_stages = tuple(from_stages)
@@ -111,23 +112,18 @@ class StageExecutor:
             context.enter_context(torch.set_grad_enabled(self._grad_enabled))
             for kind, dtype in self._autocast:
                 context.enter_context(torch.autocast(kind, dtype=dtype))
-            if self.stream is not None:
-                # The stage's GPU current first: leaving the stream then restores only that
-                # GPU's stream, where restoring the thread's previous device (GPU 0 on a new
-                # thread) would start a context there, on a GPU the plan may not use.
-                context.enter_context(torch.cuda.device(self.stream.device))
-                context.enter_context(torch.cuda.stream(self.stream))
+            context.enter_context(use_stream(self.stream))    # its GPU current first
             yield
 
     def wait_for_caller(self) -> None:
         """Start this stage's GPU work after the caller's queued work (inputs, optimizer step)."""
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            wait_stream(self.stream, current_stream(self.stream.device))
 
     def make_caller_wait(self) -> None:
         """Queue the caller's later GPU work (losses, reading `.grad`) after this stage's."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            wait_stream(current_stream(self.stream.device), self.stream)
 
     def forward(self, m: int, values: Mapping[str, Any]) -> dict[str, Any]:
         """Micro-batch m's outputs from the values the stage received (`values`, by name).

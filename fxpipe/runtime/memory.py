@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.passes.cost_model import gpu_block_bytes
-from fxpipe.passes.device import is_gpu
+from fxpipe.passes.device import initialized_gpus, is_gpu, peak_bytes, reset_peak_bytes
 from fxpipe.passes.stage import Stage
 
 DRIVER = -1     # the caller's thread outside any stage
@@ -174,17 +174,16 @@ def track_memory() -> Iterator[Measured]:
     if _ACTIVE is not None:
         raise RuntimeError("memory is being tracked already: one track_memory() at a time")
     tracking = _ACTIVE = _Tracking()
-    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_initialized() else []
+    gpus = [torch.device("cuda", i) for i in initialized_gpus()]
     for gpu in gpus:
-        torch.cuda.reset_peak_memory_stats(gpu)
+        reset_peak_bytes(gpu)
     try:
         with tracking.running(DRIVER):
             yield tracking.measured
     finally:
         _ACTIVE = None
         for gpu in gpus:
-            tracking.measured.device_peak_bytes[str(gpu)] = torch.cuda.max_memory_allocated(gpu)
+            tracking.measured.device_peak_bytes[str(gpu)] = peak_bytes(gpu)
 
 
 @contextlib.contextmanager

@@ -49,7 +49,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from fxpipe.passes.stage import Stage
-from fxpipe.passes.device import is_cpu, is_gpu, stream_for
+from fxpipe.passes.device import (Event, Stream, is_cpu, is_gpu, set_device, stream_for,
+                                  timing_event)
 from fxpipe.passes.errors import PartitionError, StageError
 
 from ..schedules import Action, Phase, Slot, Timetable
@@ -102,8 +103,8 @@ class Run:
             self._slots.sort(key=lambda slot: (slot.start_s, slot.action.stage))
         return self._slots
 
-    def gpu_done(self, action: Action, start_s: float, origin: torch.cuda.Event,
-                 began: torch.cuda.Event, ended: torch.cuda.Event) -> None:
+    def gpu_done(self, action: Action, start_s: float, origin: Event,
+                 began: Event, ended: Event) -> None:
         """Record a GPU action by its events, read later (see `slots`)."""
         self._gpu.append((action, start_s, origin, began, ended))
 
@@ -375,7 +376,7 @@ class _Execution(_Rows):
         self.record = Run(num_stages=len(runtime.stages), microbatches=len(self.inputs))
         # A GPU stage's actions are timed by CUDA events on its stream, from an event recorded
         # there as the run starts: (seconds at that start, its event) per stage.
-        self.origins: dict[int, tuple[float, torch.cuda.Event]] = {}
+        self.origins: dict[int, tuple[float, Event]] = {}
 
     def executor(self, stage: Stage) -> StageExecutor:
         """`stage`'s executor for this run, made on the caller's thread to capture its modes."""
@@ -540,7 +541,7 @@ def send_inputs(flow: Flow, transport: Transport, m: int, values: dict[str, Any]
 
 
 def row_executor(stage: Stage, flow: Flow, row: Sequence[Action], *, loss_of: LossFn | None,
-                 seeds: Any, stream: torch.cuda.Stream | None = None,
+                 seeds: Any, stream: Stream | None = None,
                  recompute: bool = False) -> StageExecutor:
     """`stage`'s executor for walking `row` along `flow`: autograd cut at what other stages
     send, a backward kept for the micro-batches the row takes back, the loss (`loss_of`, on
@@ -578,7 +579,7 @@ def _setup(device: torch.device, threads: int | None) -> Callable[[], None]:
         if threads and is_cpu(device):
             set_thread_count(threads)
         elif is_gpu(device):
-            torch.cuda.set_device(device)
+            set_device(device)
     return setup
 
 
@@ -592,9 +593,9 @@ def _kept_thread_count():
         torch.set_num_threads(before)
 
 
-def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+def _event(stream: Stream) -> Event:
     """A timing event recorded on `stream` now."""
-    return stream.record_event(torch.cuda.Event(enable_timing=True))
+    return timing_event(stream)
 
 
 def _reason(errors: Sequence[StageError]) -> str:

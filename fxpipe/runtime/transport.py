@@ -36,7 +36,8 @@ from typing import Any, Iterable, Mapping, Protocol
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.device import is_gpu, same_memory
+from fxpipe.passes.device import (Event, gpus_started, is_gpu, record_event, record_stream,
+                                  same_memory, wait_event)
 from fxpipe.passes.graph_values import tensors
 
 from ..schedules import Phase
@@ -81,7 +82,7 @@ class Transport(Protocol):
 class _Message:
     microbatch: int
     values: dict[str, Any]
-    ready: list[torch.cuda.Event]    # CUDA events the receiver waits on (none off the GPU)
+    ready: list[Event]    # CUDA events the receiver waits on (none off the GPU)
 
 
 class ThreadTransport:
@@ -100,12 +101,12 @@ class ThreadTransport:
     def send(self, phase: Phase, sender: int, receiver: int, microbatch: int,
              values: dict[str, Any]) -> None:
         ready = []
-        if torch.cuda.is_initialized():      # before, no tensor can be on a GPU
+        if gpus_started():      # before, no tensor can be on a GPU
             sender_device = self.devices[sender]
             gpus = {t.device for t in tensors(values) if is_gpu(t.device)}
             if sender_device is not None and is_gpu(sender_device):
                 gpus.add(sender_device)
-            ready = [torch.cuda.current_stream(gpu).record_event() for gpu in gpus]
+            ready = [record_event(gpu) for gpu in gpus]
         self.queues[phase, sender, receiver].put(_Message(microbatch, values, ready))
 
     def receive(self, phase: Phase, sender: int, receiver: int,
@@ -115,7 +116,7 @@ class ThreadTransport:
             f"{phase.name.lower()} message {sender} -> {receiver}: micro-batch "
             f"{message.microbatch} came where {microbatch} was expected")
         device = self.devices[receiver]
-        if not message.ready and not torch.cuda.is_initialized():
+        if not message.ready and not gpus_started():
             return message.values            # host tensors, usable by any CPU stage as they are
         if device is None:
             return _handed_over(message)
@@ -146,10 +147,7 @@ class ThreadTransport:
 def _wait(message: _Message, device: torch.device) -> None:
     """Order the receiver's work after the sender's: on its stream, or on this thread."""
     for event in message.ready:
-        if is_gpu(device):
-            torch.cuda.current_stream(device).wait_event(event)
-        else:
-            event.synchronize()
+        wait_event(device, event)
 
 
 def _handed_over(message: _Message) -> dict[str, Any]:
@@ -165,7 +163,7 @@ def _handed_over(message: _Message) -> dict[str, Any]:
     for gpu in {t.device for t in found}:
         _wait(message, gpu)
     for t in found:
-        t.record_stream(torch.cuda.current_stream(t.device))
+        record_stream(t)
     return message.values
 
 
@@ -183,10 +181,10 @@ def _to(value: Any, device: torch.device) -> Any:
             return v
         if same_memory(v.device, device):
             if is_gpu(device):
-                v.record_stream(torch.cuda.current_stream(device))
+                record_stream(v, device)
             return v
         moved = v.to(device, non_blocking=is_gpu(device))
         if is_gpu(device) and is_gpu(v.device):
-            v.record_stream(torch.cuda.current_stream(v.device))
+            record_stream(v)
         return moved
     return fx.node.map_aggregate(value, move)

@@ -1,0 +1,52 @@
+"""The cost model: what a stage costs, as pure functions of plain data.
+
+The partitioner minimises these numbers and the schedule simulator predicts with them, so the plan
+and the prediction always agree. Nothing here touches a GraphModule except `cost_graph`, which
+reads `node.meta["cost"]` (and `node.meta["costs"][kind]` per device kind) once and returns a
+`CostGraph`, plain tuples a test can also build by hand.
+
+Units are in the names: seconds (`_s`), bytes (`_bytes`), bytes per second (`bytes_per_s`).
+
+The parts, each importable from here:
+
+- `values.py`: the plain values: `NodeCost`, `DeviceSpec`, `Link` and the default links,
+  `KindTimes`, `StageCost`, `format_bytes`.
+- `graph.py`: `CostGraph` and `cost_graph`, which reads a GraphModule's costs into one.
+- `gpu.py`: a GPU's memory arithmetic (the caching allocator's blocks and segments, cuBLAS's
+  workspace, the CUDA context).
+- `memory.py`: what a stage holds (`Held`) and what that needs (`Memory`), one forward's live
+  set (`forward_peak`), and what a training stage holds along the timetable.
+- `recompute.py`: the nodes a stage recomputes to fit (`choose_recomputed`) and what that keeps.
+- `tally.py`: one stage's sums (`StageTally`), from which both views of `Pricing` are read.
+- `pricing.py`: `Pricing`, the cost rules of one device order, exact and relaxed, and
+  `stage_costs`.
+- `bound.py`: `lower_bound_s`, below which no partition's bottleneck goes.
+
+Each part imports only those above it in this list (`gpu.py` none).
+"""
+
+from .values import (DRIVER_DEVICE, HOST_DEVICE, PEER_DEVICE, SAME_DEVICE, CostSource,
+                     DeviceSpec, KindTimes, Link, LinkFn, NodeCost, StageCost, default_link,
+                     format_bytes)
+from .graph import CostGraph, cost_graph
+from .gpu import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, GPU_BLOCK_BYTES,
+                  GPU_LARGE_ROUND_BYTES, GPU_MID_BYTES, GPU_MID_SEGMENT_BYTES, GPU_SMALL_BYTES,
+                  GPU_SMALL_SEGMENT_BYTES, cublas_workspace_bytes, gpu_block_bytes,
+                  gpu_segment_bytes)
+from .memory import OPTIMIZER_STATE, WAIT_SLACK, Held, Memory, forward_peak, standalone_held
+from .recompute import (RECOMPUTE_LARGEST, RECOMPUTE_WINDOW, Choice, StageNodes,
+                        choose_recomputed, stage_memory, stage_nodes)
+from .tally import StageTally
+from .pricing import Pricing, stage_costs
+from .bound import lower_bound_s
+
+__all__ = [
+    "CUBLAS_WORKSPACE_BYTES", "CUDA_CONTEXT_BYTES", "Choice", "CostGraph", "CostSource",
+    "DRIVER_DEVICE", "DeviceSpec", "GPU_BLOCK_BYTES", "GPU_LARGE_ROUND_BYTES", "GPU_MID_BYTES",
+    "GPU_MID_SEGMENT_BYTES", "GPU_SMALL_BYTES", "GPU_SMALL_SEGMENT_BYTES", "HOST_DEVICE", "Held",
+    "KindTimes", "Link", "LinkFn", "Memory", "NodeCost", "OPTIMIZER_STATE", "PEER_DEVICE",
+    "Pricing", "RECOMPUTE_LARGEST", "RECOMPUTE_WINDOW", "SAME_DEVICE", "StageCost", "StageNodes",
+    "StageTally", "WAIT_SLACK", "choose_recomputed", "cost_graph", "cublas_workspace_bytes",
+    "default_link", "format_bytes", "forward_peak", "gpu_block_bytes", "gpu_segment_bytes",
+    "lower_bound_s", "standalone_held", "stage_costs", "stage_memory", "stage_nodes",
+]

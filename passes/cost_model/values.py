@@ -1,0 +1,165 @@
+"""The cost model's plain values: what a node costs (`NodeCost`), a device (`DeviceSpec`), a link
+between two (`Link`, `default_link`), a device kind's times (`KindTimes`), a stage's predicted
+cost (`StageCost`), and bytes as a person reads them (`format_bytes`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from ..device import is_cpu
+
+
+CostSource = Literal["measured", "reused", "estimated"]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs: written by `annotate_costs` (or by hand) as `node.meta["cost"]`.
+
+    `fwd_s` and `bwd_s` are measured on a reference device of speed 1.0; `out_bytes` is the size of
+    the node's output (what a consumer on another stage receives); `param_bytes` the parameters and
+    buffers the node owns; `saved_bytes` what autograd keeps of its forward for its backward
+    (tensors other than parameters, measured with saved-tensor hooks; 0 when not measured): the
+    tensors it makes inside, and its own output when it or any node reading it keeps it, so a
+    value kept by several nodes is counted once, at the node that makes it.
+
+    `source` says where the times come from: "measured" on this node, "reused" from `reused_from`,
+    the same node of the block this node's block repeats (`fxpipe.passes.blocks`), or
+    "estimated" from its FLOPs and bytes where it could not run.
+
+    `new_bytes` is the memory the node's output takes that no input of the node had: a view
+    (`view`, `transpose`, a tuple's item, a slice) takes none, its bytes are its base's, and
+    `views` names the nodes whose memory its output shares (their memory lives as long as it
+    does); None: not measured, the whole output is new. Read by the liveness of a stage's
+    forward (`forward_peak`).
+    """
+
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    out_bytes: int = 0
+    param_bytes: int = 0
+    spread: float = 0.0     # how unsteady the measurement was: (p90 - p10) / median of the repeats
+    saved_bytes: int = 0
+    source: CostSource = "measured"
+    reused_from: str = ""   # the node measured for this one, when "reused"
+    new_bytes: int | None = None
+    views: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device a stage runs on: its torch name, relative speed and memory (`inf`: unbounded).
+
+    `threads` is a CPU stage's intra-op thread count (None: the cores shared evenly among the CPU
+    stages). Devices of one `kind` run a node in the same time, so costs are measured once per
+    kind; `speed` scales the measured time by hand (2.0: twice as fast as measured).
+    """
+
+    name: str
+    speed: float = 1.0
+    memory_bytes: float = math.inf
+    threads: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """What a node's cost depends on: the device, and a CPU stage's thread count."""
+        if is_cpu(self.name):
+            return "cpu" if self.threads is None else f"cpu/{self.threads}"
+        return self.name
+
+
+@dataclass(frozen=True)
+class Link:
+    """The time to move `n` bytes between two devices is `latency_s + n / bytes_per_s`."""
+
+    latency_s: float
+    bytes_per_s: float = math.inf
+
+    def time_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+# Between two stages on the same device nothing is copied; the hand-off itself (a queue put and a
+# thread wake-up) still costs tens of microseconds on CPU, which is what bounds a CPU pipeline.
+SAME_DEVICE = Link(latency_s=30e-6)
+HOST_DEVICE = Link(latency_s=15e-6, bytes_per_s=12e9)   # PCIe-class copy
+PEER_DEVICE = Link(latency_s=10e-6, bytes_per_s=20e9)
+
+LinkFn = Callable[[DeviceSpec, DeviceSpec], Link]
+
+
+def default_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
+    """A link by device kinds; `fxpipe.devices.measure_links` measures real ones."""
+    if src.name == dst.name or (is_cpu(src.name) and is_cpu(dst.name)):
+        return SAME_DEVICE
+    if is_cpu(src.name) or is_cpu(dst.name):
+        return HOST_DEVICE
+    return PEER_DEVICE
+
+
+# The driver feeds graph inputs and collects graph outputs; it lives on the host.
+DRIVER_DEVICE = DeviceSpec("cpu")
+
+
+@dataclass(frozen=True)
+class KindTimes:
+    """One device kind's time per node at speed 1.0: forward, and backward (zeros in inference)."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's predicted cost: compute on its device, transfers in and out, memory held.
+
+    `compute_s` is forward plus backward compute; `backward_s` the backward part of it, which
+    includes the forward run again when the stage recomputes (`recompute`, `recompute_s`). A
+    forward action of the stage takes `forward_step_s`, a backward one `backward_step_s`:
+    gradients cross the same links as the values they belong to. `memory_bytes` is what the stage
+    holds at its peak (`Memory.need`); `memory_kept_bytes` what it would hold keeping every
+    activation, and `memory_recomputing_bytes` recomputing them (equal outside training). A
+    stage that recomputes part of its forward instead (`recomputed` names the nodes:
+    `Pricing.recompute_part`) has `recompute` False, their forward as `recompute_s` and
+    `Memory.need_partial` as `memory_bytes`.
+    """
+
+    compute_s: float
+    comm_s: float
+    memory_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    num_nodes: int
+    backward_s: float = 0.0
+    recompute: bool = False
+    recompute_s: float = 0.0
+    memory_kept_bytes: int = 0
+    memory_recomputing_bytes: int = 0
+    recomputed: tuple[str, ...] = ()
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def forward_step_s(self) -> float:
+        return self.compute_s - self.backward_s + self.comm_s
+
+    @property
+    def backward_step_s(self) -> float:
+        return self.backward_s + self.comm_s
+
+
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in the unit that shows it (`512 B`, `1.5 KB`, `20.0 MB`, `3.2 GB`; powers of
+    1000), so a small model's memory error does not read `0.0 MB`."""
+    if not math.isfinite(nbytes):
+        return "unbounded memory"
+    if round(abs(nbytes)) < 1000:
+        return f"{nbytes:.0f} B"
+    for unit, scale in (("KB", 1e3), ("MB", 1e6)):
+        if round(abs(nbytes) / scale, 1) < 1000:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e9:.1f} GB"
