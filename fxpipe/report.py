@@ -260,6 +260,10 @@ def _observed(plan: Plan) -> list[str]:
              f"{seen['speedup']:.2f}x the model's {plan.unpipelined_s * 1e3:.3f} ms at compile, "
              + (f"{predicted:.2f}x predicted" if predicted is not None else
                 "no speed-up was claimed")]
+    if seen["speedup"] < 1:
+        lines.append(f"warning: the pipeline measured slower than the model run whole "
+                     f"({seen['speedup']:.2f}x): let the plan choose (num_stages='auto', "
+                     f"chunks='auto'), which keeps the model as is where no pipeline wins here")
     if predicted is not None:
         off = max(predicted, seen["speedup"]) / min(predicted, seen["speedup"])
         if off > OBSERVED_SLACK:

@@ -124,6 +124,9 @@ def test_the_speed_up_measured_in_use_sits_beside_the_predicted_one(scripted, mo
         assert "measured in use" in str(plan) and f"{plan.speedup:.2f}x predicted" in str(plan)
         # The scripted nodes (1 ms each) are far slower than the model's own: the two differ.
         assert "warning: the measured speed-up is" in str(plan)
+        seen.update(speedup=0.5)
+        assert "warning: the pipeline measured slower than the model run whole (0.50x)" in \
+            str(plan)
         seen.update(step_s=plan.predicted_step_s * 1.2, speedup=plan.speedup / 1.2)
         assert "warning: the measured speed-up" not in str(plan)      # within 25%
         seen.update(step_s=plan.predicted_step_s * 1.3, speedup=plan.speedup / 1.3)

@@ -22,7 +22,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "reading-the-plan.md"
 def explained(page: str) -> list[re.Pattern]:
     """The page's bold phrases as patterns a line starts with: a placeholder (N, M, s, X)
     stands for any word."""
-    phrases = re.findall(r"\*\*([^*\n]+)\*\*", page)
+    phrases = [" ".join(p.split()) for p in re.findall(r"\*\*([^*]+)\*\*", page)]
     return [re.compile(r"\S+".join(re.escape(part) for part in
                                    re.split(r"(?<!\w)(?:N|M|s|X)(?!\w)", phrase)))
             for phrase in phrases]
