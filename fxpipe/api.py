@@ -447,7 +447,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                      calibration=costs.calibration[config.chunks, specs[0].kind,
                                                    config.num_stages > 1],
                      spread=measurement_spread(gm), link=o.link_name, graph=gm,
-                     link_fn=recipe.link,
+                     link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
                      weights=recipe.weights.where if materialize else None,
                      stand_ins=recipe.stand_ins() if materialize else (),
                      **reference.stated_tolerance())

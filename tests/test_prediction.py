@@ -52,6 +52,8 @@ def test_the_prediction_prices_each_hand_off_as_the_runtime_costs_it(scripted):
     assert plan.speedup == pytest.approx(MODEL_S / 15e-3)
     assert plan.claimed_speedup == plan.speedup
     assert f"{MODEL_S / 15e-3:.2f}x" in str(plan)
+    # explain() prices the cuts as the plan did.
+    assert plan.link_fn(*plan.partition.devices) == Link(latency_s=HANDOFF_S)
 
 
 def test_the_hand_off_priced_is_the_one_measured_for_cpu_stages_only(monkeypatch):
