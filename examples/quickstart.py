@@ -1,9 +1,13 @@
-"""Quickstart: pipeline a branching CNN across CPU "devices" and compare its throughput.
+"""Quickstart: let fxpipe plan a branching CNN on this machine's CPU cores, then stream it.
 
-    python examples/quickstart.py [--stages 2] [--chunks 8] [--batch 64]
+    python examples/quickstart.py [--batch 64] [--items 200]
 
 The model has residual blocks and an Inception-like block with parallel branches; fxpipe traces
-it, measures every node, splits it into balanced stages and runs them as a pipeline.
+it, measures every node, and weighs splitting it into balanced stages against running it as it
+is (`num_stages="auto"`, `chunks="auto"`): on a few cores a whole batch usually runs fastest as
+it is, with all cores' threads, and the plan says so and why. What a pipeline wins there is a
+stream: one sample after another, two one-thread stages working on consecutive samples at once,
+against the model called on each sample.
 """
 
 from __future__ import annotations
@@ -73,39 +77,54 @@ def samples_per_s(fn, x, repeats: int = 5) -> float:
     return x.shape[0] / best
 
 
+def streamed_per_s(fn, items) -> float:
+    """Samples per second of `fn` over `items`, one sample each (after one warm-up item)."""
+    fn(items[:1])
+    start = time.perf_counter()
+    fn(items)
+    return len(items) / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--items", type=int, default=200)
     args = parser.parse_args()
 
     fxpipe.tune_cpu_allocator()   # glibc keeps freed activations: fair to both sides (docs/devices.md)
     torch.manual_seed(0)
     model = BranchyCNN().eval()
     x = torch.randn(args.batch, 3, 32, 32)
-    pipe = fxpipe.compile(model, ["cpu"] * args.stages, example_inputs=(x,), chunks=args.chunks)
+    cores = torch.get_num_threads()
 
+    # 1. A whole batch: the plan weighs pipelines on every core against the model as it is.
+    pipe = fxpipe.compile(model, ["cpu"] * cores, example_inputs=(x,), num_stages="auto",
+                          chunks="auto")
     print(pipe.plan)
-    print(f"\n--- the code of stage 1 (print(pipe.stages[1].code)) ---{pipe.stages[1].code}")
-
     with torch.no_grad():
         # The same values up to rounding: micro-batches and stages sum in other orders (other
         # kernels, other thread counts), within float32 epsilons of the output's largest value.
         expected = model(x)
         torch.testing.assert_close(pipe(x), expected, rtol=0,
                                    atol=64 * torch.finfo(x.dtype).eps * expected.abs().max().item())
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        one_thread = samples_per_s(model, x)
-        torch.set_num_threads(threads)
-        all_threads = samples_per_s(model, x)
-        pipelined = samples_per_s(pipe, x)
-    print(f"throughput, batch {args.batch}, {args.chunks} micro-batches, {threads} cores:")
-    print(f"  model, 1 thread:              {one_thread:8.1f} samples/s")
-    print(f"  model, {threads} threads:              {all_threads:8.1f} samples/s")
-    print(f"  fxpipe, {args.stages} stages x 1 thread:  {pipelined:8.1f} samples/s  "
-          f"({pipelined / one_thread:.2f}x one thread, {pipelined / all_threads:.2f}x {threads} threads)")
+        model_rate, pipe_rate = samples_per_s(model, x), samples_per_s(pipe, x)
+    chosen = ("the model as is" if pipe.plan.runs_as_is else
+              f"{pipe.plan.chosen.config.num_stages} stages x {pipe.plan.chunks} micro-batches")
+    print(f"\nbatch {args.batch}, {cores} cores: the model {model_rate:.0f} samples/s, the plan's "
+          f"choice ({chosen}) {pipe_rate:.0f} samples/s: {pipe_rate / model_rate:.2f}x")
+    pipe.close()
+
+    # 2. A stream of single samples: two one-thread stages work on consecutive samples at once.
+    items = [torch.randn(1, 3, 32, 32) for _ in range(args.items)]
+    with fxpipe.compile(model, ["cpu", "cpu"], example_inputs=(items[0],),
+                        threads_per_stage=1) as streaming, torch.no_grad():
+        print(f"\n--- the code of stage 1 of the streaming pipeline (print(pipe.stages[1].code))"
+              f" ---{streaming.stages[1].code}")
+        one_by_one = streamed_per_s(lambda xs: [model(s) for s in xs], items)
+        stream = streamed_per_s(lambda xs: list(streaming.stream(xs)), items)
+    print(f"a stream of {args.items} single samples: the model called on each "
+          f"{one_by_one:.0f} samples/s ({cores} threads), pipe.stream on 2 stages x 1 thread "
+          f"{stream:.0f} samples/s: {stream / one_by_one:.2f}x")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from fxpipe.passes.capture import CaptureMode, trace, with_tensor_defaults, with
 from . import microbatch, search
 from .checks import holding, meta_reference, reference_of, streamed_stages, verify
 from .devices import DeviceLike, measure_links
-from .measure import Costs, race, time_unpipelined
+from .measure import Baseline, Costs, priced_link, race
 from .options import BatchDims, Options, input_dims, placeholder_dims
 from .pipeline import Pipeline, carry_values
 from .plan_data import Plan, Runs, make_plan, peak_rss_bytes
@@ -390,16 +390,20 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
     training = model.training if o.training is None else o.training
     args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
     materialize = recipe.materialize
-    # A model on meta cannot run whole anywhere: its own time is not measured.
-    if unpipelined_s is None and not materialize:
-        unpipelined_s = time_unpipelined(model, recipe, training)
+    # A model on meta cannot run whole anywhere: its own time is not measured. Measured, it is
+    # sampled between the stages' measurements (`Baseline`).
+    baseline = (Baseline(model, recipe, training)
+                if unpipelined_s is None and not materialize else None)
     chunks_for = _chunk_options(model, recipe, training, len(o.devices))
     first_args, first_kwargs = microbatch.split((args, kwargs), chunks_for(1)[0], dims)[0]
     _functionalize(gm, recipe, first_args, first_kwargs)
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    costs = Costs(gm, recipe, training)
-    chosen, reason, considered = _choose(costs, recipe, training, chunks_for, unpipelined_s,
-                                         pipelines)
+    costs = Costs(gm, recipe, training, **({"between": baseline.sample} if baseline else {}))
+    chosen, reason, considered = _choose(
+        costs, recipe, training, chunks_for,
+        (lambda: baseline.seconds) if baseline else (lambda: unpipelined_s), pipelines)
+    if baseline is not None:
+        unpipelined_s = baseline.seconds
     config = chosen.config
     specs = chosen.partition.devices
     costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
@@ -436,12 +440,14 @@ def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
                      training=model.training, measurements=costs.saved_measurements(),
                      recompute=o.recompute, stage_recomputed=recomputed,
                      output_dims=reference.output_dims, unpipelined_s=unpipelined_s,
+                     unpipelined_spread=baseline.spread if baseline else None,
+                     example_rows=microbatch.batch_size((args, kwargs), dims),
                      unpipelined_threads=torch.get_num_threads(), chosen=chosen,
                      reason=reason, considered=considered,
                      calibration=costs.calibration[config.chunks, specs[0].kind,
                                                    config.num_stages > 1],
                      spread=measurement_spread(gm), link=o.link_name, graph=gm,
-                     link_fn=recipe.link,
+                     link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
                      weights=recipe.weights.where if materialize else None,
                      stand_ins=recipe.stand_ins() if materialize else (),
                      **reference.stated_tolerance())
@@ -503,7 +509,7 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
             f"measured fastest, though {plan.chosen} was predicted fastest")
         chosen = next(c for c in plan.considered if c.config == best.chosen.config)
         return replace(best, considered=plan.considered, chosen=chosen, raced=rows,
-                       reason=f"{why}; {measured}")
+                       reason=f"{why}; {measured}", unpipelined_spread=plan.unpipelined_spread)
     else:
         runs = Runs.AS_IS_MEASURED
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
@@ -511,7 +517,7 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
     as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False,
                    unpipelined_s=plan.unpipelined_s)
     return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason,
-                   runs=runs, raced=rows)
+                   runs=runs, raced=rows, unpipelined_spread=plan.unpipelined_spread)
 
 
 def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan]:
@@ -540,7 +546,7 @@ def _inputs_device(recipe: Recipe) -> torch.device:
 
 
 def _choose(costs: Costs, recipe: Recipe, training: bool, chunks_for: Callable[[int], list[int]],
-            unpipelined_s: float | None, pipelines: bool = True
+            unpipelined_s: Callable[[], float | None], pipelines: bool = True
             ) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
     """Every configuration the options leave open, costed, partitioned and predicted; the one
     to build, why, and all those considered (the model as is last, when it was one). Without
@@ -565,8 +571,9 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunks_for: Callable[[
                 recipe.progress.doing(f"planning {k} stage{'s' * (k > 1)} x {chunks} "
                                       f"micro-batch{'es' * (chunks > 1)}")
                 devices = costs.devices(config, specs)
+                priced = priced_link(devices) if o.link_name == "default" else link
                 candidates.append(search.consider(config, costs.measure(config, devices),
-                                                  devices, link, training, cores, memory,
+                                                  devices, priced, training, cores, memory,
                                                   graph=costs.gm))
     as_is = None
     # The model as it is: one stage, whole batch, the caller's threads, and its own tensors,
@@ -576,7 +583,7 @@ def _choose(costs: Costs, recipe: Recipe, training: bool, chunks_for: Callable[[
         devices = costs.devices(as_is_config, specs)
         as_is = search.consider(as_is_config, costs.measure(as_is_config, devices), devices,
                                 link, training, memory=memory)
-        as_is = replace(as_is, predicted_s=unpipelined_s if as_is.partition else None)
+        as_is = replace(as_is, predicted_s=unpipelined_s() if as_is.partition else None)
     chosen, reason = search.choose(candidates, as_is)
     return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
 

@@ -3,12 +3,16 @@
 `Costs` measures the graph once per micro-batch size, device kind (a CPU kind per thread count)
 and thread (the caller's, or a worker's as the stages of a pipeline run on), reusing what a
 plan passed as `costs=` measured, and `calibrate`s each measurement to the whole graph's time
-measured in the same conditions; `time_unpipelined` times the model as given, whole.
+measured in the same conditions; `Baseline` times the model as given, whole, between those
+measurements; `handoff_s` times the runtime's own hand-off between stages, which `priced_link`
+prices.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import statistics
 import threading
 import time
@@ -24,10 +28,12 @@ from fxpipe.passes.annotate_costs import WRITTEN, annotate_costs, bind_inputs
 from fxpipe.passes.device import is_cpu, start_timer
 from fxpipe.passes.codegen import placed_copy
 from fxpipe.passes.materialize import holds_meta
-from fxpipe.passes.cost_model import DeviceSpec, NodeCost, cost_graph
+from fxpipe.passes.cost_model import (DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
+                                      default_link)
 from fxpipe.passes.errors import CostError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
+from fxpipe.passes.stage import Stage
 from fxpipe.passes.state import unchanged_state
 
 from . import microbatch, search
@@ -36,6 +42,8 @@ from .runtime.calls import call_stages, runtime_of, train_stages
 from .plan_data import Measurement, Plan
 from .runtime import Runtime
 from .reference import copied, unchanged
+from .schedules import gpipe, simulate
+from .wiring import Wiring
 
 if TYPE_CHECKING:
     from .api import Recipe
@@ -46,8 +54,10 @@ class Costs:
     thread count) and thread (the caller's, or a worker's as the stages of a pipeline run on),
     then calibrated; a configuration's costs are those of its devices' kinds."""
 
-    def __init__(self, gm: fx.GraphModule, recipe: Recipe, training: bool):
+    def __init__(self, gm: fx.GraphModule, recipe: Recipe, training: bool,
+                 between: Callable[[], None] = lambda: None):
         self.gm, self.recipe, self.training = gm, recipe, training
+        self.between = between       # called after each measurement (`Baseline.sample`)
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
         self.marks: dict[tuple, dict[str, dict[str, Any]]] = {}
@@ -99,6 +109,7 @@ class Costs:
             key = (config.chunks, device.kind, worker)
             if key not in self.measured:
                 self.measured[key] = self._measure(config.chunks, device, worker)
+                self.between()
         for n in self.gm.graph.nodes:
             if n.op != "output":
                 n.meta["costs"] = {k: self.measured[config.chunks, k, worker][n] for k in kinds}
@@ -226,31 +237,133 @@ def _intra_op_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
-                     repeats: int = 3) -> float:
+class Baseline:
     """The model's own time for one batch, as given: whole, on its device, with the caller's
     threads (in training, forward and backward to every parameter): what a pipeline must beat.
 
-    Measured on the model as given (each device it uses synchronised), without side effects;
-    the median of `repeats` after one warm-up run.
+    Measured warm (one run first, not counted), `first` samples at once, then one more at each
+    `sample()` (a sample: one run, or several of a quick model): planning samples it between the stages' measurements (`Costs(between=...)`), so
+    a disturbance of the machine that moves the stages' costs moves the baseline alike, and no
+    single run sets it. `seconds` is the median of the runs, `spread` how far they disagree
+    ((p90 - p10) / median, as the nodes' own spread). Each run leaves the model, its buffers and
+    `.grad` as they were, and every device it uses synchronised.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    devices = {t.device for t in [*model.parameters(), *model.buffers(),
-                                  *tensors((recipe.args, recipe.kwargs))]}
-    times = []
-    for _ in range(repeats + 1):
-        with unchanged(model), torch.set_grad_enabled(training and bool(params)):
+
+    def __init__(self, model: nn.Module, recipe: Recipe, training: bool, first: int = 3):
+        self.model, self.recipe, self.training = model, recipe, training
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.devices = {t.device for t in [*model.parameters(), *model.buffers(),
+                                           *tensors((recipe.args, recipe.kwargs))]}
+        self.times: list[float] = []
+        self._run()                        # warm-up
+        for _ in range(first):
+            self.sample()
+
+    def sample(self) -> None:
+        """More runs of the model, timed: one, or for a model quicker than `SAMPLE_S` as many
+        as fill it (at most `SAMPLE_RUNS`), so that a quick model's median and spread rest on
+        enough runs."""
+        spent = 0.0
+        for _ in range(self.SAMPLE_RUNS):
+            self.times.append(self._run())
+            spent += self.times[-1]
+            if spent >= self.SAMPLE_S:
+                return
+
+    SAMPLE_S = 2e-3
+    SAMPLE_RUNS = 10
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def spread(self) -> float:
+        return spread_of(self.times)
+
+    def _run(self) -> float:
+        model, recipe = self.model, self.recipe
+        with unchanged(model), torch.set_grad_enabled(self.training and bool(self.params)):
             args, kwargs = copied(recipe.args), copied(recipe.kwargs)
-            synchronize(*devices)
+            synchronize(*self.devices)
             start = time.perf_counter()
             out = model(*args, **kwargs)
             loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
                        if isinstance(t, torch.Tensor) and t.requires_grad)
             if isinstance(loss, torch.Tensor):
-                torch.autograd.grad(loss, params, allow_unused=True)   # .grad left alone
-            synchronize(*devices)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+                torch.autograd.grad(loss, self.params, allow_unused=True)  # .grad left alone
+            synchronize(*self.devices)
+            return time.perf_counter() - start
+
+
+def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
+                     repeats: int = 3) -> float:
+    """The model's own time for one batch (`Baseline`): the median of `repeats` warm runs."""
+    return Baseline(model, recipe, training, repeats).seconds
+
+
+def spread_of(times: Sequence[float]) -> float:
+    """How far repeated timings disagree: (p90 - p10) / median (0 for fewer than 2)."""
+    if len(times) < 2:
+        return 0.0
+    ordered = sorted(times)
+    at = lambda q: ordered[round(q * (len(ordered) - 1))]      # noqa: E731
+    return (at(0.9) - at(0.1)) / statistics.median(ordered)
+
+
+# An empty pipeline's micro-batches and timed runs, per thread layout (`handoff_s`).
+HANDOFF_CHUNKS = 8
+HANDOFF_RUNS = 15
+
+
+@functools.lru_cache(maxsize=None)
+def handoff_s(threads: tuple[int | None, ...], cores: int) -> float:
+    """The runtime's own cost of a hand-off between CPU stages on this machine, for stages with
+    `threads` intra-op threads each on `cores` cores: a call of `HANDOFF_CHUNKS` micro-batches
+    through stages that compute nothing (each returns what it received), run `HANDOFF_RUNS`
+    times by the real runtime (its workers, queues, seeds and records), the median wall time
+    over what the cost model predicts for that call at one second a hand-off (each stage
+    receives and sends one value per micro-batch, the driver feeding the first and taking the
+    last's; `search.predict_slots`' timeline, stages sharing the cores as there). So the
+    prediction of an empty pipeline is its measured time, and every hop of a real one pays
+    what the runtime costs here: a queue put, a thread's wake-up, a stage's call, its record.
+    About 50 ms, once per process and thread layout."""
+    k = len(threads)
+    stages = [Stage(i, _passing(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
+              for i in range(k)]
+    wiring = Wiring.of(stages, [f"v{k}"])
+    timetable = gpipe(k, HANDOFF_CHUNKS)
+    inputs = [{"v0": torch.zeros(1)} for _ in range(HANDOFF_CHUNKS)]
+    runtime = Runtime(stages, wiring, threads_per_stage=list(threads))
+    times = []
+    try:
+        for _ in range(HANDOFF_RUNS + 1):
+            _, record = runtime.run(timetable, inputs, seeds=[0] * HANDOFF_CHUNKS)
+            times.append(record.wall_s)
+    finally:
+        runtime.close()
+    unit = max(slot.end_s for slot in simulate(
+        timetable, lambda action: 2.0, wiring.reads_from(False), cores=cores,
+        demand=[t or 1 for t in threads]))
+    return statistics.median(times[1:]) / unit
+
+
+def _passing() -> fx.GraphModule:
+    """A stage that computes nothing: it returns the value it received."""
+    graph = fx.Graph()
+    graph.output((graph.placeholder("x"),))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def priced_link(devices: Sequence[DeviceSpec]) -> LinkFn:
+    """`default_link` with a hand-off between stages on the CPU (and to or from the driver)
+    priced as this machine's runtime costs one for these devices' thread layout (`handoff_s`):
+    how the default link prices a configuration's CPU stages. Devices not all CPUs keep
+    `default_link`'s prices."""
+    if not all(is_cpu(d.name) for d in devices):
+        return default_link
+    same = Link(latency_s=handoff_s(tuple(d.threads for d in devices), os.cpu_count() or 1))
+    return functools.partial(default_link, same_device=same)
 
 
 class Race(NamedTuple):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
@@ -34,6 +35,9 @@ from .runtime.step import (DeferredScale, StepLoss, check_reduction, check_targe
 from .explain import explain
 from .model_watch import ModelWatch
 from .schedules import Action, Phase, Slot, timetable_for
+
+# The latest calls whose median is the speed-up measured in use (`Pipeline._observe`).
+OBSERVED_RUNS = 8
 
 
 class Pipeline(nn.Module):
@@ -128,18 +132,40 @@ class Pipeline(nn.Module):
 
     @contextlib.contextmanager
     def _measuring(self, *, training: bool) -> Iterator[None]:
-        """Around a call or step: with `measure_memory` set, each stage's peak measured
-        (`runtime.memory`) into `last_run` and the plan's `observed` record."""
+        """Around a call or step: its time and the speed-up measured so far (`_observe`), and
+        with `measure_memory` set, each stage's peak measured (`runtime.memory`), into
+        `last_run` and the plan's `observed` record."""
+        start = time.perf_counter()
         with tracked(self.measure_memory) as measured:
             yield
         record = self.last_run
-        if measured is None or record is None:
+        if record is None:
+            return
+        record.call_s = time.perf_counter() - start
+        self._observe(record, training)
+        if measured is None:
             return
         record.peak_bytes = dict(measured.peak_bytes)
         record.device_peak_bytes = dict(measured.device_peak_bytes)
-        self.plan.observed.clear()
         self.plan.observed.update(peak_bytes=record.peak_bytes, training=training,
                                   microbatches=record.microbatches)
+
+    def _observe(self, record: Run, training: bool) -> None:
+        """A pipeline's call (or train step) of the example's rows in the plan's mode counts
+        toward the speed-up measured in use: after the first (which may start workers), the
+        latest `OBSERVED_RUNS` calls' median against the model's time at compile, into
+        `plan.observed` and the record, beside the speed-up the plan claims."""
+        plan, seen = self.plan, self.plan.observed
+        if (plan.runs_as_is or not plan.unpipelined_s or record.failed or
+                training != bool(plan.training) or record.rows != plan.example_rows):
+            return
+        seen["runs"] = seen.get("runs", 0) + 1
+        if seen["runs"] == 1:
+            return
+        times = seen["times_s"] = [*seen.get("times_s", [])[1 - OBSERVED_RUNS:], record.call_s]
+        seen["step_s"] = statistics.median(times)
+        seen["speedup"] = record.speedup = plan.unpipelined_s / seen["step_s"]
+        record.predicted_speedup = plan.claimed_speedup
 
     def _as_is(self) -> nn.Module | None:
         """The model, when the plan runs it as is (one stage, the whole batch, the caller's
@@ -259,14 +285,17 @@ class Pipeline(nn.Module):
         self._check_model()
         values = step_inputs(self._signature, inputs)
         chunks = microbatch.split_up_to(values, self.chunks, self._batch_dims)
-        check_target(target, microbatch.batch_size(values, self._batch_dims))
+        rows = microbatch.batch_size(values, self._batch_dims)
+        check_target(target, rows)
         model = self._as_is()
         with self._measuring(training=True):
             if model is not None:
                 return self._train_as_is(model, inputs, target, loss_fn, reduction,
                                          tensors(values))
-            return self._train(chunks, microbatch.split(target, len(chunks)), loss_fn,
+            loss = self._train(chunks, microbatch.split(target, len(chunks)), loss_fn,
                                reduction, leaves=tensors(values))
+            self.last_run.rows = rows
+            return loss
 
     def _train(self, chunks: list[dict[str, Any]], targets: list[Any],
                loss_fn: Callable[[Any, Any], Any], reduction: Literal["mean", "sum"], *,

@@ -28,7 +28,7 @@ from fxpipe.passes.capture import Capture, module_path
 
 from . import saved
 from .plan_format import register_types
-from .report import describe
+from .report import describe, unclaimed
 from .schedules import Slot, async_warmup
 from .search import predict_slots
 from .wiring import Wiring
@@ -77,6 +77,10 @@ class Plan:
     predicted_step_s: float | None = None     # one call (or train_step) through the pipeline
     unpipelined_s: float | None = None        # the model run whole, measured at compile
     unpipelined_threads: int = 0
+    # How far the model's runs at compile disagreed ((p90 - p10) / median; `measure.Baseline`),
+    # and the example's rows: a call of other rows is not compared with it (`observed`).
+    unpipelined_spread: float | None = None
+    example_rows: int | None = None
     considered: tuple = ()                    # search.Candidate: the configurations weighed
     chosen: object = None                     # the one chosen (a search.Candidate)
     reason: str = ""                          # why, in words
@@ -121,10 +125,13 @@ class Plan:
     # reads), and the link function that priced the transfers.
     graph: fx.GraphModule | None = field(default=None, compare=False, repr=False)
     link_fn: LinkFn | None = field(default=None, compare=False, repr=False)
-    # In memory only: what a Pipeline running this plan measured in its latest call or step
+    # In memory only: what a Pipeline running this plan measured. In its latest call or step
     # tracking memory (`Pipeline.measure_memory`): each stage's peak (`peak_bytes`), whether it
-    # trained, and its micro-batches; `print(plan)` shows it beside the prediction. Each plan
-    # has its own (not passed on by `dataclasses.replace`), and a saved plan keeps it empty.
+    # trained, and its micro-batches. Over its calls (or train steps, in the plan's mode) of
+    # the example's rows: `runs` seen, the times of the latest after the first (`times_s`,
+    # whole calls), their median (`step_s`) and the model's time at compile over it (`speedup`).
+    # `print(plan)` shows both beside the prediction. Each plan has its own (not passed on by
+    # `dataclasses.replace`), and a saved plan keeps it empty.
     observed: dict[str, Any] = field(default_factory=dict, init=False, compare=False,
                                      repr=False)
 
@@ -192,6 +199,12 @@ class Plan:
         if not self.predicted_step_s or self.unpipelined_s is None:
             return None
         return self.unpipelined_s / self.predicted_step_s
+
+    @property
+    def claimed_speedup(self) -> float | None:
+        """`speedup` where the plan stands by it: None where its figures cannot predict the
+        run (`unclaimed` says why: stages sharing cores, an unsteady measurement)."""
+        return None if unclaimed(self) else self.speedup
 
     def __str__(self) -> str:
         return describe(self)

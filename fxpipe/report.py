@@ -60,6 +60,7 @@ def describe(plan: Plan) -> str:
         *measured_memory(plan),
         *_cuda_context(plan),
         *_comparison(plan),
+        *_observed(plan),
         *_overlap(plan),
         *_stand_ins(plan),
         *_choice(plan),
@@ -157,7 +158,7 @@ def measured_memory(plan: Plan) -> list[str]:
     """Each stage's memory measured in the latest run that tracked it, beside the prediction
     (where the run was one the plan priced: its mode and its micro-batches)."""
     seen = plan.observed
-    if not seen:
+    if "peak_bytes" not in seen:
         return []
     priced = (seen["training"] == bool(plan.training) and seen["microbatches"] == plan.chunks)
     # The optimizer's state is the caller's, made by its first step, outside the run.
@@ -198,17 +199,78 @@ def _comparison(plan: Plan) -> list[str]:
                 f"{format_bytes(plan.planning_peak_rss_bytes or 0)} resident"]
     if plan.speedup is None:
         return []
+    spread = ("" if plan.unpipelined_spread is None else
+              f", median of warm runs between the stages' measurements, spread "
+              f"{plan.unpipelined_spread:.0%}")
     model = (f"{plan.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
-             f"{_count(plan.unpipelined_threads, 'thread')})")
+             f"{_count(plan.unpipelined_threads, 'thread')}{spread})")
     if plan.runs_as_is:
         return [f"per batch: the model as is, {model}: {plan.runs.value}, so the one stage runs "
                 f"the whole batch on the caller's thread"]
+    why = unclaimed(plan)
+    if why:
+        return [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
+                f"unpipelined {model}; no speed-up claimed: {why}"]
     lines = [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
              f"unpipelined {model}: {plan.speedup:.2f}x"]
     if plan.speedup < 1:
         lines.append("warning: the pipeline is predicted slower than the model run whole: "
                      "let the plan choose (num_stages='auto', chunks='auto'), or run the "
                      "model without fxpipe")
+    return lines
+
+
+def unclaimed(plan: Plan) -> str:
+    """Why the plan's predicted speed-up cannot be relied on here, in words ("" where it can):
+    CPU stages asking for more threads than the machine has cores (they take turns, which the
+    prediction prices only roughly), or costs or the model's own runs measured unsteadily
+    (another process using the cores)."""
+    if plan.runs_as_is or plan.weights is not None:
+        return ""
+    devices = plan.partition.devices
+    asked, cores = sum(d.threads or 1 for d in devices if is_cpu(d.name)), os.cpu_count() or 1
+    if asked > cores:
+        return (f"the CPU stages ask for {asked} threads on {_count(cores, 'core')}, so they "
+                f"take turns (plan as many CPU stages as cores, or fewer, for a prediction)")
+    unsteady = [f"{what} (spread {spread:.0%})" for what, spread in
+                [("the node costs", plan.spread), ("the model's own runs", plan.unpipelined_spread)]
+                if spread is not None and spread > UNSTEADY]
+    if unsteady:
+        return (f"the figures are unsteady: {' and '.join(unsteady)} varied over "
+                f"{UNSTEADY:.0%}, as when another process uses the cores; compile again when "
+                f"the machine is quiet")
+    return ""
+
+
+# Measured and predicted speed-ups further apart than this (the larger over the smaller) warn.
+OBSERVED_SLACK = 1.25
+
+
+def _observed(plan: Plan) -> list[str]:
+    """The speed-up measured over the pipeline's calls so far (`Plan.observed`, the model's
+    time at compile over the median call) beside the predicted one; a warning when they
+    differ by more than `OBSERVED_SLACK`."""
+    seen = plan.observed
+    if "speedup" not in seen:
+        return []
+    runs = "train steps" if plan.training else "calls"
+    predicted = plan.claimed_speedup
+    lines = [f"measured in use: {seen['step_s'] * 1e3:.3f} ms per {runs[:-1]} (median of the "
+             f"latest {len(seen['times_s'])} of {seen['runs']} {runs}, the first left out): "
+             f"{seen['speedup']:.2f}x the model's {plan.unpipelined_s * 1e3:.3f} ms at compile, "
+             + (f"{predicted:.2f}x predicted" if predicted is not None else
+                "no speed-up was claimed")]
+    if seen["speedup"] < 1:
+        lines.append(f"warning: the pipeline measured slower than the model run whole "
+                     f"({seen['speedup']:.2f}x): let the plan choose (num_stages='auto', "
+                     f"chunks='auto'), which keeps the model as is where no pipeline wins here")
+    if predicted is not None:
+        off = max(predicted, seen["speedup"]) / min(predicted, seen["speedup"])
+        if off > OBSERVED_SLACK:
+            lines.append(f"warning: the measured speed-up is {off:.2f}x off the predicted one: "
+                         f"the machine may be busier (or quieter) than at compile, or the calls "
+                         f"differ from the example; compile again where the pipeline runs to "
+                         f"plan on its conditions")
     return lines
 
 

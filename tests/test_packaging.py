@@ -77,5 +77,7 @@ def test_the_installed_package_is_typed_licensed_and_versioned(installed, tmp_pa
 def test_the_quickstart_runs_from_the_installed_package(installed, tmp_path):
     script = (ROOT / "examples" / "quickstart.py").read_text()
     (tmp_path / "quickstart.py").write_text(script)
-    _python(installed, "import runpy; runpy.run_path('quickstart.py', run_name='__main__')",
+    # A smaller batch and stream than `make demo`'s: the same code, in the old demo's time.
+    _python(installed, "import runpy, sys; sys.argv = ['quickstart.py', '--batch', '16', "
+            "'--items', '20']; runpy.run_path('quickstart.py', run_name='__main__')",
             cwd=tmp_path)

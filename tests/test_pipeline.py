@@ -218,7 +218,8 @@ def test_auto_stage_count_stops_where_more_devices_stop_helping():
     best_s = min(c.predicted_s for c in pipelines)
     fewest = min(c.config.num_stages for c in pipelines if c.predicted_s <= best_s * (1 + tie))
     if plan.runs_as_is:
-        assert plan.reason.startswith("no pipeline is measured faster") or \
+        assert plan.reason.startswith(("no pipeline is measured faster",
+                                       "no pipeline is weighed on a busy machine")) or \
             plan.considered[-1].predicted_s <= best_s / (1 - tie)
     else:
         assert plan.partition.num_stages == fewest

@@ -14,6 +14,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
+import fxpipe.measure
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.measure import Race
 
@@ -30,7 +31,7 @@ class Tiny(nn.Module):
 @pytest.fixture
 def model_predicted_slow(monkeypatch):
     """The model's own time scripted at 1 s: every pipeline is predicted faster than it."""
-    monkeypatch.setattr(fxpipe.api, "time_unpipelined", lambda *args: 1.0)
+    monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: 1.0))
 
 
 def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):

@@ -38,10 +38,11 @@ def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
     chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
     try:
-        outputs, _ = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
-                                 seeds=microbatch_seeds(len(chunks)))
+        outputs, record = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
+                                      seeds=microbatch_seeds(len(chunks)))
     except StageError as error:
         raise with_the_call(error, plan, values, len(chunks)) from error.__cause__
+    record.rows = microbatch.batch_size(values, plan.placeholder_dims)
     return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
                              for chunk, out in zip(chunks, outputs)], plan.output_dims)
 

@@ -83,6 +83,14 @@ class Run:
     # GPU's allocator peak over the run.
     peak_bytes: dict[int, int] | None = None
     device_peak_bytes: dict[str, int] = field(default_factory=dict)
+    # A Pipeline's call or train step: the batch's rows, the whole call's time (splitting and
+    # merging included), and where it ran the example's rows in the plan's mode, after its
+    # first call: the speed-up measured so far (the model's time at compile over the median of
+    # the latest calls, `Plan.observed`) beside the one the plan claims (None: none claimed).
+    rows: int | None = None
+    call_s: float | None = None
+    speedup: float | None = None
+    predicted_speedup: float | None = None
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)
     _slots: list[Slot] = field(default_factory=list, repr=False)
     # GPU actions not read yet: (action, seconds at its stream's origin event, that event,

@@ -90,10 +90,12 @@ PEER_DEVICE = Link(latency_s=10e-6, bytes_per_s=20e9)
 LinkFn = Callable[[DeviceSpec, DeviceSpec], Link]
 
 
-def default_link(src: DeviceSpec, dst: DeviceSpec) -> Link:
-    """A link by device kinds; `fxpipe.devices.measure_links` measures real ones."""
+def default_link(src: DeviceSpec, dst: DeviceSpec, same_device: Link = SAME_DEVICE) -> Link:
+    """A link by device kinds, a hand-off on one device costing `same_device` (planning passes
+    the runtime's own, measured: `fxpipe.measure.priced_link`); `fxpipe.devices.measure_links`
+    measures real ones."""
     if src.name == dst.name or (is_cpu(src.name) and is_cpu(dst.name)):
-        return SAME_DEVICE
+        return same_device
     if is_cpu(src.name) or is_cpu(dst.name):
         return HOST_DEVICE
     return PEER_DEVICE
