@@ -30,7 +30,7 @@ class Tiny(nn.Module):
 @pytest.fixture
 def model_predicted_slow(monkeypatch):
     """The model's own time scripted at 1 s: every pipeline is predicted faster than it."""
-    monkeypatch.setattr(fxpipe.api, "time_unpipelined", lambda *args: 1.0)
+    monkeypatch.setattr(fxpipe.prepare, "time_unpipelined", lambda *args: 1.0)
 
 
 def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
