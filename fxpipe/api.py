@@ -182,7 +182,7 @@ def _plan_mode(recipe: Recipe, model: nn.Module, gm: fx.GraphModule,
             # keeps the batch whole (and says its stages then run one at a time).
             return _weighed(prepared, recipe, whole_batch=True)
     finally:
-        prepared.references.clear()     # the model's outputs, kept while plans were checked
+        prepared.kept.drop()     # the model's outputs (and copies) the plans were checked on
 
 
 def _weighed(prepared: Prepared, recipe: Recipe, whole_batch: bool = False) -> Plan:

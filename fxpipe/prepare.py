@@ -57,19 +57,41 @@ PreparedKey = tuple[bool, tuple[tuple[int, ...], ...]]   # (the mode, the exampl
 class Prepared:
     """One mode's captured model, ready to weigh and realize any configuration of: made once
     (`prepare`), read by every plan made of it, never split or placed itself (`realize` works
-    on a copy). `references` keeps the model's runs on the example that the checks compare
-    with, by micro-batch count and stage devices, made when a plan first needs them."""
+    on a copy). What only planning needs of the model's runs is in `kept`, dropped once the
+    mode's plan is made."""
 
     key: PreparedKey
     model: nn.Module                  # the model, as given
     mode: bool                        # the mode it was captured in (`model.training` then)
-    checked: nn.Module                # what plans are checked against: it, or holding `held`
     held: nn.Module | None            # the other mode's pipeline's tensors, or None
     gm: fx.GraphModule                # functionalized, random ops seeded
     training: bool                    # backward costs measured, stages balanced on them
     costs: Costs
     unpipelined_s: float | None       # the model's own time (None: built on meta)
-    references: dict[tuple, tuple[Reference, str]] = field(default_factory=dict, repr=False)
+    kept: Kept = field(default_factory=lambda: Kept(), repr=False)
+
+    @property
+    def checked(self) -> nn.Module:
+        """What plans are checked and raced against: the model, or the model holding `held`'s
+        values (copies where they are elsewhere: `checks.holding`), made once."""
+        if self.kept.checked is None:
+            self.kept.checked = self.model if self.held is None else \
+                holding(self.model, self.held)
+        return self.kept.checked
+
+
+@dataclass
+class Kept:
+    """What planning a mode keeps while it makes its plans (`Prepared.kept`), dropped after:
+    the model it checks them against, and the model's runs on the example they are compared
+    with, by micro-batch count and stage devices (`_reference`)."""
+
+    checked: nn.Module | None = None
+    references: dict[tuple, tuple[Reference, str]] = field(default_factory=dict)
+
+    def drop(self) -> None:
+        self.checked = None
+        self.references.clear()
 
 
 def key_of(recipe: Recipe, mode: bool) -> PreparedKey:
@@ -93,9 +115,8 @@ def prepare(recipe: Recipe, model: nn.Module, gm: fx.GraphModule,
                                                 recipe.input_dims)[0]
     _functionalize(gm, recipe, first_args, first_kwargs)
     seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    prepared = Prepared(key_of(recipe, model.training), model, model.training,
-                        model if held is None else holding(model, held), held, gm, training,
-                        Costs(gm, recipe, training), unpipelined_s)
+    prepared = Prepared(key_of(recipe, model.training), model, model.training, held, gm,
+                        training, Costs(gm, recipe, training), unpipelined_s)
     recipe.prepared[prepared.key] = prepared
     return prepared
 
@@ -257,15 +278,16 @@ def _reference(prepared: Prepared, recipe: Recipe, gm: fx.GraphModule, chunks: i
     once per micro-batch count and set of devices, for every plan of `prepared`."""
     o = recipe.options
     key = (chunks, tuple(dict.fromkeys(devices)))
-    if key not in prepared.references:
+    references = prepared.kept.references
+    if key not in references:
         if recipe.materialize:
             found = meta_reference(prepared.checked, gm, recipe, chunks, o.verify,
                                    o.verify_tolerance, _inputs_device(recipe))
         else:
             found = (reference_of(prepared.checked, recipe, chunks, o.verify,
                                   o.verify_tolerance, list(devices)), "")
-        prepared.references[key] = found
-    return prepared.references[key]
+        references[key] = found
+    return references[key]
 
 
 def _inputs_device(recipe: Recipe) -> torch.device:
