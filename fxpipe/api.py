@@ -1,8 +1,11 @@
-"""`fxpipe.plan` and `fxpipe.compile`: the passes called in order, then the checks.
+"""`fxpipe.plan` and `fxpipe.compile`: the steps of planning conducted, then the race.
 
-`plan` captures the model, measures its costs (`fxpipe.measure`), weighs the configurations the
-options leave open (`fxpipe.search`), partitions, places the stages and checks them against the
-model (`fxpipe.checks`): a complete `Plan`, before any Pipeline exists. `compile` is
+`plan` captures the model once per mode and prepares it (`fxpipe.prepare.prepare`: functionalized,
+seeded, its costs measured as configurations ask), weighs the configurations the options leave
+open (`weigh`, `fxpipe.search`), and realizes the one chosen (`realize`: split, placed, checked
+against the model, `fxpipe.checks`): a complete `Plan`, before any Pipeline exists. With
+`num_stages="auto"`, the plans raced against the model as is (`_raced`) are realized from the
+same prepared graph. `compile` is
 `Pipeline(plan)` plus the `Recipe` it was made from, kept to plan the model again in the other
 mode (`pipe.train()` / `pipe.eval()`). Options are checked once, as `fxpipe.options.Options`.
 """
@@ -11,43 +14,31 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.passes.annotate_costs import measurement_spread
-from fxpipe.passes.codegen import Placed, held_by_stages, split_stages
-from fxpipe.passes.cost_model import (DRIVER_DEVICE, DeviceSpec, Link, LinkFn, Memory,
-                                      default_link)
-from fxpipe.passes.device import same_memory
+from fxpipe.passes.codegen import Placed
+from fxpipe.passes.cost_model import DRIVER_DEVICE, DeviceSpec, Link, LinkFn, default_link
 from fxpipe.passes.errors import BatchError, CostError, DeviceError, InputError, TraceError
-from fxpipe.passes.functionalize import GraphRunFailed, functionalize
 from fxpipe.passes.graph_values import tensors
-from fxpipe.passes.materialize import (Materialize, Tiled, blockless, holds_meta,
-                                       release_freed_memory, unfilled)
-from fxpipe.passes.partition import Partition
-from fxpipe.passes.randomness import seed_random_ops
-from fxpipe.passes.recompute import checkpoint_regions
-from fxpipe.passes.signature import signature_of
-from fxpipe.passes.stage import Stage
+from fxpipe.passes.materialize import Materialize, Tiled, blockless, holds_meta
 from fxpipe.passes.capture import CaptureMode, trace, with_tensor_defaults, without_cache
 
-from . import microbatch, search
-from .checks import holding, meta_reference, reference_of, streamed_stages, verify
+from . import search
 from .devices import DeviceLike, measure_links
-from .measure import Baseline, Costs, priced_link, race
-from .options import BatchDims, Options, input_dims, placeholder_dims
-from .pipeline import Pipeline, carry_values
-from .plan_data import Plan, Runs, make_plan, peak_rss_bytes
+from .measure import race
+from .options import BatchDims, Options, input_dims
+from .pipeline import Pipeline
+from .plan_data import Plan, Runs, peak_rss_bytes
+from .prepare import Prepared, PreparedKey, prepare, realize, weigh, weighed_as_is
 from .progress import Progress
 from .reference import copied
 from .schedules import ScheduleName
 from .weights import Init, open_weights
-from .wiring import Wiring
 
 
 def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
@@ -168,22 +159,47 @@ def _plan(recipe: Recipe) -> Plan:
     process's peak resident memory."""
     model = recipe.model
     try:
+        plan = _plan_mode(recipe, model, recipe.trace(model))
+    finally:
+        recipe.progress.finish()
+    return replace(plan, planning_peak_rss_bytes=peak_rss_bytes())
+
+
+def _plan_mode(recipe: Recipe, model: nn.Module, gm: fx.GraphModule,
+               held: nn.Module | None = None) -> Plan:
+    """The plan of `gm`, captured from `model` in its current mode: prepared once, then
+    weighed, realized and, where it is asked, raced, all from that one `Prepared`. With `held`
+    (the other mode's pipeline's tensors), the stages compute with its values (`prepare`)."""
+    prepared = prepare(recipe, model, gm, held)
+    try:
         try:
-            plan = _build(model, recipe.trace(model), recipe)
+            return _weighed(prepared, recipe)
         except BatchError:
             if recipe.options.chunks not in ("auto", None):
                 raise
             # The model mixes or reduces the batch: micro-batches cannot compute what it
             # computes, and neither "auto" nor the default changes the result, so the plan
             # keeps the batch whole (and says its stages then run one at a time).
-            recipe.options = replace(recipe.options, chunks=1)
-            plan = _build(model, recipe.trace(model), recipe)
+            return _weighed(prepared, recipe, whole_batch=True)
     finally:
-        recipe.progress.finish()
-    return replace(plan, planning_peak_rss_bytes=peak_rss_bytes())
+        prepared.kept.drop()     # the model's outputs (and copies) the plans were checked on
 
 
-@dataclass
+def _weighed(prepared: Prepared, recipe: Recipe, whole_batch: bool = False) -> Plan:
+    """The plan of the configuration `weigh` chooses, raced against the model as is where that
+    was weighed too (`_raced`)."""
+    chosen, reason, considered = weigh(prepared, recipe, whole_batch=whole_batch)
+    as_is_weighed = weighed_as_is(recipe, considered)
+    runs = Runs.AS_IS_PREDICTED if as_is_weighed and chosen is considered[-1] else Runs.PIPELINE
+    plan = realize(prepared, recipe, chosen, considered=considered, reason=reason, runs=runs)
+    # Raced in this process: not a plan priced for another runtime (gloo ranks, your links).
+    in_process = recipe.options.link_name in ("default", "measure")
+    if as_is_weighed and in_process and not plan.runs_as_is:
+        return _raced(plan, prepared, recipe)
+    return plan
+
+
+@dataclass(frozen=True)
 class Recipe:
     """What planning takes, kept by the pipeline to plan the model again in the other mode.
 
@@ -205,11 +221,10 @@ class Recipe:
     # Where the values of a model built on the meta device come from (a fxpipe.weights.Weights);
     # None for a model that holds its own.
     weights: Any = None
-    tiled: Tiled | None = field(default=None, repr=False)    # `plausible`, once made
-    # What computes the tensors no checkpoint holds (non-persistent buffers), once made.
-    computed: Init | None = field(default=None, repr=False)
+    # Each mode's model prepared to plan, by mode and the example's shapes (`prepare.prepare`).
+    prepared: dict[PreparedKey, Prepared] = field(default_factory=dict, repr=False)
 
-    @property
+    @functools.cached_property
     def plausible(self) -> Materialize | None:
         """What runs that need plausible values only read (timing nodes, finding which values
         share memory, finding the outputs' batch dimensions): `materialize`, but where the
@@ -217,9 +232,16 @@ class Recipe:
         first drawn for its role (`Tiled`), one object for every such run."""
         if not isinstance(self.weights, Init):
             return self.materialize
-        if self.tiled is None:
-            self.tiled = Tiled(self.materialize)
-        return self.tiled
+        return Tiled(self.materialize)
+
+    @functools.cached_property
+    def computed(self) -> Init | None:
+        """What computes the tensors no checkpoint holds (non-persistent buffers: rotary
+        `inv_freq`) as the model initialises them; None for a model that holds its own."""
+        if self.weights is None:
+            return None
+        return self.weights if isinstance(self.weights, Init) else \
+            Init(self.model, seed=0, stand_ins=True)
 
     @property
     def materialize(self) -> Materialize | None:
@@ -234,12 +256,7 @@ class Recipe:
                         *self.model.named_buffers(remove_duplicate=False)]:
             first.setdefault(id(t), name)
         stored = set(self.model.state_dict(keep_vars=True))
-        weights = self.weights
-        if isinstance(weights, Init):
-            self.computed = weights
-        elif self.computed is None:
-            self.computed = Init(self.model, seed=0, stand_ins=True)
-        computed = self.computed
+        weights, computed = self.weights, self.computed
 
         def read(like: Mapping[str, torch.Tensor], device: torch.device
                  ) -> dict[str, torch.Tensor]:
@@ -306,6 +323,7 @@ class Recipe:
                       weights=_weights_of(model, options.weights))
 
     def trace(self, model: nn.Module) -> fx.GraphModule:
+        """`model` captured in its current mode: the one capture of each mode's planning."""
         o = self.options
         gm = trace(model, copied(self.args), copied(self.kwargs), batch_dims=self.input_dims,
                    capture=o.capture, leaf_modules=o.leaf_modules, concrete_args=o.concrete_args,
@@ -328,7 +346,7 @@ class Recipe:
             gm = self.trace(model)
             if self.traced_code.get(not mode) == gm.code:
                 return None
-            return _build(model, gm, self, held=held)
+            return _plan_mode(self, model, gm, held)
         finally:
             for m, flag in flags.items():
                 m.training = flag
@@ -360,110 +378,6 @@ def _weights_of(model: nn.Module, spec: Any) -> Any:
     return weights.for_planning(model) if isinstance(weights, Init) else weights
 
 
-def _functionalize(gm: fx.GraphModule, recipe: Recipe, args: tuple, kwargs: dict) -> None:
-    """`functionalize` on the example's first micro-batch. A model on meta runs there on
-    unfilled weights (which values share memory does not depend on theirs: nothing drawn, a
-    large weight never resident), or, where a node fails on them, on plausible ones. The run
-    keeps every value it made until the pass ends: their memory is handed back after."""
-    try:
-        if recipe.materialize is not None:
-            try:
-                functionalize(gm, copied(args), copied(kwargs),
-                              materialize=unfilled(recipe.materialize))
-                return
-            except GraphRunFailed:     # the values' fault, not the graph's own: plausible ones
-                pass
-        functionalize(gm, copied(args), copied(kwargs), materialize=recipe.plausible)
-    finally:
-        release_freed_memory()
-
-
-def _build(model: nn.Module, gm: fx.GraphModule, recipe: Recipe,
-           held: nn.Module | None = None, *, pipelines: bool = True,
-           unpipelined_s: float | None = None) -> Plan:
-    """The passes after capture, on `model` in its current mode, then the checks: the complete
-    plan, before any Pipeline exists. With `held` (the other mode's pipeline's tensors), the
-    stages compute with its values, and the model it is checked against too (`holding`).
-    Without `pipelines`, only the model as is is weighed (see `_raced`); `unpipelined_s`: the
-    model's own time, measured already (a plan built again for the race)."""
-    o = recipe.options
-    training = model.training if o.training is None else o.training
-    args, kwargs, dims = recipe.args, recipe.kwargs, recipe.input_dims
-    materialize = recipe.materialize
-    # A model on meta cannot run whole anywhere: its own time is not measured. Measured, it is
-    # sampled between the stages' measurements (`Baseline`).
-    baseline = (Baseline(model, recipe, training)
-                if unpipelined_s is None and not materialize else None)
-    chunks_for = _chunk_options(model, recipe, training, len(o.devices))
-    first_args, first_kwargs = microbatch.split((args, kwargs), chunks_for(1)[0], dims)[0]
-    _functionalize(gm, recipe, first_args, first_kwargs)
-    seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
-    costs = Costs(gm, recipe, training, **({"between": baseline.sample} if baseline else {}))
-    chosen, reason, considered = _choose(
-        costs, recipe, training, chunks_for,
-        (lambda: baseline.seconds) if baseline else (lambda: unpipelined_s), pipelines)
-    if baseline is not None:
-        unpipelined_s = baseline.seconds
-    config = chosen.config
-    specs = chosen.partition.devices
-    costs.measure(config, specs)     # the chosen configuration's costs stay on the nodes
-    search.split_chosen(gm, chosen)     # nodes split to balance, their costs shared by the parts
-    # The model's last runs, before any stage is placed (a stage holds copies of the tensors
-    # that are not on its device): the pipeline is checked against what the model computes here.
-    unverified = ""
-    if materialize:
-        reference, unverified = meta_reference(model, gm, recipe, config.chunks, o.verify,
-                                               o.verify_tolerance, _inputs_device(recipe))
-    else:
-        reference = reference_of(model if held is None else holding(model, held), recipe,
-                                 config.chunks, o.verify, o.verify_tolerance,
-                                 [d.name for d in specs])
-    stages = split_stages(gm, chosen.partition.stage_of, [d.name for d in specs],
-                          placed=recipe.placed)
-    held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own
-    if held is not None:
-        carry_values(held, gm)
-    part = chosen.partition
-    recomputed = _recompute_part(part, stages)
-    weighed_as_is = o.num_stages == "auto" and bool(considered) and \
-        considered[-1].config == search.as_is_config(considered[-1].config.schedule)
-    runs = Runs.AS_IS_PREDICTED if weighed_as_is and chosen is considered[-1] else Runs.PIPELINE
-    verified = unverified or ("yes" if o.verify else "skipped (verify=False)")
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    signature = signature_of(gm)
-    plan = make_plan(gm.meta["capture"], part, stages, config.chunks, verified,
-                     wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
-                                               if n.op != "placeholder"]),
-                     signature=signature,
-                     batch_dims=placeholder_dims(signature, dims, recipe.default_dim),
-                     schedule=config.schedule, runs=runs,
-                     training=model.training, measurements=costs.saved_measurements(),
-                     recompute=o.recompute, stage_recomputed=recomputed,
-                     output_dims=reference.output_dims, unpipelined_s=unpipelined_s,
-                     unpipelined_spread=baseline.spread if baseline else None,
-                     example_rows=microbatch.batch_size((args, kwargs), dims),
-                     unpipelined_threads=torch.get_num_threads(), chosen=chosen,
-                     reason=reason, considered=considered,
-                     calibration=costs.calibration[config.chunks, specs[0].kind,
-                                                   config.num_stages > 1],
-                     spread=measurement_spread(gm), link=o.link_name, graph=gm,
-                     link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
-                     weights=recipe.weights.where if materialize else None,
-                     stand_ins=recipe.stand_ins() if materialize else (),
-                     **reference.stated_tolerance())
-    verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
-           o.verify_tolerance)
-    # The model as is runs the model's own ops, so it takes the model's time.
-    predicted_s = (unpipelined_s if plan.runs_as_is else
-                   max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
-    plan = replace(plan, predicted_step_s=predicted_s)
-    # Raced in this process: not a plan priced for another runtime (gloo ranks, your links).
-    in_process = o.link_name in ("default", "measure")
-    if pipelines and weighed_as_is and in_process and not plan.runs_as_is:
-        return _raced(plan, model if held is None else holding(model, held), recipe, held)
-    return plan
-
-
 # Below this share of its threads' time, the model's run says other processes hold the cores.
 BUSY_SHARE = 0.85
 
@@ -474,20 +388,20 @@ SHORTLIST = 3
 SHORTLIST_SLACK = 1.25
 
 
-def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None) -> Plan:
+def _raced(plan: Plan, prepared: Prepared, recipe: Recipe) -> Plan:
     """A pipeline chosen over the model as is on its prediction is kept only where it is
-    measured faster. The shortlist (the chosen pipeline and the next best predicted, built
-    from the costs already measured: `_runners_up`) and the model run on the example in
+    measured faster. The shortlist (the chosen pipeline and the next best predicted, realized
+    from the same prepared graph and costs: `_runners_up`) and the model run on the example in
     interleaved rounds (`measure.race`: calls in inference, train steps in training), and each
     one's least time counts, the least disturbed by other work on the machine (the model's
     all-core run is the first a busy core slows). The pipeline measured fastest is kept where
-    it beats the model by over `search.TIE`; otherwise the plan is made again weighing the model
-    as is alone, on the costs measured; so it is where the model's run on CPUs got under
+    it beats the model by over `search.TIE`; otherwise the model as is is realized, weighed
+    alone on the costs measured; so it is where the model's run on CPUs got under
     `BUSY_SHARE` of its threads' time: the machine is too busy to tell, and the model as is is
     the choice that cannot lose much. The plan records each one's predicted and measured time
     (`Plan.raced`)."""
-    shortlist = [plan, *_runners_up(plan, recipe, held)]
-    raced = race(shortlist, model, recipe)
+    shortlist = [plan, *_runners_up(plan, prepared, recipe)]
+    raced = race(shortlist, prepared.checked, recipe)
     rows = tuple((p.chosen.config, p.predicted_step_s, t)
                  for p, t in zip(shortlist, raced.pipelines_s)) + (
         (plan.considered[-1].config, plan.unpipelined_s, raced.model_s),)
@@ -507,114 +421,25 @@ def _raced(plan: Plan, model: nn.Module, recipe: Recipe, held: nn.Module | None)
     elif raced.pipelines_s[fastest] < raced.model_s * (1 - search.TIE):
         why = plan.reason if best is plan else (
             f"measured fastest, though {plan.chosen} was predicted fastest")
-        chosen = next(c for c in plan.considered if c.config == best.chosen.config)
-        return replace(best, considered=plan.considered, chosen=chosen, raced=rows,
-                       reason=f"{why}; {measured}", unpipelined_spread=plan.unpipelined_spread)
+        return replace(best, raced=rows, reason=f"{why}; {measured}")
     else:
         runs = Runs.AS_IS_MEASURED
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
-    again = replace(recipe, options=replace(recipe.options, costs=plan))
-    as_is = _build(recipe.model, again.trace(recipe.model), again, held, pipelines=False,
-                   unpipelined_s=plan.unpipelined_s)
-    return replace(as_is, considered=plan.considered, chosen=plan.considered[-1], reason=reason,
-                   runs=runs, raced=rows, unpipelined_spread=plan.unpipelined_spread)
+    return realize(prepared, recipe, plan.considered[-1], considered=plan.considered,
+                   reason=reason, runs=runs)
 
 
-def _runners_up(plan: Plan, recipe: Recipe, held: nn.Module | None) -> list[Plan]:
+def _runners_up(plan: Plan, prepared: Prepared, recipe: Recipe) -> list[Plan]:
     """The plans of the configurations predicted next best after the chosen one (at most
-    `SHORTLIST - 1`, within `SHORTLIST_SLACK` of it and faster than the model), each built
-    as `compile` builds one asked for, on the costs already measured."""
+    `SHORTLIST - 1`, within `SHORTLIST_SLACK` of it and faster than the model), each realized
+    from the prepared graph as the chosen one was."""
     best = plan.chosen.predicted_s
     others = sorted((c for c in plan.considered[:-1] if c.predicted_s is not None and
                      c.config != plan.chosen.config and c.predicted_s <= best * SHORTLIST_SLACK
                      and c.predicted_s < (plan.unpipelined_s or math.inf)),
                     key=lambda c: c.predicted_s)
-    built = []
-    for c in others[:SHORTLIST - 1]:
-        config = c.config
-        again = replace(recipe, options=replace(
-            recipe.options, costs=plan, num_stages=config.num_stages, chunks=config.chunks,
-            schedule=config.schedule, threads_per_stage=config.threads))
-        built.append(_build(recipe.model, again.trace(recipe.model), again, held,
-                            unpipelined_s=plan.unpipelined_s))
-    return built
-
-
-def _inputs_device(recipe: Recipe) -> torch.device:
-    """Where the example inputs are (the CPU for an example without tensors)."""
-    return next((t.device for t in tensors((recipe.args, recipe.kwargs))), torch.device("cpu"))
-
-
-def _choose(costs: Costs, recipe: Recipe, training: bool, chunks_for: Callable[[int], list[int]],
-            unpipelined_s: Callable[[], float | None], pipelines: bool = True
-            ) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
-    """Every configuration the options leave open, costed, partitioned and predicted; the one
-    to build, why, and all those considered (the model as is last, when it was one). Without
-    `pipelines`, the model as is alone."""
-    o = recipe.options
-    specs, link, num_stages = o.devices, recipe.link, o.num_stages
-    stage_counts = search.stage_counts(specs, num_stages) if pipelines else []
-    schedules = list(search.SCHEDULES if o.schedule == "auto" and training else
-                     ["gpipe" if o.schedule == "auto" else o.schedule])
-    cores = os.cpu_count() or 1
-    memory = Memory(training=training, optimizer_state=o.optimizer_state,
-                    recompute=o.recompute)
-    as_is_config = search.as_is_config(schedules[0])
-    candidates = []
-    for k in stage_counts:
-        threads = search.stage_threads(specs, k, cores, o.threads_per_stage)
-        for chunks in chunks_for(k):
-            for schedule in (schedules if k > 1 else schedules[:1]):   # alike on one stage
-                config = search.Config(k, chunks, schedule, threads)
-                if num_stages == "auto" and config == as_is_config:
-                    continue     # the model as it is, measured whole below
-                recipe.progress.doing(f"planning {k} stage{'s' * (k > 1)} x {chunks} "
-                                      f"micro-batch{'es' * (chunks > 1)}")
-                devices = costs.devices(config, specs)
-                priced = priced_link(devices) if o.link_name == "default" else link
-                candidates.append(search.consider(config, costs.measure(config, devices),
-                                                  devices, priced, training, cores, memory,
-                                                  graph=costs.gm))
-    as_is = None
-    # The model as it is: one stage, whole batch, the caller's threads, and its own tensors,
-    # so only where they all are on the first device (there the stage holds them, not copies).
-    if num_stages == "auto" and all(same_memory(t.device, specs[0].name) for t in
-                                    [*recipe.model.parameters(), *recipe.model.buffers()]):
-        devices = costs.devices(as_is_config, specs)
-        as_is = search.consider(as_is_config, costs.measure(as_is_config, devices), devices,
-                                link, training, memory=memory)
-        as_is = replace(as_is, predicted_s=unpipelined_s() if as_is.partition else None)
-    chosen, reason = search.choose(candidates, as_is)
-    return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
-
-
-def _recompute_part(part: Partition, stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:
-    """The nodes each stage recomputes where the partitioner priced recomputing part of its
-    forward (`StageCost.recomputed`), those stages rewritten in place to do so
-    (`fxpipe.passes.recompute.checkpoint_regions`)."""
-    for stage, cost in zip(stages, part.stages):
-        if cost.recomputed:
-            checkpoint_regions(stage.module, set(cost.recomputed))
-    return tuple(cost.recomputed for cost in part.stages)
-
-
-def _chunk_options(model: nn.Module, recipe: Recipe, training: bool,
-                   devices: int) -> Callable[[int], list[int]]:
-    """The micro-batch counts to consider on a number of stages: the one asked for; with
-    "auto" the powers of two worth trying (`search.chunk_options`, one on one stage); by default
-    2 per stage (`search.default_chunks`); only one micro-batch where micro-batches would
-    compute something else than the whole batch (BatchNorm normalising each in training)."""
-    chunks = recipe.options.chunks
-    if chunks not in ("auto", None):
-        return lambda stages: [chunks]
-    if training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-                        for m in model.modules()):
-        return lambda stages: [1]
-    rows = microbatch.batch_size((recipe.args, recipe.kwargs), recipe.input_dims)
-    if chunks is None:
-        return lambda stages: [search.default_chunks(rows, stages)]
-    options = search.chunk_options(rows, devices)
-    return lambda stages: options if stages > 1 else [1]
+    return [realize(prepared, recipe, c, considered=plan.considered, reason=plan.reason,
+                    runs=Runs.PIPELINE) for c in others[:SHORTLIST - 1]]
 
 
 def _link_function(options: Options) -> LinkFn:

@@ -248,8 +248,20 @@ def peak_rss_bytes() -> int:
 
 
 def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,
-              verified: str, **run: Any) -> Plan:
-    """The plan of `stages`; `run` holds what a Pipeline runs besides them (`Plan`'s fields)."""
+              verified: str, *, wiring: Wiring, signature: Signature,
+              batch_dims: Mapping[str, Any], schedule: str, runs: Runs, training: bool,
+              measurements: Mapping[tuple, Measurement], recompute: str,
+              stage_recomputed: tuple[tuple[str, ...], ...],
+              output_dims: tuple[int | None, ...] | None, unpipelined_s: float | None,
+              unpipelined_spread: float | None, example_rows: int | None,
+              unpipelined_threads: int, chosen: Any, reason: str, considered: tuple,
+              calibration: tuple[float, float] | None, spread: float | None, link: str,
+              graph: fx.GraphModule, link_fn: LinkFn | None, weights: str | None,
+              stand_ins: tuple[str, ...], verify_tolerance: float | None,
+              verify_tolerance_source: str) -> Plan:
+    """The plan of `stages` (see `Plan` for each field): what a Pipeline runs besides them, and
+    the record of what was weighed. What the stages tell (their spans, modules, parameter and
+    saved bytes) is read off them here."""
     spans = []
     for stage in stages:
         names = [n.name for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
@@ -259,7 +271,16 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
                             if n.op not in ("placeholder", "output", "get_attr")
                             and "cost" in n.meta) for s in stages)
     return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
-                stage_modules(stages), stages=tuple(stages), stage_saved_bytes=saved_bytes, **run)
+                stage_modules(stages), stages=tuple(stages), stage_saved_bytes=saved_bytes,
+                wiring=wiring, signature=signature, batch_dims=batch_dims, schedule=schedule,
+                runs=runs, training=training, measurements=measurements, recompute=recompute,
+                stage_recomputed=stage_recomputed, output_dims=output_dims,
+                unpipelined_s=unpipelined_s, unpipelined_spread=unpipelined_spread,
+                example_rows=example_rows, unpipelined_threads=unpipelined_threads,
+                chosen=chosen, reason=reason, considered=considered, calibration=calibration,
+                spread=spread, link=link, graph=graph, link_fn=link_fn, weights=weights,
+                stand_ins=stand_ins, verify_tolerance=verify_tolerance,
+                verify_tolerance_source=verify_tolerance_source)
 
 
 def stage_param_bytes(stage: Stage) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from fxpipe.passes.errors import PlanFileError
-from fxpipe.passes.signature import SizeRule, _RULE_NAMES
+from fxpipe.passes.signature import SizeRule, rule_names
 from fxpipe.passes.stage import Stage
 
 from .graph_data import Codec, decode_module, encode_module, function_name
@@ -154,8 +155,13 @@ _RULE_NODES = (ast.Expression, ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp, 
                ast.Name, ast.Subscript, ast.Call, ast.Attribute, ast.Load, ast.And, ast.Or,
                ast.Not, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv,
                ast.Mod, ast.Pow, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
-_RULE_CALLS = {"max", "min", "abs", *(name for name, v in _RULE_NAMES.items()
-                                      if callable(v) and not name.startswith("_"))}
+
+
+@functools.cache
+def _rule_calls() -> frozenset[str]:
+    """The functions a size rule may call (read once: naming them imports sympy)."""
+    return frozenset({"max", "min", "abs", *(name for name, v in rule_names().items()
+                                             if callable(v) and not name.startswith("_"))})
 
 
 def check_rule(code: str, where: str) -> None:
@@ -168,7 +174,8 @@ def check_rule(code: str, where: str) -> None:
     for node in ast.walk(tree) if tree is not None else ():
         ok = isinstance(node, _RULE_NODES) and (
             not isinstance(node, ast.Constant) or type(node.value) in (int, float, bool)) and (
-            not isinstance(node, ast.Name) or node.id in _RULE_CALLS | {"args", "math", "torch"}
+            not isinstance(node, ast.Name) or
+            node.id in _rule_calls() | {"args", "math", "torch"}
         ) and (not isinstance(node, ast.Attribute) or node.attr == "size" or (
             isinstance(node.value, ast.Name) and not node.attr.startswith("_") and (
                 node.value.id == "math" or node.attr.startswith("sym_"))))

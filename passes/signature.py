@@ -34,6 +34,7 @@ inputs under fx's names; export: its pytree codegen).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
@@ -41,7 +42,6 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, is_concrete_int
 
 from .errors import InputError
 
@@ -53,7 +53,12 @@ class Constant:
     value: Any
 
 
-_RULE_NAMES = {**SYMPY_INTERP, "__builtins__": {"max": max, "min": min, "abs": abs}}
+@functools.cache
+def rule_names() -> dict[str, Any]:
+    """What export's size rules are evaluated with (imported here: sympy loads with them, and
+    only an export graph has such rules)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    return {**SYMPY_INTERP, "__builtins__": {"max": max, "min": min, "abs": abs}}
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class SizeRule:
     shown: str
 
     def holds(self, values: Sequence[Any]) -> bool:
-        return bool(eval(self.code, dict(_RULE_NAMES), {"args": values}))
+        return bool(eval(self.code, dict(rule_names()), {"args": values}))
 
 
 @dataclass(frozen=True, eq=False)
@@ -422,6 +427,7 @@ def _flat(output: fx.Node) -> list[Any]:
 def _fixed_sizes(placeholder: fx.Node) -> tuple[int | None, ...] | None:
     """The sizes export fixed for this input (None for a free one; a size symbol that export
     specialised, because the model's code needed it, counts as fixed)."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int    # as `rule_names`
     value = placeholder.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return None

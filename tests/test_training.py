@@ -210,7 +210,7 @@ def test_the_run_is_recorded_and_predicted_and_drawn(tmp_path):
 def test_a_parameter_sent_between_stages_gets_every_gradient(monkeypatch, schedule):
     """How stages on different devices share a tied weight: its home stage sends it like a value
     and the gradients come back; forced here on one device, where it is otherwise copied."""
-    monkeypatch.setattr(fxpipe.api, "split_stages",
+    monkeypatch.setattr(fxpipe.prepare, "split_stages",
                         functools.partial(split_stages, send_parameters=True))
     torch.manual_seed(0)
     model = Tied()

@@ -24,12 +24,21 @@ Python a pipeline would not run (attribute changes in forward, hooks) is in `sid
 """
 
 from .choose import CAPTURE_MODES, CaptureMode, trace, with_tensor_defaults, without_cache
-from .export import EXPORT
 from .frontend import Capture, Captured, CaptureFailed, FrontEnd, Method, Request
 from .fx import FX
 from .fx_leaves import FX_LEAVES
 from .readable import module_path
 from .side_effects import attributes_restored, hook_kind
+
+
+def __getattr__(name: str):
+    """`EXPORT`, imported when asked: torch.export's front-end loads sympy, which a model fx
+    captures never needs."""
+    if name == "EXPORT":
+        from .export import EXPORT
+        return EXPORT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureFailed", "CaptureMode", "Captured", "EXPORT", "FX",
            "FX_LEAVES", "FrontEnd", "Method", "Request", "attributes_restored", "hook_kind",

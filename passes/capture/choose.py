@@ -26,7 +26,6 @@ from ..device import initialized_gpus
 from ..errors import FxpipeError, InputError, TraceError
 from ..materialize import holds_meta
 from ..state import unchanged_state
-from .export import EXPORT
 from .frontend import Capture, Captured, CaptureFailed, FrontEnd, Request, copied, describe
 from .fx import FX
 from .fx_leaves import FX_LEAVES
@@ -80,6 +79,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: Mapping[
                 return captured.gm
             coarse = captured.gm
     if capture in ("auto", "export"):
+        from .export import EXPORT     # here: export's imports (sympy) wait until it is tried
         captured = _attempt(EXPORT, model, request, tried, why_coarse)
         if captured is not None:
             return captured.gm

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
+import traceback
 from typing import Iterable
 
 import torch
@@ -87,6 +89,23 @@ def traced(model: nn.Module, request: Request, leaves: Iterable[str | type]) -> 
     return gm
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _forward_stack() -> str | None:
+    """The stack from the outermost `forward` on, torch's own frames left out, as a traceback
+    prints it (what torch.fx records as a node's `stack_trace`; its own recording imports
+    torch._dynamo to symbolize the stack, and to name the frames it leaves out)."""
+    stack = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(2)),
+                                           lookup_lines=False)
+    stack.reverse()                     # oldest first
+    first = next((i for i, frame in enumerate(stack) if frame.name == "forward"), None)
+    if first is None:
+        return None
+    user = [frame for frame in stack[first:] if not frame.filename.startswith(_TORCH_DIR)]
+    return "".join(traceback.StackSummary.from_list(user).format()).strip() or None
+
+
 class _Tracer(fx.Tracer):
     """fx's tracer, keeping `leaves` whole and recording each node's explicit grad mode.
 
@@ -105,7 +124,9 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaves: Iterable[str | type]):
         super().__init__()
-        self.record_stack_traces = True    # errors about a node name the user's line
+        # Errors about a node name the user's line: each node records its stack (`create_node`),
+        # read by Python's traceback, as torch's own recording imports torch._dynamo.
+        self.record_stack_traces = False
         self.leaf_names = {l for l in leaves if isinstance(l, str)}
         self.leaf_types = tuple(l for l in leaves if isinstance(l, type))
         self.grad_contexts = _GradContexts()
@@ -132,6 +153,8 @@ class _Tracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:
+            node.stack_trace = _forward_stack()
         if kind not in ("placeholder", "output", "get_attr"):
             if not torch.is_grad_enabled():
                 node.meta["grad_enabled"] = False

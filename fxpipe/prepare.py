@@ -1,0 +1,320 @@
+"""Planning in three steps, so that one capture serves every plan made of it.
+
+- `prepare`, once per mode (and per example shapes): the captured graph functionalized, its
+  random ops seeded, the model's own time measured, and a `Costs` that measures each
+  configuration's node costs once. A `Prepared` is never split or placed.
+- `weigh`: every configuration the options leave open, costed, partitioned and predicted
+  (`fxpipe.search`); the one to build, why, and all those considered.
+- `realize(prepared, candidate)`: a `Plan` of one candidate, made on a copy of the prepared
+  graph (split to balance, cut into stages, placed), checked against the model's runs on the
+  example (`fxpipe.checks`), which are made once per micro-batch count and kept.
+
+`fxpipe.api` conducts them: it races realized plans (`fxpipe.measure.race`), and retries with
+the whole batch where micro-batches cannot compute what the model does, on the same
+`Prepared`. `benchmarks/compile_time.py` times each step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.passes.annotate_costs import measurement_spread
+from fxpipe.passes.codegen import held_by_stages, split_stages
+from fxpipe.passes.cost_model import Memory
+from fxpipe.passes.device import same_memory
+from fxpipe.passes.functionalize import GraphRunFailed, functionalize
+from fxpipe.passes.graph_values import tensors
+from fxpipe.passes.materialize import release_freed_memory, unfilled
+from fxpipe.passes.partition import Partition
+from fxpipe.passes.randomness import seed_random_ops
+from fxpipe.passes.recompute import checkpoint_regions
+from fxpipe.passes.signature import signature_of
+from fxpipe.passes.stage import Stage
+
+from . import microbatch, search
+from .checks import Reference, holding, meta_reference, reference_of, streamed_stages, verify
+from .measure import Baseline, Costs, priced_link
+from .options import placeholder_dims
+from .pipeline import carry_values
+from .plan_data import Plan, Runs, make_plan
+from .reference import copied
+from .wiring import Wiring
+
+if TYPE_CHECKING:
+    from .api import Recipe
+
+PreparedKey = tuple[bool, tuple[tuple[int, ...], ...]]   # (the mode, the example's shapes)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One mode's captured model, ready to weigh and realize any configuration of: made once
+    (`prepare`), read by every plan made of it, never split or placed itself (`realize` works
+    on a copy). What only planning needs of the model's runs is in `kept`, dropped once the
+    mode's plan is made."""
+
+    key: PreparedKey
+    model: nn.Module                  # the model, as given
+    mode: bool                        # the mode it was captured in (`model.training` then)
+    held: nn.Module | None            # the other mode's pipeline's tensors, or None
+    gm: fx.GraphModule                # functionalized, random ops seeded
+    training: bool                    # backward costs measured, stages balanced on them
+    costs: Costs
+    baseline: Baseline | None         # the model's own time, sampled (None: built on meta)
+    kept: Kept = field(default_factory=lambda: Kept(), repr=False)
+
+    @property
+    def unpipelined_s(self) -> float | None:
+        """The model's own time: the median of its runs so far."""
+        return None if self.baseline is None else self.baseline.seconds
+
+    @property
+    def unpipelined_spread(self) -> float | None:
+        return None if self.baseline is None else self.baseline.spread
+
+    @property
+    def checked(self) -> nn.Module:
+        """What plans are checked and raced against: the model, or the model holding `held`'s
+        values (copies where they are elsewhere: `checks.holding`), made once."""
+        if self.kept.checked is None:
+            self.kept.checked = self.model if self.held is None else \
+                holding(self.model, self.held)
+        return self.kept.checked
+
+
+@dataclass
+class Kept:
+    """What planning a mode keeps while it makes its plans (`Prepared.kept`), dropped after:
+    the model it checks them against, and the model's runs on the example they are compared
+    with, by micro-batch count and stage devices (`_reference`)."""
+
+    checked: nn.Module | None = None
+    references: dict[tuple, tuple[Reference, str]] = field(default_factory=dict)
+
+    def drop(self) -> None:
+        self.checked = None
+        self.references.clear()
+
+
+def key_of(recipe: Recipe, mode: bool) -> PreparedKey:
+    """What a `Prepared` is made for: the mode and the example's shapes (other shapes, the
+    decode steps of generation, would be prepared beside it)."""
+    return mode, tuple(tuple(t.shape) for t in tensors((recipe.args, recipe.kwargs)))
+
+
+def prepare(recipe: Recipe, model: nn.Module, gm: fx.GraphModule,
+            held: nn.Module | None = None) -> Prepared:
+    """`gm` (captured from `model` in its current mode) made ready to plan, kept in
+    `recipe.prepared` under its mode and shapes. With `held` (the other mode's pipeline's
+    tensors), plans compute with its values, and are checked against the model holding them."""
+    o = recipe.options
+    training = model.training if o.training is None else o.training
+    # The model's own time, sampled between the stages' measurements; a model on meta cannot
+    # run whole anywhere.
+    baseline = Baseline(model, recipe, training) if recipe.materialize is None else None
+    chunks = o.chunks if isinstance(o.chunks, int) else 1    # the fewest weighed on one stage
+    first_args, first_kwargs = microbatch.split((recipe.args, recipe.kwargs), chunks,
+                                                recipe.input_dims)[0]
+    _functionalize(gm, recipe, first_args, first_kwargs)
+    seed_random_ops(gm)   # dropout & co draw from each micro-batch's seed
+    prepared = Prepared(key_of(recipe, model.training), model, model.training, held, gm,
+                        training, Costs(gm, recipe, training,
+                                        **({"between": baseline.sample} if baseline else {})),
+                        baseline)
+    recipe.prepared[prepared.key] = prepared
+    return prepared
+
+
+def _functionalize(gm: fx.GraphModule, recipe: Recipe, args: tuple, kwargs: dict) -> None:
+    """`functionalize` on the example's first micro-batch. A model on meta runs there on
+    unfilled weights (which values share memory does not depend on theirs: nothing drawn, a
+    large weight never resident), or, where a node fails on them, on plausible ones. The run
+    keeps every value it made until the pass ends: their memory is handed back after."""
+    try:
+        if recipe.materialize is not None:
+            try:
+                functionalize(gm, copied(args), copied(kwargs),
+                              materialize=unfilled(recipe.materialize))
+                return
+            except GraphRunFailed:     # the values' fault, not the graph's own: plausible ones
+                pass
+        functionalize(gm, copied(args), copied(kwargs), materialize=recipe.plausible)
+    finally:
+        release_freed_memory()
+
+
+def weigh(prepared: Prepared, recipe: Recipe, *, pipelines: bool = True,
+          whole_batch: bool = False
+          ) -> tuple[search.Candidate, str, tuple[search.Candidate, ...]]:
+    """Every configuration the options leave open, costed, partitioned and predicted; the one
+    to build, why, and all those considered (the model as is last, when it was one). Without
+    `pipelines`, the model as is alone; with `whole_batch`, one micro-batch only (the model
+    mixes or reduces the batch)."""
+    o, costs, training = recipe.options, prepared.costs, prepared.training
+    chunks_for = (lambda stages: [1]) if whole_batch else \
+        _chunk_options(prepared.model, recipe, training, len(o.devices))
+    specs, link, num_stages = o.devices, recipe.link, o.num_stages
+    stage_counts = search.stage_counts(specs, num_stages) if pipelines else []
+    schedules = list(search.SCHEDULES if o.schedule == "auto" and training else
+                     ["gpipe" if o.schedule == "auto" else o.schedule])
+    cores = os.cpu_count() or 1
+    memory = Memory(training=training, optimizer_state=o.optimizer_state,
+                    recompute=o.recompute)
+    as_is_config = search.as_is_config(schedules[0])
+
+    def considered(config: search.Config, **more: Any) -> search.Candidate:
+        devices = costs.devices(config, specs)
+        priced = priced_link(devices) if o.link_name == "default" else link
+        return search.consider(config, costs.measure(config, devices), devices, priced,
+                               training, memory=memory, **more)
+    candidates = []
+    for k in stage_counts:
+        threads = search.stage_threads(specs, k, cores, o.threads_per_stage)
+        for chunks in chunks_for(k):
+            for schedule in (schedules if k > 1 else schedules[:1]):   # alike on one stage
+                config = search.Config(k, chunks, schedule, threads)
+                if num_stages == "auto" and config == as_is_config:
+                    continue     # the model as it is, measured whole below
+                recipe.progress.doing(f"planning {k} stage{'s' * (k > 1)} x {chunks} "
+                                      f"micro-batch{'es' * (chunks > 1)}")
+                candidates.append(considered(config, cores=cores, graph=costs.gm))
+    as_is = None
+    # The model as it is: one stage, whole batch, the caller's threads, and its own tensors,
+    # so only where they all are on the first device (there the stage holds them, not copies).
+    if num_stages == "auto" and all(same_memory(t.device, specs[0].name) for t in
+                                    [*recipe.model.parameters(), *recipe.model.buffers()]):
+        as_is = considered(as_is_config)
+        as_is = replace(as_is, predicted_s=prepared.unpipelined_s if as_is.partition else None)
+    chosen, reason = search.choose(candidates, as_is)
+    return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
+
+
+def _chunk_options(model: nn.Module, recipe: Recipe, training: bool,
+                   devices: int) -> Callable[[int], list[int]]:
+    """The micro-batch counts to consider on a number of stages: the one asked for; with
+    "auto" the powers of two worth trying (`search.chunk_options`, one on one stage); by default
+    2 per stage (`search.default_chunks`); only one micro-batch where micro-batches would
+    compute something else than the whole batch (BatchNorm normalising each in training)."""
+    chunks = recipe.options.chunks
+    if chunks not in ("auto", None):
+        return lambda stages: [chunks]
+    if training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                        for m in model.modules()):
+        return lambda stages: [1]
+    rows = microbatch.batch_size((recipe.args, recipe.kwargs), recipe.input_dims)
+    if chunks is None:
+        return lambda stages: [search.default_chunks(rows, stages)]
+    options = search.chunk_options(rows, devices)
+    return lambda stages: options if stages > 1 else [1]
+
+
+def weighed_as_is(recipe: Recipe, considered: Sequence[search.Candidate]) -> bool:
+    """Whether the model as is was weighed (last) among the configurations considered."""
+    return recipe.options.num_stages == "auto" and bool(considered) and \
+        considered[-1].config == search.as_is_config(considered[-1].config.schedule)
+
+
+def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
+            considered: tuple[search.Candidate, ...], reason: str, runs: Runs) -> Plan:
+    """The plan of `chosen`, one of the candidates `weigh` considered: a copy of the prepared
+    graph split as it was partitioned, cut into stages placed on their devices, and checked
+    against the model on the example (`verify`), its step predicted."""
+    o, training, costs = recipe.options, prepared.training, prepared.costs
+    materialize = recipe.materialize
+    config, specs, part = chosen.config, chosen.partition.devices, chosen.partition
+    costs.measure(config, specs)     # the chosen configuration's costs on the nodes
+    gm = graph_copy(prepared.gm)     # with those costs; the prepared graph stays whole
+    search.split_chosen(gm, chosen)  # nodes split to balance, their costs shared by the parts
+    # The model's runs, made before any stage is placed (a stage holds copies of the tensors
+    # that are not on its device): the pipeline is checked against what the model computes.
+    reference, unverified = _reference(prepared, recipe, gm, config.chunks,
+                                       [d.name for d in specs])
+    stages = split_stages(gm, part.stage_of, [d.name for d in specs], placed=recipe.placed)
+    held_by_stages(gm, stages)       # the pipeline's parameters: the stages' own
+    if prepared.held is not None:
+        carry_values(prepared.held, gm)
+    recomputed = _recompute_part(part, stages)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    signature = signature_of(gm)
+    tolerance = reference.stated_tolerance()
+    plan = make_plan(
+        gm.meta["capture"], part, stages, config.chunks,
+        unverified or ("yes" if o.verify else "skipped (verify=False)"),
+        wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
+                                  if n.op != "placeholder"]),
+        signature=signature,
+        batch_dims=placeholder_dims(signature, recipe.input_dims, recipe.default_dim),
+        schedule=config.schedule, runs=runs, training=prepared.mode,
+        measurements=costs.saved_measurements(), recompute=o.recompute,
+        stage_recomputed=recomputed, output_dims=reference.output_dims,
+        unpipelined_s=prepared.unpipelined_s, unpipelined_spread=prepared.unpipelined_spread,
+        example_rows=microbatch.batch_size((recipe.args, recipe.kwargs), recipe.input_dims),
+        unpipelined_threads=torch.get_num_threads(),
+        chosen=chosen, reason=reason, considered=considered,
+        calibration=costs.calibration[config.chunks, specs[0].kind, config.num_stages > 1],
+        spread=measurement_spread(gm), link=o.link_name, graph=gm,
+        link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
+        weights=recipe.weights.where if materialize else None,
+        stand_ins=recipe.stand_ins() if materialize else (),
+        verify_tolerance=tolerance.get("verify_tolerance"),
+        verify_tolerance_source=tolerance.get("verify_tolerance_source", ""))
+    verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
+           o.verify_tolerance)
+    # The model as is runs the model's own ops, so it takes the model's time.
+    predicted_s = (prepared.unpipelined_s if plan.runs_as_is else
+                   max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
+    return replace(plan, predicted_step_s=predicted_s)
+
+
+def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule of its own holding a copy of `gm`'s graph (its nodes' names and meta, its
+    calling convention) over `gm`'s modules and tensors, so that passes rewriting a graph in
+    place (`split_wide`, `held_by_stages`) leave `gm` as it was."""
+    copied_gm = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    for table in ("_parameters", "_buffers", "_modules"):    # the tree as it is, not rebuilt
+        copied_gm.__dict__[table] = dict(gm.__dict__[table])
+    copied_gm._non_persistent_buffers_set = set(gm._non_persistent_buffers_set)
+    copied_gm.meta = dict(gm.meta)
+    copied_gm.training = gm.training
+    return copied_gm
+
+
+def _reference(prepared: Prepared, recipe: Recipe, gm: fx.GraphModule, chunks: int,
+               devices: Sequence[str]) -> tuple[Reference, str]:
+    """The model's runs the checks of a plan on `chunks` micro-batches on `devices` compare
+    with (`checks.reference_of`), and what a plan of a model on meta leaves unverified; made
+    once per micro-batch count and set of devices, for every plan of `prepared`."""
+    o = recipe.options
+    key = (chunks, tuple(dict.fromkeys(devices)))
+    references = prepared.kept.references
+    if key not in references:
+        if recipe.materialize:
+            found = meta_reference(prepared.checked, gm, recipe, chunks, o.verify,
+                                   o.verify_tolerance, _inputs_device(recipe))
+        else:
+            found = (reference_of(prepared.checked, recipe, chunks, o.verify,
+                                  o.verify_tolerance, list(devices)), "")
+        references[key] = found
+    return references[key]
+
+
+def _inputs_device(recipe: Recipe) -> torch.device:
+    """Where the example inputs are (the CPU for an example without tensors)."""
+    return next((t.device for t in tensors((recipe.args, recipe.kwargs))), torch.device("cpu"))
+
+
+def _recompute_part(part: Partition, stages: Sequence[Stage]) -> tuple[tuple[str, ...], ...]:
+    """The nodes each stage recomputes where the partitioner priced recomputing part of its
+    forward (`StageCost.recomputed`), those stages rewritten in place to do so
+    (`fxpipe.passes.recompute.checkpoint_regions`)."""
+    for stage, cost in zip(stages, part.stages):
+        if cost.recomputed:
+            checkpoint_regions(stage.module, set(cost.recomputed))
+    return tuple(cost.recomputed for cost in part.stages)
