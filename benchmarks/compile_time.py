@@ -45,7 +45,7 @@ from torch import nn
 PHASES = {
     "capture": ["trace"],
     "functionalize": ["functionalize", "seed_random_ops"],
-    "measure": ["annotate_costs", "calibrate", "time_unpipelined"],
+    "measure": ["annotate_costs", "calibrate", "Baseline"],
     "search": ["consider"],
     "split": ["split_chosen", "split_stages", "held_by_stages"],
     "check": ["reference_of", "meta_reference", "verify"],

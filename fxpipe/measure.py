@@ -296,12 +296,6 @@ class Baseline:
             return time.perf_counter() - start
 
 
-def time_unpipelined(model: nn.Module, recipe: Recipe, training: bool,
-                     repeats: int = 3) -> float:
-    """The model's own time for one batch (`Baseline`): the median of `repeats` warm runs."""
-    return Baseline(model, recipe, training, repeats).seconds
-
-
 def spread_of(times: Sequence[float]) -> float:
     """How far repeated timings disagree: (p90 - p10) / median (0 for fewer than 2)."""
     if len(times) < 2:
