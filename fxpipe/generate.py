@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -190,15 +190,14 @@ class Generation:
     lanes; their caches the decode runtime's stage state."""
 
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
-                 length: int, chunks: int, **options: Any):
-        from .api import plan as make_plan        # (the api imports the pipeline, which imports us)
+                 length: int, chunks: int, planner: Callable[..., "Plan"], **options: Any):
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
         self.lm = CachedLM(model, rows, length).eval()
         dims = {"slots": None}
-        self.decode = make_plan(self.lm, devices, example_kwargs=self.example(rows, 1),
+        self.decode = planner(self.lm, devices, self.example(rows, 1),
                                 chunks=min(chunks, rows), batch_dims=dims, **options)
-        self.prefill = self.decode if prompt == 1 else make_plan(
-            self.lm, devices, example_kwargs=self.example(rows, prompt),
+        self.prefill = self.decode if prompt == 1 else planner(
+            self.lm, devices, self.example(rows, prompt),
             chunks=min(chunks, rows), batch_dims=dims, **options)
         self.runtimes = {id(self.decode): runtime_of(self.decode)}
         if self.prefill is not self.decode:
@@ -366,7 +365,8 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
         pipe._generation = None
     devices = [stage.device for stage in pipe.stage_info]
     pipe._generation = Generation(model, devices, rows=rows, prompt=prompt, length=length,
-                                  chunks=lanes or pipe.chunks, **options)
+                                  chunks=lanes or pipe.chunks, planner=recipe.plan_other,
+                                  **options)
     return pipe._generation
 
 
