@@ -355,7 +355,8 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
     tokens at a time, `lanes` micro-batches of sequences in flight (default: the pipeline's
     chunks), on the pipeline's devices; `options` are `fxpipe.plan`'s (`repeats`, `verify`,
     `capture`...). It replaces the pipeline's previous generation plan."""
-    model = pipe._recipe.model if pipe._recipe is not None else None
+    recipe = pipe._recipe
+    model = recipe.model if recipe is not None else None
     if model is None or not hasattr(model, "generate"):
         raise GenerationError("pipe.generate needs the Hugging Face causal LM it was compiled "
                               "from\nFix: fxpipe.compile(model, ...) the model (a loaded plan "
