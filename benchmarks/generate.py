@@ -12,8 +12,10 @@ left-padded by a quarter), `--new` new tokens each. Side by side, from the same 
 
 Each is timed twice, at `--new` tokens and at 1 (the prompt's prefill and the first token: time
 to first token); decode tokens/s is the new tokens after the first over the time between the
-two. Every pipeline's tokens are checked against the model's (id for id). Also printed: each
-stage's key/value bytes, as planned and as allocated. Run it alone: two cores are easily shared
+two. Every pipeline's tokens are checked against the model's (id for id). Also printed: the
+share of the last decode step's stage-time that no stage computed (`last_run`: the bubble of a
+step, with Hugging Face's loop waiting for every lane at each token), and each stage's key/value
+bytes, as planned and as allocated. Run it alone: two cores are easily shared
 into noise.
 """
 
@@ -74,7 +76,14 @@ def main() -> None:
     rows = []
     reference = None
 
-    def report(name, full_s, first_s, out, kv=""):
+    def bubble(run) -> str:
+        """The share of the latest decode step's stage-time no stage computed."""
+        if run is None or not run.slots or run.wall_s <= 0:
+            return ""
+        busy = sum(slot.end_s - slot.start_s for slot in run.slots)
+        return f"{1 - busy / (run.num_stages * run.wall_s):.0%}"
+
+    def report(name, full_s, first_s, out, kv="", idle=""):
         nonlocal reference
         if reference is None:
             reference = (full_s, first_s, out)
@@ -83,7 +92,7 @@ def main() -> None:
         base_tps = a.rows * (a.new - 1) / max(reference[0] - reference[1], 1e-9)
         rows.append([name, f"{a.rows * a.new / full_s:.0f}", f"{decode_tps:.0f}",
                      f"{decode_tps / base_tps:.2f}x", f"{first_s * 1e3:.0f}",
-                     f"{reference[1] / first_s:.2f}x", same, kv])
+                     f"{reference[1] / first_s:.2f}x", same, idle, kv])
 
     with torch.no_grad():
         report(f"model.generate, {cores} threads", *best(model.generate, cores))
@@ -99,14 +108,17 @@ def main() -> None:
                                  for s in generation.states]
                 kv = ", ".join(f"{p / 2**20:.2f}/{q / 2**20:.2f}"
                                for p, q in zip(generation.kv_bytes(), allocated))
-                report(f"pipe.generate, 2 stages, {lanes} lane{'s' * (lanes > 1)}",
-                       *best(pipe.generate), kv=kv)
+                timings = best(pipe.generate)
+                decode = generation.runtimes[id(generation.decode)].last_run
+                report(f"pipe.generate, 2 stages, {lanes} lane{'s' * (lanes > 1)}", *timings,
+                       kv=kv, idle=bubble(decode))
     print(f"Llama d={a.width}, {a.layers} layers, {a.rows} prompts of {a.prompt} tokens "
           f"(half left-padded by {a.prompt // 4}), {a.new} new tokens, greedy; best of "
           f"{a.repeats}; {cores} cores")
     print(tabulate(rows, headers=["", "tokens/s", "decode tokens/s", "decode vs baseline",
                                   "first token ms", "first token vs baseline",
-                                  "tokens equal", "KV MiB per stage planned/allocated"]))
+                                  "tokens equal", "decode step idle",
+                                  "KV MiB per stage planned/allocated"]))
 
 
 if __name__ == "__main__":

@@ -114,13 +114,17 @@ def test_each_stage_holds_its_own_layers_cache(llama):
 
 def test_greedy_tokens_equal_model_generate_on_a_left_padded_batch(llama):
     model, pipe, ids, mask = llama
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    def held():      # parameters and buffers (non-persistent ones too), as tensors and values
+        return {n: (t, t.clone()) for n, t in [*model.named_parameters(),
+                                               *model.named_buffers()]}
+    before = held()
     got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=10,
                      do_sample=False)
     assert_same_tokens(got, want, ids.shape[1])
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k])
-                                                 for k in before)
+    after = held()
+    assert before.keys() == after.keys()
+    for name, (tensor, value) in before.items():
+        assert after[name][0] is tensor and torch.equal(after[name][1], value), name
     assert not any(state.tensors for state in pipe._generation.states)   # freed
     assert all(b.numel() == 0 for stage in pipe._generation.decode.stages
                for n, b in stage.module.named_buffers() if n.startswith("kv_"))
