@@ -192,7 +192,9 @@ class Generation:
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
                  length: int, chunks: int, planner: Callable[..., "Plan"], **options: Any):
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
-        self.lm = CachedLM(model, rows, length).eval()
+        self.lm = CachedLM(model, rows, length)
+        self.lm.training = model.training     # (not .eval(): it would switch the model's modules)
+        options.setdefault("training", False)  # generation runs forwards only
         dims = {"slots": None}
         self.decode = planner(self.lm, devices, self.example(rows, 1),
                                 chunks=min(chunks, rows), batch_dims=dims, **options)
