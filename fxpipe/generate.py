@@ -77,8 +77,8 @@ class SlotCache(Cache):
                 self.values[layer_idx].index_select(0, self.rows))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise GenerationError("the captured step was asked for the cache's length: pass "
-                              "position_ids and a 4-D attention mask")
+        raise GenerationError("the captured step asked for the cache's length\n"
+                              "Fix: pass position_ids and a 4-D attention mask")
 
 
 class _Recorder(Cache):
@@ -105,8 +105,9 @@ def kv_shapes(model: nn.Module) -> list[tuple[Planned, Planned]]:
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
               cache=recorder, use_cache=True)
     if not recorder.shapes:
-        raise GenerationError(f"{type(model).__name__} wrote no key/value cache: generation "
-                              f"needs a causal LM whose attention layers call cache.update")
+        raise GenerationError(f"{type(model).__name__} wrote no key/value cache\n"
+                              f"generation needs a causal LM whose attention layers call "
+                              f"cache.update")
     return recorder.shapes
 
 
@@ -153,18 +154,20 @@ class Counting(Cache):
         return self.seen
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        raise GenerationError("beam search (num_beams > 1) reorders the cache, which "
-                              "pipe.generate does not do yet\nFix: num_beams=1 (greedy or "
-                              "sampling), or generate with the model")
+        raise GenerationError("beam search (num_beams > 1) is not supported yet\n"
+                              "it reorders the cache, which pipe.generate does not do yet\n"
+                              "Fix: num_beams=1 (greedy or sampling), or generate with the model")
 
     def crop(self, max_length: int) -> None:
-        raise GenerationError("assisted or contrastive decoding crops the cache, which "
-                              "pipe.generate does not do yet\nFix: leave out assistant_model, "
-                              "penalty_alpha and prompt_lookup_num_tokens")
+        raise GenerationError("assisted and contrastive decoding are not supported yet\n"
+                              "they crop the cache, which pipe.generate does not do yet\n"
+                              "Fix: leave out assistant_model, penalty_alpha and "
+                              "prompt_lookup_num_tokens")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise GenerationError("num_return_sequences > 1 repeats the cache, which pipe.generate "
-                              "does not do yet\nFix: repeat the prompts in the batch instead "
+        raise GenerationError("num_return_sequences > 1 is not supported yet\n"
+                              "it repeats the cache, which pipe.generate does not do yet\n"
+                              "Fix: repeat the prompts in the batch instead "
                               "(input_ids.repeat_interleave(n, 0), the mask likewise)")
 
 
@@ -243,9 +246,9 @@ class Generation:
                 other = prefill_stages.get(name)
                 if other is not None and torch.device(other.device) != torch.device(stage.device):
                     raise DeviceError(
-                        f"the prefill plan put {name} on {other.device}, the decode plan on "
-                        f"{stage.device}\nboth plans must read one cache: plan on devices of "
-                        f"one kind, or with prompts of one token")
+                        f"{name} is on {other.device} for prefill, on {stage.device} for decode\n"
+                        f"both plans must read one cache\nFix: plan on devices of one kind, "
+                        f"or with prompts of one token (prompt=1)")
                 modules = [stage.module, self.lm,
                            *(m for p in (self.decode, self.prefill) for m in
                              ([p.graph] if p.graph is not None else [])),
@@ -296,9 +299,11 @@ class Generation:
         """One call of Hugging Face's loop: the logits of the last of `input_ids`'s tokens,
         the stages' caches written."""
         if inputs_embeds is not None or input_ids is None:
-            raise InputError("pipe.generate takes input_ids (inputs_embeds is not supported)")
+            raise InputError("pipe.generate takes input_ids, not inputs_embeds\n"
+                             "Fix: pass the prompts' token ids")
         if not isinstance(cache, Counting):
-            raise InputError("pipe.generate keeps the cache in the stages: leave cache= out")
+            raise InputError("pipe.generate takes no cache=\nthe stages keep the key/value cache\n"
+                             "Fix: leave cache= out")
         rows, q = input_ids.shape
         seen = cache.seen
         if attention_mask is None:
@@ -311,17 +316,18 @@ class Generation:
         pad = self._pad
         if pad + seen + q > self.length or rows > self.rows:
             raise GenerationError(
-                f"{rows} sequences of {pad + seen + q} slots ({seen + q} tokens, {pad} of "
-                f"padding) over the {self.rows} x {self.length} planned\nFix: generate with "
-                f"fewer new tokens (max_new_tokens) or fewer sequences")
+                f"{rows} x {pad + seen + q} slots, over the {self.rows} x {self.length} planned\n"
+                f"{rows} sequences of {seen + q} tokens, {pad} slots of padding\nFix: generate "
+                f"with fewer new tokens (max_new_tokens) or fewer sequences, or plan_generation "
+                f"for more")
         slot_mask = torch.cat([attention_mask.new_zeros((rows, pad)), attention_mask], 1)
         if seen == 0 and q > 1:
             logits = self._prefill(input_ids, position_ids, slot_mask)
         elif q == 1:
             logits = self._run(self.decode, input_ids, position_ids, slot_mask, pad + seen)
         else:
-            raise GenerationError(f"a step of {q} tokens after {seen}: pipe.generate runs the "
-                                  f"prompt, then one token at a time")
+            raise GenerationError(f"a step of {q} tokens after {seen} is not supported\n"
+                                  f"pipe.generate runs the prompt, then one token at a time")
         cache.seen += q
         return CausalLMOutputWithPast(logits=logits[:, None, :], past_key_values=None)
 
@@ -360,9 +366,9 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
     recipe = pipe._recipe
     model = recipe.model if recipe is not None else None
     if model is None or not hasattr(model, "generate"):
-        raise GenerationError("pipe.generate needs the Hugging Face causal LM it was compiled "
-                              "from\nFix: fxpipe.compile(model, ...) the model (a loaded plan "
-                              "cannot generate yet)")
+        raise GenerationError("pipe.generate needs the model it was compiled from\n"
+                              "a Hugging Face causal LM; a loaded plan cannot generate yet\n"
+                              "Fix: fxpipe.compile(model, ...) the model")
     if pipe._generation is not None:
         pipe._generation.close()
         pipe._generation = None
@@ -377,7 +383,8 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     """`pipe.generate(*args, **kwargs)`: `model.generate`'s result, each step run by the
     stages of `pipe`'s generation plan (made by `plan_generation` where none fits the call)."""
     if "cache" in kwargs or "past_key_values" in kwargs:
-        raise InputError("pipe.generate keeps the cache in the stages: leave cache= out")
+        raise InputError("pipe.generate takes no cache=\nthe stages keep the key/value cache\n"
+                         "Fix: leave cache= out")
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise InputError("pipe.generate takes input_ids, a (batch, length) tensor of token ids")

@@ -56,8 +56,8 @@ class StageState:
         planned as `planned`."""
         held = self.planned.get(name)
         if held is not None and held != planned:
-            raise FxpipeError(f"stage {self.index}'s state {name!r} is planned twice, as "
-                              f"{held} and {planned}")
+            raise FxpipeError(f"state {name!r} is planned twice\nstage {self.index} holds "
+                              f"it as {held}, and was given {planned}")
         self.planned[name] = planned
         self._readers.setdefault(name, []).extend(readers)
         if name in self.tensors:
