@@ -195,12 +195,13 @@ class Generation:
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
                  length: int, chunks: int, planner: Callable[..., "Plan"], **options: Any):
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
+        _refuse_sliding_windows(model, length)
         self.lm = CachedLM(model, rows, length)
         self.lm.training = model.training     # (not .eval(): it would switch the model's modules)
         options.setdefault("training", False)  # generation runs forwards only
         dims = {"slots": None}
         self.decode = planner(self.lm, devices, self.example(rows, 1),
-                                chunks=min(chunks, rows), batch_dims=dims, **options)
+                              chunks=min(chunks, rows), batch_dims=dims, **options)
         self.prefill = self.decode if prompt == 1 else planner(
             self.lm, devices, self.example(rows, prompt),
             chunks=min(chunks, rows), batch_dims=dims, **options)
@@ -404,6 +405,23 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
         generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
     with generation.session():
         return generation.front().generate(*args, cache=Counting(), **kwargs)
+
+
+def _refuse_sliding_windows(model: nn.Module, length: int) -> None:
+    """Refuse a model whose sliding-window layers would see fewer tokens than `length`: the
+    mask made over the cache's slots is a full causal one."""
+    config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if getattr(config, "use_sliding_window", True) is False or (
+            types is not None and "sliding_attention" not in types):
+        return                        # (a window in the config that no layer uses)
+    if window is not None and window < length:
+        raise GenerationError(
+            f"sliding-window attention ({window} tokens) is not supported yet\n"
+            f"{type(model).__name__}'s layers attend to the last {window} tokens, and "
+            f"pipe.generate masks the cache as full attention\nFix: generate at most {window} "
+            f"tokens in all (prompt and new), or with the model")
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -189,6 +189,18 @@ def test_what_would_rearrange_the_cache_is_refused_by_name(llama):
         pipe.generate(input_ids=ids, cache=None, max_new_tokens=2)
 
 
+def test_sliding_window_layers_shorter_than_the_plan_are_refused_by_name():
+    from fxpipe.generate import _refuse_sliding_windows
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    small = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=32, vocab_size=100)
+    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=8))
+    with pytest.raises(GenerationError, match="sliding-window attention"):
+        _refuse_sliding_windows(mistral, 16)
+    _refuse_sliding_windows(mistral, 8)                  # the window holds every token
+    _refuse_sliding_windows(Qwen2ForCausalLM(Qwen2Config(**small, sliding_window=8)), 16)
+
+
 @pytest.mark.slow
 def test_gpt2_absolute_positions_equal_model_generate():
     torch.manual_seed(0)
