@@ -77,8 +77,10 @@ class SlotCache(Cache):
                 self.values[layer_idx].index_select(0, self.rows))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise GenerationError("the captured step asked for the cache's length\n"
-                              "Fix: pass position_ids and a 4-D attention mask")
+        raise GenerationError("the model asked the cache for its length inside a step\n"
+                              "pipe.generate does not yet support models that compute "
+                              "positions or biases from it (OPT, Falcon)\n"
+                              "Fix: generate with the model")
 
 
 class _Recorder(Cache):
