@@ -22,6 +22,7 @@ into noise.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import time
 
@@ -42,6 +43,25 @@ def timed(generate, ids, mask, new: int, threads: int | None = None) -> tuple[fl
         out = generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                        pad_token_id=0, eos_token_id=None)
         return time.perf_counter() - start, out
+    finally:
+        torch.set_num_threads(before)
+
+
+def step_time(model, rows: int, context: int, repeats: int = 20) -> float:
+    """Seconds of one decode step (one token against `context` cached ones) of `rows`
+    sequences, on one thread: the least of `repeats`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ids = torch.randint(1, model.config.vocab_size, (rows, context + 1))
+        out = model(input_ids=ids[:, :-1], use_cache=True)
+        best = float("inf")
+        for _ in range(repeats):
+            cache = copy.deepcopy(out.cache)
+            start = time.perf_counter()
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+            best = min(best, time.perf_counter() - start)
+        return best
     finally:
         torch.set_num_threads(before)
 
@@ -112,6 +132,7 @@ def main() -> None:
                 decode = generation.runtimes[id(generation.decode)].last_run
                 report(f"pipe.generate, 2 stages, {lanes} lane{'s' * (lanes > 1)}", *timings,
                        kv=kv, idle=bubble(decode))
+        bound = step_time(model, a.rows, length) / step_time(model, a.rows // 2, length)
     print(f"Llama d={a.width}, {a.layers} layers, {a.rows} prompts of {a.prompt} tokens "
           f"(half left-padded by {a.prompt // 4}), {a.new} new tokens, greedy; best of "
           f"{a.repeats}; {cores} cores")
@@ -119,6 +140,9 @@ def main() -> None:
                                   "first token ms", "first token vs baseline",
                                   "tokens equal", "decode step idle",
                                   "KV MiB per stage planned/allocated"]))
+    print(f"a decode step of the model on {a.rows} sequences over one on {a.rows // 2} (one "
+          f"thread, {length} cached tokens): T(N)/T(N/2) = {bound:.2f}, the most 2 lanes can "
+          f"gain over 1")
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ class Generation:
             raise GenerationError(f"a step of {q} tokens after {seen} is not supported\n"
                                   f"pipe.generate runs the prompt, then one token at a time")
         cache.seen += q
-        return CausalLMOutputWithPast(logits=logits[:, None, :], past_key_values=None)
+        return CausalLMOutputWithPast(logits=logits[:, None, :], cache=cache)
 
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor,
                  slot_mask: torch.Tensor) -> torch.Tensor:
