@@ -332,6 +332,13 @@ class Recipe:
         self.traced_code[model.training] = gm.code
         return gm
 
+    @staticmethod
+    def plan_other(model: nn.Module, devices: Sequence[DeviceLike], example_kwargs: dict[str, Any],
+                   **options: Any) -> Plan:
+        """`plan(...)`, for the pipeline's own plans of another module (`fxpipe.generate`'s
+        steps), which reaches planning through the recipe, as the mode switch does."""
+        return plan(model, devices, example_kwargs=example_kwargs, **options)
+
     def build_for_mode(self, mode: bool, held: nn.Module) -> Plan | None:
         """The plan of the model in `mode` (`model.train(mode)`), or None when the graph
         captured in that mode is the one already built (a graph that does not read the mode).

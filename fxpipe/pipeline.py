@@ -75,6 +75,7 @@ class Pipeline(nn.Module):
         self._modes: dict[bool, dict[str, Any]] = {}
         self._rows_mean_checked = False            # see runtime.step: a first step checks it
         self.measure_memory = False      # record each stage's peak in last_run (see the class)
+        self._generation = None    # `generate`'s plans (`fxpipe.generate.plan_generation`)
 
     def _keep_recipe(self, recipe: Any) -> None:
         """Keep how `fxpipe.compile` planned the model (`api.Recipe`): the model, to notice
@@ -108,6 +109,8 @@ class Pipeline(nn.Module):
         for runtime in {id(r): r for r in [self._runtime, *(
                 state["_runtime"] for state in self._modes.values())]}.values():
             runtime.close()
+        if self._generation is not None:
+            self._generation.close()
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -253,6 +256,14 @@ class Pipeline(nn.Module):
                 yield signature.rebuild_outputs({**values, **out})
         finally:
             flowing.close()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate(*args, **kwargs)` for the Hugging Face causal LM compiled, its
+        steps run by the stages, each stage holding its own layers' key/value cache (see
+        `fxpipe.generate` and docs/generation.md)."""
+        from .generate import generate
+        self._check_open()
+        return generate(self, args, kwargs)
 
     @property
     def last_run(self) -> Run | None:

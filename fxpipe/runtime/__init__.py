@@ -15,6 +15,8 @@ keep them apart):
   caller's thread), joins them whatever happens, re-raises the first failure as a
   `StageError`, and records the run (`Run`).
 - `step`: the train-step contract both backends keep (`StepLoss`, `DeferredScale`).
+- `state`: what each stage keeps across runs (`StageState`, `Runtime.state[s]`: a key/value
+  cache), owned by the runtime and freed when it closes.
 
 Inference and training differ only in the timetable (backward actions or none) and the loss
 (`loss_of`).

@@ -56,6 +56,7 @@ from fxpipe.passes.errors import PartitionError, StageError
 from ..schedules import Action, Phase, Slot, Timetable
 from ..wiring import DRIVER, Flow, Wiring
 from .executor import LossFn, StageExecutor
+from .state import StageState
 from .transport import Aborted, ThreadTransport, Transport
 from .workers import Workers
 
@@ -147,13 +148,18 @@ class Runtime:
         self.last_run: Run | None = None    # the latest run's record, failed or not
         self._in_order = False
         self.workers = Workers([_setup(s.device, t) for s, t in zip(self.stages, self.threads)])
+        # What each stage keeps across runs (`runtime.state`): empty until a use allocates it.
+        self.state = [StageState(s.index, s.device) for s in self.stages]
         # Dropped without `close()`: the workers end as the runtime is collected (they hold no
         # reference to it).
         weakref.finalize(self, self.workers.close, wait=False)
 
     def close(self) -> None:
-        """End the stage workers; a later run raises `PipelineClosedError`."""
+        """End the stage workers and free each stage's state; a later run raises
+        `PipelineClosedError`."""
         self.workers.close()
+        for state in self.state:
+            state.free()
 
     @property
     def closed(self) -> bool:

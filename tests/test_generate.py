@@ -1,0 +1,216 @@
+"""`pipe.generate` equals `model.generate`: tiny Hugging Face causal LMs from configs.
+
+Greedy tokens are compared id for id, each sequence up to the first step where the model's own
+two best logits are a rounding tie (after it, either token is right), and the logits before it
+within the rounding rule. The stages keep the key/value cache (`fxpipe.generate`), a stage's
+state owned by the runtime (`fxpipe.runtime.state`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.generate import GenerationError, plan_generation
+from fxpipe.runtime import Runtime
+from fxpipe.runtime.state import Planned, StageState
+from fxpipe.testing import assert_same_up_to_rounding
+
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+FAST = dict(capture="export", repeats=1, verify=False)     # plans for tests: no second checks
+LLAMA = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=1000)
+
+
+def prompts(rows: int, length: int, pads: list[int], seed: int = 1):
+    """Token ids and a mask, row r left-padded by `pads[r]`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 1000, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    for r, pad in enumerate(pads):
+        mask[r, :pad] = 0
+        ids[r, :pad] = 0
+    return ids, mask
+
+
+def both(pipe, model, **kwargs):
+    """`pipe.generate` and `model.generate` on the same arguments, with their logits."""
+    kwargs = dict(kwargs, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    return pipe.generate(**kwargs), model.generate(**kwargs)
+
+
+def assert_same_tokens(got, want, prompt: int) -> None:
+    """Each sequence's new tokens equal, up to its first rounding tie of `want`'s two best
+    logits; the logits of every step before it within the rounding rule."""
+    assert got.sequences.shape == want.sequences.shape
+    assert torch.equal(got.sequences[:, :prompt], want.sequences[:, :prompt])
+    for r in range(want.sequences.shape[0]):
+        for t, (a, b) in enumerate(zip(got.logits, want.logits)):
+            assert_same_up_to_rounding(a[r], b[r], what=f"sequence {r}'s logits at step {t}")
+            top = b[r].topk(2).values
+            if top[0] - top[1] <= 128 * torch.finfo(b.dtype).eps * b[r].abs().max():
+                break           # a tie: either token is the model's
+            assert got.sequences[r, prompt + t] == want.sequences[r, prompt + t], \
+                f"sequence {r}, new token {t}: {got.sequences[r]} != {want.sequences[r]}"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Llama on 2 stages, 2 lanes, planned for 4 sequences of 16 tokens, 6-token prefill
+    chunks."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
+    ids, mask = prompts(4, 6, [2, 0, 3, 0])
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=dict(input_ids=ids,
+                                                                 attention_mask=mask),
+                          chunks=2, **FAST)
+    plan_generation(pipe, rows=4, prompt=6, length=16, **FAST)
+    yield model, pipe, ids, mask
+    pipe.close()
+
+
+def test_stage_state_lives_from_allocate_to_free_and_close():
+    owner = nn.Module()
+    owner.register_buffer("kv", torch.empty(0), persistent=False)
+    state = StageState(0, torch.device("cpu"))
+    state.adopt("kv", Planned((2, 3), torch.float32), [(owner, "kv")])
+    assert state.nbytes == 24 and not state.allocated
+    state.allocate()
+    assert owner.kv is state.tensors["kv"] and owner.kv.shape == (2, 3)
+    owner.kv.fill_(1.0)
+    state.allocate()                     # a second use starts from zeros
+    assert owner.kv is state.tensors["kv"] and not owner.kv.any()
+    state.free()
+    assert owner.kv.numel() == 0 and not state.tensors
+    with pytest.raises(fxpipe.FxpipeError, match="planned twice"):
+        state.adopt("kv", Planned((2, 4), torch.float32), [])
+
+
+def test_runtime_close_frees_every_stage_state(llama):
+    model, pipe, ids, mask = llama
+    runtime = pipe._generation.runtimes[id(pipe._generation.decode)]
+    assert isinstance(runtime, Runtime) and len(runtime.state) == 2
+    fresh = type(runtime)(runtime.stages, runtime.wiring)
+    fresh.state[0].adopt("x", Planned((1,), torch.float32), [])
+    fresh.state[0].allocate()
+    fresh.close()
+    assert not fresh.state[0].tensors
+
+
+def test_each_stage_holds_its_own_layers_cache(llama):
+    model, pipe, ids, mask = llama
+    generation = pipe._generation
+    held = [set(state.planned) for state in generation.states]
+    assert all(held) and not set.intersection(*held)
+    assert set.union(*held) == {f"kv_{k}_{l}" for l in range(4) for k in ("keys", "values")}
+    for stage, names in zip(generation.decode.stages, held):   # in its own stage's graph
+        assert names == {n for n, _ in stage.module.named_buffers() if n.startswith("kv_")}
+    assert generation.kv_bytes() == [2 * 2 * 4 * 2 * 16 * 16 * 4] * 2
+    assert generation.decode.chunks == 2          # two lanes of two sequences
+
+
+def test_greedy_tokens_equal_model_generate_on_a_left_padded_batch(llama):
+    model, pipe, ids, mask = llama
+    def held():      # parameters and buffers (non-persistent ones too), as tensors and values
+        return {n: (t, t.clone()) for n, t in [*model.named_parameters(),
+                                               *model.named_buffers()]}
+    before = held()
+    got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                     do_sample=False)
+    assert_same_tokens(got, want, ids.shape[1])
+    after = held()
+    assert before.keys() == after.keys()
+    for name, (tensor, value) in before.items():
+        assert after[name][0] is tensor and torch.equal(after[name][1], value), name
+    assert not any(state.tensors for state in pipe._generation.states)   # freed
+    assert all(b.numel() == 0 for stage in pipe._generation.decode.stages
+               for n, b in stage.module.named_buffers() if n.startswith("kv_"))
+
+
+def test_shorter_prompts_pad_and_longer_ones_prefill_in_chunks(llama):
+    model, pipe, ids, mask = llama
+    generation = pipe._generation
+    for q, new in ((3, 8), (9, 4)):      # 3 tokens padded into one chunk; 9 into two
+        short_ids, short_mask = prompts(4, q, [1, 0, 2, 0], seed=q)
+        got, want = both(pipe, model, input_ids=short_ids, attention_mask=short_mask,
+                         max_new_tokens=new, do_sample=False)
+        assert_same_tokens(got, want, q)
+    assert pipe._generation is generation          # both fit the plan
+
+
+def test_each_sequence_stops_at_its_eos_padded_after_as_the_model_pads(llama):
+    model, pipe, ids, mask = llama
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                          do_sample=False, pad_token_id=0)
+    eos = int(free[1, ids.shape[1] + 2])            # sequence 1's third new token
+    got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                     do_sample=False, eos_token_id=eos)
+    assert (want.sequences[1, ids.shape[1] + 3:] == 0).all()      # it ended early
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_sampling_from_a_seed_draws_the_models_samples(llama):
+    model, pipe, ids, mask = llama
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True,
+                  top_k=50, temperature=0.9, pad_token_id=0)
+    torch.manual_seed(7)
+    first = pipe.generate(**kwargs)
+    torch.manual_seed(7)
+    again = pipe.generate(**kwargs)
+    torch.manual_seed(7)
+    expected = model.generate(**kwargs)
+    assert torch.equal(first, again) and torch.equal(first, expected)
+
+
+def test_a_lane_writes_only_its_own_cache_rows(llama):
+    model, pipe, ids, mask = llama
+    generation = pipe._generation
+    from fxpipe.generate import Counting
+    with generation.session():        # two of the planned four rows
+        generation.front().generate(input_ids=ids[:2], attention_mask=mask[:2],
+                                    max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                    cache=Counting())
+        for state in generation.states:
+            for name, t in state.tensors.items():
+                assert t[:2].any(), name
+                assert not t[2:].any(), f"{name}: rows 2-3 written by sequences 0-1"
+                assert not t[:, :, 6 + 3:].any(), f"{name}: slots past the last token written"
+
+
+def test_what_would_rearrange_the_cache_is_refused_by_name(llama):
+    model, pipe, ids, mask = llama
+    with pytest.raises(GenerationError, match="num_beams=1"):
+        pipe.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=2,
+                      do_sample=False, pad_token_id=0)
+    with pytest.raises(fxpipe.InputError, match="cache= out"):
+        pipe.generate(input_ids=ids, cache=None, max_new_tokens=2)
+
+
+def test_sliding_window_layers_shorter_than_the_plan_are_refused_by_name():
+    from fxpipe.generate import _refuse_sliding_windows
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    small = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=32, vocab_size=100)
+    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=8))
+    with pytest.raises(GenerationError, match="sliding-window attention"):
+        _refuse_sliding_windows(mistral, 16)
+    _refuse_sliding_windows(mistral, 8)                  # the window holds every token
+    _refuse_sliding_windows(Qwen2ForCausalLM(Qwen2Config(**small, sliding_window=8)), 16)
+
+
+@pytest.mark.slow
+def test_gpt2_absolute_positions_equal_model_generate():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=1000)).eval()
+    ids, mask = prompts(4, 6, [2, 0, 3, 0], seed=3)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=dict(input_ids=ids,
+                                                                 attention_mask=mask),
+                          chunks=2, **FAST)
+    with pipe:
+        plan_generation(pipe, rows=4, prompt=6, length=14, **FAST)
+        got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                         do_sample=False)
+        assert_same_tokens(got, want, ids.shape[1])
