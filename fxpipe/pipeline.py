@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
@@ -16,28 +15,25 @@ from torch import nn
 
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link, format_bytes
-from fxpipe.passes.device import initialized_gpus, seed_gpu
-from fxpipe.passes.errors import (BatchError, CostError, DeviceError, FxpipeError, InputError,
+from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
                                   ModelChangedError, PipelineClosedError, StageError)
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
 from . import microbatch
-from .plan_data import Plan, refuse_without_weights
+from .plan_data import Plan, observe, refuse_without_weights
 from .runtime import Run
 from .saved import PlanFileError, save_stage_weights
+from .runtime.as_is import run_as_is, train_as_is
 from .runtime.asynchronous import AsyncTraining
 from .runtime.calls import call_stages, runtime_of
-from .runtime.memory import stage_memory, tracked
+from .runtime.memory import tracked
 from .runtime.orchestrator import item_error
 from .runtime.step import (DeferredScale, StepLoss, check_reduction, check_target,
                            step_inputs)
 from .explain import explain
 from .model_watch import ModelWatch
-from .schedules import Action, Phase, Slot, timetable_for
-
-# The latest calls whose median is the speed-up measured in use (`Pipeline._observe`).
-OBSERVED_RUNS = 8
+from .schedules import Slot, timetable_for
 
 
 class Pipeline(nn.Module):
@@ -128,14 +124,14 @@ class Pipeline(nn.Module):
         model = self._as_is()
         if model is not None:      # the model's own forward, as it is now: every hook fires
             with self._measuring(training=False):
-                return self._run_as_is(model, args, kwargs)
+                return run_as_is(self._runtime, self._stages[0], model, args, kwargs)
         self._check_model()
         with self._measuring(training=False):
             return call_stages(self.plan, self._runtime, args, kwargs)
 
     @contextlib.contextmanager
     def _measuring(self, *, training: bool) -> Iterator[None]:
-        """Around a call or step: its time and the speed-up measured so far (`_observe`), and
+        """Around a call or step: its time and the speed-up measured so far (`observe`), and
         with `measure_memory` set, each stage's peak measured (`runtime.memory`), into
         `last_run` and the plan's `observed` record."""
         start = time.perf_counter()
@@ -145,30 +141,13 @@ class Pipeline(nn.Module):
         if record is None:
             return
         record.call_s = time.perf_counter() - start
-        self._observe(record, training)
+        observe(self.plan, record, training)
         if measured is None:
             return
         record.peak_bytes = dict(measured.peak_bytes)
         record.device_peak_bytes = dict(measured.device_peak_bytes)
         self.plan.observed.update(peak_bytes=record.peak_bytes, training=training,
                                   microbatches=record.microbatches)
-
-    def _observe(self, record: Run, training: bool) -> None:
-        """A pipeline's call (or train step) of the example's rows in the plan's mode counts
-        toward the speed-up measured in use: after the first (which may start workers), the
-        latest `OBSERVED_RUNS` calls' median against the model's time at compile, into
-        `plan.observed` and the record, beside the speed-up the plan claims."""
-        plan, seen = self.plan, self.plan.observed
-        if (plan.runs_as_is or not plan.unpipelined_s or record.failed or
-                training != bool(plan.training) or record.rows != plan.example_rows):
-            return
-        seen["runs"] = seen.get("runs", 0) + 1
-        if seen["runs"] == 1:
-            return
-        times = seen["times_s"] = [*seen.get("times_s", [])[1 - OBSERVED_RUNS:], record.call_s]
-        seen["step_s"] = statistics.median(times)
-        seen["speedup"] = record.speedup = plan.unpipelined_s / seen["step_s"]
-        record.predicted_speedup = plan.claimed_speedup
 
     def _as_is(self) -> nn.Module | None:
         """The model, when the plan runs it as is (one stage, the whole batch, the caller's
@@ -178,56 +157,6 @@ class Pipeline(nn.Module):
             return None
         model = self._watch.model
         return model if model is not None and model.training == self.training else None
-
-    def _run_as_is(self, model: nn.Module, args: tuple, kwargs: dict[str, Any],
-                   then: Callable[[Any], Any] = lambda out: out) -> Any:
-        """`then(model(*args, **kwargs))` as the pipeline's one micro-batch: from its seed (the
-        caller's generator left as the graph would leave it), recorded in `last_run`, a failure
-        raised as a `StageError` (but fxpipe's own errors, a loss refused, as they are)."""
-        seed = microbatch_seeds(1)[0]
-        cuda = initialized_gpus()
-        record = Run(num_stages=1, microbatches=1)
-        self._runtime.last_run = record
-        start = time.perf_counter()
-        try:
-            with torch.random.fork_rng(devices=cuda), stage_memory(self._stages[0]):
-                # torch.manual_seed(seed), for the generators there are (it costs 100 us more).
-                torch.default_generator.manual_seed(seed)
-                for index in cuda:
-                    seed_gpu(index, seed)
-                out = then(model(*args, **kwargs))
-        except FxpipeError as e:
-            record.error = f"{type(e).__name__} in the model run as is"
-            raise
-        except Exception as e:
-            record.error = f"{type(e).__name__} in the model run as is"
-            raise StageError(f"stage 0 (the model as is) failed on micro-batch 0\n"
-                             f"{type(e).__name__}: {e}", stage=0, microbatch=0) from e
-        finally:
-            record.wall_s = time.perf_counter() - start
-        record.slots.append(Slot(Action(0, 0, Phase.FORWARD), 0.0, record.wall_s))
-        return out
-
-    def _train_as_is(self, model: nn.Module, inputs: Any, target: Any,
-                     loss_fn: Callable[[Any, Any], Any], reduction: Literal["mean", "sum"],
-                     leaves: list[torch.Tensor]) -> torch.Tensor:
-        """`train_step` where the plan runs the model as is: the model's own forward on the
-        whole batch, the step's loss (one micro-batch, by the train-step contract) and its
-        backward, on the caller's thread: what the model costs."""
-        step = StepLoss(loss_fn, self._signature, reduction,
-                        DeferredScale([*self.parameters(), *leaves]))
-        step.take_targets([target], self._stages[-1].device)
-
-        def learn(output: Any) -> torch.Tensor:
-            loss = step.of_output(0, output)
-            loss.backward()
-            return loss.detach()
-        try:
-            loss = self._run_as_is(model, *_call_args(inputs), then=learn)
-        except BaseException:
-            step.finish([])     # the gradients held aside are given back
-            raise
-        return step.finish([loss])
 
     def stream(self, items: Iterable[Any], *, max_in_flight: int | None = None) -> Iterator[Any]:
         """The model's output for each item, in order, as the items come: each item is one
@@ -301,8 +230,9 @@ class Pipeline(nn.Module):
         model = self._as_is()
         with self._measuring(training=True):
             if model is not None:
-                return self._train_as_is(model, inputs, target, loss_fn, reduction,
-                                         tensors(values))
+                return train_as_is(self._runtime, self._stages, self._signature,
+                                   [*self.parameters(), *tensors(values)], model,
+                                   *_call_args(inputs), target, loss_fn, reduction)
             loss = self._train(chunks, microbatch.split(target, len(chunks)), loss_fn,
                                reduction, leaves=tensors(values))
             self.last_run.rows = rows

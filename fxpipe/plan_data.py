@@ -11,6 +11,7 @@ import enum
 import os
 import re
 import resource
+import statistics
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -245,6 +246,28 @@ def peak_rss_bytes() -> int:
     """This process's peak resident memory so far, in bytes."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024     # Linux counts KiB
+
+
+# The latest calls whose median is the speed-up measured in use (`observe`).
+OBSERVED_RUNS = 8
+
+
+def observe(plan: Plan, record: Any, training: bool) -> None:
+    """A pipeline's call (or train step) of the example's rows in the plan's mode, recorded
+    (`runtime.Run`), counts toward the speed-up measured in use: after the first (which may
+    start workers), the latest `OBSERVED_RUNS` calls' median against the model's time at
+    compile, into `plan.observed` and the record, beside the speed-up the plan claims."""
+    seen = plan.observed
+    if (plan.runs_as_is or not plan.unpipelined_s or record.failed or
+            training != bool(plan.training) or record.rows != plan.example_rows):
+        return
+    seen["runs"] = seen.get("runs", 0) + 1
+    if seen["runs"] == 1:
+        return
+    times = seen["times_s"] = [*seen.get("times_s", [])[1 - OBSERVED_RUNS:], record.call_s]
+    seen["step_s"] = statistics.median(times)
+    seen["speedup"] = record.speedup = plan.unpipelined_s / seen["step_s"]
+    record.predicted_speedup = plan.claimed_speedup
 
 
 def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,

@@ -21,7 +21,7 @@ PLANNING = ["fxpipe.measure", "fxpipe.checks", "fxpipe.search", "fxpipe.plan_dat
 MAX_LINES = 600
 TIGHTER = {"passes/cost_model": 400}
 # Over MAX_LINES today, and being split by another piece of work: the list only shrinks.
-STILL_SPLITTING = {"fxpipe/api.py", "fxpipe/checks.py", "fxpipe/runtime/orchestrator.py"}
+STILL_SPLITTING = {"fxpipe/checks.py", "fxpipe/runtime/orchestrator.py"}
 # The one module that names `torch.cuda`: everything else asks it.
 DEVICE_SEAM = "passes/device.py"
 
