@@ -1,5 +1,13 @@
 """Device lists: parse and check what the user passed, before anything runs; CPU tuning;
-links measured (between devices here, and between two gloo processes)."""
+links measured (between devices here, and between two gloo processes).
+
+"cuda" means the current GPU. A GPU's budget is its free memory less a margin; stages on one device
+share its budget evenly, the rule the partitioner enforces per stage. Links measured: the hand-off
+between threads, copies between devices, and `measure_link`: a message between two gloo processes
+as `DistributedTransport` sends it (the plan's `link="gloo"`). `tune_cpu_allocator` tunes the
+host's allocator. A device's kind, streams and timers are `fxpipe.passes.device`'s: this module
+never tests a kind itself.
+"""
 
 from __future__ import annotations
 

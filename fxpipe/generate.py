@@ -24,6 +24,22 @@ the model, whose forward runs the stages, and a cache that only counts the token
   a longer prompt runs chunk after chunk.
 
 Each generate starts from zeroed caches and frees them when it returns.
+
+Why buffers written in place, not graph inputs and outputs, nor Hugging Face's cache objects:
+functionalize keeps a write to a buffer as the state update it is, and the partitioner keeps a
+buffer's writes and reads in one stage (`fxpipe.passes.state`), so each stage holds its layers'
+cache without any rule of generation's own; a write to a graph input is refused (micro-batches are
+cut from inputs), and tensors returned per step would copy the whole cache each token. Why not
+Hugging Face's `StaticCache` inside the graph: its layers count positions in a tensor of their own
+(`cumulative_length`), one per cache, not per lane. The mask made outside the graph (`_Slots`)
+keeps mask logic out of the graph, so one decode graph serves every step; `SlotCache` is the
+`Cache` the model sees while captured, reading back whole the rows it wrote, the mask hiding what
+is not written yet.
+
+Two plans, because export fixes the query length. Both are planned through `Recipe.plan_other`. A
+prefill stage on another device than the decode stage holding the same layer is refused. HF's loop
+runs on the caller's thread; each step is `call_stages` (GPipe over the lanes) under `fork_rng`, so
+the pipeline's seeds do not move the generator that sampling draws from.
 """
 
 from __future__ import annotations

@@ -6,6 +6,24 @@ plan passed as `costs=` measured, and `calibrate`s each measurement to the whole
 measured in the same conditions; `Baseline` times the model as given, whole, between those
 measurements; `handoff_s` times the runtime's own hand-off between stages, which `priced_link`
 prices.
+
+Costs live on nodes, measured as the stage will run the node: at each configuration's micro-batch
+size, with its stages' intra-op threads, on a worker thread when the stages will run on workers (a
+CPU op's scaling with threads differs there), then scaled so that they add up to the whole graph's
+time measured in the same conditions (timing nodes one by one misses the dispatch between ops and
+autograd's engine); on a GPU the whole run is timed by the host's clock until the GPU is done, so
+launches count. What measuring wrote besides the costs (`annotate_costs.WRITTEN`) is reused with
+them from `costs=plan`. Costs are measured on the graph as captured, so a saved plan's measurements
+name its nodes; a split (`split_wide`) copies them onto the parts. A meta model's node costs are
+not calibrated: that run would time drawing every weight and pass the whole model's weights through
+memory once per repeat.
+
+`Baseline` is sampled warm before and between the stages' measurements (median, spread).
+`handoff_s` is an empty pipeline through the runtime's workers and queues, over the hand-offs the
+cost model counts in it (cached per process and thread layout), which `priced_link` gives as the
+default link for CPU stages. `race` runs pipelines and the model on the example, interleaved
+(calls, or in training train steps with the outputs' sum as the loss:
+`runtime.calls.train_stages`), and keeps the least times.
 """
 
 from __future__ import annotations

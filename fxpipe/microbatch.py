@@ -14,6 +14,9 @@ tensors) are given whole to every chunk. `merge` is the inverse: each output lea
 along its own batch dimension (`dims[i]`, 0 by default); values with None, and 0-d tensors, must
 be equal in every chunk. With one chunk nothing is split or merged. A pipeline's runs split with
 `split_up_to`: a batch of fewer rows than `chunks` runs as one micro-batch per row.
+
+Fewer rows than `chunks`: the timetable and the seeds are built for that count
+(`Run.microbatches`); an empty batch is refused.
 """
 
 from __future__ import annotations

@@ -1,4 +1,25 @@
-"""`Pipeline`: the module `fxpipe.compile` returns. Call it like the original model."""
+"""`Pipeline`: the module `fxpipe.compile` returns. Call it like the original model.
+
+A Pipeline runs what its plan holds (`runtime.calls.runtime_of(plan)`; one call is `call_stages`,
+which compile's check runs too): `forward`, `train_step`, `stream`, `stream_train` (each window of
+(input, target) items one train step whose micro-batches are the items, then the optimizer's step:
+`train_step` and it share `_train`; `mode="async"` is `runtime/asynchronous.py`, refused up front
+where its stashes would not fit a device) and `predict`. It holds what its stages hold (the model's
+own tensors, or copies on other devices) under the model's names; a pipeline built from a loaded
+plan gathers them from its stages under the same names and runs the mode it was planned in. A plan
+that runs the model as is calls the model's own forward (`runtime/as_is.py`). A mode-dependent
+graph gets one set of stages per mode, swapped by `train()` / `eval()`.
+
+It refuses a model whose modules or tensors were replaced after compile, or whose modules that no
+stage calls got hooks (`ModelChangedError`, `fxpipe.model_watch.ModelWatch`: the model held weakly,
+checked before each run), and a plan whose stages hold tensors on meta (`DeviceError` naming
+`Plan.with_weights` and `load_plan(weights=)`). `save_weights` writes every stage's shards.
+
+Training cuts autograd at stage boundaries; inference keeps it whole, so `pipe(x).sum().backward()`
+works as for the model (see `fxpipe.runtime.executor`). A mode switch captures the model again and
+checks the new stages against the model computing with the pipeline's current values
+(`torch.func.functional_call`, `checks.holding`), since training may have changed the copies.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,23 @@
 `fxpipe.plan` returns a `Plan`, complete, before any Pipeline exists; `Pipeline(plan)` runs it,
 `plan.save(path)` writes it, `print(plan)` reads it (`fxpipe.report`). The runtime reads the
 stages (`fxpipe.passes.stage.Stage`) and their `Wiring`; nothing here imports a pass's code.
+
+A plan is data: `Plan` holds what a Pipeline runs (the stages, their `Wiring`, computed once from
+codegen's stages, the calling convention, batch and output dimensions, schedule, threads, mode:
+`Plan.runs`, a pipeline or the model as is and why, `reason` being only words) and what was weighed
+(the predicted step against the model's measured time, the configurations considered, calibration,
+every cost measured). `fxpipe.plan` returns it complete (`make_plan`, typed fields); nothing
+patches it after. `Pipeline(plan)` runs it; `plan.save(dir)` writes it and `load_plan(dir)` reads
+it back in a process without the model's code; `fxpipe.distributed` runs one stage of it per
+process; `compile(..., costs=plan)` plans again from its measurements.
+
+`Plan.predict` is the simulated step. `Plan.stand_ins`: a meta plan's tensors timed and checked on
+stand-ins (printed as one line by role, in plan.json). `Plan.verify_tolerance` and its source: what
+the check compared within (printed after "yes"). `Plan.threads` is read off `partition.devices`,
+where each stage's device, threads and memory live once (loading onto other devices changes them
+there). In memory only: the costed graph (explain, the node picture) and the link function. A plan
+whose stages hold meta tensors is refused by a Pipeline until weights are given
+(`refuse_without_weights`). The module is not named plan.py: `fxpipe.plan` is the function.
 """
 
 from __future__ import annotations

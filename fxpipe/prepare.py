@@ -12,6 +12,50 @@
 `fxpipe.api` conducts them: it races realized plans (`fxpipe.measure.race`), and retries with
 the whole batch where micro-batches cannot compute what the model does, on the same
 `Prepared`. `benchmarks/compile_time.py` times each step.
+
+The model runs only before placement: capture's check, its time as is and the reference runs
+(outputs per micro-batch, output batch dimensions, batch independence, whether it draws random
+numbers) all happen before any stage is placed; then the placed stages are checked, each stage's
+micro-batches in turn on the caller's thread (`Runtime.in_order`: the runtime's own executor and
+transport, no worker threads), against those reference outputs.
+
+Planning from the meta device. A model no device holds is planned without ever being held:
+`weights=` (a `fxpipe.weights` source; None draws values as the model initialises them) gives
+values by the model's names, and every place planning runs something runs it node by node on them
+(`fxpipe.passes.materialize`). Why a callback taking the meta tensors (`read(like, device)`) and
+not names: the graph knows each tensor's shape, dtype and ties; `Recipe.materialize` renames them
+to the model's first name for each tensor, so a tied weight is read once whichever module asks.
+Values are dropped after each node and freed memory handed back to the system
+(`release_freed_memory`: glibc's per-thread arenas would otherwise keep every layer's), so planning
+grows by about one layer plus a fixed overhead, whatever the model's size (tests/test_meta_plan.py
+measures it).
+
+Capture on meta: fx traces meta as it is; export runs on meta inputs, then `place` names the
+inputs' device again in the graph; where that fails or keeps an enabled autocast region, export
+runs again on fake tensors of the planned device type (the model's meta tensors swapped for fakes
+while it runs, the graph then given the model's own tensors back). Planning never needs an init
+rule: where none of the model's writes a tensor (a norm holding `torch.ones(d)` without
+`reset_parameters()`), `Init(stand_ins=True)` gives a stand-in of the right shape, dtype and scale
+(`weights.stand_in_`), drawn under the module's seed so that every read, the model's modules and
+the stages alike, gets the same values; `Recipe.stand_ins` names them (those drawn, and those of
+the same role, which `Tiled` repeats) in `Plan.stand_ins`. Loading with `"init"` still refuses them
+by name.
+
+Which run reads what on meta. Trace's eager output check cannot run on meta: compile's check runs
+streamed instead (`checks.streamed`: the model's own forward on a structural copy whose modules get
+their own tensors in a forward pre-hook, against the stages run node by node on the same source); a
+forward that reads another module's tensor directly cannot run so, and the plan says `verified: no
+(why)`. Drawing a model's initialisation costs about 7 ns an element on a CPU core (minutes for an
+8B model, per run), so only the check draws every weight. Timing nodes reads `Recipe.plausible`:
+drawn values (`Init`) tiled per role (`Tiled`), a role's first read drawn in full and the rest
+copied at memory speed; real ones where a checkpoint is given. Functionalize's probe (which values
+share memory) runs on `unfilled` weights: nothing drawn, and a large weight that is only read never
+becomes resident (on failure, plausible ones). The outputs' batch dimensions without the check come
+from the graph run on meta (shapes alone); where that cannot tell, from plausible values. The model
+as is cannot run anywhere: no baseline, no "as is" candidate, and node costs are not calibrated
+against a whole run. The plan's stages hold the meta tensors themselves (`place` leaves a meta
+tensor as it is): `Pipeline(plan)` refuses them until weights are given
+(`plan_data.refuse_without_weights`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,13 @@ micro-batch `m` alone right after `torch.manual_seed(seeds[m])` (the seeds of
 along their batch dimension. So BatchNorm normalises each micro-batch (as in GPipe), buffers are
 updated once per micro-batch, and dropout draws the numbers the model draws under those seeds.
 `run_per_microbatch` is that reference; `unchanged` lets a check run it without side effects.
+
+Each layer runs on its stage's device, and each device draws from its own generator, as in torch:
+CPU stages and stages on one GPU draw what the model draws there, while a plan over several GPUs
+starts each GPU's draws from the seed (as the model placed by hand over them would) and draws other
+numbers than one GPU. Every pass that runs the model or the graph on the example works on copies of
+the inputs and leaves buffers, mode flags and the caller's generator as they were. Where a
+construct cannot meet this contract it is refused at compile by name, never approximated.
 """
 
 from __future__ import annotations

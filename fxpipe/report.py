@@ -1,4 +1,14 @@
-"""What a user reads: a plan as `print(plan)` shows it, tables (tabulate) and warnings."""
+"""What a user reads: a plan as `print(plan)` shows it, tables (tabulate) and warnings.
+
+`print(plan)` shows what a Pipeline runs (stages, wiring, calling convention, batch dims, schedule,
+threads, the mode) and what the plan found: each stage's module paths, the predicted time per call
+against the model run whole (measured at compile), and a warning when the pipeline is predicted to
+lose. No speed-up is claimed (`unclaimed`) where CPU stages oversubscribe the cores or the
+measurement was unsteady. The speed-up measured in use (`Plan.observed`, which a Pipeline fills
+after its first calls of the example's rows, and `last_run`) is shown beside the predicted one,
+with a warning past 25%. `LINK_DESCRIPTIONS` words each `link=` choice. docs/reading-the-plan.md
+explains every kind of line (tests/test_reading_the_plan.py holds it).
+"""
 
 from __future__ import annotations
 

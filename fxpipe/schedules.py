@@ -22,6 +22,15 @@ and one backward, so it never holds more than `num_stages - s` micro-batches of 
 
 Dependencies are those of a DAG of stages: `F` of micro-batch m on stage s needs `F` of m on every
 stage s reads from; `B` of m on s needs its own `F` of m and `B` of m on every stage reading from s.
+
+The simulator is the predictor, fed by the cost model: CPU stages asking for more threads than
+there are cores share them (processor sharing: actions that overlap run at their share of the
+cores, not each at full speed), and so do stages standing on one GPU, as pools. The runtime
+executes a timetable, it does not decide one: the same actions feed the runtime,
+`fxpipe.distributed` (`message_orders`: per pair of ranks, the order of sends against the order of
+receives, equal unless a later stage reads both graph inputs and stage 0's values, which the
+transport keeps aside) and the simulator. A new schedule is a pure timetable here
+(`timetable_for`), validated here.
 """
 
 from __future__ import annotations

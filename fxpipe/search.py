@@ -15,6 +15,23 @@ stage doing next to nothing (under `NEAR_EMPTY` of the bottleneck) is a device i
 `num_stages="auto"` fewer stages within `TIE` win anyway; the plan's reason names such a stage.
 
 Everything here is plain data and pure functions of it; measuring is the caller's (`measure`).
+
+`chunks` left out is 2 per stage, at most the rows (`default_chunks`, measuring nothing; 1 where
+micro-batches compute something else, and the plan then warns that its stages take turns). "auto"
+never weighs two stages on one GPU (`stage_counts`). Each configuration is also partitioned with
+its too-costly nodes split into 2 to one-per-stage parts, and in inference 2 and 4 per stage
+(`part_counts`: finer parts fill what the rest leaves of a stage; `wide_nodes` caps the parts), the
+best kept where it lowers the bottleneck by over 2% (`Candidate.split`). A stage under `NEAR_EMPTY`
+of the bottleneck stays only where fewer stages are predicted slower or `num_stages` was fixed,
+named in the plan's reason and print (`notes`).
+
+Never one measured slower either (`fxpipe.api._raced`): the shortlist, the chosen and up to two
+more predicted within 1.25x of it, each realized from the prepared graph, raced with the model; the
+fastest measured is kept where it beats the model by 2%, else the model as is, realized from it. On
+CPUs a model's run that got under 85% of its threads' time means a busy machine: the model as is.
+`Plan.raced` keeps predicted and measured times, which `print(plan)` shows. The model as is is a
+candidate only where its tensors are all on the first device (its one stage holds them there, not
+copies), so a plan is never predicted slower than not pipelining there.
 """
 
 from __future__ import annotations

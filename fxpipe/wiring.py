@@ -6,6 +6,13 @@ Graph outputs go back to the driver in inference, and to the last stage, which c
 in training; across processes the last stage also reads the graph inputs the model returns as
 they are (`with_inputs_at_last`). The runtime moves values along this wiring, the simulator
 takes its dependencies from it (`reads_from`), and a saved plan stores it.
+
+The driver is the participant that feeds graph inputs and collects outputs (the caller's thread;
+across processes, each replica's stage-0 rank): `DRIVER` (-1) among the stage indices
+(`schedules.INPUTS`, the same -1, in `message_orders`); its device in the cost model is
+`cost_model.DRIVER_DEVICE`, the host. Placeholders belong to no stage: each stage reading an input
+receives it straight from the driver, and graph outputs go straight back. A target or input moves
+to the device of the stage reading it (the last stage's for targets).
 """
 
 from __future__ import annotations

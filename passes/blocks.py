@@ -15,6 +15,25 @@ The types come from the values a run recorded (`value_type`), by default from th
 with a node of unknown type repeats nothing. `meta_types` gives the types the capture recorded,
 where it recorded every block node's: repeats known before anything runs. `counterparts` pairs
 a repeat's nodes, and the values it reads from outside, with those of the block it repeats.
+
+Example (three equal layers of one container: the second and third repeat the first):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from torch.fx.passes.shape_prop import ShapeProp
+>>> from fxpipe.passes.blocks import repeated_blocks
+>>> class Stack(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+...     def forward(self, x):
+...         for layer in self.layers:
+...             x = layer(x)
+...         return x
+>>> gm = fx.symbolic_trace(Stack())
+>>> _ = ShapeProp(gm).propagate(torch.randn(2, 4))
+>>> {node.name: first.name for node, first in repeated_blocks(gm).items()}
+{'layers_1': 'layers_0', 'layers_2': 'layers_0'}
 """
 
 from __future__ import annotations

@@ -12,6 +12,33 @@ device receives it from the parameter's home stage. Higher-order ops' bodies
 into ops (`arange(..., device=cpu)`) at the stage's own device. No tensor is ever moved: a stage
 holds the model's own parameters and buffers where they already are on its device, and copies
 placed there otherwise (`place`).
+
+Grad-mode regions the tracer recorded are written into each stage (`_grad_regions`). Placement
+never moves the model's tensors: the modules on the way to a copied tensor are the stage's shallow
+copies, so the model's modules keep theirs, and a copied Parameter stays a Parameter, owned by the
+pipeline. Copies are remembered per (tensor, device) with the recipe, so a tensor has one copy per
+device: tied weights stay tied, and the train and eval pipelines share them (a tensor the two modes
+place on different devices has a copy on each, its values carried over when the mode switches). The
+pipeline's module holds what the stages hold, under the model's names (`held_by_stages`). Devices
+written in graphs (`device=cpu`, `x.to("cuda:1")`) become the stage's. A parameter read
+(`get_attr`) is copied into each stage reading it on its home's device (home: the first stage using
+it) and sent, like a value, to readers on other devices, so its gradient returns home; a submodule
+called from two devices is an error. Measuring on another device than the graph's tensors runs a
+copy placed there (`placed_copy`), dropped after.
+
+Example (two stages of four layers, run one after the other, equal the graph):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.codegen import split_stages
+>>> gm = fx.symbolic_trace(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+>>> stages = split_stages(gm, {"_0": 0, "_1": 0, "_2": 1, "_3": 1}, ["cpu", "cpu"])
+>>> stages[0].outputs, stages[1].inputs
+(('_1',), ('_1',))
+>>> x = torch.randn(2, 4)
+>>> (y,) = stages[1].module(*stages[0].module(x))
+>>> torch.equal(y, gm(x))
+True
 """
 
 from __future__ import annotations

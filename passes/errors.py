@@ -1,5 +1,9 @@
 """The errors fxpipe raises. Each message names the problem in its first line (at most about 80
-characters) and the fix on the line(s) below it."""
+characters) and the fix on the line(s) below it.
+
+`tests/test_error_shape.py` checks every raise; the command line prints the fix indented below the
+problem.
+"""
 
 from __future__ import annotations
 

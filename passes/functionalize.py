@@ -21,6 +21,26 @@ schema writes their first argument become their out-of-place overload. Writes to
 buffers (`get_attr` nodes and their views, e.g. BatchNorm's `num_batches_tracked.add_(1)` in train
 mode) are state updates the model keeps, and stay; later reads of that state read it through
 the write (`fxpipe.passes.state.order_state_reads`).
+
+Example (an in-place `add_` becomes `add`, read by what read its input after it):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.functionalize import functionalize
+>>> class Shifted(nn.Module):
+...     def forward(self, x):
+...         y = x * 2
+...         y.add_(1)
+...         return y.relu()
+>>> gm = fx.symbolic_trace(Shifted())
+>>> [n.target for n in gm.graph.nodes if n.op == "call_method"]
+['add_', 'relu']
+>>> gm = functionalize(gm, (torch.randn(3),))
+>>> [n.target for n in gm.graph.nodes if n.op == "call_method"]
+['add', 'relu']
+>>> x = torch.randn(3)
+>>> torch.equal(gm(x), Shifted()(x))
+True
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Small helpers every pass needs: the tensors inside a value, a `get_attr` target's value, and
-an Interpreter that runs a graph on examples as its generated code would."""
+an Interpreter that runs a graph on examples as its generated code would.
+
+The Interpreter gives calls plain lists, as generated code does: a function may edit its list
+arguments.
+"""
 
 from __future__ import annotations
 

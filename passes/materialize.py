@@ -12,6 +12,31 @@ The callback is `read(like, device) -> {name: tensor}`: real tensors on `device`
 of `like` (the meta tensors, by the model's names, that a stage holds under the same names),
 each with its shape and dtype; tied names (one tensor object in `like`) get one tensor. A
 `fxpipe.weights.Weights`'s `read` is one.
+
+`annotate_costs`, `calibrate`, functionalize's probe and `run_graph` (output dims, batch checks)
+all run through it; the node runs on a shallow copy of its module (`codegen.with_tensors`). `Tiled`
+(values that need only be plausible: each parameter's role, its name without block numbers,
+`blockless`, drawn once and repeated) and `unfilled` (values never looked at) are callbacks over a
+callback. `release_freed_memory` hands freed memory back to the system after each node (see
+`fxpipe.prepare`: planning a meta model).
+
+Example (a model on meta run on another's weights, read per node; the graph keeps meta):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.materialize import MaterializingInterpreter
+>>> with torch.device("meta"):
+...     planned = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+>>> real = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+>>> weights = {"0." + name: t for name, t in real[0].state_dict().items()}
+>>> def read(like, device):
+...     return {name: weights[name].to(device) for name in like}
+>>> gm = fx.symbolic_trace(planned)
+>>> x = torch.randn(2, 4)
+>>> torch.equal(MaterializingInterpreter(gm, materialize=read).run(x), real(x))
+True
+>>> gm.get_submodule("0").weight.device
+device(type='meta')
 """
 
 from __future__ import annotations

@@ -28,6 +28,20 @@ starts from its seed, which the runtime sets per (stage, micro-batch) with `micr
 draw and puts the caller's state back. A submodule that may draw (dropout inside, or code fxpipe
 cannot see) runs whole through `seeded`, its draws routed one by one, so the lock is only held
 while numbers are drawn. Outside a pipeline run `seeded` simply calls the op.
+
+Example (dropout routed through `seeded`; outside a pipeline run it draws what the model draws):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.randomness import seed_random_ops, seeded
+>>> model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+>>> gm = seed_random_ops(fx.symbolic_trace(model))
+>>> [n.name for n in gm.graph.nodes if n.target is seeded]
+['_1']
+>>> x = torch.randn(2, 4)
+>>> _ = torch.manual_seed(0); ours = gm(x)
+>>> _ = torch.manual_seed(0); torch.equal(ours, model(x))
+True
 """
 
 from __future__ import annotations

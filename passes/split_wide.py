@@ -28,6 +28,20 @@ their features, each part, slice and join priced at least the graph's cheapest n
 overhead), with the bytes it passes on. Not priced: the join's copy of the output, and in
 training each slice's backward, which writes a gradient the size of the whole weight (torch's
 `narrow` backward) before it is added to `.grad`.
+
+Example (a linear layer of 6 output features in two parts; the same output):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.split_wide import split_wide
+>>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 6)))
+>>> x = torch.randn(2, 4)
+>>> whole = gm(x)
+>>> gm = split_wide(gm, {"_0": 2})
+>>> [n.name for n in gm.graph.nodes if n.name.startswith("_0_part") or n.name == "_0_cat"]
+['_0_part_0', '_0_part_1', '_0_cat']
+>>> torch.allclose(gm(x), whole)
+True
 """
 
 from __future__ import annotations

@@ -12,6 +12,16 @@ micro-batch order, as the model called once per micro-batch would. Two things ma
   in one stage (`state_units`): a stage runs micro-batches one after another, each in graph order.
 
 `unchanged_state` lets a pass run the graph on examples and leave the state as it found it.
+
+Example (a BatchNorm run in training leaves its statistics as they were):
+
+>>> import torch
+>>> from fxpipe.passes.state import unchanged_state
+>>> norm = torch.nn.BatchNorm1d(4).train()
+>>> with unchanged_state(norm):
+...     _ = norm(torch.randn(8, 4))
+>>> norm.running_mean, norm.num_batches_tracked
+(tensor([0., 0., 0., 0.]), tensor(0))
 """
 
 from __future__ import annotations

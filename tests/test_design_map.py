@@ -22,7 +22,10 @@ ENTRY = re.compile(r"^(?P<indent> *)(?P<names>[\w.]+/?(?:, [\w.]+/?)*)(?:  +|$)"
 FILE_NAME = re.compile(r"\b[\w]+\.py\b")
 
 # The passes whose docstrings carry a runnable example (`>>>`), run below.
-PASSES: list[str] = []
+PASSES = ["fxpipe.passes.capture", "fxpipe.passes.functionalize", "fxpipe.passes.randomness",
+          "fxpipe.passes.annotate_costs", "fxpipe.passes.partition", "fxpipe.passes.codegen",
+          "fxpipe.passes.split_wide", "fxpipe.passes.recompute", "fxpipe.passes.materialize",
+          "fxpipe.passes.state", "fxpipe.passes.blocks"]
 
 
 def layout_block(text: str) -> list[str]:

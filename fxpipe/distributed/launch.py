@@ -4,6 +4,11 @@ A world of `replicas x stages` ranks: rank r runs stage `r % stages` of replica 
 `load` joins (or starts) the default process group, loads this rank's stage on its device
 (`rank_device`), makes every rank stop when one cannot load its stage, and makes the gloo
 groups a step needs: each replica's ranks, each stage's replicas, the holders of tied weights.
+
+A stage planned on a GPU loads, by default, on cuda:LOCAL_RANK made current (`rank_device`), else
+on `device=`. A world size not a multiple of the stages is refused (`WorldSizeError`); a plan not
+priced with `link="gloo"` is warned of. `weights=` reads this rank's stage only
+(`saved.load_stage`). Over a default NCCL group, tensors go over it.
 """
 
 from __future__ import annotations

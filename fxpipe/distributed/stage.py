@@ -1,4 +1,19 @@
-"""`DistributedStage`: this rank's stage of a plan, walking its row of each step."""
+"""`DistributedStage`: this rank's stage of a plan, walking its row of each step.
+
+Each replica's stage-0 rank feeds its inputs (moved onto its stage's device); each rank walks its
+row with the runtime's `StageRow`, driven by the runtime's `Driver`, along
+`Wiring.with_inputs_at_last`; the last stage returns the output or the loss. `train_step` is
+`fxpipe.runtime.step`'s contract with the totals learnt by one all-reduce over every rank (the loss
+of every replica, the count of a (loss_sum, count) step), each replica's loss weighted by its rows'
+share. After the backward a tied weight's gradient is summed over its holders, then each stage's
+replicas' gradients summed; the gradients of graph inputs go back to the stage-0 rank. `last_run`
+is this rank's row, timed.
+
+`save_weights`: replica 0's ranks each write their stage's shards, rank 0 the index, then a
+barrier. `close`: the groups `load` made are destroyed (and the default one if `load` started it),
+and every handle on them dropped (torch's own in torch.distributed.nn.functional's defaults too),
+so their gloo threads end there and not while the interpreter exits (a SIGABRT).
+"""
 
 from __future__ import annotations
 

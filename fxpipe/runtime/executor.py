@@ -21,6 +21,15 @@ first waits for the caller's stream (its inputs, the latest optimizer step), and
 caller's stream waits for at the end.
 The caller's thread-local modes (grad mode, autocast) are captured when the executor is made, on
 the caller's thread, and entered again wherever the stage computes (`computing()`).
+
+Recomputation changes memory and time, never results. A recomputing stage (whole: its forward keeps
+only its inputs and the backward runs it again first; or runs of its nodes,
+`fxpipe.passes.recompute`) draws the same random numbers (the generator state is a graph value; a
+recomputed run carries the micro-batch seed it first ran under, since autograd recomputes a GPU's
+runs on its own thread for that device), and its buffers are written once (put back after the
+backward through `.data`: nothing read on the host, no version bumped, so kept nodes' saved buffers
+stay valid). It recomputes only in `train_step`: a plain call runs as is. The partitioner prices a
+stage by the same `Memory` rules the plan prints.
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ it waits.
 
 A new transport (another backend, say NCCL) is one module implementing `Transport`; the row
 runner (`orchestrator.StageRow`) and the train-step contract (`step`) take it as it is.
+
+A channel is one way messages go in a run, `(phase, sender, receiver)` (`Flow.channels()`,
+`Channel`): a transport keeps a queue or a peer per channel. No host read per micro-batch either: a
+`(loss_sum, count)` step's counts stay tensors and restored buffers are not compared (the first
+train step's check of a mean loss reads two numbers, once, at the step's end); the host waits only
+where a CPU stage or the caller reads a GPU's values on the CPU, as CPU ops must.
 """
 
 from __future__ import annotations

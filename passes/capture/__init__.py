@@ -21,6 +21,29 @@ each front-end its calling convention in `gm.meta["signature"]` (a
 be recovered from the graph afterwards.
 
 Python a pipeline would not run (attribute changes in forward, hooks) is in `side_effects`.
+
+Each front-end records its `Signature` on the graph and keeps the model's non-persistent buffers
+out of its state_dict. Imports, bottom up: `frontend` (on `compare`, `device`, `state`,
+`user_code`) <- `readable`, `export_sizes`, `side_effects` <- the front-ends (`fx` <- `fx_leaves`;
+`export`) <- `choose` <- this package; code outside imports the package (`fxpipe.passes.capture`),
+never one of its modules.
+
+Graphs reach the passes from these two kinds of front-end: `torch.fx` symbolic tracing
+(`call_module` nodes, user names) and, where that cannot follow the Python, `torch.export` (ATen
+`call_function` nodes, parameters as `get_attr`). Both are fx GraphModules: every pass is written
+for any GraphModule.
+
+Example (the graph reproduces the model's output):
+
+>>> import torch
+>>> from fxpipe.passes.capture import trace
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+>>> x = torch.randn(2, 4)
+>>> gm = trace(model, (x,))
+>>> gm.meta["capture"].method.value
+'fx'
+>>> torch.equal(gm(x), model(x))
+True
 """
 
 from .choose import CAPTURE_MODES, CaptureMode, trace, with_tensor_defaults, without_cache

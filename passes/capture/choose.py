@@ -9,6 +9,15 @@ source line and a fix.
 
 A model whose forward takes `use_cache` is captured with `use_cache=False` (`without_cache`): no
 front-end returns a key/value cache.
+
+Each front-end runs under `without_side_effects`, and any exception inside a front-end is its
+failure. An fx graph is too coarse when it has fewer nodes than stages, or keeps a module whole
+that holds most parameters; it stays where export fails, and the capture says why. When every
+front-end fails and the model itself fails on the example, an `InputError` quotes torch first; else
+one `TraceError` lists each front-end's reason (the user's line) and fix. A tensor default argument
+is an input given its default (`with_tensor_defaults`: a graph cannot spell a tensor). `export` is
+imported only when tried (it loads sympy; `EXPORT` is a lazy attribute of the package): an fx
+compile imports no compiler stack (`tests/test_lazy_imports.py`).
 """
 
 from __future__ import annotations

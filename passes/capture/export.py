@@ -12,6 +12,8 @@ A model on meta is exported on inputs on meta; where that fails, or the graph ke
 autocast region of the planned device type (meta tensors never autocast, so a dtype read there
 would be baked wrong), it is exported again on fake tensors of that type (`_on_fake_tensors`;
 `Capture.fake`).
+
+Export also refuses `inference_mode` regions.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ A front-end (`FrontEnd`) takes the model and a `Request` and returns a `Captured
 with its `Signature` in `gm.meta["signature"]`, and how it was captured), or raises
 `CaptureFailed` with the reason, which names the user's line where there is one. `choose` reads
 the result: it records a `Capture` on the graph, with its `Method`.
+
+`Request` holds what a front-end is given: the example, the leaves, the fixed inputs, the hooked
+modules, the batch dims and the device type. `Method` (FX, FX_LEAVES, EXPORT) is a str enum whose
+value, "fx", "fx+leaves", "export", plans print and save; a plan pickled with the string loads as
+the member. `Capture` is the record on the graph; `mismatch` is the check every front-end makes on
+the example.
 """
 
 from __future__ import annotations

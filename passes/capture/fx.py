@@ -6,6 +6,9 @@ forward's own parameters (`_fx_forward`). Grad-mode regions in forward (`with to
 a frozen teacher) stay regions: a node records the mode it was traced in
 (`node.meta["grad_enabled"]`, see `_Tracer`) and `fxpipe.passes.codegen` runs it so. fx refuses
 an enabled autocast region by its line: it cannot record one.
+
+Each node's stack is recorded with Python's `traceback`, not torch's recording, which imports
+torch._dynamo.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ caller's precision and grad mode: outputs and gradients silently not the model's
 `regions_as_modules(gm)` is `gm` with each such call replaced by the call of a `Region`
 module, which enters the same context around the same submodule: a module call is what
 unpickling records, and a `Region` is a leaf there. `gm` itself is left as it is.
+
+This is how `with_weights` copies stages through pickle, and how format-4 plans were pickled
+(`saved._picklable`); format 5 saves the graph itself as data, so its ops keep their region.
 """
 
 from __future__ import annotations

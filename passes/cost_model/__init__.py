@@ -23,6 +23,32 @@ The parts, each importable from here:
 - `bound.py`: `lower_bound_s`, below which no partition's bottleneck goes.
 
 Each part imports only those above it in this list (`gpu.py` none).
+
+One vocabulary for a stage's time (compute + transfers, forward and backward apart) and memory:
+`Held` (what a stage holds: parameters, activations, saved, received and sent bytes, the record
+`Memory` prices) and `StageTally` (one stage's sums, its transfers priced exactly and relaxed),
+from which `Pricing` reads its exact view (`stage_costs`; `inference_held`, `training_held`) and
+its relaxed one (`relaxed_stage_s`, the lower-bound view). Slicing, the DP's pairs and branch and
+bound sum the same terms incrementally and price them through the same `Pricing`: a transfer is one
+column of `Pricing.transfer` (per node, its value's time from one stage, or the driver, to another
+over their link), the relaxed `send_min` / `receive_min` the least of those columns. Each view is
+tested against the exact one. The exact view calls a stage over its device infeasible
+(`bottleneck_s` inf), which slicing makes room for and the exact search skips;
+`fxpipe/runtime/memory.py` measures beside it. `cost_graph` contracts the nodes that must share a
+stage into one unit and carries a forward and backward column per device kind
+(`node.meta["costs"][kind]`).
+
+Partial recomputation is priced inside the partitioner: with "auto" in training the exact view
+(hence the brute force and every candidate's check) has a stage that must recompute run the nodes
+`choose_recomputed` picks (runs of up to 4 nodes, most bytes freed per second of forward first,
+until it fits by `Memory.need_partial`; `StageCost.recomputed`) when they cost less than its whole
+forward, and compile only rewrites those stages. The greedy choice reads the stage's nodes, too
+costly per candidate pair of the DP, so the relaxed views (DP, slicing, probes) price it at a lower
+bound: the bytes the recomputed nodes must save to fit (`Memory.must_free`) times the least forward
+time per saved byte of any recomputable node (`CostGraph.recomputable`), at most the whole forward.
+The DP's value stays a lower bound, branch and bound settles the exact optimum (choosing what a
+chain's stages recompute counts against its work limit), and the optimality claim is about what
+runs.
 """
 
 from .values import (DRIVER_DEVICE, HOST_DEVICE, PEER_DEVICE, SAME_DEVICE, CostSource,

@@ -46,6 +46,20 @@ the optimum itself when methods 2-3 finished. `optimal` is true when the bottlen
 Time on this machine (benchmarks/partition_speed.py, DNN-shaped graphs): ~0.02-0.07 s for
 1,000 nodes, 0.4-0.75 s for 10,000 nodes into 2-8 stages (proven optimal), ~0.8 s for 50,000
 nodes (slicing, certified within 0.1%).
+
+Example (four equal nodes onto two devices; costs written by hand, as a user may):
+
+>>> from torch import fx, nn
+>>> from fxpipe.passes.cost_model import DeviceSpec, NodeCost
+>>> from fxpipe.passes.partition import partition
+>>> gm = fx.symbolic_trace(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+>>> for node in gm.graph.nodes:      # every node: placeholder and output cost nothing
+...     node.meta["cost"] = NodeCost(fwd_s=1.0 if node.op == "call_module" else 0.0)
+>>> found = partition(gm, [DeviceSpec("cpu"), DeviceSpec("cpu")])
+>>> found.stage_of
+{'_0': 0, '_1': 0, '_2': 1, '_3': 1}
+>>> found.optimal, round(found.bottleneck_s, 2)
+(True, 2.0)
 """
 
 from .orders import num_stages_for, partition
