@@ -2,7 +2,7 @@
 
 The map is at most `MAX_LINES` lines and its Layout block names every module and package under
 `fxpipe/` and `passes/` (and nothing that is not there). `fxpipe.compile`'s `Args:` list names
-every option it takes. Each pass's docstring example runs (doctest).
+every option it takes. Each pass's docstring example runs (doctest), and so does compile's.
 """
 
 import doctest
@@ -147,3 +147,13 @@ def test_the_pass_docstring_example_runs(name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.attempted and not result.failed, f"{name}'s example failed (see above)"
+
+
+def test_the_compile_docstring_example_runs():
+    import fxpipe
+    finder = doctest.DocTestFinder(recurse=False)
+    runner = doctest.DocTestRunner()
+    for test in finder.find(fxpipe.compile, "fxpipe.compile", globs={}):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted and not result.failed, "fxpipe.compile's example failed (see above)"
