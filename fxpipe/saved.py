@@ -31,6 +31,10 @@ loaded there, and the devices its code names (`full_like(h, 2.0, device=cpu)` in
 graph) become its new one. Stages whose planned memory exceeds their new device's (a GPU's own,
 or `DeviceSpec(memory_bytes=...)`; stages put on one device share it) are refused by name, as
 are stages sharing a tensor (a tied weight) put on different devices.
+
+`save_stage_weights` lays out every stage's shards from names alone, the same on every rank. A plan
+keeps every measurement made, which `compile(costs=plan)` reuses; the costed graph and the link
+function are not saved.
 """
 
 from __future__ import annotations

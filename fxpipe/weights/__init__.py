@@ -21,6 +21,12 @@ The parts, each importable from here:
 - `checkpoints.py`: checkpoint files read per tensor, and `open_weights`, which opens one.
 - `model_init.py`: `Init`, `build_on_meta` and `stand_in_`: values as the model makes them.
 - `saving.py`: `save_weights` and `shard_layout`: Hugging Face's sharded layout, written per rank.
+
+A plan is data before any Pipeline, so a stage's weights are loaded per stage between `fxpipe.plan`
+and `Pipeline(plan)`: `weights=` of `load_plan`, `load_stage` and `Plan.with_weights` fills each
+stage's stand-ins, only its own names, a tied one once under any of its names, non-persistent
+buffers from the plan's files or `Init` (never a checkpoint). A new checkpoint format is one
+`Weights` subclass (`names`, `_read`) chosen in `open_weights`.
 """
 
 from .base import Weights, tied_groups
