@@ -12,16 +12,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Planning, and what it builds on: none of these may reach the Pipeline (`fxpipe.api`, the
 # edge offering both `plan` and `compile`, is above them all).
-PLANNING = ["fxpipe.measure", "fxpipe.checks", "fxpipe.search", "fxpipe.plan_data",
-            "fxpipe.saved", "fxpipe.report", "fxpipe.reference", "fxpipe.runtime.calls",
-            "fxpipe.weights"]
+PLANNING = ["fxpipe.measure", "fxpipe.checks", "fxpipe.checks.verification",
+            "fxpipe.checks.rounding", "fxpipe.checks.meta", "fxpipe.checks.runs", "fxpipe.search",
+            "fxpipe.plan_data", "fxpipe.saved", "fxpipe.report", "fxpipe.reference",
+            "fxpipe.runtime.calls", "fxpipe.weights"]
 
 # A module longer than this is split by what it does (a package whose docstring says what each
 # part is for); the cost model's parts stay under the tighter limit.
 MAX_LINES = 600
 TIGHTER = {"passes/cost_model": 400}
 # Over MAX_LINES today, and being split by another piece of work: the list only shrinks.
-STILL_SPLITTING = {"fxpipe/checks.py", "fxpipe/runtime/orchestrator.py"}
+STILL_SPLITTING = {"fxpipe/runtime/orchestrator.py"}
 # The one module that names `torch.cuda`: everything else asks it.
 DEVICE_SEAM = "passes/device.py"
 
