@@ -40,7 +40,7 @@ _FIX_IN_FIRST_LINE = re.compile(
 # Raises whose message is not readable statically: (file, function) -> why. A new raise whose
 # message cannot be read must be added here, with the reason, or rewritten so it can be read.
 UNREAD: dict[tuple[str, str], str] = {
-    ("fxpipe/runtime/orchestrator.py", "item_error"):
+    ("fxpipe/runtime/driver.py", "item_error"):
         "re-raises a stage's StageError (stage_error's message, read here) with its micro-batch "
         "renamed to the stream's item",
 }

@@ -10,10 +10,11 @@ keep them apart):
   (phase, sender, receiver, micro-batch), aborts with a reason and ends a step;
   `ThreadTransport` does it with a FIFO queue per link, CUDA events per message and an abort
   token (`fxpipe.distributed`'s `DistributedTransport` over gloo).
-- `orchestrator`: `StageRow` walks one stage's row against a transport (a thread's, or a
-  rank's); `Runtime` runs a timetable with one worker thread per stage (or one stage on the
-  caller's thread), joins them whatever happens, re-raises the first failure as a
-  `StageError`, and records the run (`Run`).
+- `orchestrator`: `Runtime` runs a timetable with one worker thread per stage (or one stage on
+  the caller's thread), joins them whatever happens, re-raises the first failure as a
+  `StageError`, and records the run (`record.Run`). `stage_row`: `StageRow` walks one stage's
+  row against a transport (a thread's, or a rank's); `driver`: `Driver` drives one run, written
+  once for the threads and for `fxpipe.distributed`.
 - `step`: the train-step contract both backends keep (`StepLoss`, `DeferredScale`).
 - `state`: what each stage keeps across runs (`StageState`, `Runtime.state[s]`: a key/value
   cache), owned by the runtime and freed when it closes.
