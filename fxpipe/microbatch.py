@@ -31,6 +31,15 @@ from fxpipe.passes.errors import BatchError
 Dims = Any   # an int, None, or a pytree prefix of the inputs with ints (or None) as leaves
 
 
+def rows_of(inputs: Any, dims: Dims = 0) -> int | None:
+    """The batch's rows (`batch_size`), or None where no input has a batch dimension (0-d
+    inputs, run as one micro-batch): what a call's record and the plan's example say."""
+    try:
+        return batch_size(inputs, dims)
+    except BatchError:
+        return None
+
+
 def batch_size(inputs: Any, dims: Dims = 0) -> int:
     """The size of the batch dimension shared by every tensor input that has one."""
     sizes: dict[int, str] = {}

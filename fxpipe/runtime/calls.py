@@ -42,7 +42,7 @@ def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any
                                       seeds=microbatch_seeds(len(chunks)))
     except StageError as error:
         raise with_the_call(error, plan, values, len(chunks)) from error.__cause__
-    record.rows = microbatch.batch_size(values, plan.placeholder_dims)
+    record.rows = microbatch.rows_of(values, plan.placeholder_dims)
     return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
                              for chunk, out in zip(chunks, outputs)], plan.output_dims)
 
