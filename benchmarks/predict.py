@@ -25,6 +25,7 @@ from tabulate import tabulate
 from torch import nn
 
 import fxpipe
+from benchmarks.compile_time import Net as ReadmeNet     # the README's first model
 from benchmarks.pipeline_throughput import build as conv_chain
 from benchmarks.pipeline_throughput import side_by_side
 from examples.quickstart import BranchyCNN
@@ -40,22 +41,6 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class ReadmeNet(nn.Module):
-    """The README's first model."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(32, 128)
-        self.blocks = nn.ModuleList(nn.Linear(128, 128) for _ in range(4))
-        self.out = nn.Linear(128, 10)
-
-    def forward(self, x):
-        h = torch.relu(self.inp(x))
-        for block in self.blocks:
-            h = h + torch.relu(block(h))
-        return self.out(h)
 
 
 def models():
