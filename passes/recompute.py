@@ -75,6 +75,9 @@ class Recomputed(nn.Module):
     def __init__(self, body: fx.GraphModule):
         super().__init__()
         self.body = body
+        # `checkpoint`'s first call imports torch._dynamo (about 70 MB resident and a second):
+        # imported here, as the plan is made or loaded, not inside its first step.
+        import torch._dynamo  # noqa: F401
 
     def forward(self, *args: Any) -> Any:
         if not (torch.is_grad_enabled() and getattr(_local, "on", False)):

@@ -23,3 +23,35 @@ def test_an_fx_compile_imports_no_compiler_stack():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+FIRST_STEP = """
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+import fxpipe
+from fxpipe.passes.recompute import checkpoint_regions
+
+model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()).train()
+x = torch.randn(4, 8)
+with fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, verify=False) as pipe:
+    for stage in pipe.plan.stages:     # every ReLU under torch.utils.checkpoint
+        checkpoint_regions(stage.module, {n.name for n in stage.module.graph.nodes
+                                          if n.op == "call_module"})
+    before = set(sys.modules)
+    pipe.train_step(x, torch.zeros(4, 8), F.mse_loss)
+print(sorted(set(sys.modules) - before))
+"""
+
+
+def test_a_recomputing_stage_imports_nothing_in_its_first_step():
+    """`torch.utils.checkpoint`'s first call imports torch._dynamo (about 70 MB resident): a
+    plan with checkpointed regions imports it as they are made, so a first step's memory is the
+    step's (tests/test_recompute.py measures it against the plan) and nothing is imported
+    inside a step (under torchrun, while a process group lives: see
+    fxpipe.distributed.stage.forget_captured_default_group)."""
+    out = subprocess.run([sys.executable, "-c", FIRST_STEP], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
