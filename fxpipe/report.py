@@ -16,8 +16,6 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from tabulate import tabulate
-
 from fxpipe.passes.annotate_costs import UNSTEADY
 from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
 from fxpipe.passes.device import is_cpu, is_gpu
@@ -27,6 +25,12 @@ from .search import in_flight, notes
 
 if TYPE_CHECKING:      # plan_data renders its plans here: the type only, or a cycle
     from .plan_data import Plan
+
+
+def tabulate(*args, **kwargs) -> str:
+    """`tabulate.tabulate`, imported where a plan is printed, not with fxpipe."""
+    from tabulate import tabulate as table
+    return table(*args, **kwargs)
 
 
 # What `Plan.link` says transfers were priced as.

@@ -21,8 +21,6 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from tabulate import tabulate
-
 from ..cost_model import (CostGraph, DeviceSpec, LinkFn, Memory, StageCost, default_link,
                           lower_bound_s, stage_costs)
 from ..errors import PartitionError
@@ -142,6 +140,7 @@ class Partition:
         return [name for name, s in self.stage_of.items() if s == stage]
 
     def table(self) -> str:
+        from tabulate import tabulate     # here: only a printed plan needs it
         rows = [(s, d.name, c.num_nodes, c.compute_s * 1e3, c.comm_s * 1e3, c.time_s * 1e3,
                  c.memory_bytes / 1e6, c.sent_bytes)
                 for s, (d, c) in enumerate(zip(self.devices, self.stages))]
