@@ -468,11 +468,14 @@ def _raced(plan: Plan, prepared: Prepared, recipe: Recipe) -> Plan:
 def _runners_up(plan: Plan, prepared: Prepared, recipe: Recipe) -> list[Plan]:
     """The plans of the configurations predicted next best after the chosen one (at most
     `SHORTLIST - 1`, within `SHORTLIST_SLACK` of it and faster than the model), each realized
-    from the prepared graph as the chosen one was."""
-    best = plan.chosen.predicted_s
+    from the prepared graph as the chosen one was. Only configurations whose costs were
+    measured: one weighed on costs fitted between measured sizes (`Costs.fitted`) is not worth
+    measuring for a race it would enter as a runner-up."""
+    best, costs = plan.chosen.predicted_s, prepared.costs
     others = sorted((c for c in plan.considered[:-1] if c.predicted_s is not None and
                      c.config != plan.chosen.config and c.predicted_s <= best * SHORTLIST_SLACK
-                     and c.predicted_s < (plan.unpipelined_s or math.inf)),
+                     and c.predicted_s < (plan.unpipelined_s or math.inf)
+                     and costs.is_measured(c.config, c.partition.devices)),
                     key=lambda c: c.predicted_s)
     return [realize(prepared, recipe, c, considered=plan.considered, reason=plan.reason,
                     runs=Runs.PIPELINE) for c in others[:SHORTLIST - 1]]

@@ -122,15 +122,57 @@ class Costs:
         own when the stages run on workers (several stages), where intra-op threads scale
         differently than on the caller's thread. Leaves those costs on the nodes."""
         worker = config.num_stages > 1
-        kinds = list(dict.fromkeys(d.kind for d in devices))
         for device in {d.kind: d for d in devices}.values():
             key = (config.chunks, device.kind, worker)
             if key not in self.measured:
                 self.measured[key] = self._measure(config.chunks, device, worker)
                 self.between()
+        return self._costed({d.kind: self.measured[config.chunks, d.kind, worker]
+                             for d in devices})
+
+    def is_measured(self, config: search.Config, devices: Sequence[DeviceSpec]) -> bool:
+        """Whether `config`'s costs on `devices` were measured (or reused from `costs=`), not
+        only fitted."""
+        return all((config.chunks, d.kind, config.num_stages > 1) in self.measured or
+                   self._key(config.chunks, d.kind, config.num_stages > 1) in self.saved
+                   for d in devices)
+
+    def fitted(self, config: search.Config, devices: Sequence[DeviceSpec]
+               ) -> search.Costed | None:
+        """The graph costed as `measure` would cost it, each node's cost interpolated in the
+        micro-batch's rows between the two nearest sizes measured on either side, in the same
+        kind and thread (`fit_cost`): what a node costs is about affine in its rows (a fixed
+        cost per call, then time per row), so configurations are weighed on this and only those
+        that may be chosen are measured (`fxpipe.prepare.weigh` checks the fit on each). None
+        where no measured sizes bracket the configuration's, or it was measured."""
+        if self.is_measured(config, devices):
+            return None
+        worker, rows = config.num_stages > 1, self.rows(config.chunks)
+        found = {}
+        for kind in dict.fromkeys(d.kind for d in devices):
+            sizes = {self.rows(c): c for c, k, w in self.measured if k == kind and w == worker}
+            below = [r for r in sizes if r < rows]
+            above = [r for r in sizes if r > rows]
+            if not below or not above:
+                return None
+            low, high = max(below), min(above)
+            at_low, at_high = (self.measured[sizes[r], kind, worker] for r in (low, high))
+            found[kind] = {n: fit_cost(at_low[n], at_high[n], (rows - low) / (high - low))
+                           for n in at_low}
+        return self._costed(found)
+
+    def rows(self, chunks: int) -> int:
+        """The rows of the first of `chunks` micro-batches (the one costs are measured on)."""
+        recipe = self.recipe
+        first = microbatch.split((recipe.args, recipe.kwargs), chunks, recipe.input_dims)[0]
+        return microbatch.rows_of(first, recipe.input_dims) or 1
+
+    def _costed(self, by_kind: Mapping[str, Mapping[fx.Node, NodeCost]]) -> search.Costed:
+        """The graph costed with each kind's node costs, left on the nodes."""
+        kinds = list(by_kind)
         for n in self.gm.graph.nodes:
             if n.op != "output":
-                n.meta["costs"] = {k: self.measured[config.chunks, k, worker][n] for k in kinds}
+                n.meta["costs"] = {k: by_kind[k][n] for k in kinds}
                 n.meta["cost"] = n.meta["costs"][kinds[0]]
         return search.Costed(cost_graph(self.gm, kinds=kinds),
                              cost_graph(self.gm, training=self.training, kinds=kinds))
@@ -160,6 +202,19 @@ class Costs:
             n.name: {key: n.meta[key] for key in WRITTEN if key != "cost" and key in n.meta}
             for n in gm.graph.nodes}
         return {n: n.meta["cost"] for n in gm.graph.nodes if n.op != "output"}
+
+
+def fit_cost(low: NodeCost, high: NodeCost, at: float) -> NodeCost:
+    """A node's cost `at` (0 to 1) of the way from its cost measured on fewer rows (`low`) to
+    that on more (`high`): times and bytes interpolated (bytes to the nearest byte: a value's
+    size is affine in its rows), the spread the larger; the rest `low`'s."""
+    between = lambda a, b: a + (b - a) * at       # noqa: E731
+    return replace(low, fwd_s=between(low.fwd_s, high.fwd_s), bwd_s=between(low.bwd_s, high.bwd_s),
+                   out_bytes=round(between(low.out_bytes, high.out_bytes)),
+                   saved_bytes=round(between(low.saved_bytes, high.saved_bytes)),
+                   new_bytes=None if low.new_bytes is None or high.new_bytes is None else
+                   round(between(low.new_bytes, high.new_bytes)),
+                   spread=max(low.spread, high.spread))
 
 
 def _on_worker_thread(fn: Callable[[], None]) -> None:

@@ -213,22 +213,30 @@ def weigh(prepared: Prepared, recipe: Recipe, *, pipelines: bool = True,
                     recompute=o.recompute)
     as_is_config = search.as_is_config(schedules[0])
 
-    def considered(config: search.Config, **more: Any) -> search.Candidate:
+    fitted: dict[search.Config, search.Candidate] = {}    # weighed on fitted costs (below)
+
+    def considered(config: search.Config, exact: bool = False, **more: Any) -> search.Candidate:
         devices = costs.devices(config, specs)
         priced = priced_link(devices) if o.link_name == "default" else link
-        return search.consider(config, costs.measure(config, devices), devices, priced,
-                               training, memory=memory, **more)
-    candidates = []
+        fit = None if exact or config.num_stages == 1 else costs.fitted(config, devices)
+        found = search.consider(config, fit or costs.measure(config, devices), devices, priced,
+                                training, memory=memory, **more)
+        if fit is not None:
+            fitted[config] = found
+        return found
+    weighed: dict[search.Config, search.Candidate] = {}
     for k in stage_counts:
         threads = search.stage_threads(specs, k, cores, o.threads_per_stage)
-        for chunks in chunks_for(k):
+        for chunks in _ends_first(chunks_for(k)):    # the sizes that others are fitted between
             for schedule in (schedules if k > 1 else schedules[:1]):   # alike on one stage
                 config = search.Config(k, chunks, schedule, threads)
                 if num_stages == "auto" and config == as_is_config:
                     continue     # the model as it is, measured whole below
                 recipe.progress.doing(f"planning {k} stage{'s' * (k > 1)} x {chunks} "
                                       f"micro-batch{'es' * (chunks > 1)}")
-                candidates.append(considered(config, cores=cores, graph=costs.gm))
+                weighed[config] = considered(config, cores=cores, graph=costs.gm)
+    candidates = sorted(weighed.values(), key=lambda c: (   # in the order of the options
+        c.config.num_stages, c.config.chunks, schedules.index(c.config.schedule)))
     as_is = None
     # The model as it is: one stage, whole batch, the caller's threads, and its own tensors,
     # so only where they all are on the first device (there the stage holds them, not copies).
@@ -236,8 +244,41 @@ def weigh(prepared: Prepared, recipe: Recipe, *, pipelines: bool = True,
                                     [*recipe.model.parameters(), *recipe.model.buffers()]):
         as_is = considered(as_is_config)
         as_is = replace(as_is, predicted_s=prepared.unpipelined_s if as_is.partition else None)
-    chosen, reason = search.choose(candidates, as_is)
-    return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
+    while True:
+        chosen, reason = search.choose(candidates, as_is)
+        guess = fitted.pop(chosen.config, None)
+        if guess is None:
+            return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
+        # Chosen on fitted costs: measured, and weighed again; where the fit was off, every
+        # configuration weighed on fitted costs is measured.
+        exact = {chosen.config: considered(chosen.config, exact=True, cores=cores,
+                                           graph=costs.gm)}
+        if not _fit_holds(guess, exact[chosen.config]):
+            exact.update({c: considered(c, exact=True, cores=cores, graph=costs.gm)
+                          for c in fitted})
+            fitted.clear()
+        candidates = [exact.get(c.config, c) for c in candidates]
+
+
+# How far a configuration's measured prediction may be from its fitted one for the fit to hold
+# for the others (`weigh`): node costs affine in rows predict within a few percent; beyond this,
+# the graph's costs are not affine (a kernel changing with the size) and every size is measured.
+FIT_TOLERANCE = 0.15
+
+
+def _fit_holds(fitted: search.Candidate, measured: search.Candidate) -> bool:
+    """Whether a configuration's prediction on fitted costs came within `FIT_TOLERANCE` of its
+    prediction on measured ones (both fitting, or both not)."""
+    if fitted.predicted_s is None or measured.predicted_s is None:
+        return fitted.predicted_s is None and measured.predicted_s is None
+    return abs(fitted.predicted_s - measured.predicted_s) <= FIT_TOLERANCE * measured.predicted_s
+
+
+def _ends_first(chunk_counts: list[int]) -> list[int]:
+    """The micro-batch counts, the fewest and the most first: the sizes measured, between which
+    the others' costs are fitted (`Costs.fitted`)."""
+    ends = list(dict.fromkeys([min(chunk_counts), max(chunk_counts)]))
+    return ends + [c for c in chunk_counts if c not in ends]
 
 
 def _chunk_options(model: nn.Module, recipe: Recipe, training: bool,

@@ -3,6 +3,8 @@ its race and its whole-batch retry included, plans from one prepared graph; `pip
 `pipe.eval()` captures once more, in the other mode. That the plans equal the model is what the
 rest of the suite checks."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.fx as fx
@@ -11,7 +13,8 @@ from torch import nn
 import fxpipe
 import fxpipe.api
 import fxpipe.measure
-from fxpipe.measure import Race
+from fxpipe.measure import Race, fit_cost
+from fxpipe.passes.cost_model import NodeCost
 from fxpipe.prepare import graph_copy
 
 
@@ -111,3 +114,58 @@ def test_recipe_is_frozen():
     with fxpipe.compile(model, ["cpu"] * 2, (x,)) as pipe:
         with pytest.raises(AttributeError):
             pipe._recipe.options = None
+
+
+def test_a_fitted_cost_lies_between_the_measured_ones():
+    low = NodeCost(fwd_s=1.0, bwd_s=2.0, out_bytes=100, saved_bytes=10, new_bytes=None)
+    high = NodeCost(fwd_s=3.0, bwd_s=6.0, out_bytes=300, saved_bytes=30, new_bytes=300)
+    assert fit_cost(low, high, 0.0) == low
+    assert fit_cost(low, high, 0.5) == NodeCost(fwd_s=2.0, bwd_s=4.0, out_bytes=200,
+                                                saved_bytes=20, new_bytes=None)
+    assert fit_cost(low, high, 1.0) == replace(high, new_bytes=None)
+
+
+def scripted_costs(monkeypatch, seconds):
+    """Each node measured to cost `seconds(rows)` forward and backward (the rest as measured),
+    whatever this machine's timings; returns the (chunks, worker) measured, in order."""
+    measured = []
+    measure = fxpipe.measure.Costs._measure
+
+    def scripted(self, chunks, device, worker):
+        found = measure(self, chunks, device, worker)
+        measured.append((chunks, worker))
+        s = seconds(self.rows(chunks))
+        return {n: replace(cost, fwd_s=s, bwd_s=s) for n, cost in found.items()}
+    monkeypatch.setattr(fxpipe.measure.Costs, "_measure", scripted)
+    return measured
+
+
+def test_auto_measures_the_ends_and_the_chosen_size_where_costs_are_affine_in_rows(
+        monkeypatch, raced):
+    """Node costs affine in rows (a fixed cost per call, then per row): the fewest and the
+    most micro-batches are measured, the sizes between weighed on costs fitted between them,
+    and only the one chosen is measured before it is realized; the race takes the measured."""
+    measured = scripted_costs(monkeypatch, lambda rows: 1.5e-3 + 1e-3 * rows)
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(8, 16)
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
+    chosen = raced[0][0].chosen.config         # chosen on its prediction, then raced
+    assert chosen.chunks not in (1, 8)        # a size between the ends
+    pipelined = [c for c, worker in measured if worker]
+    assert pipelined == [1, 8, chosen.chunks]
+    assert all(p.chosen.config.chunks in pipelined for p in raced[0])
+    exact = {c.config.chunks: c.predicted_s for c in plan.considered[:-1]}
+    assert exact[chosen.chunks] == min(exact.values())
+
+
+def test_auto_measures_every_size_where_the_fit_is_off(monkeypatch, raced):
+    """Costs far from affine in rows (the sizes between the ends three times what the ends'
+    fit says, as where a kernel changes with the size): the size chosen on the fit, measured,
+    is predicted far from its fitted prediction, and every size is measured before the
+    choice."""
+    measured = scripted_costs(monkeypatch, lambda rows: (2e-3 + 1e-3 * rows) *
+                              (1 if rows in (1, 8) else 3))
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(8, 16)
+    fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
+    assert sorted(c for c, worker in measured if worker) == [1, 2, 4, 8]
