@@ -3,9 +3,10 @@
 `Costs` measures the graph once per micro-batch size, device kind (a CPU kind per thread count)
 and thread (the caller's, or a worker's as the stages of a pipeline run on), reusing what a
 plan passed as `costs=` measured, and `calibrate`s each measurement to the whole graph's time
-measured in the same conditions; `Baseline` times the model as given, whole, between those
-measurements; `handoff_s` times the runtime's own hand-off between stages, which `priced_link`
-prices.
+measured in the same conditions (`fitted`: the sizes between two measured ones interpolated,
+for weighing; `as_is`: the model as is, scaled to its own time); `Baseline` times the model as
+given, whole, between those measurements; `handoff_s` times the runtime's own hand-off between
+stages, which `priced_link` prices.
 
 Costs live on nodes, measured as the stage will run the node: at each configuration's micro-batch
 size, with its stages' intra-op threads, on a worker thread when the stages will run on workers (a
@@ -79,6 +80,7 @@ class Costs:
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
         self.marks: dict[tuple, dict[str, dict[str, Any]]] = {}
+        self.scaled: dict[tuple, dict[fx.Node, NodeCost]] = {}     # the model as is (`as_is`)
         saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
             key: m for key, m in (saved.measurements if saved is not None else {}).items()
@@ -122,6 +124,9 @@ class Costs:
         own when the stages run on workers (several stages), where intra-op threads scale
         differently than on the caller's thread. Leaves those costs on the nodes."""
         worker = config.num_stages > 1
+        if len(devices) == 1 and (config.chunks, devices[0].kind, worker) in self.scaled:
+            return self._costed({devices[0].kind: self.scaled[config.chunks, devices[0].kind,
+                                                              worker]})     # `as_is`
         for device in {d.kind: d for d in devices}.values():
             key = (config.chunks, device.kind, worker)
             if key not in self.measured:
@@ -160,6 +165,34 @@ class Costs:
             found[kind] = {n: fit_cost(at_low[n], at_high[n], (rows - low) / (high - low))
                            for n in at_low}
         return self._costed(found)
+
+    def as_is(self, config: search.Config, devices: Sequence[DeviceSpec],
+              seconds: float | None) -> search.Costed | None:
+        """The model as is (`config`: one stage, the whole batch, the caller's threads) costed
+        without measuring its nodes on its threads: those measured at its rows for a pipeline's
+        stage (other threads, a worker), scaled so that they add up to the model's own time
+        `seconds` (`Baseline`: the model run whole as it is, measured so), as `calibrate`
+        scales a measurement to the graph's time in the same conditions. Its time is its own
+        measured time anyway; its nodes' sizes (what says whether it fits) do not depend on
+        threads. The scaled costs serve every later `measure` of `config` (its plan), and are
+        no measurement a later `costs=` reuses. None where no pipeline measured its rows, or
+        its own costs were measured."""
+        (kind,) = {d.kind for d in devices}
+        key = (config.chunks, kind, config.num_stages > 1)
+        if key not in self.scaled:
+            rows = self.rows(config.chunks)
+            source = next((k for k in self.measured if self.rows(k[0]) == rows), None)
+            if seconds is None or source is None or self.is_measured(config, devices):
+                return None
+            found = self.measured[source]
+            scale = seconds / (sum(c.fwd_s + c.bwd_s for c in found.values()) or seconds)
+            self.scaled[key] = {n: replace(cost, fwd_s=cost.fwd_s * scale,
+                                           bwd_s=cost.bwd_s * scale)
+                                for n, cost in found.items()}
+            forward, backward = self.calibration[source]
+            self.calibration[key] = (forward * scale,
+                                     backward * scale if self.training else backward)
+        return self._costed({kind: self.scaled[key]})
 
     def rows(self, chunks: int) -> int:
         """The rows of the first of `chunks` micro-batches (the one costs are measured on)."""

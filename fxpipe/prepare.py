@@ -4,7 +4,12 @@
   random ops seeded, the model's own time measured, and a `Costs` that measures each
   configuration's node costs once. A `Prepared` is never split or placed.
 - `weigh`: every configuration the options leave open, costed, partitioned and predicted
-  (`fxpipe.search`); the one to build, why, and all those considered.
+  (`fxpipe.search`); the one to build, why, and all those considered. With several micro-batch
+  counts on a number of stages, the fewest and the most are measured, those between weighed on
+  node costs fitted between them (`Costs.fitted`: affine in rows), and one chosen so is measured
+  and weighed again before it is kept; where its prediction moved by over `FIT_TOLERANCE`, every
+  size is measured. The model as is takes its own measured time, its nodes those a pipeline
+  measured at its rows, scaled to that time (`Costs.as_is`).
 - `realize(prepared, candidate)`: a `Plan` of one candidate, made on a copy of the prepared
   graph (split to balance, cut into stages, placed), checked against the model's runs on the
   example (`fxpipe.checks`), which are made once per micro-batch count and kept.
@@ -242,7 +247,14 @@ def weigh(prepared: Prepared, recipe: Recipe, *, pipelines: bool = True,
     # so only where they all are on the first device (there the stage holds them, not copies).
     if num_stages == "auto" and all(same_memory(t.device, specs[0].name) for t in
                                     [*recipe.model.parameters(), *recipe.model.buffers()]):
-        as_is = considered(as_is_config)
+        # Its time is its own, measured; its nodes measured on its threads only if no
+        # pipeline measured its rows (`Costs.as_is`).
+        devices = costs.devices(as_is_config, specs)
+        as_is = search.consider(as_is_config, costs.as_is(as_is_config, devices,
+                                                          prepared.unpipelined_s)
+                                or costs.measure(as_is_config, devices), devices,
+                                priced_link(devices) if o.link_name == "default" else link,
+                                training, memory=memory)
         as_is = replace(as_is, predicted_s=prepared.unpipelined_s if as_is.partition else None)
     while True:
         chosen, reason = search.choose(candidates, as_is)

@@ -109,10 +109,15 @@ def _measurement(plan: Plan) -> list[str]:
     scaled = f"x{forward:.2f} forward" + (f", x{backward:.2f} backward"
                                          if backward != 1.0 else "")
     steady = plan.spread is None or plan.spread <= UNSTEADY
-    lines = [f"node costs: measured one by one (spread {plan.spread or 0:.0%}, "
-             f"{'steady' if steady else 'unsteady'}), " + (
+    # The model as is, its nodes measured for a pipeline's stage at its rows (`Costs.as_is`).
+    kind = plan.partition.devices[0].kind
+    borrowed = plan.runs_as_is and not any(key[1] == kind and not key[2]
+                                           for key in plan.measurements)
+    lines = [f"node costs: measured one by one{' for a pipeline stage' * borrowed} (spread "
+             f"{plan.spread or 0:.0%}, {'steady' if steady else 'unsteady'}), " + (
                  "not scaled to the whole graph's time (a model on meta never runs whole)"
                  if plan.weights is not None else
+                 f"scaled ({scaled}) to the model's own time measured as is" if borrowed else
                  f"scaled ({scaled}) to the time of the whole graph measured as a stage runs it")]
     if not steady:
         lines.append("warning: the costs were unsteady: another process may be using the "

@@ -26,7 +26,8 @@ of the bottleneck stays only where fewer stages are predicted slower or `num_sta
 named in the plan's reason and print (`notes`).
 
 Never one measured slower either (`fxpipe.api._raced`): the shortlist, the chosen and up to two
-more predicted within 1.25x of it, each realized from the prepared graph, raced with the model; the
+more predicted within 1.25x of it whose costs were measured (not fitted), each realized from the
+prepared graph, raced with the model; the
 fastest measured is kept where it beats the model by 2%, else the model as is, realized from it. On
 CPUs a model's run that got under 85% of its threads' time means a busy machine: the model as is.
 `Plan.raced` keeps predicted and measured times, which `print(plan)` shows. The model as is is a
