@@ -185,7 +185,9 @@ class Costs:
             if seconds is None or source is None or self.is_measured(config, devices):
                 return None
             found = self.measured[source]
-            scale = seconds / (sum(c.fwd_s + c.bwd_s for c in found.values()) or seconds)
+            total = sum(c.fwd_s + c.bwd_s * self.training for n, c in found.items()
+                        if n.op not in ("placeholder", "get_attr"))     # as `calibrate` sums
+            scale = seconds / (total or seconds)
             self.scaled[key] = {n: replace(cost, fwd_s=cost.fwd_s * scale,
                                            bwd_s=cost.bwd_s * scale)
                                 for n, cost in found.items()}

@@ -169,3 +169,19 @@ def test_auto_measures_every_size_where_the_fit_is_off(monkeypatch, raced):
     model, x = Mlp().eval(), torch.randn(8, 16)
     fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     assert sorted(c for c, worker in measured if worker) == [1, 2, 4, 8]
+
+
+def test_the_model_as_is_takes_its_own_time_over_the_nodes_a_pipeline_measured_at_its_rows(
+        monkeypatch, raced):
+    """The model as is is not measured node by node on its threads: its nodes are those a
+    pipeline's stage measured at the whole batch's rows, scaled to add up to its own measured
+    time (scripted 1 s here), and its plan says so."""
+    scripted_costs(monkeypatch, lambda rows: 1.5e-3 + 1e-3 * rows)
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(8, 16)
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
+    kind = plan.partition.devices[0].kind         # the caller's threads
+    assert plan.runs_as_is
+    assert not [key for key in plan.measurements if key[1] == kind and not key[2]]
+    assert plan.partition.stages[0].time_s == pytest.approx(1.0, rel=1e-3)   # and hand-offs
+    assert "measured one by one for a pipeline stage" in str(plan)
