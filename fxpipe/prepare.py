@@ -261,14 +261,14 @@ def weigh(prepared: Prepared, recipe: Recipe, *, pipelines: bool = True,
         guess = fitted.pop(chosen.config, None)
         if guess is None:
             return chosen, reason, tuple(candidates) + ((as_is,) if as_is else ())
-        # Chosen on fitted costs: measured, and weighed again; where the fit was off, every
-        # configuration weighed on fitted costs is measured.
+        # Chosen on fitted costs: measured, and weighed again, as is every configuration of
+        # that size (another schedule); where the fit was off, every size is measured.
         exact = {chosen.config: considered(chosen.config, exact=True, cores=cores,
                                            graph=costs.gm)}
-        if not _fit_holds(guess, exact[chosen.config]):
-            exact.update({c: considered(c, exact=True, cores=cores, graph=costs.gm)
-                          for c in fitted})
-            fitted.clear()
+        off = not _fit_holds(guess, exact[chosen.config])
+        for config in [c for c in fitted if off or costs.is_measured(c, costs.devices(c, specs))]:
+            exact[config] = considered(config, exact=True, cores=cores, graph=costs.gm)
+            del fitted[config]
         candidates = [exact.get(c.config, c) for c in candidates]
 
 
