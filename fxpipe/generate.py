@@ -92,11 +92,14 @@ class SlotCache(Cache):
         return (self.keys[layer_idx].index_select(0, self.rows),
                 self.values[layer_idx].index_select(0, self.rows))
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise GenerationError("the model asked the cache for its length inside a step\n"
-                              "pipe.generate does not yet support models that compute "
-                              "positions or biases from it (OPT, Falcon)\n"
-                              "Fix: generate with the model")
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.slots[0]              # the slots before this step's, as a tensor
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.slots[0]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.keys[layer_idx].shape[2], 0
 
 
 class _Recorder(Cache):
@@ -213,7 +216,6 @@ class Generation:
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
                  length: int, chunks: int, planner: Callable[..., "Plan"], **options: Any):
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
-        _refuse_sliding_windows(model, length)
         self.lm = CachedLM(model, rows, length)
         self.lm.training = model.training     # (not .eval(): it would switch the model's modules)
         options.setdefault("training", False)  # generation runs forwards only
@@ -232,24 +234,19 @@ class Generation:
         """A step's graph inputs: `q` new tokens of `rows` sequences at slots 0..q-1."""
         device = _device(self.model)
         ids = torch.zeros((rows, q), dtype=torch.long, device=device)
-        mask = self.mask(torch.ones((rows, q), dtype=torch.long, device=device), q, 0)
+        mask = self.mask(torch.ones((rows, q), dtype=torch.long, device=device))
         return dict(input_ids=ids, attention_mask=mask,
                     position_ids=torch.arange(q, device=device).expand(rows, q),
                     slots=torch.arange(q, device=device),
                     rows=torch.arange(rows, device=device))
 
-    def mask(self, slot_mask: torch.Tensor, q: int, offset: int) -> torch.Tensor:
-        """The 4-D mask of `q` queries at slots `offset`.., over the cache's slots, from the
-        2-D mask of the slots written so far (`slot_mask`, (rows, written))."""
+    def mask(self, slot_mask: torch.Tensor) -> torch.Tensor:
+        """The 2-D mask over the cache's slots from that of the slots written so far, this
+        step's included (`slot_mask`, (rows, written)): the slots after them are empty."""
         rows, written = slot_mask.shape
         full = slot_mask.new_zeros((rows, self.length))
         full[:, :written] = slot_mask
-        dtype = next(self.model.parameters()).dtype
-        return create_causal_mask(
-            config=self.model.config,
-            inputs_embeds=torch.empty((rows, q, 0), dtype=dtype, device=slot_mask.device),
-            attention_mask=full, cache=_Slots(self.length, offset), position_ids=None,
-            allow_is_causal_skip=False)
+        return full
 
     def _adopt(self) -> None:
         """The decode runtime's stage states own the cache buffers, bound into every module
@@ -366,7 +363,7 @@ class Generation:
         """One step of `plan`: tokens `ids` at slots `offset`.., the caller's random
         generators untouched (sampling draws from them as for the model)."""
         rows, q = ids.shape
-        inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask, q, offset),
+        inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask),
                       position_ids=positions.contiguous(),
                       slots=torch.arange(offset, offset + q, device=ids.device),
                       rows=torch.arange(rows, device=ids.device))
@@ -423,23 +420,6 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
         generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
     with generation.session():
         return generation.front().generate(*args, cache=Counting(), **kwargs)
-
-
-def _refuse_sliding_windows(model: nn.Module, length: int) -> None:
-    """Refuse a model whose sliding-window layers would see fewer tokens than `length`: the
-    mask made over the cache's slots is a full causal one."""
-    config = model.config.get_text_config(decoder=True)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if getattr(config, "use_sliding_window", True) is False or (
-            types is not None and "sliding_attention" not in types):
-        return                        # (a window in the config that no layer uses)
-    if window is not None and window < length:
-        raise GenerationError(
-            f"sliding-window attention ({window} tokens) is not supported yet\n"
-            f"{type(model).__name__}'s layers attend to the last {window} tokens, and "
-            f"pipe.generate masks the cache as full attention\nFix: generate at most {window} "
-            f"tokens in all (prompt and new), or with the model")
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -18,17 +18,17 @@ from fxpipe.runtime import Runtime
 from fxpipe.runtime.state import Planned, StageState
 from fxpipe.testing import assert_same_up_to_rounding
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 FAST = dict(capture="export", repeats=1, verify=False)     # plans for tests: no second checks
 LLAMA = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=1000)
 
 
-def prompts(rows: int, length: int, pads: list[int], seed: int = 1):
+def prompts(rows: int, length: int, pads: list[int], seed: int = 1, vocab: int = 1000):
     """Token ids and a mask, row r left-padded by `pads[r]`."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 1000, (rows, length), generator=g)
+    ids = torch.randint(1, vocab, (rows, length), generator=g)
     mask = torch.ones_like(ids)
     for r, pad in enumerate(pads):
         mask[r, :pad] = 0
@@ -189,28 +189,57 @@ def test_what_would_rearrange_the_cache_is_refused_by_name(llama):
         pipe.generate(input_ids=ids, cache=None, max_new_tokens=2)
 
 
-def test_sliding_window_layers_shorter_than_the_plan_are_refused_by_name():
-    from fxpipe.generate import _refuse_sliding_windows
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    small = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                 num_key_value_heads=1, intermediate_size=32, vocab_size=100)
-    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=8))
-    with pytest.raises(GenerationError, match="sliding-window attention"):
-        _refuse_sliding_windows(mistral, 16)
-    _refuse_sliding_windows(mistral, 8)                  # the window holds every token
-    _refuse_sliding_windows(Qwen2ForCausalLM(Qwen2Config(**small, sliding_window=8)), 16)
-
-
-@pytest.mark.slow
-def test_gpt2_absolute_positions_equal_model_generate():
+def tiny(arch: str, layers: int) -> nn.Module:
+    """A tiny random causal LM of `arch` (vocabulary 100, width 32-64, `layers` layers); the
+    sliding windows (Mistral, Gemma2's sliding layers) 5 tokens, shorter than what is generated."""
+    import transformers as hf
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=1000)).eval()
-    ids, mask = prompts(4, 6, [2, 0, 3, 0], seed=3)
-    pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=dict(input_ids=ids,
-                                                                 attention_mask=mask),
-                          chunks=2, **FAST)
-    with pipe:
-        plan_generation(pipe, rows=4, prompt=6, length=14, **FAST)
-        got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
-                         do_sample=False)
+    dims = dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, vocab_size=100)
+    gqa = dict(dims, num_key_value_heads=2, intermediate_size=64)
+    made = {
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**gqa)),
+        "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**gqa)),
+        "qwen3": lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**gqa, head_dim=8)),
+        "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(**gqa, sliding_window=5)),
+        "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(**gqa, head_dim=8,
+                                                               sliding_window=5)),
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=layers, n_embd=32, n_head=4,
+                                                         vocab_size=100, bos_token_id=1,
+                                                         eos_token_id=2)),
+        "opt": lambda: hf.OPTForCausalLM(hf.OPTConfig(**dims, ffn_dim=64, word_embed_proj_dim=32,
+                                                      max_position_embeddings=64,
+                                                      pad_token_id=0)),
+        "phi3": lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**gqa, pad_token_id=0, eos_token_id=2,
+                                                         bos_token_id=1)),
+        "falcon": lambda: hf.FalconForCausalLM(hf.FalconConfig(**dims, alibi=True)),
+    }
+    return made[arch]().eval()
+
+
+# What each fast one covers: absolute positions (GPT-2), positions from the mask's cumulative
+# sum (OPT), ALiBi (Falcon), a mix of sliding-window and global layers (Gemma2).
+FAST_ARCHS = ["gpt2", "opt", "falcon", "gemma2"]
+ARCHS = [pytest.param(arch, stages, marks=() if arch in FAST_ARCHS and stages == 2
+                      else pytest.mark.slow)
+         for stages in (2, 4)
+         for arch in ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "opt", "phi3",
+                      "falcon"]]
+
+
+@pytest.mark.parametrize("arch,stages", ARCHS)
+def test_greedy_tokens_equal_model_generate_for_each_architecture(arch, stages):
+    """A left-padded batch on `stages` stages, 2 lanes; sequence 1 meets its eos early; 15
+    tokens in all, three windows of a sliding layer."""
+    model = tiny(arch, layers=stages)
+    ids, mask = prompts(4, 5, [2, 0, 3, 0], seed=stages, vocab=100)
+    with fxpipe.compile(model, ["cpu"] * stages, example_kwargs=dict(input_ids=ids,
+                                                                    attention_mask=mask),
+                        chunks=2, **FAST) as pipe:
+        plan_generation(pipe, rows=4, prompt=5, length=15, **FAST)
+        free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                              do_sample=False, pad_token_id=0)
+        eos = int(free[1, ids.shape[1] + 2])            # sequence 1's third new token
+        got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                         do_sample=False, eos_token_id=eos)
+        assert (want.sequences[1, ids.shape[1] + 3:] == 0).all()      # it ended early
         assert_same_tokens(got, want, ids.shape[1])
