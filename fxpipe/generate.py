@@ -225,6 +225,14 @@ class Generation:
         self.prefill = self.decode if prompt == 1 else planner(
             self.lm, devices, self.example(rows, prompt),
             chunks=min(chunks, rows), batch_dims=dims, **options)
+        # The cache bytes each decode stage was planned with (its memory plan counts them among
+        # its buffers), before the stage state takes them over.
+        self.kv_predicted = [sum(b.numel() * b.element_size() for n, b in
+                                 stage.module.named_buffers() if n.startswith("kv_"))
+                             for stage in self.decode.stages]
+        self.kv_layers = [sorted({int(n.rsplit("_", 1)[1]) for n, _ in
+                                  stage.module.named_buffers() if n.startswith("kv_")})
+                          for stage in self.decode.stages]
         self.runtimes = {id(self.decode): runtime_of(self.decode)}
         if self.prefill is not self.decode:
             self.runtimes[id(self.prefill)] = runtime_of(self.prefill)
@@ -278,8 +286,22 @@ class Generation:
         return self.runtimes[id(self.decode)].state
 
     def kv_bytes(self) -> list[int]:
-        """Each decode stage's cache bytes, as allocated."""
+        """Each decode stage's cache bytes, as its stage state allocates them."""
         return [state.nbytes for state in self.states]
+
+    @property
+    def lanes(self) -> int:
+        return self.decode.chunks
+
+    def tokens_per_s(self) -> float | None:
+        """Decode tokens per second predicted: every sequence's next token per decode step
+        (the decode plan's predicted time of one call on all rows)."""
+        step = self.decode.predicted_step_s
+        return self.rows / step if step else None
+
+    def __str__(self) -> str:
+        from .report import describe_generation
+        return describe_generation(self)
 
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows and length <= self.length

@@ -112,6 +112,26 @@ def test_each_stage_holds_its_own_layers_cache(llama):
     assert generation.decode.chunks == 2          # two lanes of two sequences
 
 
+def test_kv_bytes_are_predicted_within_5_percent_and_printed_with_lanes_and_tokens_per_s(llama):
+    from test_reading_the_plan import PAGE, unexplained
+    from fxpipe.passes.cost_model import format_bytes
+    model, pipe, ids, mask = llama
+    generation = pipe._generation
+    with generation.session():
+        allocated = [sum(t.nbytes for t in state.tensors.values())
+                     for state in generation.states]
+    assert all(allocated) and len(allocated) == 2
+    for predicted, held in zip(generation.kv_predicted, allocated):
+        assert abs(predicted - held) <= 0.05 * held, (generation.kv_predicted, allocated)
+    text = str(generation)
+    assert "4 sequences of up to 16 tokens" in text and "2 lanes" in text
+    assert "tokens/s" in text and generation.tokens_per_s() > 0
+    for s, held in enumerate(allocated):
+        assert any(line.split()[:2] == [str(s), "cpu"] and format_bytes(held) in line
+                   for line in text.splitlines()), text
+    assert unexplained(text, PAGE.read_text()) == [], text
+
+
 def test_greedy_tokens_equal_model_generate_on_a_left_padded_batch(llama):
     model, pipe, ids, mask = llama
     def held():      # parameters and buffers (non-persistent ones too), as tensors and values
