@@ -423,6 +423,12 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     if "cache" in kwargs or "past_key_values" in kwargs:
         raise InputError("pipe.generate takes no cache=\nthe stages keep the key/value cache\n"
                          "Fix: leave cache= out")
+    for asked in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(asked):
+            raise GenerationError(f"{asked}=True is not supported\nthe stages return only the "
+                                  f"last position's logits of each step\nFix: leave {asked} "
+                                  f"out (sequences, scores and logits are returned), or "
+                                  f"generate with the model")
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise InputError("pipe.generate takes input_ids, a (batch, length) tensor of token ids")

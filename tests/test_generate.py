@@ -200,6 +200,43 @@ def test_a_lane_writes_only_its_own_cache_rows(llama):
                 assert not t[:, :, 6 + 3:].any(), f"{name}: slots past the last token written"
 
 
+class Streamer:
+    """A streamer as Hugging Face's loop calls one: `put` the prompt, then each new token;
+    `end` once."""
+
+    def __init__(self) -> None:
+        self.put_ids, self.ended = [], 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.put_ids.append(value.clone())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def test_return_dict_fields_and_a_streamer_are_the_models(llama):
+    model, pipe, ids, mask = llama
+    kwargs = dict(input_ids=ids[1:2], attention_mask=mask[1:2], max_new_tokens=4,
+                  do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    streamed, model_streamed = Streamer(), Streamer()
+    got = pipe.generate(**kwargs, streamer=streamed)
+    want = model.generate(**kwargs, streamer=model_streamed)
+    assert type(got) is type(want)
+    assert_same_tokens(got, want, ids.shape[1])
+    assert len(got.scores) == len(want.scores) == 4
+    for a, b in zip(got.scores, want.scores):
+        assert_same_up_to_rounding(a, b, what="scores")
+    assert got.attentions is None and got.hidden_states is None
+    # The streamer saw the prompt, then each new token, then the end: the sequence returned.
+    assert streamed.ended == 1 and len(streamed.put_ids) == len(model_streamed.put_ids) == 5
+    assert torch.equal(torch.cat([t.reshape(1, -1) for t in streamed.put_ids], 1),
+                       got.sequences)
+    for asked in ("output_attentions", "output_hidden_states"):
+        with pytest.raises(GenerationError, match=f"{asked}=True is not supported"):
+            pipe.generate(**kwargs, **{asked: True})
+
+
 def test_what_would_rearrange_the_cache_is_refused_by_name(llama):
     model, pipe, ids, mask = llama
     with pytest.raises(GenerationError, match="num_beams=1"):
