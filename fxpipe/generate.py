@@ -11,8 +11,11 @@ the model, whose forward runs the stages, and a cache that only counts the token
   fills, in the rows of the sequences it runs. A buffer write stays with its readers in one
   stage (`fxpipe.passes.state`), so each stage holds its own layers' cache, and nothing about
   the cache crosses a stage boundary: the graph's inputs are the new tokens, their positions,
-  the attention mask (4-D, made outside the graph by Hugging Face's own `create_causal_mask`
-  over the cache's slots), the slots written and the rows.
+  the 2-D attention mask over the cache's slots (the slots written so far, this step's
+  included), the slots written and the rows. The model makes its own masks from it in the graph,
+  as it does in `model.generate`: causal and sliding-window masks (Mistral; Gemma2's mix of
+  sliding and global layers), ALiBi biases from the mask's cumulative sum (Falcon), with the
+  step's first slot (`SlotCache.get_query_offset`, a tensor) as the queries' offset.
 - Two plans over the same stage weights: the decode step (one token per sequence; the plan is
   balanced on its costs) and the prefill (a chunk of `prompt` tokens per sequence). Their
   stages hold the same cache tensors: the decode runtime's per-stage state
@@ -20,8 +23,7 @@ the model, whose forward runs the stages, and a cache that only counts the token
 - Micro-batches of a step are lanes: rows split along the batch, `rows` telling each lane which
   cache rows are its own, so stage i runs lane a while stage i+1 runs lane b.
 - A prompt is left-padded to a multiple of the prefill chunk (slots only: the positions the
-  model sees are its own, `seen + arange(q)` as it computes them without `position_ids`);
-  a longer prompt runs chunk after chunk.
+  model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk.
 
 Each generate starts from zeroed caches and frees them when it returns.
 
@@ -31,8 +33,11 @@ buffer's writes and reads in one stage (`fxpipe.passes.state`), so each stage ho
 cache without any rule of generation's own; a write to a graph input is refused (micro-batches are
 cut from inputs), and tensors returned per step would copy the whole cache each token. Why not
 Hugging Face's `StaticCache` inside the graph: its layers count positions in a tensor of their own
-(`cumulative_length`), one per cache, not per lane. The mask made outside the graph (`_Slots`)
-keeps mask logic out of the graph, so one decode graph serves every step; `SlotCache` is the
+(`cumulative_length`), one per cache, not per lane. The mask over the slots as a graph input
+lets one decode graph serve every step: the slots are the only offset the model's masks need, and
+a slot's distance to another is the tokens' distance (left padding is a run of masked slots at
+the front), so windows and ALiBi come out as the model's. Positions are what Hugging Face's loop
+passes (`position_ids` from the mask's cumulative sum, OPT and Llama alike). `SlotCache` is the
 `Cache` the model sees while captured, reading back whole the rows it wrote, the mask hiding what
 is not written yet.
 
@@ -61,8 +66,7 @@ if TYPE_CHECKING:
     from .plan_data import Plan
 
 try:    # transformers is an optional dependency ('.[hf]')
-    from transformers.cache_utils import Cache, StaticLayer
-    from transformers.masking_utils import create_causal_mask
+    from transformers.cache_utils import Cache
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError:      # pragma: no cover - generation needs transformers
     Cache = object
@@ -134,7 +138,7 @@ def kv_shapes(model: nn.Module) -> list[tuple[Planned, Planned]]:
 
 class CachedLM(nn.Module):
     """One step of `model` with its cache as buffers (see the module): the last position's logits
-    of `input_ids` (rows, q) given its 4-D `attention_mask`, `position_ids`, the `slots` (q,)
+    of `input_ids` (rows, q) given its 2-D `attention_mask` over the cache's slots, `position_ids`, the `slots` (q,)
     written and the cache `rows` (rows,)."""
 
     def __init__(self, model: nn.Module, rows: int, length: int):
@@ -190,22 +194,6 @@ class Counting(Cache):
                               "it repeats the cache, which pipe.generate does not do yet\n"
                               "Fix: repeat the prompts in the batch instead "
                               "(input_ids.repeat_interleave(n, 0), the mask likewise)")
-
-
-class _Slots(Cache):
-    """What `create_causal_mask` reads of a cache of `length` slots, queries at `offset`."""
-
-    is_compileable = True
-
-    def __init__(self, length: int, offset: int):
-        super().__init__(layers=[StaticLayer(length)])
-        self.length, self.offset = length, offset
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.offset
 
 
 class Generation:
