@@ -213,14 +213,29 @@ class Generation:
         self.prefill = self.decode if prompt == 1 else planner(
             self.lm, devices, self.example(rows, prompt),
             chunks=min(chunks, rows), batch_dims=dims, **options)
+        self.planned = {name: Planned(tuple(b.shape), b.dtype) for stage in self.decode.stages
+                        for name, b in stage.module.named_buffers() if name.startswith("kv_")}
+        self._start()
+
+    @classmethod
+    def of_plans(cls, model: nn.Module, decode: "Plan", prefill: "Plan", *, rows: int,
+                 prompt: int, length: int, planned: dict[str, Planned]) -> "Generation":
+        """The generation of plans made before (`load_generation`): `model` only the front
+        Hugging Face's loop calls (built on meta is fine), `planned` each cache buffer's."""
+        self = cls.__new__(cls)
+        self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
+        self.lm, self.decode, self.prefill, self.planned = None, decode, prefill, planned
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        """Runtimes for both plans, the decode stages' states owning the caches (`_adopt`)."""
+        held = [sorted(n for n, _ in stage.module.named_buffers() if n.startswith("kv_"))
+                for stage in self.decode.stages]
         # The cache bytes each decode stage was planned with (its memory plan counts them among
         # its buffers), before the stage state takes them over.
-        self.kv_predicted = [sum(b.numel() * b.element_size() for n, b in
-                                 stage.module.named_buffers() if n.startswith("kv_"))
-                             for stage in self.decode.stages]
-        self.kv_layers = [sorted({int(n.rsplit("_", 1)[1]) for n, _ in
-                                  stage.module.named_buffers() if n.startswith("kv_")})
-                          for stage in self.decode.stages]
+        self.kv_predicted = [sum(self.planned[n].nbytes for n in names) for names in held]
+        self.kv_layers = [sorted({int(n.rsplit("_", 1)[1]) for n in names}) for names in held]
         self.runtimes = {id(self.decode): runtime_of(self.decode)}
         if self.prefill is not self.decode:
             self.runtimes[id(self.prefill)] = runtime_of(self.prefill)
@@ -252,7 +267,7 @@ class Generation:
                           for name, _ in stage.module.named_buffers() if name.startswith("kv_")}
         for stage in self.decode.stages:
             state = decode_rt.state[stage.index]
-            for name, buffer in stage.module.named_buffers():
+            for name, _ in stage.module.named_buffers():
                 if not name.startswith("kv_"):
                     continue
                 other = prefill_stages.get(name)
@@ -261,12 +276,12 @@ class Generation:
                         f"{name} is on {other.device} for prefill, on {stage.device} for decode\n"
                         f"both plans must read one cache\nFix: plan on devices of one kind, "
                         f"or with prompts of one token (prompt=1)")
-                modules = [stage.module, self.lm,
+                modules = [stage.module, *([self.lm] if self.lm is not None else []),
                            *(m for p in (self.decode, self.prefill) for m in
                              ([p.graph] if p.graph is not None else [])),
                            *(s.module for s in self.prefill.stages)]
                 readers = [r for m in modules for r in readers_of(m, name)]
-                state.adopt(name, Planned(tuple(buffer.shape), buffer.dtype), readers)
+                state.adopt(name, self.planned[name], readers)
             state.free()
 
     @property

@@ -25,6 +25,15 @@ LLAMA = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key
              intermediate_size=128, vocab_size=1000)
 
 
+@pytest.fixture(scope="module")
+def scripted():
+    """Node costs scripted (`conftest.script_costs`) for the module: plans that do not depend
+    on the load, and no time spent measuring."""
+    from conftest import script_costs
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield script_costs(monkeypatch)
+
+
 def prompts(rows: int, length: int, pads: list[int], seed: int = 1, vocab: int = 1000):
     """Token ids and a mask, row r left-padded by `pads[r]`."""
     g = torch.Generator().manual_seed(seed)
@@ -58,7 +67,7 @@ def assert_same_tokens(got, want, prompt: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama():
+def llama(scripted):
     """Llama on 2 stages, 2 lanes, planned for 4 sequences of 16 tokens, 6-token prefill
     chunks."""
     torch.manual_seed(0)
@@ -284,7 +293,7 @@ ARCHS = [pytest.param(arch, stages, marks=() if arch in FAST_ARCHS and stages ==
 
 
 @pytest.mark.parametrize("arch,stages", ARCHS)
-def test_greedy_tokens_equal_model_generate_for_each_architecture(arch, stages):
+def test_greedy_tokens_equal_model_generate_for_each_architecture(arch, stages, scripted):
     """A left-padded batch on `stages` stages, 2 lanes; sequence 1 meets its eos early; 15
     tokens in all, three windows of a sliding layer."""
     model = tiny(arch, layers=stages)
