@@ -51,6 +51,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -309,6 +312,24 @@ class Generation:
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows and length <= self.length
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate(*args, **kwargs)` on this generation's plans (a loaded one's too):
+        what does not fit the rows and length planned is refused, naming them."""
+        rows, q, length = _asked(self.model, args, kwargs)
+        padded = length + (-q) % self.prompt
+        if not self.fits(rows, padded):
+            raise GenerationError(
+                f"{rows} sequences of {padded} slots (prompt padded to whole chunks of "
+                f"{self.prompt}, and new tokens), over the {self.rows} x {self.length} planned\n"
+                f"Fix: generate fewer new tokens (max_new_tokens) or fewer sequences, or "
+                f"plan again from the model (pipe.generate, plan_generation)")
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Hugging Face's loop over the front, the caches allocated for it and freed after."""
+        with self.session():
+            return self.front().generate(*args, cache=Counting(), **kwargs)
+
     def close(self) -> None:
         for runtime in self.runtimes.values():
             runtime.close()
@@ -423,6 +444,18 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
 def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     """`pipe.generate(*args, **kwargs)`: `model.generate`'s result, each step run by the
     stages of `pipe`'s generation plan (made by `plan_generation` where none fits the call)."""
+    generation = pipe._generation
+    model = generation.model if generation is not None else (
+        pipe._recipe.model if pipe._recipe is not None else None)
+    rows, q, length = _asked(model, args, kwargs)
+    if generation is None or not generation.fits(rows, length + (-q) % generation.prompt):
+        generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
+    return generation.run(args, kwargs)
+
+
+def _asked(model: nn.Module | None, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int, int]:
+    """The rows, prompt length and total length a generate asks for; what it cannot run
+    refused by name."""
     if "cache" in kwargs or "past_key_values" in kwargs:
         raise InputError("pipe.generate takes no cache=\nthe stages keep the key/value cache\n"
                          "Fix: leave cache= out")
@@ -436,9 +469,6 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise InputError("pipe.generate takes input_ids, a (batch, length) tensor of token ids")
     rows, q = ids.shape
-    generation = pipe._generation
-    model = generation.model if generation is not None else (
-        pipe._recipe.model if pipe._recipe is not None else None)
     config = getattr(model, "generation_config", None)
     if kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) > 1:
         Counting().reorder_cache(None)              # refused by name, with the fix
@@ -447,10 +477,65 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     length = q + new if new is not None else kwargs.get("max_length",
                                                         getattr(config, "max_length", None))
-    if generation is None or not generation.fits(rows, length + (-q) % generation.prompt):
-        generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
-    with generation.session():
-        return generation.front().generate(*args, cache=Counting(), **kwargs)
+    return rows, q, length
+
+
+# --- a generation saved and loaded ----------------------------------------------------------
+
+GENERATION_FILE = "generation.json"
+
+
+def save_generation(generation: Generation, path: str | os.PathLike) -> Path:
+    """Write `generation` to the directory `path`: its decode and prefill plans (`decode/`,
+    `prefill/`, each as `Plan.save` writes one, with the weights), the model's config and
+    generation config (`model/`, what Hugging Face's loop reads), and `generation.json` (the
+    rows, prompt chunk and length planned, each cache buffer's shape and dtype)."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    generation.decode.save(root / "decode")
+    if generation.prefill is not generation.decode:
+        generation.prefill.save(root / "prefill")
+    generation.model.config.save_pretrained(root / "model")
+    generation.model.generation_config.save_pretrained(root / "model")
+    document = dict(rows=generation.rows, prompt=generation.prompt, length=generation.length,
+                    caches={name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
+                            for name, p in generation.planned.items()})
+    (root / GENERATION_FILE).write_text(json.dumps(document, indent=1) + "\n")
+    return root
+
+
+def load_generation(path: str | os.PathLike,
+                    devices: Sequence[Any] | None = None) -> Generation:
+    """The generation saved at `path` (`save_generation`), its stages on the devices planned
+    (or `devices`, one per stage); `generation.generate(...)` as `model.generate(...)`, without
+    the model: Hugging Face's loop runs over a copy of the model's class built on the meta
+    device from the saved config, whose forward runs the stages."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from .saved import load_plan
+    root = Path(path)
+    if not (root / GENERATION_FILE).is_file():
+        raise GenerationError(f"{str(root)!r} holds no saved generation ({GENERATION_FILE})\n"
+                              f"Fix: save one with fxpipe.generate.save_generation(generation, "
+                              f"path)")
+    document = json.loads((root / GENERATION_FILE).read_text())
+    decode = load_plan(root / "decode", devices=devices)
+    prefill = (load_plan(root / "prefill", devices=devices) if (root / "prefill").is_dir()
+               else decode)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            _config(root / "model"))
+    model.generation_config = GenerationConfig.from_pretrained(root / "model")
+    model.eval()
+    planned = {name: Planned(tuple(shape), getattr(torch, dtype))
+               for name, (shape, dtype) in document["caches"].items()}
+    return Generation.of_plans(model, decode, prefill, rows=document["rows"],
+                               prompt=document["prompt"], length=document["length"],
+                               planned=planned)
+
+
+def _config(directory: Path) -> Any:
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(directory)
 
 
 def _device(model: nn.Module) -> torch.device:

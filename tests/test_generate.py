@@ -209,6 +209,22 @@ def test_a_lane_writes_only_its_own_cache_rows(llama):
                 assert not t[:, :, 6 + 3:].any(), f"{name}: slots past the last token written"
 
 
+def test_a_saved_generation_loads_and_generates_the_same_tokens(llama, tmp_path):
+    from fxpipe.generate import load_generation, save_generation
+    model, pipe, ids, mask = llama
+    save_generation(pipe._generation, tmp_path / "gen")
+    loaded = load_generation(tmp_path / "gen")
+    try:
+        assert loaded.kv_predicted == pipe._generation.kv_predicted and loaded.lanes == 2
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        assert_same_tokens(loaded.generate(**kwargs), model.generate(**kwargs), ids.shape[1])
+        with pytest.raises(GenerationError, match="over the 4 x 16 planned"):
+            loaded.generate(**dict(kwargs, max_new_tokens=20))
+    finally:
+        loaded.close()
+
+
 class Streamer:
     """A streamer as Hugging Face's loop calls one: `put` the prompt, then each new token;
     `end` once."""
