@@ -225,6 +225,37 @@ def test_a_saved_generation_loads_and_generates_the_same_tokens(llama, tmp_path)
         loaded.close()
 
 
+def test_the_cli_plans_and_saves_a_generation_that_generates_the_models_tokens(tmp_path,
+                                                                               capsys):
+    import transformers
+    from fxpipe.__main__ import main
+    from fxpipe.generate import load_generation
+    transformers.LlamaConfig(**dict(LLAMA, num_hidden_layers=2, vocab_size=100)).to_json_file(
+        tmp_path / "config.json")
+    assert main(["plan", "transformers:AutoModelForCausalLM", "--config",
+                 str(tmp_path / "config.json"), "--tokens", "2x4", "--generate", "12",
+                 "--chunks", "2", "--capture", "export", "--no-verify", "--quiet",
+                 "--save", str(tmp_path / "gen")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fxpipe generation plan: 2 sequences of up to 12 tokens") and \
+        "2 lanes" in out and "tokens/s" in out and "saved to" in out
+    loaded = load_generation(tmp_path / "gen")
+    try:
+        torch.manual_seed(0)     # the CLI's model: built from the config with its own seed
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path / "gen" / "model")).eval()
+        held = {n: t for stage in loaded.decode.stages for n, t in stage.module.state_dict().items()}
+        missing, _ = model.load_state_dict({n.removeprefix("model."): t for n, t in held.items()
+                                            if not n.startswith("kv_")}, strict=False)
+        assert not missing        # the decode stages hold every weight of the model
+        ids, mask = prompts(2, 4, [1, 0], vocab=100)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        assert_same_tokens(loaded.generate(**kwargs), model.generate(**kwargs), 4)
+    finally:
+        loaded.close()
+
+
 class Streamer:
     """A streamer as Hugging Face's loop calls one: `put` the prompt, then each new token;
     `end` once."""
