@@ -25,7 +25,9 @@ the model, whose forward runs the stages, and a cache that only counts the token
 - A prompt is left-padded to a multiple of the prefill chunk (slots only: the positions the
   model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk.
 
-Each generate starts from zeroed caches and frees them when it returns.
+Each generate starts from zeroed caches and frees them when it returns. `save_generation`
+writes both plans, the model's configs and the caches' shapes; `load_generation` runs Hugging
+Face's loop over the model's class built on meta from the config (`Generation.of_plans`).
 
 Why buffers written in place, not graph inputs and outputs, nor Hugging Face's cache objects:
 functionalize keeps a write to a buffer as the state update it is, and the partitioner keeps a
@@ -429,8 +431,9 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
     model = recipe.model if recipe is not None else None
     if model is None or not hasattr(model, "generate"):
         raise GenerationError("pipe.generate needs the model it was compiled from\n"
-                              "a Hugging Face causal LM; a loaded plan cannot generate yet\n"
-                              "Fix: fxpipe.compile(model, ...) the model")
+                              "a Hugging Face causal LM; a pipeline from load_plan cannot "
+                              "plan generation\nFix: fxpipe.compile(model, ...) the model, or "
+                              "load a saved generation (fxpipe.generate.load_generation)")
     if pipe._generation is not None:
         pipe._generation.close()
         pipe._generation = None
