@@ -14,8 +14,8 @@ Each is timed twice, at `--new` tokens and at 1 (the prompt's prefill and the fi
 to first token); decode tokens/s is the new tokens after the first over the time between the
 two. Every pipeline's tokens are checked against the model's (id for id). Also printed: the
 share of the last decode step's stage-time that no stage computed (`last_run`: the bubble of a
-step, with Hugging Face's loop waiting for every lane at each token), and each stage's key/value
-bytes, as planned and as allocated. Run it alone: two cores are easily shared
+step, with Hugging Face's loop waiting for every lane at each token), the decode tokens/s the
+generation plan predicts, and each stage's key/value bytes, as predicted and as allocated. Run it alone: two cores are easily shared
 into noise.
 """
 
@@ -103,7 +103,7 @@ def main() -> None:
         busy = sum(slot.end_s - slot.start_s for slot in run.slots)
         return f"{1 - busy / (run.num_stages * run.wall_s):.0%}"
 
-    def report(name, full_s, first_s, out, kv="", idle=""):
+    def report(name, full_s, first_s, out, kv="", idle="", predicted=""):
         nonlocal reference
         if reference is None:
             reference = (full_s, first_s, out)
@@ -112,7 +112,7 @@ def main() -> None:
         base_tps = a.rows * (a.new - 1) / max(reference[0] - reference[1], 1e-9)
         rows.append([name, f"{a.rows * a.new / full_s:.0f}", f"{decode_tps:.0f}",
                      f"{decode_tps / base_tps:.2f}x", f"{first_s * 1e3:.0f}",
-                     f"{reference[1] / first_s:.2f}x", same, idle, kv])
+                     f"{reference[1] / first_s:.2f}x", same, idle, predicted, kv])
 
     with torch.no_grad():
         report(f"model.generate, {cores} threads", *best(model.generate, cores))
@@ -127,11 +127,12 @@ def main() -> None:
                     allocated = [sum(t.numel() * t.element_size() for t in s.tensors.values())
                                  for s in generation.states]
                 kv = ", ".join(f"{p / 2**20:.2f}/{q / 2**20:.2f}"
-                               for p, q in zip(generation.kv_bytes(), allocated))
+                               for p, q in zip(generation.kv_predicted, allocated))
+                predicted = f"{generation.tokens_per_s():.0f}"
                 timings = best(pipe.generate)
                 decode = generation.runtimes[id(generation.decode)].last_run
                 report(f"pipe.generate, 2 stages, {lanes} lane{'s' * (lanes > 1)}", *timings,
-                       kv=kv, idle=bubble(decode))
+                       kv=kv, idle=bubble(decode), predicted=predicted)
         bound = step_time(model, a.rows, length) / step_time(model, a.rows // 2, length)
     print(f"Llama d={a.width}, {a.layers} layers, {a.rows} prompts of {a.prompt} tokens "
           f"(half left-padded by {a.prompt // 4}), {a.new} new tokens, greedy; best of "
@@ -139,7 +140,8 @@ def main() -> None:
     print(tabulate(rows, headers=["", "tokens/s", "decode tokens/s", "decode vs baseline",
                                   "first token ms", "first token vs baseline",
                                   "tokens equal", "decode step idle",
-                                  "KV MiB per stage planned/allocated"]))
+                                  "plan's decode tokens/s",
+                                  "KV MiB per stage predicted/allocated"]))
     print(f"a decode step of the model on {a.rows} sequences over one on {a.rows // 2} (one "
           f"thread, {length} cached tokens): T(N)/T(N/2) = {bound:.2f}, the most 2 lanes can "
           f"gain over 1")

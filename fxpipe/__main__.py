@@ -93,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="also print, for each cut, what crosses it and why it is there")
     plan.add_argument("--save", metavar="DIR",
                       help="write the plan there (fxpipe show/run read it), with pictures")
+    plan.add_argument("--generate", metavar="LENGTH", default=None,
+                      help="plan generation instead (a causal LM, --tokens BxS: B sequences, "
+                           "prompts prefilled S tokens at a time, LENGTH tokens in all; --chunks "
+                           "the lanes); --save writes it for fxpipe.generate.load_generation")
     plan.set_defaults(command=_plan, name="plan")
 
     explain = commands.add_parser("explain", help="plan a model and say, for each cut, what "

@@ -11,8 +11,11 @@ the model, whose forward runs the stages, and a cache that only counts the token
   fills, in the rows of the sequences it runs. A buffer write stays with its readers in one
   stage (`fxpipe.passes.state`), so each stage holds its own layers' cache, and nothing about
   the cache crosses a stage boundary: the graph's inputs are the new tokens, their positions,
-  the attention mask (4-D, made outside the graph by Hugging Face's own `create_causal_mask`
-  over the cache's slots), the slots written and the rows.
+  the 2-D attention mask over the cache's slots (the slots written so far, this step's
+  included), the slots written and the rows. The model makes its own masks from it in the graph,
+  as it does in `model.generate`: causal and sliding-window masks (Mistral; Gemma2's mix of
+  sliding and global layers), ALiBi biases from the mask's cumulative sum (Falcon), with the
+  step's first slot (`SlotCache.get_query_offset`, a tensor) as the queries' offset.
 - Two plans over the same stage weights: the decode step (one token per sequence; the plan is
   balanced on its costs) and the prefill (a chunk of `prompt` tokens per sequence). Their
   stages hold the same cache tensors: the decode runtime's per-stage state
@@ -20,10 +23,11 @@ the model, whose forward runs the stages, and a cache that only counts the token
 - Micro-batches of a step are lanes: rows split along the batch, `rows` telling each lane which
   cache rows are its own, so stage i runs lane a while stage i+1 runs lane b.
 - A prompt is left-padded to a multiple of the prefill chunk (slots only: the positions the
-  model sees are its own, `seen + arange(q)` as it computes them without `position_ids`);
-  a longer prompt runs chunk after chunk.
+  model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk.
 
-Each generate starts from zeroed caches and frees them when it returns.
+Each generate starts from zeroed caches and frees them when it returns. `save_generation`
+writes both plans, the model's configs and the caches' shapes; `load_generation` runs Hugging
+Face's loop over the model's class built on meta from the config (`Generation.of_plans`).
 
 Why buffers written in place, not graph inputs and outputs, nor Hugging Face's cache objects:
 functionalize keeps a write to a buffer as the state update it is, and the partitioner keeps a
@@ -31,8 +35,11 @@ buffer's writes and reads in one stage (`fxpipe.passes.state`), so each stage ho
 cache without any rule of generation's own; a write to a graph input is refused (micro-batches are
 cut from inputs), and tensors returned per step would copy the whole cache each token. Why not
 Hugging Face's `StaticCache` inside the graph: its layers count positions in a tensor of their own
-(`cumulative_length`), one per cache, not per lane. The mask made outside the graph (`_Slots`)
-keeps mask logic out of the graph, so one decode graph serves every step; `SlotCache` is the
+(`cumulative_length`), one per cache, not per lane. The mask over the slots as a graph input
+lets one decode graph serve every step: the slots are the only offset the model's masks need, and
+a slot's distance to another is the tokens' distance (left padding is a run of masked slots at
+the front), so windows and ALiBi come out as the model's. Positions are what Hugging Face's loop
+passes (`position_ids` from the mask's cumulative sum, OPT and Llama alike). `SlotCache` is the
 `Cache` the model sees while captured, reading back whole the rows it wrote, the mask hiding what
 is not written yet.
 
@@ -46,6 +53,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -61,8 +71,7 @@ if TYPE_CHECKING:
     from .plan_data import Plan
 
 try:    # transformers is an optional dependency ('.[hf]')
-    from transformers.cache_utils import Cache, StaticLayer
-    from transformers.masking_utils import create_causal_mask
+    from transformers.cache_utils import Cache
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError:      # pragma: no cover - generation needs transformers
     Cache = object
@@ -92,11 +101,14 @@ class SlotCache(Cache):
         return (self.keys[layer_idx].index_select(0, self.rows),
                 self.values[layer_idx].index_select(0, self.rows))
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise GenerationError("the model asked the cache for its length inside a step\n"
-                              "pipe.generate does not yet support models that compute "
-                              "positions or biases from it (OPT, Falcon)\n"
-                              "Fix: generate with the model")
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.slots[0]              # the slots before this step's, as a tensor
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.slots[0]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.keys[layer_idx].shape[2], 0
 
 
 class _Recorder(Cache):
@@ -131,7 +143,7 @@ def kv_shapes(model: nn.Module) -> list[tuple[Planned, Planned]]:
 
 class CachedLM(nn.Module):
     """One step of `model` with its cache as buffers (see the module): the last position's logits
-    of `input_ids` (rows, q) given its 4-D `attention_mask`, `position_ids`, the `slots` (q,)
+    of `input_ids` (rows, q) given its 2-D `attention_mask` over the cache's slots, `position_ids`, the `slots` (q,)
     written and the cache `rows` (rows,)."""
 
     def __init__(self, model: nn.Module, rows: int, length: int):
@@ -189,22 +201,6 @@ class Counting(Cache):
                               "(input_ids.repeat_interleave(n, 0), the mask likewise)")
 
 
-class _Slots(Cache):
-    """What `create_causal_mask` reads of a cache of `length` slots, queries at `offset`."""
-
-    is_compileable = True
-
-    def __init__(self, length: int, offset: int):
-        super().__init__(layers=[StaticLayer(length)])
-        self.length, self.offset = length, offset
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.offset
-
-
 class Generation:
     """Two plans of `CachedLM(model)` on `devices` (decode and prefill), for up to `rows`
     sequences of up to `length` tokens, prompts prefilled `prompt` tokens at a time, `chunks`
@@ -213,7 +209,6 @@ class Generation:
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
                  length: int, chunks: int, planner: Callable[..., "Plan"], **options: Any):
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
-        _refuse_sliding_windows(model, length)
         self.lm = CachedLM(model, rows, length)
         self.lm.training = model.training     # (not .eval(): it would switch the model's modules)
         options.setdefault("training", False)  # generation runs forwards only
@@ -223,6 +218,29 @@ class Generation:
         self.prefill = self.decode if prompt == 1 else planner(
             self.lm, devices, self.example(rows, prompt),
             chunks=min(chunks, rows), batch_dims=dims, **options)
+        self.planned = {name: Planned(tuple(b.shape), b.dtype) for stage in self.decode.stages
+                        for name, b in stage.module.named_buffers() if name.startswith("kv_")}
+        self._start()
+
+    @classmethod
+    def of_plans(cls, model: nn.Module, decode: "Plan", prefill: "Plan", *, rows: int,
+                 prompt: int, length: int, planned: dict[str, Planned]) -> "Generation":
+        """The generation of plans made before (`load_generation`): `model` only the front
+        Hugging Face's loop calls (built on meta is fine), `planned` each cache buffer's."""
+        self = cls.__new__(cls)
+        self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
+        self.lm, self.decode, self.prefill, self.planned = None, decode, prefill, planned
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        """Runtimes for both plans, the decode stages' states owning the caches (`_adopt`)."""
+        held = [sorted(n for n, _ in stage.module.named_buffers() if n.startswith("kv_"))
+                for stage in self.decode.stages]
+        # The cache bytes each decode stage was planned with (its memory plan counts them among
+        # its buffers), before the stage state takes them over.
+        self.kv_predicted = [sum(self.planned[n].nbytes for n in names) for names in held]
+        self.kv_layers = [sorted({int(n.rsplit("_", 1)[1]) for n in names}) for names in held]
         self.runtimes = {id(self.decode): runtime_of(self.decode)}
         if self.prefill is not self.decode:
             self.runtimes[id(self.prefill)] = runtime_of(self.prefill)
@@ -232,24 +250,19 @@ class Generation:
         """A step's graph inputs: `q` new tokens of `rows` sequences at slots 0..q-1."""
         device = _device(self.model)
         ids = torch.zeros((rows, q), dtype=torch.long, device=device)
-        mask = self.mask(torch.ones((rows, q), dtype=torch.long, device=device), q, 0)
+        mask = self.mask(torch.ones((rows, q), dtype=torch.long, device=device))
         return dict(input_ids=ids, attention_mask=mask,
                     position_ids=torch.arange(q, device=device).expand(rows, q),
                     slots=torch.arange(q, device=device),
                     rows=torch.arange(rows, device=device))
 
-    def mask(self, slot_mask: torch.Tensor, q: int, offset: int) -> torch.Tensor:
-        """The 4-D mask of `q` queries at slots `offset`.., over the cache's slots, from the
-        2-D mask of the slots written so far (`slot_mask`, (rows, written))."""
+    def mask(self, slot_mask: torch.Tensor) -> torch.Tensor:
+        """The 2-D mask over the cache's slots from that of the slots written so far, this
+        step's included (`slot_mask`, (rows, written)): the slots after them are empty."""
         rows, written = slot_mask.shape
         full = slot_mask.new_zeros((rows, self.length))
         full[:, :written] = slot_mask
-        dtype = next(self.model.parameters()).dtype
-        return create_causal_mask(
-            config=self.model.config,
-            inputs_embeds=torch.empty((rows, q, 0), dtype=dtype, device=slot_mask.device),
-            attention_mask=full, cache=_Slots(self.length, offset), position_ids=None,
-            allow_is_causal_skip=False)
+        return full
 
     def _adopt(self) -> None:
         """The decode runtime's stage states own the cache buffers, bound into every module
@@ -259,7 +272,7 @@ class Generation:
                           for name, _ in stage.module.named_buffers() if name.startswith("kv_")}
         for stage in self.decode.stages:
             state = decode_rt.state[stage.index]
-            for name, buffer in stage.module.named_buffers():
+            for name, _ in stage.module.named_buffers():
                 if not name.startswith("kv_"):
                     continue
                 other = prefill_stages.get(name)
@@ -268,12 +281,12 @@ class Generation:
                         f"{name} is on {other.device} for prefill, on {stage.device} for decode\n"
                         f"both plans must read one cache\nFix: plan on devices of one kind, "
                         f"or with prompts of one token (prompt=1)")
-                modules = [stage.module, self.lm,
+                modules = [stage.module, *([self.lm] if self.lm is not None else []),
                            *(m for p in (self.decode, self.prefill) for m in
                              ([p.graph] if p.graph is not None else [])),
                            *(s.module for s in self.prefill.stages)]
                 readers = [r for m in modules for r in readers_of(m, name)]
-                state.adopt(name, Planned(tuple(buffer.shape), buffer.dtype), readers)
+                state.adopt(name, self.planned[name], readers)
             state.free()
 
     @property
@@ -281,11 +294,43 @@ class Generation:
         return self.runtimes[id(self.decode)].state
 
     def kv_bytes(self) -> list[int]:
-        """Each decode stage's cache bytes, as allocated."""
+        """Each decode stage's cache bytes, as its stage state allocates them."""
         return [state.nbytes for state in self.states]
+
+    @property
+    def lanes(self) -> int:
+        return self.decode.chunks
+
+    def tokens_per_s(self) -> float | None:
+        """Decode tokens per second predicted: every sequence's next token per decode step
+        (the decode plan's predicted time of one call on all rows)."""
+        step = self.decode.predicted_step_s
+        return self.rows / step if step else None
+
+    def __str__(self) -> str:
+        from .report import describe_generation
+        return describe_generation(self)
 
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows and length <= self.length
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate(*args, **kwargs)` on this generation's plans (a loaded one's too):
+        what does not fit the rows and length planned is refused, naming them."""
+        rows, q, length = _asked(self.model, args, kwargs)
+        padded = length + (-q) % self.prompt
+        if not self.fits(rows, padded):
+            raise GenerationError(
+                f"{rows} sequences of {padded} slots (prompt padded to whole chunks of "
+                f"{self.prompt}, and new tokens), over the {self.rows} x {self.length} planned\n"
+                f"Fix: generate fewer new tokens (max_new_tokens) or fewer sequences, or "
+                f"plan again from the model (pipe.generate, plan_generation)")
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Hugging Face's loop over the front, the caches allocated for it and freed after."""
+        with self.session():
+            return self.front().generate(*args, cache=Counting(), **kwargs)
 
     def close(self) -> None:
         for runtime in self.runtimes.values():
@@ -366,7 +411,7 @@ class Generation:
         """One step of `plan`: tokens `ids` at slots `offset`.., the caller's random
         generators untouched (sampling draws from them as for the model)."""
         rows, q = ids.shape
-        inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask, q, offset),
+        inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask),
                       position_ids=positions.contiguous(),
                       slots=torch.arange(offset, offset + q, device=ids.device),
                       rows=torch.arange(rows, device=ids.device))
@@ -386,8 +431,9 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
     model = recipe.model if recipe is not None else None
     if model is None or not hasattr(model, "generate"):
         raise GenerationError("pipe.generate needs the model it was compiled from\n"
-                              "a Hugging Face causal LM; a loaded plan cannot generate yet\n"
-                              "Fix: fxpipe.compile(model, ...) the model")
+                              "a Hugging Face causal LM; a pipeline from load_plan cannot "
+                              "plan generation\nFix: fxpipe.compile(model, ...) the model, or "
+                              "load a saved generation (fxpipe.generate.load_generation)")
     if pipe._generation is not None:
         pipe._generation.close()
         pipe._generation = None
@@ -401,16 +447,31 @@ def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
 def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     """`pipe.generate(*args, **kwargs)`: `model.generate`'s result, each step run by the
     stages of `pipe`'s generation plan (made by `plan_generation` where none fits the call)."""
+    generation = pipe._generation
+    model = generation.model if generation is not None else (
+        pipe._recipe.model if pipe._recipe is not None else None)
+    rows, q, length = _asked(model, args, kwargs)
+    if generation is None or not generation.fits(rows, length + (-q) % generation.prompt):
+        generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
+    return generation.run(args, kwargs)
+
+
+def _asked(model: nn.Module | None, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int, int]:
+    """The rows, prompt length and total length a generate asks for; what it cannot run
+    refused by name."""
     if "cache" in kwargs or "past_key_values" in kwargs:
         raise InputError("pipe.generate takes no cache=\nthe stages keep the key/value cache\n"
                          "Fix: leave cache= out")
+    for asked in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(asked):
+            raise GenerationError(f"{asked}=True is not supported\nthe stages return only the "
+                                  f"last position's logits of each step\nFix: leave {asked} "
+                                  f"out (sequences, scores and logits are returned), or "
+                                  f"generate with the model")
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise InputError("pipe.generate takes input_ids, a (batch, length) tensor of token ids")
     rows, q = ids.shape
-    generation = pipe._generation
-    model = generation.model if generation is not None else (
-        pipe._recipe.model if pipe._recipe is not None else None)
     config = getattr(model, "generation_config", None)
     if kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) > 1:
         Counting().reorder_cache(None)              # refused by name, with the fix
@@ -419,27 +480,65 @@ def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     length = q + new if new is not None else kwargs.get("max_length",
                                                         getattr(config, "max_length", None))
-    if generation is None or not generation.fits(rows, length + (-q) % generation.prompt):
-        generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
-    with generation.session():
-        return generation.front().generate(*args, cache=Counting(), **kwargs)
+    return rows, q, length
 
 
-def _refuse_sliding_windows(model: nn.Module, length: int) -> None:
-    """Refuse a model whose sliding-window layers would see fewer tokens than `length`: the
-    mask made over the cache's slots is a full causal one."""
-    config = model.config.get_text_config(decoder=True)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if getattr(config, "use_sliding_window", True) is False or (
-            types is not None and "sliding_attention" not in types):
-        return                        # (a window in the config that no layer uses)
-    if window is not None and window < length:
-        raise GenerationError(
-            f"sliding-window attention ({window} tokens) is not supported yet\n"
-            f"{type(model).__name__}'s layers attend to the last {window} tokens, and "
-            f"pipe.generate masks the cache as full attention\nFix: generate at most {window} "
-            f"tokens in all (prompt and new), or with the model")
+# --- a generation saved and loaded ----------------------------------------------------------
+
+GENERATION_FILE = "generation.json"
+
+
+def save_generation(generation: Generation, path: str | os.PathLike) -> Path:
+    """Write `generation` to the directory `path`: its decode and prefill plans (`decode/`,
+    `prefill/`, each as `Plan.save` writes one, with the weights), the model's config and
+    generation config (`model/`, what Hugging Face's loop reads), and `generation.json` (the
+    rows, prompt chunk and length planned, each cache buffer's shape and dtype)."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    generation.decode.save(root / "decode")
+    if generation.prefill is not generation.decode:
+        generation.prefill.save(root / "prefill")
+    generation.model.config.save_pretrained(root / "model")
+    generation.model.generation_config.save_pretrained(root / "model")
+    document = dict(rows=generation.rows, prompt=generation.prompt, length=generation.length,
+                    caches={name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
+                            for name, p in generation.planned.items()})
+    (root / GENERATION_FILE).write_text(json.dumps(document, indent=1) + "\n")
+    return root
+
+
+def load_generation(path: str | os.PathLike,
+                    devices: Sequence[Any] | None = None) -> Generation:
+    """The generation saved at `path` (`save_generation`), its stages on the devices planned
+    (or `devices`, one per stage); `generation.generate(...)` as `model.generate(...)`, without
+    the model: Hugging Face's loop runs over a copy of the model's class built on the meta
+    device from the saved config, whose forward runs the stages."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from .saved import load_plan
+    root = Path(path)
+    if not (root / GENERATION_FILE).is_file():
+        raise GenerationError(f"{str(root)!r} holds no saved generation ({GENERATION_FILE})\n"
+                              f"Fix: save one with fxpipe.generate.save_generation(generation, "
+                              f"path)")
+    document = json.loads((root / GENERATION_FILE).read_text())
+    decode = load_plan(root / "decode", devices=devices)
+    prefill = (load_plan(root / "prefill", devices=devices) if (root / "prefill").is_dir()
+               else decode)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            _config(root / "model"))
+    model.generation_config = GenerationConfig.from_pretrained(root / "model")
+    model.eval()
+    planned = {name: Planned(tuple(shape), getattr(torch, dtype))
+               for name, (shape, dtype) in document["caches"].items()}
+    return Generation.of_plans(model, decode, prefill, rows=document["rows"],
+                               prompt=document["prompt"], length=document["length"],
+                               planned=planned)
+
+
+def _config(directory: Path) -> Any:
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(directory)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -355,3 +355,37 @@ def _choice(plan: Plan) -> list[str]:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
+
+
+# --- generation (fxpipe.generate): `print(generation)` ------------------------------------------
+
+def describe_generation(generation) -> str:
+    """A generation plan as `print(plan_generation(...))` shows it: the sizes it serves, the
+    lanes, each stage's key/value cache, the decode and prefill predictions."""
+    g, decode = generation, generation.decode
+    rows = [(s, decode.partition.devices[s].name, _layers(g.kv_layers[s]),
+             format_bytes(g.kv_predicted[s]), decode.stage_param_bytes[s] / 1e6)
+            for s in range(len(decode.stages))]
+    lines = [f"fxpipe generation plan: {_count(g.rows, 'sequence')} of up to "
+             f"{_count(g.length, 'token')} (prompt and new), {_count(g.lanes, 'lane')}, "
+             f"prompts prefilled {_count(g.prompt, 'token')} at a time",
+             tabulate(rows, headers=["stage", "device", "cache of layers", "KV bytes",
+                                     "params MB"], floatfmt=".3f"),
+             f"key/value cache: {format_bytes(sum(g.kv_predicted))} in all, each stage's within "
+             f"its planned memory, allocated at each generate and freed after it"]
+    tokens = g.tokens_per_s()
+    if tokens is not None:
+        lines.append(f"decode: {decode.predicted_step_s * 1e3:.3f} ms per step predicted for "
+                     f"{_count(g.rows, 'sequence')}: {tokens:.0f} tokens/s")
+    if g.prefill.predicted_step_s:
+        lines.append(f"prefill: {g.prefill.predicted_step_s * 1e3:.3f} ms per chunk of "
+                     f"{_count(g.prompt, 'token')} predicted")
+    lines.append("the two plans: print(generation.decode), print(generation.prefill)")
+    return "\n".join(lines)
+
+
+def _layers(layers: list[int]) -> str:
+    if not layers:
+        return "-"
+    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) \
+        else ", ".join(map(str, layers))

@@ -40,6 +40,11 @@ def host_reads(monkeypatch):
 
 @pytest.fixture
 def scripted_costs(monkeypatch):
+    """`script_costs` for one test."""
+    return script_costs(monkeypatch)
+
+
+def script_costs(monkeypatch):
     """Node costs set by hand where compile measures them, as `annotate_costs` would leave them:
     every computing node 1 ms (forward, and backward in training), the nodes named in the
     returned dict their own ms (a name matches every node whose name starts with it); costs not

@@ -18,17 +18,26 @@ from fxpipe.runtime import Runtime
 from fxpipe.runtime.state import Planned, StageState
 from fxpipe.testing import assert_same_up_to_rounding
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 FAST = dict(capture="export", repeats=1, verify=False)     # plans for tests: no second checks
 LLAMA = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=1000)
 
 
-def prompts(rows: int, length: int, pads: list[int], seed: int = 1):
+@pytest.fixture(scope="module")
+def scripted():
+    """Node costs scripted (`conftest.script_costs`) for the module: plans that do not depend
+    on the load, and no time spent measuring."""
+    from conftest import script_costs
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield script_costs(monkeypatch)
+
+
+def prompts(rows: int, length: int, pads: list[int], seed: int = 1, vocab: int = 1000):
     """Token ids and a mask, row r left-padded by `pads[r]`."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 1000, (rows, length), generator=g)
+    ids = torch.randint(1, vocab, (rows, length), generator=g)
     mask = torch.ones_like(ids)
     for r, pad in enumerate(pads):
         mask[r, :pad] = 0
@@ -58,7 +67,7 @@ def assert_same_tokens(got, want, prompt: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama():
+def llama(scripted):
     """Llama on 2 stages, 2 lanes, planned for 4 sequences of 16 tokens, 6-token prefill
     chunks."""
     torch.manual_seed(0)
@@ -110,6 +119,26 @@ def test_each_stage_holds_its_own_layers_cache(llama):
         assert names == {n for n, _ in stage.module.named_buffers() if n.startswith("kv_")}
     assert generation.kv_bytes() == [2 * 2 * 4 * 2 * 16 * 16 * 4] * 2
     assert generation.decode.chunks == 2          # two lanes of two sequences
+
+
+def test_kv_bytes_are_predicted_within_5_percent_and_printed_with_lanes_and_tokens_per_s(llama):
+    from test_reading_the_plan import PAGE, unexplained
+    from fxpipe.passes.cost_model import format_bytes
+    model, pipe, ids, mask = llama
+    generation = pipe._generation
+    with generation.session():
+        allocated = [sum(t.nbytes for t in state.tensors.values())
+                     for state in generation.states]
+    assert all(allocated) and len(allocated) == 2
+    for predicted, held in zip(generation.kv_predicted, allocated):
+        assert abs(predicted - held) <= 0.05 * held, (generation.kv_predicted, allocated)
+    text = str(generation)
+    assert "4 sequences of up to 16 tokens" in text and "2 lanes" in text
+    assert "tokens/s" in text and generation.tokens_per_s() > 0
+    for s, held in enumerate(allocated):
+        assert any(line.split()[:2] == [str(s), "cpu"] and format_bytes(held) in line
+                   for line in text.splitlines()), text
+    assert unexplained(text, PAGE.read_text()) == [], text
 
 
 def test_greedy_tokens_equal_model_generate_on_a_left_padded_batch(llama):
@@ -180,6 +209,90 @@ def test_a_lane_writes_only_its_own_cache_rows(llama):
                 assert not t[:, :, 6 + 3:].any(), f"{name}: slots past the last token written"
 
 
+def test_a_saved_generation_loads_and_generates_the_same_tokens(llama, tmp_path):
+    from fxpipe.generate import load_generation, save_generation
+    model, pipe, ids, mask = llama
+    save_generation(pipe._generation, tmp_path / "gen")
+    loaded = load_generation(tmp_path / "gen")
+    try:
+        assert loaded.kv_predicted == pipe._generation.kv_predicted and loaded.lanes == 2
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        assert_same_tokens(loaded.generate(**kwargs), model.generate(**kwargs), ids.shape[1])
+        with pytest.raises(GenerationError, match="over the 4 x 16 planned"):
+            loaded.generate(**dict(kwargs, max_new_tokens=20))
+    finally:
+        loaded.close()
+
+
+def test_the_cli_plans_and_saves_a_generation_that_generates_the_models_tokens(tmp_path,
+                                                                               capsys):
+    import transformers
+    from fxpipe.__main__ import main
+    from fxpipe.generate import load_generation
+    transformers.LlamaConfig(**dict(LLAMA, num_hidden_layers=2, vocab_size=100)).to_json_file(
+        tmp_path / "config.json")
+    assert main(["plan", "transformers:AutoModelForCausalLM", "--config",
+                 str(tmp_path / "config.json"), "--tokens", "2x4", "--generate", "12",
+                 "--chunks", "2", "--capture", "export", "--no-verify", "--quiet",
+                 "--save", str(tmp_path / "gen")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fxpipe generation plan: 2 sequences of up to 12 tokens") and \
+        "2 lanes" in out and "tokens/s" in out and "saved to" in out
+    loaded = load_generation(tmp_path / "gen")
+    try:
+        torch.manual_seed(0)     # the CLI's model: built from the config with its own seed
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path / "gen" / "model")).eval()
+        held = {n: t for stage in loaded.decode.stages for n, t in stage.module.state_dict().items()}
+        missing, _ = model.load_state_dict({n.removeprefix("model."): t for n, t in held.items()
+                                            if not n.startswith("kv_")}, strict=False)
+        assert not missing        # the decode stages hold every weight of the model
+        ids, mask = prompts(2, 4, [1, 0], vocab=100)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        assert_same_tokens(loaded.generate(**kwargs), model.generate(**kwargs), 4)
+    finally:
+        loaded.close()
+
+
+class Streamer:
+    """A streamer as Hugging Face's loop calls one: `put` the prompt, then each new token;
+    `end` once."""
+
+    def __init__(self) -> None:
+        self.put_ids, self.ended = [], 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.put_ids.append(value.clone())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def test_return_dict_fields_and_a_streamer_are_the_models(llama):
+    model, pipe, ids, mask = llama
+    kwargs = dict(input_ids=ids[1:2], attention_mask=mask[1:2], max_new_tokens=4,
+                  do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    streamed, model_streamed = Streamer(), Streamer()
+    got = pipe.generate(**kwargs, streamer=streamed)
+    want = model.generate(**kwargs, streamer=model_streamed)
+    assert type(got) is type(want)
+    assert_same_tokens(got, want, ids.shape[1])
+    assert len(got.scores) == len(want.scores) == 4
+    for a, b in zip(got.scores, want.scores):
+        assert_same_up_to_rounding(a, b, what="scores")
+    assert got.attentions is None and got.hidden_states is None
+    # The streamer saw the prompt, then each new token, then the end: the sequence returned.
+    assert streamed.ended == 1 and len(streamed.put_ids) == len(model_streamed.put_ids) == 5
+    assert torch.equal(torch.cat([t.reshape(1, -1) for t in streamed.put_ids], 1),
+                       got.sequences)
+    for asked in ("output_attentions", "output_hidden_states"):
+        with pytest.raises(GenerationError, match=f"{asked}=True is not supported"):
+            pipe.generate(**kwargs, **{asked: True})
+
+
 def test_what_would_rearrange_the_cache_is_refused_by_name(llama):
     model, pipe, ids, mask = llama
     with pytest.raises(GenerationError, match="num_beams=1"):
@@ -189,28 +302,57 @@ def test_what_would_rearrange_the_cache_is_refused_by_name(llama):
         pipe.generate(input_ids=ids, cache=None, max_new_tokens=2)
 
 
-def test_sliding_window_layers_shorter_than_the_plan_are_refused_by_name():
-    from fxpipe.generate import _refuse_sliding_windows
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    small = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                 num_key_value_heads=1, intermediate_size=32, vocab_size=100)
-    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=8))
-    with pytest.raises(GenerationError, match="sliding-window attention"):
-        _refuse_sliding_windows(mistral, 16)
-    _refuse_sliding_windows(mistral, 8)                  # the window holds every token
-    _refuse_sliding_windows(Qwen2ForCausalLM(Qwen2Config(**small, sliding_window=8)), 16)
-
-
-@pytest.mark.slow
-def test_gpt2_absolute_positions_equal_model_generate():
+def tiny(arch: str, layers: int) -> nn.Module:
+    """A tiny random causal LM of `arch` (vocabulary 100, width 32-64, `layers` layers); the
+    sliding windows (Mistral, Gemma2's sliding layers) 5 tokens, shorter than what is generated."""
+    import transformers as hf
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=1000)).eval()
-    ids, mask = prompts(4, 6, [2, 0, 3, 0], seed=3)
-    pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=dict(input_ids=ids,
-                                                                 attention_mask=mask),
-                          chunks=2, **FAST)
-    with pipe:
-        plan_generation(pipe, rows=4, prompt=6, length=14, **FAST)
-        got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
-                         do_sample=False)
+    dims = dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, vocab_size=100)
+    gqa = dict(dims, num_key_value_heads=2, intermediate_size=64)
+    made = {
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**gqa)),
+        "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**gqa)),
+        "qwen3": lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**gqa, head_dim=8)),
+        "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(**gqa, sliding_window=5)),
+        "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(**gqa, head_dim=8,
+                                                               sliding_window=5)),
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=layers, n_embd=32, n_head=4,
+                                                         vocab_size=100, bos_token_id=1,
+                                                         eos_token_id=2)),
+        "opt": lambda: hf.OPTForCausalLM(hf.OPTConfig(**dims, ffn_dim=64, word_embed_proj_dim=32,
+                                                      max_position_embeddings=64,
+                                                      pad_token_id=0)),
+        "phi3": lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**gqa, pad_token_id=0, eos_token_id=2,
+                                                         bos_token_id=1)),
+        "falcon": lambda: hf.FalconForCausalLM(hf.FalconConfig(**dims, alibi=True)),
+    }
+    return made[arch]().eval()
+
+
+# What each fast one covers: absolute positions (GPT-2), positions from the mask's cumulative
+# sum (OPT), ALiBi (Falcon), a mix of sliding-window and global layers (Gemma2).
+FAST_ARCHS = ["gpt2", "opt", "falcon", "gemma2"]
+ARCHS = [pytest.param(arch, stages, marks=() if arch in FAST_ARCHS and stages == 2
+                      else pytest.mark.slow)
+         for stages in (2, 4)
+         for arch in ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "opt", "phi3",
+                      "falcon"]]
+
+
+@pytest.mark.parametrize("arch,stages", ARCHS)
+def test_greedy_tokens_equal_model_generate_for_each_architecture(arch, stages, scripted):
+    """A left-padded batch on `stages` stages, 2 lanes; sequence 1 meets its eos early; 15
+    tokens in all, three windows of a sliding layer."""
+    model = tiny(arch, layers=stages)
+    ids, mask = prompts(4, 5, [2, 0, 3, 0], seed=stages, vocab=100)
+    with fxpipe.compile(model, ["cpu"] * stages, example_kwargs=dict(input_ids=ids,
+                                                                    attention_mask=mask),
+                        chunks=2, **FAST) as pipe:
+        plan_generation(pipe, rows=4, prompt=5, length=15, **FAST)
+        free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                              do_sample=False, pad_token_id=0)
+        eos = int(free[1, ids.shape[1] + 2])            # sequence 1's third new token
+        got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                         do_sample=False, eos_token_id=eos)
+        assert (want.sequences[1, ids.shape[1] + 3:] == 0).all()      # it ended early
         assert_same_tokens(got, want, ids.shape[1])

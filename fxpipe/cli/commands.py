@@ -48,6 +48,8 @@ def _plan(args: argparse.Namespace) -> int:
         options["num_stages"] = _count(args.stages)
     devices = _devices(args.devices, None if args.memory is None else
                        _size("--memory", args.memory))
+    if getattr(args, "generate", None) is not None:
+        return _plan_generation(args, model, devices, tokens, options)
     plan = fxpipe.plan(model, devices, inputs, **options)
     if args.name == "plan":
         print(plan)
@@ -59,6 +61,36 @@ def _plan(args: argparse.Namespace) -> int:
         write_stage_graph(plan, root / "stages.svg")
         write_node_graph(plan.graph, plan, root / "graph.dot")
         print(f"saved to {root}")
+    return 0
+
+
+def _plan_generation(args: argparse.Namespace, model: torch.nn.Module, devices: list,
+                     tokens: tuple[int, int] | None, options: dict[str, Any]) -> int:
+    """`plan --generate LENGTH`: the generation plan (`fxpipe.generate`) of B sequences of up
+    to LENGTH tokens, prompts prefilled S at a time (`--tokens BxS`), `--chunks` lanes;
+    printed, and saved with `--save` (`fxpipe.generate.load_generation` reads it)."""
+    from ..generate import Generation, save_generation
+    if tokens is None or args.input or args.train or args.meta:
+        raise UsageError("--generate plans a causal LM's generation on its token ids\n"
+                         "give --tokens BxS (B sequences, prompts prefilled S tokens at a "
+                         "time), without --input, --train or --meta")
+    length = _count(args.generate)
+    if not isinstance(length, int) or length <= tokens[1]:
+        raise UsageError(f"--generate {args.generate}: the tokens in all (prompt and new), "
+                         f"more than the prompt's {tokens[1]}")
+    kept = ("chunks", "progress", "link", "verify", "capture", "leaf_modules", "num_stages")
+    options = {k: v for k, v in options.items() if k in kept}
+    lanes = options.pop("chunks") or 1
+    generation = Generation(
+        model.eval(), devices, rows=tokens[0], prompt=tokens[1], length=length, chunks=lanes,
+        planner=lambda m, d, example, **o: fxpipe.plan(m, d, example_kwargs=example, **o),
+        **options)
+    try:
+        print(generation)
+        if args.save:
+            print(f"saved to {save_generation(generation, args.save)}")
+    finally:
+        generation.close()
     return 0
 
 
