@@ -25,8 +25,8 @@ from typing import Any, Sequence
 import torch
 
 from fxpipe.passes.cost_model import DeviceSpec, Link, LinkFn
-from fxpipe.passes.device import (cached_bytes, free_memory_bytes, gpu_count, gpu_index, is_cpu,
-                                  is_gpu, same_memory, synchronize)
+from fxpipe.passes.device import (cached_bytes, device_count, exists, free_memory_bytes, indexed,
+                                  is_cpu, is_gpu, kind_of, same_memory, synchronize, to_torch)
 from fxpipe.passes.errors import DeviceError
 
 DeviceLike = str | torch.device | DeviceSpec
@@ -54,12 +54,12 @@ def _parse(device: DeviceLike) -> DeviceSpec:
     spec = device if isinstance(device, DeviceSpec) else None
     name = spec.name if spec is not None else device
     try:
-        parsed = torch.device(name)
+        parsed = to_torch(name)
     except (RuntimeError, TypeError) as e:
         raise DeviceError(f"{name!r} is not a device\nuse 'cpu', 'cuda' or 'cuda:N'") from e
-    _check(str(parsed))
-    if is_gpu(parsed) and parsed.index is None:
-        parsed = torch.device("cuda", gpu_index(parsed))
+    _check(name if isinstance(name, str) else str(parsed))
+    if is_gpu(parsed):
+        parsed = indexed(parsed)
     spec = replace(spec, name=str(parsed)) if spec is not None else DeviceSpec(str(parsed))
     _check_spec(spec)
     if is_gpu(parsed) and spec.memory_bytes == math.inf:
@@ -90,7 +90,7 @@ def shared_memory(devices: Sequence[DeviceSpec]) -> list[DeviceSpec]:
 
 def _check(name: str) -> None:
     try:
-        device = torch.device(name)
+        device = to_torch(name)
     except (RuntimeError, TypeError) as e:
         raise DeviceError(f"{name!r} is not a device\nuse 'cpu', 'cuda' or 'cuda:N'") from e
     if is_cpu(device):
@@ -98,12 +98,11 @@ def _check(name: str) -> None:
     if not is_gpu(device):
         raise DeviceError(f"device {name!r} is not supported\nfxpipe runs stages on 'cpu' and "
                           f"'cuda:N' devices")
-    count = gpu_count()
-    index = device.index or 0
-    if index >= count:
-        have = (f"{count} CUDA device{'s' * (count > 1)}: cuda:0..cuda:{count - 1}" if count
-                else "no CUDA device")
-        use = (f"use one of cuda:0..cuda:{count - 1}, or 'cpu'" if count else
+    count, kind = device_count(device), kind_of(device).name
+    if not exists(device):
+        have = (f"{count} {kind.upper()} device{'s' * (count > 1)}: {kind}:0..{kind}:{count - 1}"
+                if count else f"no {kind.upper()} device")
+        use = (f"use one of {kind}:0..{kind}:{count - 1}, or 'cpu'" if count else
                "use 'cpu', or plan for GPUs without them: a DeviceSpec gives a device's memory "
                "and speed, and a saved plan runs where its devices exist")
         raise DeviceError(f"device {name!r} does not exist on this machine ({have})\n{use}")

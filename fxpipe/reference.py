@@ -24,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.passes.device import initialized_gpus
+from fxpipe.passes.device import forked_generators
 from fxpipe.passes.state import unchanged_state
 from fxpipe.passes.capture import attributes_restored
 
@@ -61,7 +61,6 @@ def unchanged(model: nn.Module) -> Iterator[None]:
     values, `fxpipe.passes.state.unchanged_state`), its modules' plain attributes
     (`fxpipe.passes.capture.attributes_restored`) and the random generators are restored after;
     gradients are off."""
-    cuda = initialized_gpus()
-    with unchanged_state(model), attributes_restored(model), torch.random.fork_rng(devices=cuda), \
+    with unchanged_state(model), attributes_restored(model), forked_generators(), \
             torch.no_grad():
         yield

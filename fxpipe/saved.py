@@ -447,7 +447,7 @@ def _fill(root: Path, stage: Stage, document: dict[str, Any], loaded: _Loaded, *
             return None
         if s not in files:
             # torch.load restores to "cpu", never to "cpu:1" (one memory: a plan's CPU names)
-            where = "cpu" if stage.device.type == "cpu" else stage.device
+            where = "cpu" if is_cpu(stage.device) else stage.device
             files[s] = _tensor_file(root / f"stage_{s}.pt", where)
         return files[s][name]
 

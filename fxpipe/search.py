@@ -191,7 +191,7 @@ def gpu_pools(devices: Sequence[DeviceSpec]) -> list[tuple[float, list[int]]]:
     queue on one device, so two stages there overlap their launches but not their work."""
     names = [torch.device(d.name) for d in devices]
     return [(1.0, [int(n == gpu) for n in names])
-            for gpu in dict.fromkeys(n for n in names if n.type == "cuda")
+            for gpu in dict.fromkeys(n for n in names if is_gpu(n))
             if names.count(gpu) > 1]
 
 

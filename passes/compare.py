@@ -5,6 +5,19 @@ Containers compare by their keys and values (a `dict` equals an `OrderedDict` wi
 items), tensors by shape and within a tolerance scaled to their largest magnitude: the order of
 sums changes with the number of threads, and random-init deep networks output values up to 1e12
 that differ by a few epsilons relative, as the model differs from itself on another thread count.
+
+Example (a rounding apart is the same; a dict and an OrderedDict of the same items too):
+
+>>> import torch
+>>> from collections import OrderedDict
+>>> from fxpipe.passes.compare import difference
+>>> x = torch.tensor([1.0, 2.0])
+>>> difference({"y": x + 1e-7}, OrderedDict(y=x), None)
+''
+>>> difference({"y": x * 2}, {"y": x}, None)
+"output 'y' differs by up to 2 (1 of its largest magnitude 2; allowed: 1.91e-06 of it + 1e-05)"
+>>> print(difference({"y": x}, {"z": x}, None))
+outputs differ in structure (...)
 """
 
 from __future__ import annotations

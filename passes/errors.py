@@ -3,6 +3,20 @@ characters) and the fix on the line(s) below it.
 
 `tests/test_error_shape.py` checks every raise; the command line prints the fix indented below the
 problem.
+
+Example (a call a graph cannot take: an `InputError`, one `FxpipeError` to catch them all):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.errors import FxpipeError
+>>> from fxpipe.passes.signature import signature_of
+>>> signature = signature_of(fx.symbolic_trace(nn.Linear(2, 2)))
+>>> try:
+...     signature.flatten_inputs((torch.ones(2), torch.ones(2)))
+... except FxpipeError as e:
+...     print(type(e).__name__, e, sep=": ")
+InputError: 2 positional inputs given; the graph takes 1 positionally
+its positional inputs: input
 """
 
 from __future__ import annotations

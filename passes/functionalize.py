@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .device import is_gpu
+from .device import forked_generators, generators_of
 from .errors import FxpipeError, TraceError
 from .graph_values import attr_value, tensors
 from .materialize import Materialize, MaterializingInterpreter
@@ -294,10 +294,10 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
                              signature_of(gm).flatten_inputs(args, kwargs))
     device = next((t.device for t in tensors(inputs)), torch.device("cpu"))
     interpreter = _WeightsFreed(gm, materialize=materialize, device=device)
-    cuda = sorted({t.device for t in [*gm.parameters(), *gm.buffers(), *tensors(inputs)]
-                   if is_gpu(t.device)}, key=str)
+    generators = generators_of(t.device for t in [*gm.parameters(), *gm.buffers(),
+                                                  *tensors(inputs)])
     try:
-        with unchanged_state(gm), torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with unchanged_state(gm), torch.no_grad(), forked_generators(generators):
             interpreter.run(*inputs)
     except FxpipeError:         # the weights' own (a tensor missing from a checkpoint), as it is
         raise

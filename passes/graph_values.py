@@ -3,6 +3,21 @@ an Interpreter that runs a graph on examples as its generated code would.
 
 The Interpreter gives calls plain lists, as generated code does: a function may edit its list
 arguments.
+
+Example (a value's tensors in order, a parameter by its target, the graph run node by node):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.graph_values import PlainInterpreter, attr_value, tensors
+>>> a, b = torch.zeros(1), torch.ones(2)
+>>> [t.shape for t in tensors({"first": a, "rest": [b, 3, None]})]
+[torch.Size([1]), torch.Size([2])]
+>>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+>>> attr_value(gm, "0.weight") is gm.get_submodule("0").weight
+True
+>>> x = torch.randn(3, 2)
+>>> torch.equal(PlainInterpreter(gm).run(x), gm(x))
+True
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ import torch.fx as fx
 from torch import nn
 
 from .codegen import with_tensors
+from .device import is_cpu
 from .graph_values import PlainInterpreter, attr_value
 from .signature import signature_of
 
@@ -156,7 +157,7 @@ def _huge_pages(t: torch.Tensor) -> torch.Tensor:
     where the call is refused. Not for memory that is written: there each huge page must be
     found whole, which the kernel may compact memory for (slower than small pages)."""
     nbytes = t.untyped_storage().nbytes()
-    if _MADVISE is None or t.device.type != "cpu" or nbytes < 32 * HUGE_PAGE:
+    if _MADVISE is None or not is_cpu(t.device) or nbytes < 32 * HUGE_PAGE:
         return t
     start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE

@@ -58,7 +58,7 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .device import gpu_index, gpu_rng_state, is_gpu, set_gpu_rng_state
+from .device import generators_of, rng_state, seeded_state, set_rng_state
 from .graph_values import attr_value, tensors
 
 _SEED_RANGE = 2 ** 62
@@ -92,20 +92,21 @@ def current_seed() -> int | None:
 
 @dataclass(frozen=True)
 class RngState:
-    """A micro-batch's generator states after its latest draw: CPU, and each CUDA device used."""
+    """A micro-batch's generator states after its latest draw: CPU, and each device used that
+    has generators of its own (a GPU; `fxpipe.passes.device.generators_of`)."""
 
     seed: int
     cpu: torch.Tensor
-    cuda: dict[int, torch.Tensor] = field(default_factory=dict)
+    devices: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def from_seed(seed: int) -> "RngState":
         return RngState(seed, torch.Generator().manual_seed(seed).get_state())
 
-    def cuda_state(self, index: int) -> torch.Tensor:
-        if index in self.cuda:
-            return self.cuda[index]
-        return torch.Generator(f"cuda:{index}").manual_seed(self.seed).get_state()
+    def state_on(self, device: torch.device) -> torch.Tensor:
+        if device in self.devices:
+            return self.devices[device]
+        return seeded_state(device, self.seed)
 
     def __repr__(self) -> str:
         return f"RngState(seed={self.seed})"
@@ -143,21 +144,21 @@ def _draw(state: RngState, op: Callable, args: tuple, kwargs: dict) -> tuple[Any
     devices = {t.device for t in tensors((args, kwargs))} or {torch.get_default_device()}
     if kwargs.get("device") is not None:                    # a factory: `randn(3, device=...)`
         devices.add(torch.device(kwargs["device"]))
-    devices = sorted({gpu_index(d) for d in devices if is_gpu(d)})
+    devices = generators_of(devices)
     with _LOCK:
         caller_cpu = torch.get_rng_state()
-        caller_cuda = {d: gpu_rng_state(d) for d in devices}
+        caller_devices = {d: rng_state(d) for d in devices}
         try:
             torch.set_rng_state(state.cpu)
             for d in devices:
-                set_gpu_rng_state(state.cuda_state(d), d)
+                set_rng_state(d, state.state_on(d))
             out = op(*args, **kwargs)
             after = RngState(state.seed, torch.get_rng_state(),
-                             {**state.cuda, **{d: gpu_rng_state(d) for d in devices}})
+                             {**state.devices, **{d: rng_state(d) for d in devices}})
         finally:
             torch.set_rng_state(caller_cpu)
-            for d, s in caller_cuda.items():
-                set_gpu_rng_state(s, d)
+            for d, s in caller_devices.items():
+                set_rng_state(d, s)
     return out, after
 
 

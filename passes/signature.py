@@ -30,6 +30,22 @@ Each front-end knows its convention (`fxpipe.passes.capture` builds it with `tra
 the graph's current placeholders and output values, which later passes may rewire. A graph
 captured elsewhere is read from the graph itself (fx: inputs fx specialised are then plain
 inputs under fx's names; export: its pytree codegen).
+
+Example (an fx graph's inputs from a call as the model takes it, its output rebuilt as a dict):
+
+>>> import torch
+>>> from torch import fx, nn
+>>> from fxpipe.passes.signature import signature_of
+>>> class Scaled(nn.Module):
+...     def forward(self, x, scale=2.0):
+...         return {"scaled": x * scale, "total": x.sum()}
+>>> signature = signature_of(fx.symbolic_trace(Scaled()))
+>>> signature.names, signature.defaults, signature.out_leaves
+(('x', 'scale'), {'scale': 2.0}, ('mul', 'sum_1'))
+>>> signature.flatten_inputs((torch.ones(2),), {"scale": 3.0})
+[tensor([1., 1.]), 3.0]
+>>> signature.rebuild_outputs({"mul": "the product", "sum_1": "the sum"})
+{'scaled': 'the product', 'total': 'the sum'}
 """
 
 from __future__ import annotations

@@ -3,6 +3,21 @@
 An error about a model names the model's own line, not torch's or fxpipe's: the innermost frame
 outside both, found in an exception's traceback, in the stack trace a node recorded while it was
 traced (`node.meta["stack_trace"]`, fx and export alike), or on the current stack.
+
+Example (torch raises inside a model's code; the frame shown is the model's line):
+
+>>> import torch
+>>> from fxpipe.passes.user_code import describe_frame, user_frame
+>>> def forward(x):
+...     return x @ x
+>>> try:
+...     forward(torch.ones(2, 3))
+... except RuntimeError as e:
+...     frame = user_frame(e)
+>>> frame.name, frame.lineno
+('forward', 2)
+>>> print(describe_frame(frame, one_line=True))
+  at <doctest ...>:2: return x @ x
 """
 
 from __future__ import annotations

@@ -25,7 +25,10 @@ FILE_NAME = re.compile(r"\b[\w]+\.py\b")
 PASSES = ["fxpipe.passes.capture", "fxpipe.passes.functionalize", "fxpipe.passes.randomness",
           "fxpipe.passes.annotate_costs", "fxpipe.passes.partition", "fxpipe.passes.codegen",
           "fxpipe.passes.split_wide", "fxpipe.passes.recompute", "fxpipe.passes.materialize",
-          "fxpipe.passes.state", "fxpipe.passes.blocks"]
+          "fxpipe.passes.state", "fxpipe.passes.blocks", "fxpipe.passes.signature",
+          "fxpipe.passes.compare", "fxpipe.passes.user_code", "fxpipe.passes.graph_values",
+          "fxpipe.passes.errors", "fxpipe.passes.device", "fxpipe.passes.stage",
+          "fxpipe.passes.trace"]
 
 
 def layout_block(text: str) -> list[str]:

@@ -175,3 +175,58 @@ def test_the_seam_check_sees_code_not_prose():
                        "def f(s: torch.cuda.Stream): pass\n"
                        "import torch.cuda\nfrom torch.cuda import Event\n"
                        "from torch import cuda\n") == [2, 3, 4, 5, 6]
+
+
+# ---- device kinds: only the seam tests one ---------------------------------------------------
+
+# Modules allowed to test a device's kind themselves, each with its reason (none today: ask
+# `fxpipe.passes.device.kind_of`, `is_cpu`, `is_gpu`).
+KIND_TESTS_ALLOWED: dict[str, str] = {}
+NOT_A_KIND = {"meta"}    # a tensor without values: no device kind, tested where it is
+
+
+def _tests_a_kind(source: str) -> list[int]:
+    """The lines of `source` whose code tests a device's kind by name: "cuda" compared
+    (`dev.type == "cuda"`, `"cuda" in str(dev)`), a `.type` compared to a kind's name, an
+    `is_cuda` read, a `torch.device("cuda", i)` made; docstrings, comments and messages aside."""
+    def cuda(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+            node.value.split(":")[0] == "cuda"
+
+    def a_type(node):
+        return isinstance(node, ast.Attribute) and node.attr == "type"
+
+    def a_kind(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+            node.value not in NOT_A_KIND
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(map(cuda, sides)) or (any(map(a_type, sides)) and any(map(a_kind, sides))):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("device") and \
+                node.args and cuda(node.args[0]):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_device_seam_tests_a_device_kind():
+    found = {path.relative_to(ROOT).as_posix(): lines
+             for folder in ("fxpipe", "passes") for path in sorted((ROOT / folder).rglob("*.py"))
+             if (lines := _tests_a_kind(path.read_text()))}
+    found.pop(DEVICE_SEAM, None)
+    others = {name: lines for name, lines in found.items() if name not in KIND_TESTS_ALLOWED}
+    assert not others, (f"a device's kind tested outside {DEVICE_SEAM} (module: lines): "
+                        f"{others}; ask it (is_cpu, is_gpu, kind_of(device).<what you need>)")
+
+
+def test_the_kind_check_sees_tests_not_messages():
+    assert _tests_a_kind('"""d.type == "cuda" """\n# d.type == "cuda"\n'
+                         'raise E(f"use \'cuda:N\'")\nx = d.type == "meta"\n') == []
+    assert _tests_a_kind('a = d.type == "cuda"\nb = "cuda" in str(d)\nc = t.is_cuda\n'
+                         'e = d.type != "cpu"\nf = torch.device("cuda", 1)\n'
+                         'g = "cuda:0" == name\n') == [1, 2, 3, 4, 5, 6]

@@ -5,7 +5,6 @@ No GPU here: a second device is "meta" where only placement is looked at, and CU
 patched where what matters is which device they name.
 """
 
-import contextlib
 import copy
 import math
 
@@ -21,6 +20,7 @@ from fxpipe.passes import codegen
 from fxpipe.passes.annotate_costs import annotate_costs, start_timer
 from fxpipe.passes.codegen import held_by_stages, place, split_stages
 from fxpipe.passes.capture import trace
+from fxpipe.passes.device import kind_of
 from nets import NormDrop
 
 
@@ -182,20 +182,16 @@ def test_a_gpu_is_timed_by_events_on_its_own_stream(monkeypatch):
 
 
 def test_capture_forks_the_generator_of_every_gpu_it_seeds(monkeypatch):
-    forked = []
-    real_fork = torch.random.fork_rng
-
-    @contextlib.contextmanager
-    def noting_fork(devices=None, **options):
-        forked.append(list(devices))
-        with real_fork(devices=[], **options):    # no GPU here to fork
-            yield
+    forked, restored = [], []
+    cuda = kind_of("cuda")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
-    monkeypatch.setattr(torch.random, "fork_rng", noting_fork)
+    monkeypatch.setattr(cuda, "rng_state", lambda device: forked.append(device) or device)
+    monkeypatch.setattr(cuda, "set_rng_state", lambda device, state: restored.append(state))
     trace(Tied(), (torch.randn(4, 8),))
-    assert forked and all(devices == [0, 1] for devices in forked)
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert forked and forked == gpus * (len(forked) // 2) and restored == forked
 
 
 # ---- devices: the current GPU, its free memory, shared among its stages -----------------------

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.passes.device import is_gpu, reduces_float32
 from fxpipe.passes.errors import FxpipeError
 
 from ..reference import copied, unchanged
@@ -89,8 +90,8 @@ def measured_tolerance(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
         return _reduced_tolerance(model, args, kwargs, reduced_dtype, rounded=rounded, seed=seed)
     tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *model.parameters(),
                            *model.buffers()] if isinstance(t, torch.Tensor)]
-    gpu = next((t.device for t in tensors if t.device.type == "cuda"),
-               next((torch.device(d) for d in devices if torch.device(d).type == "cuda"), None))
+    gpu = next((t.device for t in tensors if is_gpu(t.device)),
+               next((torch.device(d) for d in devices if is_gpu(d)), None))
     inner = model.model if isinstance(model, _Holding) else model
     if isinstance(inner, _GraphRun):
         return _meta_tolerance(inner, args, kwargs, rounded=rounded, seed=seed)
@@ -273,5 +274,5 @@ def _reduced_float32(tensors: Sequence[torch.Tensor], gpu: torch.device | None) 
     """Whether the float32 work among `tensors` may run in TF32 on `gpu`: there is a GPU and
     float32 work, and torch lets convolutions or matrix products there use TF32."""
     return gpu is not None and any(t.dtype == torch.float32 for t in tensors) and \
-        (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32)
+        reduces_float32(gpu)
 

@@ -78,7 +78,7 @@ def rank_device(planned: torch.device, device: DeviceLike | None = None) -> Devi
     (`torch.cuda.set_device`), so that what runs without naming a device runs there too."""
     if device is None:
         local = os.environ.get("LOCAL_RANK")
-        device = torch.device("cuda", int(local)) if (
+        device = torch.device(planned.type, int(local)) if (
             is_gpu(planned) and local is not None) else planned
     chosen = torch.device(device.name if isinstance(device, DeviceSpec) else device)
     if is_gpu(chosen) and chosen.index is not None:

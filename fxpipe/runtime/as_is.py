@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 from torch import nn
 
-from fxpipe.passes.device import initialized_gpus, seed_gpu
+from fxpipe.passes.device import forked_generators, seed_generators, started_generators
 from fxpipe.passes.errors import FxpipeError, StageError
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.signature import Signature
@@ -29,16 +29,15 @@ def run_as_is(runtime: Runtime, stage: Stage, model: nn.Module, args: tuple,
     in `runtime.last_run`, a failure raised as a `StageError` (but fxpipe's own errors, a loss
     refused, as they are)."""
     seed = microbatch_seeds(1)[0]
-    cuda = initialized_gpus()
+    generators = started_generators()
     record = Run(num_stages=1, microbatches=1)
     runtime.last_run = record
     start = time.perf_counter()
     try:
-        with torch.random.fork_rng(devices=cuda), stage_memory(stage):
+        with forked_generators(generators), stage_memory(stage):
             # torch.manual_seed(seed), for the generators there are (it costs 100 us more).
             torch.default_generator.manual_seed(seed)
-            for index in cuda:
-                seed_gpu(index, seed)
+            seed_generators(seed, generators)
             out = then(model(*args, **kwargs))
     except FxpipeError as e:
         record.error = f"{type(e).__name__} in the model run as is"

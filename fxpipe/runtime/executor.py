@@ -41,7 +41,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Seque
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.device import Stream, current_stream, use_stream, wait_stream
+from fxpipe.passes.device import Stream, autocast_types, current_stream, use_stream, wait_stream
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
@@ -110,7 +110,7 @@ class StageExecutor:
         # again there (and draw from the micro-batch's seed again, which each run carries).
         self._regions = any(isinstance(m, Recomputed) for m in stage.module.modules())
         self._grad_enabled = torch.is_grad_enabled() or bool(self.backward_for)
-        self._autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+        self._autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in autocast_types()
                           if torch.is_autocast_enabled(kind)]
 
     @contextlib.contextmanager

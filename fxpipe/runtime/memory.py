@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.passes.cost_model import gpu_block_bytes
-from fxpipe.passes.device import initialized_gpus, is_gpu, peak_bytes, reset_peak_bytes
+from fxpipe.passes.device import is_gpu, peak_bytes, reset_peak_bytes, started_devices
 from fxpipe.passes.stage import Stage
 
 DRIVER = -1     # the caller's thread outside any stage
@@ -174,7 +174,7 @@ def track_memory() -> Iterator[Measured]:
     if _ACTIVE is not None:
         raise RuntimeError("memory is being tracked already: one track_memory() at a time")
     tracking = _ACTIVE = _Tracking()
-    gpus = [torch.device("cuda", i) for i in initialized_gpus()]
+    gpus = started_devices()
     for gpu in gpus:
         reset_peak_bytes(gpu)
     try:

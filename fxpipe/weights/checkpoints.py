@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from fxpipe.passes.device import gpu_index, is_cpu, is_gpu
+from fxpipe.passes.device import indexed, is_cpu, is_gpu
 from fxpipe.passes.errors import PlanFileError
 
 from .base import Weights, _StateDict
@@ -56,8 +56,8 @@ class _Safetensors(Weights):
             by_file.setdefault(self.files[name], []).append(name)
         # safetensors names a CUDA device by its index ("cuda:0"), not a bare "cuda", and the
         # CPU only as "cpu" (a plan's "cpu:1" is the same memory)
-        if is_gpu(device) and device.index is None:
-            device = torch.device("cuda", gpu_index(device))
+        if is_gpu(device):
+            device = indexed(device)
         elif is_cpu(device):
             device = torch.device("cpu")
         out = {}

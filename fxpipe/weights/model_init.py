@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from fxpipe.passes.device import gpu_index, is_gpu, seed_gpu
+from fxpipe.passes.device import forked_generators, generators_of, seed_generators
 from fxpipe.passes.errors import PlanFileError
 
 from .base import Weights, _StateDict
@@ -323,12 +323,11 @@ _SEEDING = threading.Lock()     # stages loading on threads of one process draw 
 @contextlib.contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Draw from `seed` on the CPU and on `device`; the generators' states are restored after.
-    Only `device`'s CUDA generator is touched (another GPU's is neither seeded nor read)."""
-    cuda = [gpu_index(device)] if is_gpu(device) else []
-    with _SEEDING, torch.random.fork_rng(devices=cuda):
+    Only `device`'s own generator is touched (another GPU's is neither seeded nor read)."""
+    generators = generators_of([device])
+    with _SEEDING, forked_generators(generators):
         torch.random.default_generator.manual_seed(seed)
-        for index in cuda:
-            seed_gpu(index, seed)
+        seed_generators(seed, generators)
         yield
 
 

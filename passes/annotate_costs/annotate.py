@@ -13,7 +13,7 @@ from torch import nn
 
 from ..codegen import placed_copy
 from ..cost_model import NodeCost
-from ..device import is_gpu
+from ..device import forked_generators, generators_of
 from ..graph_values import attr_value
 from ..materialize import Materialize
 from ..signature import signature_of
@@ -72,9 +72,9 @@ def annotate_costs(gm: fx.GraphModule, args: tuple = (), kwargs: Mapping[str, An
     interpreter = CostInterpreter(measured, device, backward=backward, progress=progress,
                                   materialize=materialize, reuse_blocks=reuse_blocks,
                                   max_node_bytes=max_node_bytes)
-    generators = [device] if is_gpu(device) else []
+    generators = generators_of([device])
     limit = max(repeats, 3 * repeats if max_repeats is None else max_repeats)
-    with unchanged_state(measured), torch.no_grad(), torch.random.fork_rng(devices=generators):
+    with unchanged_state(measured), torch.no_grad(), forked_generators(generators):
         for run in range(warmup + limit):
             interpreter.watch = StateWatch(measured) if run == 0 else None
             fresh = [_to_device(_clone(v), device) for v in inputs]

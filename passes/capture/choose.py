@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..device import initialized_gpus
+from ..device import forked_generators
 from ..errors import FxpipeError, InputError, TraceError
 from ..materialize import holds_meta
 from ..state import unchanged_state
@@ -149,7 +149,7 @@ def _raise_if_the_model_fails(model: nn.Module, request: Request) -> None:
         return
     given = copied((request.args, request.kwargs))
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=initialized_gpus()), \
+        with torch.no_grad(), forked_generators(), \
                 unchanged_state(model):
             without_side_effects(model, request.example, lambda: model(*given[0], **given[1]))
     except Exception as e:

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..compare import difference
-from ..device import initialized_gpus
+from ..device import forked_generators
 from ..errors import FxpipeError
 from ..state import unchanged_state
 from ..user_code import describe_frame, user_frame
@@ -216,9 +216,8 @@ def mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple,
     """
     given = copied((args, kwargs))
     # `manual_seed` seeds every GPU's generator too: each one there is is forked.
-    cuda = initialized_gpus()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with torch.no_grad(), forked_generators():
             with unchanged_state(model):
                 torch.manual_seed(0)
                 expected = model(*given[0], **given[1])
