@@ -24,14 +24,14 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.passes.cost_model import default_link
-from fxpipe.passes.errors import CostError, DeviceError, ModelChangedError, PipelineClosedError
+from fxpipe.passes.errors import CostError, DeviceError, PipelineClosedError
 
 from .plan_data import Plan, observe, refuse_without_weights
 from .saved import PlanFileError, save_stage_weights
 from .runtime import Run, streaming, training
 from .runtime.calls import call, runtime_of
 from .runtime.front import Facade, LossCheck
-from .runtime.holding import carry_values, gathered  # noqa: F401 (carry_values: prepare's)
+from .runtime.holding import carry_values, check_mode_without_model, gathered
 from .runtime.memory import tracked
 from .explain import explain
 from .model_watch import ModelWatch
@@ -244,20 +244,8 @@ class Pipeline(nn.Module):
         """Run as the model in `mode` runs (`model.train(mode)`). A graph that reads the mode
         (dropout, BatchNorm, `if self.training:`) was captured in one mode: the first switch to
         the other captures the model again and plans its own stages, on the same parameters."""
-        captured = self.plan.capture.training
-        if self._recipe is None and captured is not None and captured != mode:
-            have, want = ("train", "eval") if captured else ("eval", "train")
-            raise ModelChangedError(
-                f"this pipeline's graph was captured by torch.export in {have} mode\n"
-                f"that fixes how its dropout and BatchNorm behave: compile the model after "
-                f"model.{want}() to run it in {want} mode")
-        if self._recipe is None and mode != self._planned_mode:
-            # No model to capture again (an fx graph may have read `self.training` at capture).
-            have, want = ("train", "eval") if self._planned_mode else ("eval", "train")
-            raise ModelChangedError(
-                f"a plan made in {have} mode has no model to capture in {want} mode\n"
-                f"this pipeline runs such a plan; plan the model after model.{want}() for "
-                f"that (or compile it, which switches modes)")
+        if self._recipe is None:
+            check_mode_without_model(self.plan, self._planned_mode, mode)
         if self._recipe is not None and mode != self.training and mode not in self._modes:
             self._watch.replaced(self.plan.stages)
             self._modes[self.training] = self._mode_state()

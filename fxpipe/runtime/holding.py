@@ -1,16 +1,40 @@
 """What a pipeline holds under the model's names: one module gathering a loaded plan's stages'
 tensors (`gathered`), and the values carried from one mode's stages to the other's
-(`carry_values`), where the two placed copies of a tensor on different devices."""
+(`carry_values`), where the two placed copies of a tensor on different devices; a pipeline
+without the model it was planned from runs the mode it was planned in only
+(`check_mode_without_model`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
-from fxpipe.passes.errors import PlanFileError
+from fxpipe.passes.errors import ModelChangedError, PlanFileError
 from fxpipe.passes.stage import Stage
+
+if TYPE_CHECKING:
+    from ..plan_data import Plan
+
+
+def check_mode_without_model(plan: Plan, planned_mode: bool, mode: bool) -> None:
+    """Refuse `train(mode)` for a pipeline that has no model to capture again (a loaded plan's):
+    a graph torch.export captured fixes how its dropout and BatchNorm behave, and an fx graph may
+    have read `self.training` in Python at capture, so only the mode planned in runs."""
+    captured = plan.capture.training
+    if captured is not None and captured != mode:
+        have, want = ("train", "eval") if captured else ("eval", "train")
+        raise ModelChangedError(
+            f"this pipeline's graph was captured by torch.export in {have} mode\n"
+            f"that fixes how its dropout and BatchNorm behave: compile the model after "
+            f"model.{want}() to run it in {want} mode")
+    if mode != planned_mode:
+        have, want = ("train", "eval") if planned_mode else ("eval", "train")
+        raise ModelChangedError(
+            f"a plan made in {have} mode has no model to capture in {want} mode\n"
+            f"this pipeline runs such a plan; plan the model after model.{want}() for "
+            f"that (or compile it, which switches modes)")
 
 
 def carry_values(source: nn.Module, target: nn.Module) -> None:
