@@ -4,12 +4,11 @@ A call or step starts with the front in-process runs use (`runtime.front`): each
 stage-0 rank splits its batch (into `chunks` micro-batches, or one per row where it has fewer
 rows) and draws the seeds, and every rank of the replica learns them and their count, so each
 builds the same timetable and the last merges the outputs. Each replica's stage-0 rank feeds
-its inputs (moved onto its stage's device); each rank walks its
-row with the runtime's `StageRow`, driven by the runtime's `Driver`, along
-`Wiring.with_inputs_at_last`; the last stage returns the output or the loss. `train_step` is
-`fxpipe.runtime.step`'s contract with the totals learnt by one all-reduce over every rank (the loss
-of every replica, the count of a (loss_sum, count) step), each replica's loss weighted by its rows'
-share. After the backward a tied weight's gradient is summed over its holders, then each stage's
+its inputs (moved onto its stage's device); each rank walks its row with the runtime's
+`StageRow`, driven by the runtime's `Driver`, along `Wiring.with_inputs_at_last`; the last
+stage returns the output or the loss. `train_step` is `fxpipe.runtime.step`'s contract with
+the totals learnt by one all-reduce over every rank (the loss of every replica, the count of a
+(loss_sum, count) step), each replica's loss weighted by its rows' share. After the backward a tied weight's gradient is summed over its holders, then each stage's
 replicas' gradients summed; the gradients of graph inputs go back to the stage-0 rank. `last_run`
 is this rank's row, timed.
 
