@@ -196,6 +196,32 @@ def test_each_rank_records_its_row_of_the_timetable_with_its_times(two_ranks):
         assert ends == sorted(ends)        # one row, in order
 
 
+def test_a_batch_of_fewer_rows_than_chunks_runs_on_ranks_as_in_process(tmp_path):
+    """One front for both (`runtime.front`): a batch of 3 rows on a plan of 4 chunks runs as 3
+    micro-batches of one row on the ranks as in process (not a BatchError), the output, loss
+    and gradients the pipeline's and the model's, each rank's row the timetable of 3."""
+    from fxpipe.schedules import timetable_for
+    torch.manual_seed(0)
+    model, x, target = Branchy(), torch.randn(8, 8), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, training=True)
+    pipe.plan.save(tmp_path / "plan")
+    x, target = x[:3], target[:3]
+    torch.save({"x": x, "target": target}, tmp_path / "data.pt")
+    launch(tmp_path / "plan", tmp_path / "data.pt", tmp_path / "out", 2)
+    assert errors(tmp_path / "out", 2) == [None, None]
+    ranks = results(tmp_path / "out", 2)
+    with torch.no_grad():
+        expected = pipe(x)
+        assert pipe.last_run.microbatches == 3
+        assert_same_up_to_rounding(ranks[-1]["output"], expected)
+        assert_same_up_to_rounding(ranks[-1]["output"], model(x))
+    assert_trains_as_the_model(model, x, target, pipe, tmp_path / "out", 2)
+    timetable = timetable_for("gpipe", 2, 3, backward=True)
+    for rank, got in enumerate(ranks):
+        assert [(s, m, phase) for s, m, phase, *_ in got["run"][0]] == \
+            [(a.stage, a.microbatch, a.phase.name) for a in timetable[rank]]
+
+
 def recompute_relus(pipe):
     """Every stage recomputes its ReLUs, as runs under torch.utils.checkpoint."""
     from fxpipe.passes.recompute import checkpoint_regions

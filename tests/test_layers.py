@@ -230,3 +230,19 @@ def test_the_kind_check_sees_tests_not_messages():
     assert _tests_a_kind('a = d.type == "cuda"\nb = "cuda" in str(d)\nc = t.is_cuda\n'
                          'e = d.type != "cpu"\nf = torch.device("cuda", 1)\n'
                          'g = "cuda:0" == name\n') == [1, 2, 3, 4, 5, 6]
+
+
+# The Pipeline is a façade (issue 52): it holds the plan, the runtime and the model watch and
+# forwards each way of running to its driver in runtime/, so its module stays short.
+FACADE_LINES = 300
+
+
+def test_the_pipeline_facade_is_at_most_300_lines():
+    defining = [path for path in _modules().values()
+                if "\nclass Pipeline(" in "\n" + path.read_text()]
+    assert len(defining) == 1, f"one module defines class Pipeline, found {defining}"
+    lines = len(defining[0].read_text().splitlines())
+    assert lines <= FACADE_LINES, (
+        f"{defining[0].relative_to(ROOT)} has {lines} lines, over the façade's {FACADE_LINES}; "
+        f"move what a way of running does into its driver in fxpipe/runtime/ (calls, training, "
+        f"streaming), leaving Pipeline the forward")

@@ -1,11 +1,14 @@
 """`DistributedStage`: this rank's stage of a plan, walking its row of each step.
 
-Each replica's stage-0 rank feeds its inputs (moved onto its stage's device); each rank walks its
-row with the runtime's `StageRow`, driven by the runtime's `Driver`, along
-`Wiring.with_inputs_at_last`; the last stage returns the output or the loss. `train_step` is
-`fxpipe.runtime.step`'s contract with the totals learnt by one all-reduce over every rank (the loss
-of every replica, the count of a (loss_sum, count) step), each replica's loss weighted by its rows'
-share. After the backward a tied weight's gradient is summed over its holders, then each stage's
+A call or step starts with the front in-process runs use (`runtime.front`): each replica's
+stage-0 rank splits its batch (into `chunks` micro-batches, or one per row where it has fewer
+rows) and draws the seeds, and every rank of the replica learns them and their count, so each
+builds the same timetable and the last merges the outputs. Each replica's stage-0 rank feeds
+its inputs (moved onto its stage's device); each rank walks its row with the runtime's
+`StageRow`, driven by the runtime's `Driver`, along `Wiring.with_inputs_at_last`; the last
+stage returns the output or the loss. `train_step` is `fxpipe.runtime.step`'s contract with
+the totals learnt by one all-reduce over every rank (the loss of every replica, the count of a
+(loss_sum, count) step), each replica's loss weighted by its rows' share. After the backward a tied weight's gradient is summed over its holders, then each stage's
 replicas' gradients summed; the gradients of graph inputs go back to the stage-0 rank. `last_run`
 is this rank's row, timed.
 
@@ -28,14 +31,14 @@ import torch.fx as fx
 
 from fxpipe.passes.errors import StageError
 from fxpipe.passes.graph_values import tensors
-from fxpipe.passes.randomness import microbatch_seeds
 
 from .. import microbatch
 from ..runtime.executor import StageExecutor
+from ..runtime.front import Front, merged, split, timetable
 from ..runtime.orchestrator import Driver, Run, StageRow, row_executor, send_inputs
 from ..saved import save_stage_weights
 from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
-from ..schedules import Phase, gpipe, timetable_for
+from ..schedules import Phase
 from ..wiring import DRIVER
 from .transport import DistributedError, DistributedTransport, PeerFailedError
 
@@ -108,26 +111,24 @@ class DistributedStage:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output (on stage `last`; None elsewhere) for the inputs given on stage 0
         (those given elsewhere are not read), in the plan's micro-batches, GPipe order; each
-        replica runs its own inputs."""
-        chunks: list[dict[str, Any]] = []
+        replica runs its own inputs; a batch of fewer rows than `chunks` runs one micro-batch per
+        row, as in process."""
+        def prepare() -> Front:
+            signature = self.plan.signature
+            return split(self.plan, dict(zip(signature.placeholders,
+                                             signature.flatten_inputs(args, kwargs))))
 
-        def prepare() -> None:
-            values = dict(zip(self.plan.signature.placeholders,
-                              self.plan.signature.flatten_inputs(args, kwargs)))
-            chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
-
-        seeds, _ = self._start(prepare)
+        chunks, seeds, _ = self._start(prepare)
         outputs: dict[int, Any] = {}
 
         def collect(m: int, received: dict[str, Any], out: dict[str, Any]) -> None:
             outputs[m] = self.plan.signature.rebuild_outputs({**received, **out})
 
-        self._run(gpipe(self.num_stages, self.plan.chunks), chunks, seeds, None,
+        self._run(timetable(self.plan, len(seeds), training=False), chunks, seeds, None,
                   collect if self.index == self.last else None)
         if self.index != self.last:
             return None
-        return microbatch.merge([outputs[m] for m in range(self.plan.chunks)],
-                                self.plan.output_dims)
+        return merged(self.plan, [outputs[m] for m in range(len(seeds))])
 
     def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Any], *,
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
@@ -153,16 +154,17 @@ class DistributedStage:
         one all-reduce at the end of each step.
         """
         check_reduction(reduction)
-        chunks: list[dict[str, Any]] = []
         leaves: list[torch.Tensor] = []      # the caller's inputs that take a gradient
 
-        def prepare() -> int:
+        def prepare() -> Front:
             values = step_inputs(self.plan.signature, inputs)
             leaves.extend(t for t in tensors(values) if t.requires_grad and t.is_leaf)
-            chunks.extend(microbatch.split(values, self.plan.chunks, self._batch_dims))
-            return microbatch.batch_size(values, self._batch_dims)
+            front = split(self.plan, values)
+            microbatch.batch_size(values, self.plan.placeholder_dims)   # no batch: refused
+            return front
 
-        seeds, rows_in = self._start(prepare)
+        chunks, seeds, rows_in = self._start(prepare)
+        microbatches = len(seeds)
         # This replica's share of the whole batch's loss, so that every gradient (parameters and
         # inputs alike) is already its part of the whole batch's, and replicas add theirs up.
         share = 1.0
@@ -177,13 +179,12 @@ class DistributedStage:
                         check_rows_mean=not self._rows_mean_checked,
                         output_dims=self.plan.output_dims)
         step.grads.start()
-        self._agree(self.last, lambda: step.split_targets(target, self.plan.chunks,
+        self._agree(self.last, lambda: step.split_targets(target, microbatches,
                                                           self.stage.device, rows_in))
-        timetable = timetable_for(self.plan.schedule, self.num_stages, self.plan.chunks,
-                                  backward=True)
-        executor = self._run(timetable, chunks, seeds, step, None, training=True)
+        executor = self._run(timetable(self.plan, microbatches, training=True), chunks, seeds,
+                             step, None, training=True)
         self._reduce_gradients()
-        losses = [executor.losses[m] for m in range(self.plan.chunks)] \
+        losses = [executor.losses[m] for m in range(microbatches)] \
             if self.index == self.last else []
         # Every rank learns the whole count (and the last stages the loss of every replica) in
         # one all-reduce; this step's gradients are scaled by one over the count. The first
@@ -279,20 +280,25 @@ class DistributedStage:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
 
-    @property
-    def _batch_dims(self) -> dict[str, Any]:
-        return {p: self.plan.batch_dims.get(p, 0) for p in self.plan.signature.placeholders}
-
     def _check_open(self) -> None:
         if self.closed:
             raise DistributedError(f"rank {self.rank}'s stage is closed\nload the plan again "
                                    f"(fxpipe.distributed.load) to run it")
 
-    def _start(self, prepare: Callable[[], Any]) -> tuple[list[int], Any]:
-        """Rank 0 prepares the step's inputs (`prepare()`) and draws the micro-batch seeds; every
-        rank gets the seeds and what `prepare` returned, or raises if it failed on rank 0."""
+    def _start(self, prepare: Callable[[], Front]
+               ) -> tuple[list[dict[str, Any]], list[int], int | None]:
+        """The run's front (`runtime.front`): the replica's stage-0 rank splits the step's inputs
+        (`prepare()`) and draws each micro-batch's seed; every rank of the replica gets the seeds
+        (one per micro-batch: their count) and the batch's rows, or raises if `prepare` failed.
+        Returns the micro-batches (on the stage-0 rank; none elsewhere), seeds and rows."""
         self._check_open()
-        return self._agree(0, lambda: (microbatch_seeds(self.plan.chunks), prepare()))
+        fronts: list[Front] = []
+
+        def start() -> tuple[list[int], int | None]:
+            fronts.append(prepare())
+            return fronts[0].seeds(), fronts[0].rows
+        seeds, rows = self._agree(0, start)
+        return (fronts[0].chunks if fronts else []), seeds, rows
 
     def _agree(self, source: int, prepare: Callable[[], Any]) -> Any:
         """`prepare()` on stage `source` of this replica, its result on every rank of the
@@ -342,7 +348,8 @@ class DistributedStage:
                 forwarded(m, values, out)
 
         row = StageRow(executor, timetable[index], self.flow, self.transport)
-        rank, record = _RankRun(self, executor), Run(num_stages=self.num_stages)
+        rank, record = _RankRun(self, executor), Run(num_stages=self.num_stages,
+                                                      microbatches=len(seeds))
         with rank.driving(record, None, failure=self._named):
             if index == 0:
                 for m, values in enumerate(chunks):

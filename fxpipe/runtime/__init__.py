@@ -1,7 +1,18 @@
 """Executes a timetable of (stage, micro-batch, F|B) actions on a pipeline's stages.
 
-Parts, each replaceable without the others (as torchgpipe and torch.distributed.pipelining
-keep them apart):
+The ways of running are small drivers, each checking its own arguments, which the `Pipeline`
+(`fxpipe.pipeline`, a façade) forwards to with its current mode (`front.Facade`):
+
+- `calls`: a call (`pipe(...)`), and a plan's stages called or trained without a Pipeline
+  (compile's check and race).
+- `training`: `train_step`, and the step of each of `stream_train`'s exact windows.
+- `streaming`: `stream`, and `stream_train`'s exact and asynchronous windows (`asynchronous`).
+- `fxpipe.generate` (above the runtime): generation, on the runtime's per-stage `state`.
+
+Each splits its batch by one front (`front`: split -> timetable -> seeds -> run -> merge), which
+torchrun ranks share (`fxpipe.distributed.stage`). `holding`: the pipeline's tensors under the
+model's names. Below the drivers, parts each replaceable without the others (as torchgpipe and
+torch.distributed.pipelining keep them apart):
 
 - `executor`: `StageExecutor` runs one stage's forward or backward for one micro-batch on the
   calling thread: seeds, cutting autograd at the stage boundary, what the backward keeps, the

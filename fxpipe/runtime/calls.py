@@ -1,7 +1,8 @@
-"""A plan's stages run as a Pipeline runs them, without a Pipeline: a runtime for a plan, one
-call, one train step. The Pipeline (`fxpipe.pipeline`) calls them, and so do compile's check and
-race (`fxpipe.checks`, `fxpipe.measure`), which build no Pipeline: planning imports these, not
-the runtime's façade.
+"""A call's driver (`pipe(*args, **kwargs)`), and a plan's stages run as a Pipeline runs them,
+without a Pipeline: a runtime for a plan, one call, one train step. The Pipeline
+(`fxpipe.pipeline`) calls them, and so do compile's check and race (`fxpipe.checks`,
+`fxpipe.measure`), which build no Pipeline: planning imports these, not the runtime's façade.
+Each splits its batch by the shared front (`runtime.front`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import torch
 
 from fxpipe.passes.errors import StageError
 from fxpipe.passes.graph_values import tensors
-from fxpipe.passes.randomness import microbatch_seeds
+from torch import nn
 
-from .. import microbatch
-from ..schedules import gpipe, timetable_for
+from .as_is import run_as_is
+from .front import merged, split, timetable
 from .orchestrator import Runtime
 
 if TYPE_CHECKING:
@@ -29,6 +30,15 @@ def runtime_of(plan: Plan) -> Runtime:
                    recompute=plan.stage_recompute)
 
 
+def call(plan: Plan, runtime: Runtime, model: nn.Module | None, args: tuple,
+         kwargs: dict[str, Any]) -> Any:
+    """`pipe(*args, **kwargs)`: the model's own forward where the plan runs it as is (`model`,
+    as it is now: every hook fires), the stages' call otherwise."""
+    if model is not None:
+        return run_as_is(runtime, plan.stages[0], model, args, kwargs)
+    return call_stages(plan, runtime, args, kwargs)
+
+
 def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any]) -> Any:
     """One call of `plan`'s stages on the model's inputs, as `pipe(*args, **kwargs)` makes it:
     split into micro-batches (one per row for a batch of fewer rows than chunks), run by
@@ -36,15 +46,15 @@ def call_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, Any
     output. Compile's check runs it in order, without a Pipeline."""
     signature = plan.signature
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
-    chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
+    front = split(plan, values)
     try:
-        outputs, record = runtime.run(gpipe(len(plan.stages), len(chunks)), chunks,
-                                      seeds=microbatch_seeds(len(chunks)))
+        outputs, record = runtime.run(timetable(plan, front.microbatches, training=False),
+                                      front.chunks, seeds=front.seeds())
     except StageError as error:
-        raise with_the_call(error, plan, values, len(chunks)) from error.__cause__
-    record.rows = microbatch.rows_of(values, plan.placeholder_dims)
-    return microbatch.merge([signature.rebuild_outputs({**chunk, **out})
-                             for chunk, out in zip(chunks, outputs)], plan.output_dims)
+        raise with_the_call(error, plan, values, front.microbatches) from error.__cause__
+    record.rows = front.rows
+    return merged(plan, [signature.rebuild_outputs({**chunk, **out})
+                         for chunk, out in zip(front.chunks, outputs)])
 
 
 def with_the_call(error: StageError, plan: Plan, values: dict[str, Any],
@@ -67,7 +77,7 @@ def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, An
     compile's race times in training. `.grad` is left as it was."""
     signature = plan.signature
     values = dict(zip(signature.placeholders, signature.flatten_inputs(args, kwargs)))
-    chunks = microbatch.split_up_to(values, plan.chunks, plan.placeholder_dims)
+    front = split(plan, values)
     params = list({id(p): p for stage in plan.stages for p in stage.module.parameters()}.values())
     before = [p.grad for p in params]
 
@@ -78,8 +88,8 @@ def train_stages(plan: Plan, runtime: Runtime, args: tuple, kwargs: dict[str, An
     try:
         for p in params:
             p.grad = None
-        runtime.run(timetable_for(plan.schedule, len(plan.stages), len(chunks), backward=True),
-                    chunks, loss_of=loss_of, seeds=microbatch_seeds(len(chunks)))
+        runtime.run(timetable(plan, front.microbatches, training=True), front.chunks,
+                    loss_of=loss_of, seeds=front.seeds())
     finally:
         for p, grad in zip(params, before):
             p.grad = grad
