@@ -69,7 +69,7 @@ from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.blocks import block_of
 from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, cost_graph, format_bytes
 from fxpipe.passes.partition import evaluate
-from fxpipe.report import cost_sources
+from fxpipe.plans.report import cost_sources
 from fxpipe.testing.memory import peak_bytes, return_freed_memory
 from fxpipe.weights import Init, open_weights, save_weights, shard_layout
 

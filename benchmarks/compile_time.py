@@ -52,7 +52,7 @@ PHASES = {
     "race": ["race"],
 }
 # The modules that call them, before planning was prepared once (`api` did) and after.
-CALLERS = ("api", "prepare", "measure", "search")
+CALLERS = ("api", "planning.prepare", "planning.measure", "planning.search")
 
 
 class Net(nn.Module):

@@ -1,13 +1,13 @@
 """`fxpipe.plan` and `fxpipe.compile`: the steps of planning conducted, then the race.
 
-`plan` captures the model once per mode and prepares it (`fxpipe.prepare.prepare`: functionalized,
+`plan` captures the model once per mode and prepares it (`fxpipe.planning.prepare.prepare`: functionalized,
 seeded, its costs measured as configurations ask), weighs the configurations the options leave
-open (`weigh`, `fxpipe.search`), and realizes the one chosen (`realize`: split, placed, checked
-against the model, `fxpipe.checks`): a complete `Plan`, before any Pipeline exists. With
+open (`weigh`, `fxpipe.planning.search`), and realizes the one chosen (`realize`: split, placed, checked
+against the model, `fxpipe.planning.checks`): a complete `Plan`, before any Pipeline exists. With
 `num_stages="auto"`, the plans raced against the model as is (`_raced`) are realized from the
 same prepared graph. `compile` is
 `Pipeline(plan)` plus the `Recipe` it was made from, kept to plan the model again in the other
-mode (`pipe.train()` / `pipe.eval()`). Options are checked once, as `fxpipe.options.Options`.
+mode (`pipe.train()` / `pipe.eval()`). Options are checked once, as `fxpipe.planning.options.Options`.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.materialize import Materialize, Tiled, blockless, holds_meta
 from fxpipe.passes.capture import CaptureMode, trace, with_tensor_defaults, without_cache
 
-from . import search
-from .devices import DeviceLike, measure_links
-from .measure import race
-from .options import BatchDims, Options, input_dims
+from .planning import search
+from .runtime.devices import DeviceLike, measure_links
+from .planning.measure import race
+from .planning.options import BatchDims, Options, input_dims
 from .pipeline import Pipeline
-from .plan_data import Plan, Runs, peak_rss_bytes
-from .prepare import Prepared, PreparedKey, prepare, realize, weigh, weighed_as_is
-from .progress import Progress
-from .reference import copied
-from .schedules import ScheduleName
+from .plans.plan_data import Plan, Runs, peak_rss_bytes
+from .planning.prepare import Prepared, PreparedKey, prepare, realize, weigh, weighed_as_is
+from .planning.progress import Progress
+from .planning.reference import copied
+from .runtime.schedules import ScheduleName
 from .weights import Init, open_weights
 
 
@@ -56,9 +56,9 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             optimizer: Any = "adam", weights: Any = None) -> Pipeline:
     """Split `model` into one stage per entry of `devices`, balanced by measured time.
 
-    Returns a `Pipeline` that computes what `model` computes (see `fxpipe.reference`), planned
+    Returns a `Pipeline` that computes what `model` computes (see `fxpipe.planning.reference`), planned
     by `fxpipe.plan` with the same options (`pipe.plan` is the plan). Every option is checked
-    once, as `fxpipe.options.Options`: a bad value raises the `FxpipeError` subclass naming it
+    once, as `fxpipe.planning.options.Options`: a bad value raises the `FxpipeError` subclass naming it
     and a fix. Compiling leaves the model, its tensors, its buffers and the random generators
     as they were.
 
@@ -69,7 +69,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             `torch.device("meta")` (shapes, no values) is planned without ever being held
             whole: each node's weights are materialised just before it runs and dropped after
             (`fxpipe.passes.materialize`), and the check runs module by module
-            (`fxpipe.checks.streamed`); its plan's stages hold meta tensors, to be given
+            (`fxpipe.planning.checks.streamed`); its plan's stages hold meta tensors, to be given
             weights before a Pipeline runs them.
         devices: one entry per stage ("cpu", "cuda:1", a `torch.device`, or a
             `DeviceSpec(memory_bytes=...)`); a single device is a list of one.
@@ -101,7 +101,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             among the CPU stages).
         link: how transfers between devices are priced: "default" (typical figures by device
             kind, stages as threads of one process), "measure" (timed here, see
-            `fxpipe.devices.measure_links`), "gloo" (a message between two processes on this
+            `fxpipe.runtime.devices.measure_links`), "gloo" (a message between two processes on this
             host, as `fxpipe.distributed` sends it, for every value: plan so for a run under
             torchrun; see `fxpipe.distributed.measure_link`) or your own `(src, dst) -> Link`
             function. The plan records which (`plan.link`).
@@ -116,7 +116,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             dimension is found by running the model on the whole example and on
             micro-batches; an output that reduces or mixes the batch is refused by name.
         verify: check the pipeline's output on the example against the model run once per
-            micro-batch (see `fxpipe.reference`), in either mode, and the model's outputs on
+            micro-batch (see `fxpipe.planning.reference`), in either mode, and the model's outputs on
             micro-batches against its output on the whole batch (in eval mode), which fails
             for a model that mixes samples across the batch.
         verify_tolerance: the check's tolerance, relative to each output's largest magnitude.
@@ -494,7 +494,7 @@ def _link_function(options: Options) -> LinkFn:
 @functools.cache
 def _gloo_link() -> LinkFn:
     """Every value priced as one message between two gloo processes, measured once a process."""
-    from .devices import measure_link
+    from .runtime.devices import measure_link
     measured = measure_link()
     return lambda src, dst: measured
 

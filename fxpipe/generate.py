@@ -58,7 +58,7 @@ from .runtime.state import Planned, readers_of
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
-    from .plan_data import Plan
+    from .plans.plan_data import Plan
 
 try:    # transformers is an optional dependency ('.[hf]')
     from transformers.cache_utils import Cache, StaticLayer

@@ -41,10 +41,10 @@ from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
-from . import microbatch
-from .plan_data import Plan, observe, refuse_without_weights
+from .runtime import microbatch
+from .plans.plan_data import Plan, observe, refuse_without_weights
 from .runtime import Run
-from .saved import PlanFileError, save_stage_weights
+from .plans.saved import PlanFileError, save_stage_weights
 from .runtime.as_is import run_as_is, train_as_is
 from .runtime.asynchronous import AsyncTraining
 from .runtime.calls import call_stages, runtime_of
@@ -52,9 +52,9 @@ from .runtime.memory import tracked
 from .runtime.orchestrator import item_error
 from .runtime.step import (DeferredScale, StepLoss, check_reduction, check_target,
                            step_inputs)
-from .explain import explain
+from .plans.explain import explain
 from .model_watch import ModelWatch
-from .schedules import Slot, timetable_for
+from .runtime.schedules import Slot, timetable_for
 
 
 class Pipeline(nn.Module):
@@ -432,7 +432,7 @@ class Pipeline(nn.Module):
     def explain(self) -> str:
         """For each boundary between stages: the values that cross it (producer, readers, shape,
         bytes) and why the cut is there (the stage times either side, and what a cut one node
-        earlier or later would cost). See `fxpipe.explain`."""
+        earlier or later would cost). See `fxpipe.plans.explain`."""
         if not isinstance(self.module, fx.GraphModule) or not any(
                 "cost" in n.meta for n in self.module.graph.nodes):
             raise CostError("explain() needs the costed graph, which a loaded plan does not keep\n"

@@ -4,7 +4,7 @@ generators exist, their allocators' statistics.
 
 A device comes as a name ("cpu", "cuda:1", a DeviceSpec's `name`) or a `torch.device`; every
 test of its kind goes through `is_cpu` / `is_gpu`. A CUDA call here names its device, never
-the current one. A pass-level module (passes never import fxpipe): `fxpipe.devices` builds on it.
+the current one. A pass-level module (passes never import fxpipe): `fxpipe.runtime.devices` builds on it.
 
 This is the one module that names `torch.cuda` (tests/test_layers.py holds it): the rest of
 fxpipe asks it. Streams follow torchgpipe's: the CPU's stream is None, one that does nothing, so

@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fxpipe import api, measure
+from fxpipe import api
+from fxpipe.planning import measure
 from fxpipe.passes.cost_model import NodeCost
 
 # Two cores: one intra-op thread keeps pipeline stages from fighting over them.

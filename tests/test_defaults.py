@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe import report
-from fxpipe.search import default_chunks
+from fxpipe.plans import report
+from fxpipe.planning.search import default_chunks
 from fxpipe.testing import assert_same_up_to_rounding
 
 

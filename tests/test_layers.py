@@ -12,9 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Planning, and what it builds on: none of these may reach the Pipeline (`fxpipe.api`, the
 # edge offering both `plan` and `compile`, is above them all).
-PLANNING = ["fxpipe.measure", "fxpipe.checks", "fxpipe.checks.verification",
-            "fxpipe.checks.rounding", "fxpipe.checks.meta", "fxpipe.checks.runs", "fxpipe.search",
-            "fxpipe.plan_data", "fxpipe.saved", "fxpipe.report", "fxpipe.reference",
+PLANNING = ["fxpipe.planning.measure", "fxpipe.planning.checks", "fxpipe.planning.checks.verification",
+            "fxpipe.planning.checks.rounding", "fxpipe.planning.checks.meta", "fxpipe.planning.checks.runs", "fxpipe.planning.search",
+            "fxpipe.plans.plan_data", "fxpipe.plans.saved", "fxpipe.plans.report", "fxpipe.planning.reference",
             "fxpipe.runtime.calls", "fxpipe.weights"]
 
 # A module longer than this is split by what it does (a package whose docstring says what each

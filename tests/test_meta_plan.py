@@ -381,7 +381,7 @@ def test_finding_aliases_on_unfilled_weights_falls_back_to_drawn_ones_where_a_no
         def given(like, device):
             raise RuntimeError("no kernel for these values")
         return given
-    monkeypatch.setattr(fxpipe.prepare, "unfilled", failing)
+    monkeypatch.setattr(fxpipe.planning.prepare, "unfilled", failing)
     plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2, weights=values_of(real),
                        costs=expected)
     assert plan.verified == "yes"

@@ -213,13 +213,13 @@ def test_auto_stage_count_stops_where_more_devices_stop_helping():
     # them. Whatever this machine's timings, the plan takes the fewest stages predicted within
     # 2% of the fastest, or the model as is where no pipeline is predicted (or, raced against
     # it, measured) faster than it.
-    plan, tie = auto.plan, fxpipe.search.TIE
+    plan, tie = auto.plan, fxpipe.planning.search.TIE
     pipelines = [c for c in plan.considered if c is not plan.considered[-1]]
     best_s = min(c.predicted_s for c in pipelines)
     fewest = min(c.config.num_stages for c in pipelines if c.predicted_s <= best_s * (1 + tie))
     if plan.runs_as_is:     # measured slower, on a machine too busy to tell, or predicted so
-        assert plan.runs in (fxpipe.plan_data.Runs.AS_IS_MEASURED,
-                             fxpipe.plan_data.Runs.AS_IS_BUSY) or \
+        assert plan.runs in (fxpipe.plans.plan_data.Runs.AS_IS_MEASURED,
+                             fxpipe.plans.plan_data.Runs.AS_IS_BUSY) or \
             plan.considered[-1].predicted_s <= best_s / (1 - tie)
     else:
         assert plan.partition.num_stages == fewest

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.measure
-import fxpipe.search
+import fxpipe.planning.measure
+import fxpipe.planning.search
 
 
 def mlp():
@@ -26,8 +26,8 @@ def test_costs_are_measured_with_the_threads_each_stage_runs_with(monkeypatch, t
         seen.append(torch.get_num_threads())
         return annotate_costs(*args, **kwargs)
 
-    annotate_costs = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
+    annotate_costs = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs", measuring)
     caller = torch.get_num_threads()
     fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2,
                    threads_per_stage=threads)
@@ -43,8 +43,8 @@ def test_costs_are_measured_on_the_thread_the_stages_run_on(monkeypatch, devices
         seen.append(threading.current_thread() is threading.main_thread())
         return annotate_costs(*args, **kwargs)
 
-    annotate_costs = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
+    annotate_costs = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs", measuring)
     fxpipe.compile(mlp(), ["cpu"] * devices, (torch.randn(8, 16),))
     assert seen == [devices == 1]     # one stage runs on the caller's thread, several on workers
 
@@ -75,7 +75,7 @@ def test_node_costs_are_scaled_to_the_graphs_own_time_keeping_their_proportions(
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     for i, n in enumerate(nodes):          # costs as wrong as can be: 1, 2, 3 microseconds
         n.meta["cost"] = NodeCost(fwd_s=(i + 1) * 1e-6)
-    forward, _ = fxpipe.measure.calibrate(gm, (x,), {}, training=False)
+    forward, _ = fxpipe.planning.measure.calibrate(gm, (x,), {}, training=False)
     times = [n.meta["cost"].fwd_s for n in nodes]
     assert sum(times) >= 0.02             # the whole graph sleeps 20 ms
     assert forward == pytest.approx(sum(times) / 6e-6)
@@ -136,8 +136,8 @@ def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(mon
         measured.append(torch.get_num_threads())
         return annotate_costs(*args, **kwargs)
 
-    annotate_costs = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
+    annotate_costs = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs", measuring)
     devices = [fxpipe.DeviceSpec("cpu", threads=2), fxpipe.DeviceSpec("cpu", threads=1)]
     x = torch.randn(4, 8)
     pipe = fxpipe.compile(TwoParts().eval(), devices, (x,), leaf_modules=[Threads], chunks=1)
@@ -171,7 +171,7 @@ def test_the_prediction_prices_each_stage_on_its_own_kind_of_device():
         own = sum(n.meta["costs"][device.kind].fwd_s for n in pipe.module.graph.nodes
                   if part.stage_of.get(n.name) == s)
         assert stage.compute_s == pytest.approx(own / device.speed)
-        alone = fxpipe.search.predict_slots(part, 2, "gpipe", False, {0: [], 1: [0]})
+        alone = fxpipe.planning.search.predict_slots(part, 2, "gpipe", False, {0: [], 1: [0]})
         durations = [slot.end_s - slot.start_s for slot in alone if slot.action.stage == s]
         assert durations == pytest.approx([stage.forward_step_s] * 2)
     # 3 threads on 2 cores: where the stages overlap, they share the cores.

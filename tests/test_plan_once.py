@@ -1,4 +1,4 @@
-"""Planning captures the model once per mode (`fxpipe.prepare`): a fixed or an "auto" compile,
+"""Planning captures the model once per mode (`fxpipe.planning.prepare`): a fixed or an "auto" compile,
 its race and its whole-batch retry included, plans from one prepared graph; `pipe.train()` /
 `pipe.eval()` captures once more, in the other mode. That the plans equal the model is what the
 rest of the suite checks."""
@@ -10,9 +10,9 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
-import fxpipe.measure
-from fxpipe.measure import Race
-from fxpipe.prepare import graph_copy
+import fxpipe.planning.measure
+from fxpipe.planning.measure import Race
+from fxpipe.planning.prepare import graph_copy
 
 
 class Mlp(nn.Module):
@@ -51,7 +51,7 @@ def raced(monkeypatch):
     """Every pipeline predicted faster than the model and measured slower: the race runs on the
     shortlist, then the model as is is realized (whatever this machine's timings)."""
     shortlists = []
-    monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: 1.0))
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "seconds", property(lambda self: 1.0))
     monkeypatch.setattr(fxpipe.api, "SHORTLIST_SLACK", 100.0)     # runners-up realized too
 
     def race(plans, model, recipe):

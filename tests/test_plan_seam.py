@@ -14,8 +14,8 @@ from torch.nn import functional as F
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.__main__ import main
-from fxpipe.options import LinkName, Options, Recompute
-from fxpipe.plan_data import Plan
+from fxpipe.planning.options import LinkName, Options, Recompute
+from fxpipe.plans.plan_data import Plan
 from fxpipe.passes.stage import Stage
 from nets import Skips
 
@@ -134,7 +134,7 @@ def test_a_plan_names_no_module_path_of_fxpipe_so_its_classes_may_move(tmp_path,
     plan.save(tmp_path / "plan")
     monkeypatch.undo()
     data = (tmp_path / "plan" / "plan_data.json").read_bytes()
-    assert b"fxpipe.passes" not in data and b"fxpipe.plan_data" not in data
+    assert b"fxpipe.passes" not in data and b"fxpipe.plans.plan_data" not in data
     loaded = fxpipe.load_plan(tmp_path / "plan")
     assert type(loaded) is Plan and all(type(s) is Stage for s in loaded.stages)
     with torch.no_grad():
@@ -142,9 +142,9 @@ def test_a_plan_names_no_module_path_of_fxpipe_so_its_classes_may_move(tmp_path,
 
 
 def test_diff_compares_plans_saved_by_other_versions(tmp_path, capsys):
-    """`fxpipe diff` reads plan.json through `fxpipe.saved.plan_document`: the checks of a load
+    """`fxpipe diff` reads plan.json through `fxpipe.plans.saved.plan_document`: the checks of a load
     but the versions', which a plan from another torch passes."""
-    from fxpipe.saved import _content_digest
+    from fxpipe.plans.saved import _content_digest
 
     torch.manual_seed(0)
     model, x = Skips().eval(), torch.randn(12, 16)

@@ -14,9 +14,9 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
-import fxpipe.measure
+import fxpipe.planning.measure
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
-from fxpipe.measure import Race
+from fxpipe.planning.measure import Race
 
 
 class Tiny(nn.Module):
@@ -31,7 +31,7 @@ class Tiny(nn.Module):
 @pytest.fixture
 def model_predicted_slow(monkeypatch):
     """The model's own time scripted at 1 s: every pipeline is predicted faster than it."""
-    monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: 1.0))
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "seconds", property(lambda self: 1.0))
 
 
 def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
@@ -144,7 +144,7 @@ def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time(
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
-    raced = fxpipe.measure.race([plan], model, plan_recipe(model, x))
+    raced = fxpipe.planning.measure.race([plan], model, plan_recipe(model, x))
     assert 0 < raced.pipelines_s[0] and 0 < raced.model_s and 3 <= raced.rounds <= 5
     assert 0 < raced.cpu_share <= 1.5       # the CPU time of the model's threads, over theirs
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
@@ -161,7 +161,7 @@ def test_a_training_race_runs_train_steps_without_side_effects():
         p.grad = torch.full_like(p, 3.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
-    raced = fxpipe.measure.race(plans, model, plan_recipe(model, x))
+    raced = fxpipe.planning.measure.race(plans, model, plan_recipe(model, x))
     assert len(raced.pipelines_s) == 2 and all(t > 0 for t in raced.pipelines_s)
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
@@ -169,4 +169,4 @@ def test_a_training_race_runs_train_steps_without_side_effects():
 
 
 def plan_recipe(model, x):
-    return fxpipe.api.Recipe.of(model, (x,), None, fxpipe.options.Options(["cpu"] * 2))
+    return fxpipe.api.Recipe.of(model, (x,), None, fxpipe.planning.options.Options(["cpu"] * 2))

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.checks.rounding
-from fxpipe.checks import measured_tolerance, rounding_tolerance
+import fxpipe.planning.checks.rounding
+from fxpipe.planning.checks import measured_tolerance, rounding_tolerance
 from fxpipe.passes.compare import difference
 
 
@@ -46,7 +46,7 @@ class Net(nn.Module):
 
 @pytest.fixture
 def reduced(monkeypatch):
-    monkeypatch.setattr(fxpipe.checks.rounding, "_reduced_float32", lambda tensors, gpu: True)
+    monkeypatch.setattr(fxpipe.planning.checks.rounding, "_reduced_float32", lambda tensors, gpu: True)
 
 
 def test_the_tolerance_is_four_times_the_models_rounding_against_float64(reduced):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe import saved
+from fxpipe.plans import saved
 from fxpipe.__main__ import main
 from fxpipe.testing import assert_same_up_to_rounding
 
@@ -186,7 +186,7 @@ def test_a_plan_naming_anything_outside_the_allow_lists_is_refused(planned, tmp_
 
 def test_the_plan_data_names_no_python_module_of_fxpipe(planned):
     text = (planned[2] / saved.DATA_FILE).read_text()
-    assert "fxpipe.passes" not in text and "fxpipe.plan_data" not in text
+    assert "fxpipe.passes" not in text and "fxpipe.plans.plan_data" not in text
     assert not (planned[2] / "plan.pt").exists()
 
 

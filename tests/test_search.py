@@ -8,8 +8,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
-from fxpipe import search
-from fxpipe.schedules import Phase, timetable_for
+from fxpipe.planning import search
+from fxpipe.runtime.schedules import Phase, timetable_for
 from fxpipe.testing import assert_pipeline_matches
 from fxpipe.passes.cost_model import CostGraph, DeviceSpec
 from fxpipe.passes.errors import PartitionError

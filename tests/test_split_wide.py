@@ -17,7 +17,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
-from fxpipe import search
+from fxpipe.planning import search
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, StageCost
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition

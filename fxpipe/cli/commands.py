@@ -14,10 +14,11 @@ from tabulate import tabulate
 import fxpipe
 from fxpipe.passes.cost_model import format_bytes
 
-from .. import saved, timeline
-from ..pictures import write_node_graph, write_stage_graph
-from ..report import measured_memory
-from ..saved import plan_document
+from ..plans import saved
+from .. import timeline
+from ..plans.pictures import write_node_graph, write_stage_graph
+from ..plans.report import measured_memory
+from ..plans.saved import plan_document
 from .arguments import (UsageError, _batch_dims, _count, _devices, _dtype, _model, _ms,
                         _random_inputs, _size, _token_shape, _vocabulary)
 

@@ -69,10 +69,10 @@ The package stands beside `fxpipe.pipeline`, on the same `fxpipe.runtime`: `laun
 groups, loading this rank's stage), `transport` (`DistributedTransport`, the runtime's
 `Transport` between processes) and `stage` (`DistributedStage`: this rank's row of a step, with
 the train-step contract of `runtime.step`). `measure_link` lives with the other link
-measurements, in `fxpipe.devices`.
+measurements, in `fxpipe.runtime.devices`.
 """
 
-from ..devices import measure_link
+from ..runtime.devices import measure_link
 from .launch import WorldSizeError, load, rank_device
 from .stage import DistributedStage
 from .transport import DistributedError, DistributedTransport, PeerFailedError

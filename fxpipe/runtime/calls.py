@@ -1,6 +1,6 @@
 """A plan's stages run as a Pipeline runs them, without a Pipeline: a runtime for a plan, one
 call, one train step. The Pipeline (`fxpipe.pipeline`) calls them, and so do compile's check and
-race (`fxpipe.checks`, `fxpipe.measure`), which build no Pipeline: planning imports these, not
+race (`fxpipe.planning.checks`, `fxpipe.planning.measure`), which build no Pipeline: planning imports these, not
 the runtime's façade.
 """
 
@@ -14,12 +14,12 @@ from fxpipe.passes.errors import StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
-from .. import microbatch
-from ..schedules import gpipe, timetable_for
+from . import microbatch
+from .schedules import gpipe, timetable_for
 from .orchestrator import Runtime
 
 if TYPE_CHECKING:
-    from ..plan_data import Plan
+    from ..plans.plan_data import Plan
 
 
 def runtime_of(plan: Plan) -> Runtime:

@@ -4,12 +4,12 @@
   random ops seeded, the model's own time measured, and a `Costs` that measures each
   configuration's node costs once. A `Prepared` is never split or placed.
 - `weigh`: every configuration the options leave open, costed, partitioned and predicted
-  (`fxpipe.search`); the one to build, why, and all those considered.
+  (`fxpipe.planning.search`); the one to build, why, and all those considered.
 - `realize(prepared, candidate)`: a `Plan` of one candidate, made on a copy of the prepared
   graph (split to balance, cut into stages, placed), checked against the model's runs on the
-  example (`fxpipe.checks`), which are made once per micro-batch count and kept.
+  example (`fxpipe.planning.checks`), which are made once per micro-batch count and kept.
 
-`fxpipe.api` conducts them: it races realized plans (`fxpipe.measure.race`), and retries with
+`fxpipe.api` conducts them: it races realized plans (`fxpipe.planning.measure.race`), and retries with
 the whole batch where micro-batches cannot compute what the model does, on the same
 `Prepared`. `benchmarks/compile_time.py` times each step.
 
@@ -82,17 +82,18 @@ from fxpipe.passes.recompute import checkpoint_regions
 from fxpipe.passes.signature import signature_of
 from fxpipe.passes.stage import Stage
 
-from . import microbatch, search
+from ..runtime import microbatch
+from . import search
 from .checks import Reference, holding, meta_reference, reference_of, streamed_stages, verify
 from .measure import Baseline, Costs, priced_link
 from .options import placeholder_dims
-from .pipeline import carry_values
-from .plan_data import Plan, Runs, make_plan
+from ..pipeline import carry_values
+from ..plans.plan_data import Plan, Runs, make_plan
 from .reference import copied
-from .wiring import Wiring
+from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from .api import Recipe
+    from ..api import Recipe
 
 PreparedKey = tuple[bool, tuple[tuple[int, ...], ...]]   # (the mode, the example's shapes)
 

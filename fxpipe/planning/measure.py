@@ -54,17 +54,18 @@ from fxpipe.passes.randomness import microbatch_seed
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.state import unchanged_state
 
-from . import microbatch, search
-from .devices import shared_memory, synchronize
-from .runtime.calls import call_stages, runtime_of, train_stages
-from .plan_data import Measurement, Plan
-from .runtime import Runtime
+from ..runtime import microbatch
+from . import search
+from ..runtime.devices import shared_memory, synchronize
+from ..runtime.calls import call_stages, runtime_of, train_stages
+from ..plans.plan_data import Measurement, Plan
+from ..runtime import Runtime
 from .reference import copied, unchanged
-from .schedules import gpipe, simulate
-from .wiring import Wiring
+from ..runtime.schedules import gpipe, simulate
+from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from .api import Recipe
+    from ..api import Recipe
 
 
 class Costs:

@@ -1,7 +1,7 @@
 """A plan as data: what `plan_data.json` holds (format 5), written and read without pickle.
 
 The plan's own fields, its partition, wiring, calling convention, costs and measurements are
-written as JSON by `fxpipe.graph_data.Codec`: each dataclass or enum under a name of this
+written as JSON by `fxpipe.plans.graph_data.Codec`: each dataclass or enum under a name of this
 module's table (`Plan`, `Partition`, `StageCost`...), never a Python module path, so plans stay
 readable when fxpipe's modules move; each of its stages as `graph_data` writes modules and
 graphs; its tensors as a table of shapes and dtypes (their values are in the stage files).
@@ -57,8 +57,8 @@ def _types() -> dict[str, type]:
     from fxpipe.passes.partition.result import DeviceOrders, Method, Partition
     from fxpipe.passes.signature import Constant, Signature
 
-    from .search import Candidate, Config
-    from .wiring import Flow, Wiring
+    from ..planning.search import Candidate, Config
+    from ..runtime.wiring import Flow, Wiring
     return {**_REGISTERED, "Capture": Capture,
             "CaptureMethod": CaptureMethod, "Partition": Partition, "PartitionMethod": Method,
             "DeviceOrders": DeviceOrders, "Memory": Memory, "DeviceSpec": DeviceSpec,
@@ -348,7 +348,7 @@ def _document(root: Path, *, same_versions: bool = True,
         raise PlanFileError(
             f"the plan at {str(root)!r} is of format {document['format']}, a pickle\nloading "
             f"its {PICKLE_FILE} runs whatever code its directory holds\nconvert it once, if "
-            f"you trust it: fxpipe.saved.convert(old, new) or `fxpipe convert old new`; or "
+            f"you trust it: fxpipe.plans.saved.convert(old, new) or `fxpipe convert old new`; or "
             f"load it with trust_pickle=True")
     if document.get("format") != FORMAT and document.get("format") not in PICKLED_FORMATS:
         raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "

@@ -232,7 +232,7 @@ def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
 
     import torch.multiprocessing as mp
 
-    from .distributed.transport import DistributedError
+    from ..distributed.transport import DistributedError
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as folder:
@@ -260,7 +260,7 @@ def _ping_pong(rank: int, init: str, repeats: int, timeout: float, results: Any)
 
     import torch.distributed as dist
 
-    from .distributed.transport import DistributedTransport
+    from ..distributed.transport import DistributedTransport
     from .schedules import Phase
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,

@@ -1,7 +1,7 @@
 """The plan of a pipeline as data: what a Pipeline runs and the record of what was weighed.
 
 `fxpipe.plan` returns a `Plan`, complete, before any Pipeline exists; `Pipeline(plan)` runs it,
-`plan.save(path)` writes it, `print(plan)` reads it (`fxpipe.report`). The runtime reads the
+`plan.save(path)` writes it, `print(plan)` reads it (`fxpipe.plans.report`). The runtime reads the
 stages (`fxpipe.passes.stage.Stage`) and their `Wiring`; nothing here imports a pass's code.
 
 A plan is data: `Plan` holds what a Pipeline runs (the stages, their `Wiring`, computed once from
@@ -47,9 +47,9 @@ from fxpipe.passes.capture import Capture, module_path
 from . import saved
 from .plan_format import register_types
 from .report import describe, unclaimed
-from .schedules import Slot, async_warmup
-from .search import predict_slots
-from .wiring import Wiring
+from ..runtime.schedules import Slot, async_warmup
+from ..planning.search import predict_slots
+from ..runtime.wiring import Wiring
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
-        without the model's code (see `fxpipe.saved`)."""
+        without the model's code (see `fxpipe.plans.saved`)."""
         return saved.save(self, path)
 
     def with_weights(self, weights: Any, devices: Sequence[Any] | None = None, *,
@@ -169,7 +169,7 @@ class Plan:
         """This plan with each stage's tensors read from `weights` (a checkpoint, "init"),
         each stage only its own, on its device (or `devices[s]`), non-persistent buffers drawn
         from `model`'s structure: how a plan made from a model built on meta gets its weights
-        (see `fxpipe.saved.with_weights`)."""
+        (see `fxpipe.plans.saved.with_weights`)."""
         return saved.with_weights(self, weights, devices, model=model)
 
     @property

@@ -23,7 +23,7 @@ from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
 from fxpipe.passes.device import is_cpu, is_gpu
 from fxpipe.passes.materialize import blockless
 
-from .search import in_flight, notes
+from ..planning.search import in_flight, notes
 
 if TYPE_CHECKING:      # plan_data renders its plans here: the type only, or a cycle
     from .plan_data import Plan

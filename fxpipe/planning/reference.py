@@ -28,7 +28,7 @@ from fxpipe.passes.device import initialized_gpus
 from fxpipe.passes.state import unchanged_state
 from fxpipe.passes.capture import attributes_restored
 
-from . import microbatch
+from ..runtime import microbatch
 
 
 def run_per_microbatch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None,

@@ -12,8 +12,8 @@ A saved plan (format 5) is a directory of data; loading it runs no code it holds
   one of its own content (`sha256`, over the rest of the document). It describes what runs,
   which is read from `plan_data.json` and the stage files, so an edit would not take effect: an
   edited plan.json is refused at load rather than believed; to change a plan, plan it again.
-- `plan_data.json`: the plan itself, stages included, as data (`fxpipe.plan_format`,
-  `fxpipe.graph_data`): each node's target by name, resolved at load through closed tables.
+- `plan_data.json`: the plan itself, stages included, as data (`fxpipe.plans.plan_format`,
+  `fxpipe.plans.graph_data`): each node's target by name, resolved at load through closed tables.
   What a plan names but cannot hold comes from the caller: `functions=` (functions kept whole
   with `torch.fx.wrap`) and `model=` (modules of the model's own classes kept whole).
 - `stage_<s>.py`: stage `s`'s generated code, to read (`print(pipe.stages[s].code)`).
@@ -59,13 +59,13 @@ from fxpipe.passes.cost_model import DeviceSpec, format_bytes
 from fxpipe.passes.device import is_cpu, same_memory
 from fxpipe.passes.errors import DeviceError, PlanFileError
 
-from .devices import DeviceLike, parse_devices
+from ..runtime.devices import DeviceLike, parse_devices
 # The format's names and plan.json's checks live in plan_format; saved.FORMAT and the rest stay.
 from .plan_format import (DATA_FILE, FORMAT, PICKLE_FILE, PICKLED_FORMATS, PLAN_FILE,  # noqa: F401
                           _checked, _content_digest, _description, _document, _finite,
                           _non_persistent, _tensors, decode_plan, encode_plan, manifest,
                           plan_document, versions)
-from .weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
+from ..weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
 
 if TYPE_CHECKING:      # plan_data saves its plans here: the type only, or a cycle
     from .plan_data import Plan
@@ -122,7 +122,7 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
     instead of the device it was planned for (see the module docstring).
 
     Loading runs no code of the plan's directory: its stages are rebuilt from data (see
-    `fxpipe.graph_data`). What a plan names but cannot hold comes from the caller: `functions`,
+    `fxpipe.plans.graph_data`). What a plan names but cannot hold comes from the caller: `functions`,
     your functions kept whole in the graph (`torch.fx.wrap`), and `model`, the modules of your
     own classes a capture kept whole ("fx+leaves"); the error says which is needed. A plan of
     format 4 (plan.pt, a pickle) loads only with `trust_pickle=True`, which unpickles it and so

@@ -50,7 +50,7 @@ from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
 from fxpipe.passes.split_wide import split_wide, wide_nodes
 
-from .schedules import SCHEDULES, Phase, Slot, gpipe, simulate, timetable_for
+from ..runtime.schedules import SCHEDULES, Phase, Slot, gpipe, simulate, timetable_for
 
 TIE = 0.02     # configurations within 2% of the fastest count as equally fast
 NEAR_EMPTY = 0.05   # a stage under 5% of the bottleneck does next to nothing

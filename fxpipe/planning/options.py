@@ -26,10 +26,10 @@ from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.capture import CaptureMode
 
-from .devices import parse_devices
-from .plan_data import Plan
-from .schedules import SCHEDULES, ScheduleName
-from .weights import Weights
+from ..runtime.devices import parse_devices
+from ..plans.plan_data import Plan
+from ..runtime.schedules import SCHEDULES, ScheduleName
+from ..weights import Weights
 
 Auto = Literal["auto"]
 Recompute = Literal["never", "always", "auto"]
