@@ -36,7 +36,7 @@ keeps mask logic out of the graph, so one decode graph serves every step; `SlotC
 `Cache` the model sees while captured, reading back whole the rows it wrote, the mask hiding what
 is not written yet.
 
-Two plans, because export fixes the query length. Both are planned through `Recipe.plan_other`. A
+Two plans, because export fixes the query length. Both are planned by `Planner.plan_other`. A
 prefill stage on another device than the decode stage holding the same layer is refused. HF's loop
 runs on the caller's thread; each step is `call_stages` (GPipe over the lanes) under `fork_rng`, so
 the pipeline's seeds do not move the generator that sampling draws from.
@@ -57,8 +57,9 @@ from .runtime.calls import call_stages, runtime_of
 from .runtime.state import Planned, readers_of
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
     from .plans.plan_data import Plan
+# `Pipeline` in annotations is `pipeline.Pipeline`, which imports this module to generate:
+# named, never imported (the import runs one way, `tests/test_layers.py`).
 
 try:    # transformers is an optional dependency ('.[hf]')
     from transformers.cache_utils import Cache, StaticLayer

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.passes.codegen import carry_values
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.cost_model import default_link, format_bytes
 from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError,
@@ -95,7 +96,7 @@ class Pipeline(nn.Module):
         self._generation = None    # `generate`'s plans (`fxpipe.generate.plan_generation`)
 
     def _keep_recipe(self, recipe: Any) -> None:
-        """Keep how `fxpipe.compile` planned the model (`api.Recipe`): the model, to notice
+        """Keep how `fxpipe.compile` planned the model (a `Planner`): the model, to notice
         it changed, and the recipe, to plan it again in the other mode."""
         self._recipe = recipe
         self._watch = ModelWatch(recipe.model)
@@ -540,19 +541,6 @@ def _call_args(inputs: Any) -> tuple[tuple, dict[str, Any]]:
     if isinstance(inputs, dict):
         return (), inputs
     return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
-
-
-def carry_values(source: nn.Module, target: nn.Module) -> None:
-    """`target`'s tensors given `source`'s values where the two hold other tensors under one
-    name (the two modes' stages placed copies of it on different devices), so the mode switched
-    to computes with what the other one trained."""
-    held = dict([*source.named_parameters(remove_duplicate=False),
-                 *source.named_buffers(remove_duplicate=False)])
-    with torch.no_grad():
-        for name, t in [*target.named_parameters(remove_duplicate=False),
-                        *target.named_buffers(remove_duplicate=False)]:
-            if name in held and held[name] is not t:
-                t.copy_(held[name])
 
 
 def _gathered(stages: Sequence[Stage]) -> nn.Module:

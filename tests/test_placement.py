@@ -106,7 +106,7 @@ def test_stages_on_another_device_hold_copies_and_the_model_keeps_its_own():
 
 def test_a_mode_switch_computes_with_the_values_the_pipeline_holds():
     from fxpipe.planning.checks import holding
-    from fxpipe.pipeline import carry_values
+    from fxpipe.passes.codegen import carry_values
 
     model, x = Tied(), torch.randn(4, 8)
     held = copy.deepcopy(model)          # other tensors under the model's names, as copies are

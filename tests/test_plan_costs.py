@@ -10,7 +10,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.planning.measure
-import fxpipe.planning.search
+import fxpipe.plans.prediction
 
 
 def mlp():
@@ -171,7 +171,7 @@ def test_the_prediction_prices_each_stage_on_its_own_kind_of_device():
         own = sum(n.meta["costs"][device.kind].fwd_s for n in pipe.module.graph.nodes
                   if part.stage_of.get(n.name) == s)
         assert stage.compute_s == pytest.approx(own / device.speed)
-        alone = fxpipe.planning.search.predict_slots(part, 2, "gpipe", False, {0: [], 1: [0]})
+        alone = fxpipe.plans.prediction.predict_slots(part, 2, "gpipe", False, {0: [], 1: [0]})
         durations = [slot.end_s - slot.start_s for slot in alone if slot.action.stage == s]
         assert durations == pytest.approx([stage.forward_step_s] * 2)
     # 3 threads on 2 cores: where the stages overlap, they share the cores.

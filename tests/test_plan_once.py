@@ -10,6 +10,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
+import fxpipe.planning.build
 import fxpipe.planning.measure
 from fxpipe.planning.measure import Race
 from fxpipe.planning.prepare import graph_copy
@@ -52,12 +53,12 @@ def raced(monkeypatch):
     shortlist, then the model as is is realized (whatever this machine's timings)."""
     shortlists = []
     monkeypatch.setattr(fxpipe.planning.measure.Baseline, "seconds", property(lambda self: 1.0))
-    monkeypatch.setattr(fxpipe.api, "SHORTLIST_SLACK", 100.0)     # runners-up realized too
+    monkeypatch.setattr(fxpipe.planning.build, "SHORTLIST_SLACK", 100.0)     # runners-up realized too
 
     def race(plans, model, recipe):
         shortlists.append(plans)
         return Race((0.004,) * len(plans), 0.002, 3)
-    monkeypatch.setattr(fxpipe.api, "race", race)
+    monkeypatch.setattr(fxpipe.planning.build, "race", race)
     return shortlists
 
 
@@ -89,8 +90,8 @@ def test_realize_leaves_the_prepared_graph_as_it_was(monkeypatch):
     """Each plan is cut from a copy: the prepared graph keeps its nodes (none split) and the
     model's tensors, while the plan's graph holds what its stages hold."""
     recipes = []
-    of = fxpipe.api.Recipe.of
-    monkeypatch.setattr(fxpipe.api.Recipe, "of",
+    of = fxpipe.planning.recipe.Recipe.of
+    monkeypatch.setattr(fxpipe.planning.recipe.Recipe, "of",
                         staticmethod(lambda *args: recipes.append(of(*args)) or recipes[-1]))
     torch.manual_seed(0)
     model, x = Mlp().eval(), torch.randn(8, 16)

@@ -95,7 +95,7 @@ def test_a_plan_prints_as_the_pipeline_compiled_with_it():
 def test_options_are_checked_before_anything_runs(option, error, monkeypatch):
     import fxpipe.api
 
-    monkeypatch.setattr(fxpipe.api.Recipe, "of", lambda *a: pytest.fail("planning began"))
+    monkeypatch.setattr(fxpipe.planning.recipe.Recipe, "of", lambda *a: pytest.fail("planning began"))
     with pytest.raises(error, match=next(iter(option))):
         fxpipe.plan(Skips(), ["cpu"] * 2, (torch.randn(4, 16),), **option)
     options = Options(["cpu"] * 2, chunks="auto")

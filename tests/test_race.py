@@ -1,6 +1,6 @@
 """A pipeline chosen over the model as is on its prediction is raced, with the next best
 predicted (the shortlist), against the model on the example, and kept only where it is measured
-faster (`fxpipe.api._raced`), in inference and in training.
+faster (`fxpipe.planning.build._raced`), in inference and in training.
 
 The prediction is steered by hand (the model's own time scripted as slow, or the race's result
 scripted), so what is tested is the rule, not this machine's timings.
@@ -14,6 +14,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
+import fxpipe.planning.build
 import fxpipe.planning.measure
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.planning.measure import Race
@@ -43,7 +44,7 @@ def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
         calls.append(plans)
         times = pipeline_s if isinstance(pipeline_s, tuple) else (pipeline_s,) * len(plans)
         return Race(times[:len(plans)], model_s, 7, cpu_share)
-    monkeypatch.setattr(fxpipe.api, "race", race)
+    monkeypatch.setattr(fxpipe.planning.build, "race", race)
     return calls
 
 
@@ -101,12 +102,12 @@ def test_no_race_where_the_model_as_is_is_not_weighed(model_predicted_slow, monk
 def test_the_shortlist_races_the_next_best_predicted_and_keeps_the_one_measured_fastest(
         model_predicted_slow, monkeypatch):
     calls = raced_as(monkeypatch, pipeline_s=(0.004, 0.001, 0.003), model_s=0.002)
-    monkeypatch.setattr(fxpipe.api, "SHORTLIST_SLACK", 100.0)   # every pipeline a runner-up
+    monkeypatch.setattr(fxpipe.planning.build, "SHORTLIST_SLACK", 100.0)  # all runners-up
     torch.manual_seed(0)
     model, x = Tiny().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     [shortlist] = calls
-    assert 2 <= len(shortlist) <= fxpipe.api.SHORTLIST
+    assert 2 <= len(shortlist) <= fxpipe.planning.build.SHORTLIST
     predicted = [p.predicted_step_s for p in shortlist]
     assert predicted[0] == min(predicted) and predicted == sorted(predicted)
     plan = pipe.plan
@@ -169,4 +170,4 @@ def test_a_training_race_runs_train_steps_without_side_effects():
 
 
 def plan_recipe(model, x):
-    return fxpipe.api.Recipe.of(model, (x,), None, fxpipe.planning.options.Options(["cpu"] * 2))
+    return fxpipe.planning.recipe.Recipe.of(model, (x,), None, fxpipe.planning.options.Options(["cpu"] * 2))

@@ -18,6 +18,7 @@ from torch import nn
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.planning import search
+from fxpipe.plans import prediction
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, StageCost
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition
@@ -285,7 +286,7 @@ def candidate(stage_ms, predicted_s=1.0):
                             received_bytes=0, num_nodes=1) for ms in stage_ms)
     part = Partition({}, (DeviceSpec("cpu"),) * len(costs), costs, max(stage_ms) * 1e-3,
                      max(stage_ms) * 1e-3, True)
-    return search.Candidate(search.Config(len(costs), 2, "gpipe", 1), predicted_s, 0, part)
+    return prediction.Candidate(prediction.Config(len(costs), 2, "gpipe", 1), predicted_s, 0, part)
 
 
 def test_a_stage_doing_next_to_nothing_is_named_when_the_stage_count_was_asked_for():
@@ -293,8 +294,8 @@ def test_a_stage_doing_next_to_nothing_is_named_when_the_stage_count_was_asked_f
     chosen, reason = search.choose([idle], None)
     assert chosen is idle
     assert "stage 1 does next to nothing (0.090 ms" in reason and "num_stages=3 was asked" in reason
-    assert search.notes(idle) == ["stage 1 does next to nothing: under 5% of the bottleneck"]
-    assert search.notes(candidate([10.0, 9.0])) == []
+    assert prediction.notes(idle) == ["stage 1 does next to nothing: under 5% of the bottleneck"]
+    assert prediction.notes(candidate([10.0, 9.0])) == []
 
 
 def test_fewer_stages_as_fast_win_over_a_stage_doing_next_to_nothing():

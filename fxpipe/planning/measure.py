@@ -65,7 +65,7 @@ from ..runtime.schedules import gpipe, simulate
 from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from ..api import Recipe
+    from .recipe import Recipe
 
 
 class Costs:

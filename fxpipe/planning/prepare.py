@@ -9,7 +9,7 @@
   graph (split to balance, cut into stages, placed), checked against the model's runs on the
   example (`fxpipe.planning.checks`), which are made once per micro-batch count and kept.
 
-`fxpipe.api` conducts them: it races realized plans (`fxpipe.planning.measure.race`), and retries with
+`fxpipe.planning.build` conducts them: it races realized plans (`fxpipe.planning.measure.race`), and retries with
 the whole batch where micro-batches cannot compute what the model does, on the same
 `Prepared`. `benchmarks/compile_time.py` times each step.
 
@@ -70,7 +70,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.passes.annotate_costs import measurement_spread
-from fxpipe.passes.codegen import held_by_stages, split_stages
+from fxpipe.passes.codegen import carry_values, held_by_stages, split_stages
 from fxpipe.passes.cost_model import Memory
 from fxpipe.passes.device import same_memory
 from fxpipe.passes.functionalize import GraphRunFailed, functionalize
@@ -87,13 +87,12 @@ from . import search
 from .checks import Reference, holding, meta_reference, reference_of, streamed_stages, verify
 from .measure import Baseline, Costs, priced_link
 from .options import placeholder_dims
-from ..pipeline import carry_values
 from ..plans.plan_data import Plan, Runs, make_plan
 from .reference import copied
 from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from ..api import Recipe
+    from .recipe import Recipe
 
 PreparedKey = tuple[bool, tuple[tuple[int, ...], ...]]   # (the mode, the example's shapes)
 

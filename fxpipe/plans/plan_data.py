@@ -48,7 +48,7 @@ from . import saved
 from .plan_format import register_types
 from .report import describe, unclaimed
 from ..runtime.schedules import Slot, async_warmup
-from ..planning.search import predict_slots
+from .prediction import predict_slots
 from ..runtime.wiring import Wiring
 
 
@@ -99,12 +99,12 @@ class Plan:
     # and the example's rows: a call of other rows is not compared with it (`observed`).
     unpipelined_spread: float | None = None
     example_rows: int | None = None
-    considered: tuple = ()                    # search.Candidate: the configurations weighed
-    chosen: object = None                     # the one chosen (a search.Candidate)
+    considered: tuple = ()                    # prediction.Candidate: the configurations weighed
+    chosen: object = None                     # the one chosen (a prediction.Candidate)
     reason: str = ""                          # why, in words
     runs: Runs = Runs.PIPELINE                # how it runs: what a Pipeline reads
     # The configurations raced on the example (the shortlist, the model as is last): each
-    # one's (search.Config, predicted time, least measured time) per batch.
+    # one's (prediction.Config, predicted time, least measured time) per batch.
     raced: tuple = ()
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
     spread: float | None = None               # how unsteady the measurement was

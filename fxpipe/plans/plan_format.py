@@ -19,8 +19,11 @@ import importlib.metadata
 import json
 import math
 import os
+import pickle
+import types
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -32,8 +35,8 @@ from fxpipe.passes.stage import Stage
 from .graph_data import Codec, decode_module, encode_module, function_name
 from .report import cost_sources
 
-if TYPE_CHECKING:
-    from .plan_data import Plan
+# `Plan` in annotations is `plan_data.Plan`: plan_data writes and reads its plans here, so this module
+# names the type and never imports it (the import runs one way, `tests/test_layers.py`).
 
 _SCHEMA = "fxpipe-plan"       # what plan_data.json says it is
 FORMAT = 5
@@ -57,7 +60,7 @@ def _types() -> dict[str, type]:
     from fxpipe.passes.partition.result import DeviceOrders, Method, Partition
     from fxpipe.passes.signature import Constant, Signature
 
-    from ..planning.search import Candidate, Config
+    from .prediction import Candidate, Config
     from ..runtime.wiring import Flow, Wiring
     return {**_REGISTERED, "Capture": Capture,
             "CaptureMethod": CaptureMethod, "Partition": Partition, "PartitionMethod": Method,
@@ -367,3 +370,38 @@ def _document(root: Path, *, same_versions: bool = True,
                             f"would not take effect\nsave the plan again to change it "
                             f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
     return document
+
+
+def unpickled(file: Any) -> Any:
+    """What a pickle of a trusted plan (format 4) holds, its classes found where they live now."""
+    with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        return torch.load(file, weights_only=False, pickle_module=_OLD_PATHS_PICKLE)
+
+
+# Where the modules a pickled plan (format 4) names live since fxpipe/ was grouped by layer.
+MOVED_MODULES = {f"fxpipe.{old}": f"fxpipe.{new}" for old, new in (
+    ("plan_data", "plans.plan_data"), ("saved", "plans.saved"), ("report", "plans.report"),
+    ("plan_format", "plans.plan_format"), ("graph_data", "plans.graph_data"),
+    ("explain", "plans.explain"), ("pictures", "plans.pictures"), ("search", "planning.search"),
+    ("options", "planning.options"), ("measure", "planning.measure"),
+    ("prepare", "planning.prepare"), ("reference", "planning.reference"),
+    ("progress", "planning.progress"), ("checks", "planning.checks"),
+    ("schedules", "runtime.schedules"), ("wiring", "runtime.wiring"),
+    ("microbatch", "runtime.microbatch"), ("devices", "runtime.devices"))}
+
+
+class _OldPaths(pickle.Unpickler):
+    """Unpickles a format-4 plan, whose classes are named by the modules they lived in then."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        for before, now in MOVED_MODULES.items():
+            if module == before or module.startswith(before + "."):
+                module = now + module[len(before):]
+                break
+        return super().find_class(module, name)
+
+
+# What torch.load takes as its pickle module: `pickle`, reading the old paths.
+_OLD_PATHS_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_OldPaths,
+                                          load=lambda file, **kw: _OldPaths(file, **kw).load())

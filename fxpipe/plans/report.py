@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
@@ -23,10 +22,10 @@ from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
 from fxpipe.passes.device import is_cpu, is_gpu
 from fxpipe.passes.materialize import blockless
 
-from ..planning.search import in_flight, notes
+from .prediction import in_flight, notes
 
-if TYPE_CHECKING:      # plan_data renders its plans here: the type only, or a cycle
-    from .plan_data import Plan
+# `Plan` in annotations is `plan_data.Plan`: plan_data renders its plans here, so this module
+# names the type and never imports it (the import runs one way, `tests/test_layers.py`).
 
 
 # What `Plan.link` says transfers were priced as.

@@ -45,9 +45,8 @@ import io
 import json
 import os
 import pickle
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -64,11 +63,11 @@ from ..runtime.devices import DeviceLike, parse_devices
 from .plan_format import (DATA_FILE, FORMAT, PICKLE_FILE, PICKLED_FORMATS, PLAN_FILE,  # noqa: F401
                           _checked, _content_digest, _description, _document, _finite,
                           _non_persistent, _tensors, decode_plan, encode_plan, manifest,
-                          plan_document, versions)
+                          plan_document, unpickled, versions)
 from ..weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
 
-if TYPE_CHECKING:      # plan_data saves its plans here: the type only, or a cycle
-    from .plan_data import Plan
+# `Plan` in annotations is `plan_data.Plan`: plan_data saves its plans here, so this module
+# names the type and never imports it (the import runs one way, `tests/test_layers.py`).
 
 
 def save(plan: Plan, path: str | os.PathLike) -> Path:
@@ -172,7 +171,7 @@ def with_weights(plan: Plan, weights: Any, devices: Sequence[DeviceLike] | None 
     with _without_tensors([stage.module for stage in stages], keep=kept):
         torch.save(stages, buffer)      # the stages' structure, on meta stand-ins
     buffer.seek(0)
-    stages = _unpickled(buffer)
+    stages = unpickled(buffer)
     _mark_non_persistent(stages, non_persistent)
     plan = dataclasses.replace(plan, stages=stages, graph=None)
     if devices is not None:
@@ -348,7 +347,7 @@ def _load_skeleton(root: Path, document: dict[str, Any], functions: Sequence[Cal
     buffers marked as such (from the manifest), so that they stay out of `state_dict`: rebuilt
     from its data (`plan_format`), or unpickled from a plan of a pickled format (trusted)."""
     if document["format"] in PICKLED_FORMATS:
-        plan = _unpickled(root / PICKLE_FILE)
+        plan = unpickled(root / PICKLE_FILE)
         vars(plan).setdefault("observed", {})       # saved before plans had it
     else:
         try:
@@ -362,12 +361,6 @@ def _load_skeleton(root: Path, document: dict[str, Any], functions: Sequence[Cal
                                        for name, entry in entries.items()
                                        if not entry["persistent"]})
     return plan
-
-
-def _unpickled(file: Any) -> Any:
-    with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        return torch.load(file, weights_only=False)
 
 
 def _mark_non_persistent(stages: Sequence[Stage], names: set[str]) -> None:

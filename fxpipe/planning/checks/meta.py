@@ -27,7 +27,7 @@ from .runs import _GraphRun, _StageRun
 from .verification import Reference, _output_dims, reference_of
 
 if TYPE_CHECKING:
-    from ...api import Recipe
+    from ..recipe import Recipe
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

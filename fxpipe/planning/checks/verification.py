@@ -23,7 +23,7 @@ from ..reference import copied, run_per_microbatch, unchanged
 from .rounding import ASKED, measured_tolerance
 
 if TYPE_CHECKING:
-    from ...api import Recipe
+    from ..recipe import Recipe
 
 
 @dataclass(frozen=True)
