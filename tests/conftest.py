@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fxpipe import api
+from fxpipe.planning import build
 from fxpipe.planning import measure
 from fxpipe.passes.cost_model import NodeCost
 
@@ -59,7 +59,7 @@ def scripted_costs(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
-    monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
+    monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
         plan.predicted_step_s, plan.unpipelined_s, 0))
     return heavy
 

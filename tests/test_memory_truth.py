@@ -196,7 +196,7 @@ def scripted_times(monkeypatch):
     as compile measures them (what a node's output, its kept values and its views take do not
     depend on the machine's speed or load): the cuts, the predicted timeline and so the memory
     predicted are the same on every machine, every time; no calibration, and no race."""
-    from fxpipe import api
+    from fxpipe.planning import build
     from fxpipe.planning import measure
     measured_costs = measure.annotate_costs
 
@@ -209,7 +209,7 @@ def scripted_times(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
-    monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
+    monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
         plan.predicted_step_s, plan.unpipelined_s, 0))
 
 
