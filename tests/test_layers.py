@@ -6,6 +6,7 @@ included; passes never import the rest of fxpipe, planning never reaches the run
 `torch.cuda`."""
 
 import ast
+import functools
 import pathlib
 
 import networkx as nx
@@ -103,7 +104,9 @@ def _imported(name: str, path: pathlib.Path, modules, type_checking: bool = Fals
     return found
 
 
+@functools.cache
 def _graph(type_checking: bool = False) -> nx.DiGraph:
+    """Who imports whom among our modules (read once a run: the tests only read it)."""
     modules = _modules()
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
