@@ -133,7 +133,7 @@ def compile(model: nn.Module, devices: Sequence[DeviceLike] | DeviceLike,
             A tensor that none of the model's init rules writes (a norm holding
             `torch.ones(d)` without `reset_parameters()`), and that no checkpoint given holds,
             is timed and checked on a stand-in (`fxpipe.weights.stand_in_`), named in
-            `Plan.stand_ins`. A model that holds its values refuses `weights`.
+            `PlanRecord.stand_ins`. A model that holds its values refuses `weights`.
 
     Example:
         >>> import torch, fxpipe

@@ -60,7 +60,7 @@ def scripted_costs(monkeypatch):
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
     monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
-        plan.predicted_step_s, plan.unpipelined_s, 0))
+        plan.record.predicted_step_s, plan.record.unpipelined_s, 0))
     return heavy
 
 

@@ -86,17 +86,17 @@ def test_the_plan_compares_the_pipeline_with_the_model_run_whole():
     pipe = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
     plan = pipe.plan
     predicted = max(slot.end_s for slot in pipe.predict())
-    assert plan.predicted_step_s == pytest.approx(predicted)
-    assert plan.unpipelined_s > 0 and plan.unpipelined_threads == torch.get_num_threads()
-    assert plan.speedup == pytest.approx(plan.unpipelined_s / predicted)
+    assert plan.record.predicted_step_s == pytest.approx(predicted)
+    assert plan.record.unpipelined_s > 0 and plan.record.unpipelined_threads == torch.get_num_threads()
+    assert plan.speedup == pytest.approx(plan.record.unpipelined_s / predicted)
     assert "model unpipelined" in str(plan)
 
 
 def test_a_plan_predicted_slower_than_the_model_says_so():
     plan = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2).plan
-    plan = dataclasses.replace(plan, spread=0.0, unpipelined_spread=0.0)   # measured steadily
-    slower = dataclasses.replace(plan, predicted_step_s=2.0, unpipelined_s=1.0)
-    faster = dataclasses.replace(plan, predicted_step_s=1.0, unpipelined_s=2.0)
+    plan = plan.with_record(spread=0.0, unpipelined_spread=0.0)   # measured steadily
+    slower = plan.with_record(predicted_step_s=2.0, unpipelined_s=1.0)
+    faster = plan.with_record(predicted_step_s=1.0, unpipelined_s=2.0)
     assert "0.50x" in str(slower) and "predicted slower than the model" in str(slower)
     assert "2.00x" in str(faster) and "slower" not in str(faster)
 
@@ -105,7 +105,7 @@ def test_training_plans_compare_a_training_step():
     model = mlp().train()
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
     assert all(p.grad is None for p in model.parameters())       # timing left .grad alone
-    assert pipe.plan.predicted_step_s == pytest.approx(
+    assert pipe.plan.record.predicted_step_s == pytest.approx(
         max(slot.end_s for slot in pipe.predict(training=True)))
 
 
@@ -154,11 +154,11 @@ def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(mon
 
 def test_the_plan_shows_how_steady_the_measurement_was():
     pipe = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
-    spread = pipe.plan.spread
+    spread = pipe.plan.record.spread
     assert spread is not None and spread >= 0
-    unsteady = dataclasses.replace(pipe.plan, spread=1.5)
+    unsteady = pipe.plan.with_record(spread=1.5)
     assert "spread 150%, unsteady" in str(unsteady) and "compile again" in str(unsteady)
-    assert "compile again" not in str(dataclasses.replace(pipe.plan, spread=0.02,
+    assert "compile again" not in str(pipe.plan.with_record(spread=0.02,
                                                          unpipelined_spread=0.02))
 
 
@@ -176,5 +176,5 @@ def test_the_prediction_prices_each_stage_on_its_own_kind_of_device():
         assert durations == pytest.approx([stage.forward_step_s] * 2)
     # 3 threads on 2 cores: where the stages overlap, they share the cores.
     end = max(slot.end_s for slot in pipe.predict())
-    assert end == pytest.approx(pipe.plan.predicted_step_s)
+    assert end == pytest.approx(pipe.plan.record.predicted_step_s)
     assert end >= max(slot.end_s for slot in alone)

@@ -53,7 +53,7 @@ def test_plan_builds_no_pipeline_and_starts_no_stage_worker(no_pipeline_no_worke
     plan = fxpipe.plan(model, ["cpu"] * devices, (x,), chunks=chunks, training=training)
     assert stage_workers(no_pipeline_no_worker) == []
     assert isinstance(plan, Plan) and plan.partition.num_stages == devices
-    assert plan.predicted_step_s and plan.predicted_step_s > 0
+    assert plan.record.predicted_step_s and plan.record.predicted_step_s > 0
     assert plan.output_dims == ((0,) if chunks > 1 else None)
     monkeypatch.undo()
 

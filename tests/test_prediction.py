@@ -47,8 +47,8 @@ def test_the_prediction_prices_each_hand_off_as_the_runtime_costs_it(scripted):
         assert stage.compute_s == pytest.approx(2e-3)
         assert stage.comm_s == pytest.approx(2 * HANDOFF_S)
     # GPipe on 2 stages of 3 ms each, 4 micro-batches: (2 + 4 - 1) steps of 3 ms.
-    assert plan.predicted_step_s == pytest.approx(5 * 3e-3)
-    assert plan.unpipelined_s == MODEL_S
+    assert plan.record.predicted_step_s == pytest.approx(5 * 3e-3)
+    assert plan.record.unpipelined_s == MODEL_S
     assert plan.speedup == pytest.approx(MODEL_S / 15e-3)
     assert plan.claimed_speedup == plan.speedup
     assert f"{MODEL_S / 15e-3:.2f}x" in str(plan)
@@ -85,10 +85,10 @@ def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs,
     model, x = chain()
     plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), num_stages="auto", chunks="auto")
     # 3 samples before any cost is measured, then one after each measurement.
-    assert len(measured) == len(plan.measurements) > 1
+    assert len(measured) == len(plan.record.measurements) > 1
     assert measured == list(range(3, 3 + len(measured)))
     assert len(samples) == 3 + len(measured)
-    assert plan.unpipelined_spread is not None and plan.unpipelined_spread >= 0
+    assert plan.record.unpipelined_spread is not None and plan.record.unpipelined_spread >= 0
 
 
 def test_a_plan_claims_no_speed_up_where_its_figures_cannot_hold(scripted, monkeypatch):
@@ -100,7 +100,7 @@ def test_a_plan_claims_no_speed_up_where_its_figures_cannot_hold(scripted, monke
     monkeypatch.setattr(fxpipe.plans.report.os, "cpu_count", lambda: 2)
     assert plan.claimed_speedup == plan.speedup
     for unsteady in (dict(spread=0.4), dict(unpipelined_spread=0.4)):
-        shaken = dataclasses.replace(plan, **unsteady)
+        shaken = plan.with_record(**unsteady)
         assert shaken.claimed_speedup is None and "figures are unsteady" in str(shaken)
         assert f"{plan.speedup:.2f}x" not in str(shaken)
 
@@ -129,7 +129,7 @@ def test_the_speed_up_measured_in_use_sits_beside_the_predicted_one(scripted, mo
         seen.update(speedup=0.5)
         assert "warning: the pipeline measured slower than the model run whole (0.50x)" in \
             str(plan)
-        seen.update(step_s=plan.predicted_step_s * 1.2, speedup=plan.speedup / 1.2)
+        seen.update(step_s=plan.record.predicted_step_s * 1.2, speedup=plan.speedup / 1.2)
         assert "warning: the measured speed-up" not in str(plan)      # within 25%
-        seen.update(step_s=plan.predicted_step_s * 1.3, speedup=plan.speedup / 1.3)
+        seen.update(step_s=plan.record.predicted_step_s * 1.3, speedup=plan.speedup / 1.3)
         assert "warning: the measured speed-up is 1.30x off" in str(plan)

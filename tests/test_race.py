@@ -56,10 +56,10 @@ def test_a_pipeline_measured_slower_than_the_model_gives_way_to_the_model(
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     assert len(calls) == 1 and not calls[0][0].runs_as_is     # the pipeline predicted fastest
     plan = pipe.plan
-    assert plan.runs_as_is and plan.reason.startswith("no pipeline is measured faster")
-    assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.reason
-    assert plan.chosen is plan.considered[-1]                        # the model as is
-    assert any(c.config.num_stages == 2 for c in plan.considered)    # beside what was weighed
+    assert plan.runs_as_is and plan.record.reason.startswith("no pipeline is measured faster")
+    assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.record.reason
+    assert plan.record.chosen is plan.record.considered[-1]                        # the model as is
+    assert any(c.config.num_stages == 2 for c in plan.record.considered)    # beside what was weighed
     assert_same_up_to_rounding(pipe(x), model(x))
     assert "no pipeline is measured faster" in str(plan)
 
@@ -70,7 +70,7 @@ def test_a_pipeline_measured_faster_is_kept_and_says_so(model_predicted_slow, mo
     model, x = Tiny().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto")
     assert len(calls) == 1 and not pipe.plan.runs_as_is
-    assert "measured 1.000 ms, the model 2.000 ms" in pipe.plan.reason
+    assert "measured 1.000 ms, the model 2.000 ms" in pipe.plan.record.reason
     assert_same_up_to_rounding(pipe(x), model(x))
 
 
@@ -85,8 +85,8 @@ def test_on_a_busy_machine_the_model_as_is_is_kept_and_the_plan_says_why(
     raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002, cpu_share=0.7)
     model, x = Tiny().eval(), torch.randn(8, 16)
     plan = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan
-    assert plan.runs_as_is and plan.reason.startswith("no pipeline is weighed on a busy machine")
-    assert "had 70% of the time of its" in plan.reason and "measured 1.000 ms" in plan.reason
+    assert plan.runs_as_is and plan.record.reason.startswith("no pipeline is weighed on a busy machine")
+    assert "had 70% of the time of its" in plan.record.reason and "measured 1.000 ms" in plan.record.reason
     assert "the machine was too busy to weigh pipelines" in str(plan)
     raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002, cpu_share=0.95)    # cores free
     assert not fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan.runs_as_is
@@ -108,15 +108,15 @@ def test_the_shortlist_races_the_next_best_predicted_and_keeps_the_one_measured_
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     [shortlist] = calls
     assert 2 <= len(shortlist) <= fxpipe.planning.build.SHORTLIST
-    predicted = [p.predicted_step_s for p in shortlist]
+    predicted = [p.record.predicted_step_s for p in shortlist]
     assert predicted[0] == min(predicted) and predicted == sorted(predicted)
     plan = pipe.plan
-    assert plan.chosen.config == shortlist[1].chosen.config and not plan.runs_as_is
-    assert "measured fastest, though" in plan.reason and "measured 1.000 ms" in plan.reason
+    assert plan.record.chosen.config == shortlist[1].record.chosen.config and not plan.runs_as_is
+    assert "measured fastest, though" in plan.record.reason and "measured 1.000 ms" in plan.record.reason
     # Every one raced, the model as is last, predicted against measured; print shows both.
-    assert [config for config, _, _ in plan.raced] == [
-        *(p.chosen.config for p in shortlist), plan.considered[-1].config]
-    assert [s for _, _, s in plan.raced] == [0.004, 0.001, 0.003][:len(shortlist)] + [0.002]
+    assert [config for config, _, _ in plan.record.raced] == [
+        *(p.record.chosen.config for p in shortlist), plan.record.considered[-1].config]
+    assert [s for _, _, s in plan.record.raced] == [0.004, 0.001, 0.003][:len(shortlist)] + [0.002]
     assert "raced ms" in str(plan) and "1.000" in str(plan)
     assert_same_up_to_rounding(pipe(x), model(x))
 

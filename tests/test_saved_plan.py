@@ -338,7 +338,7 @@ def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, mon
     assert pipe.plan.partition.num_stages == 3
     with torch.no_grad():
         assert_same_up_to_rounding(pipe(x), model(x))
-    node = next(iter(saved.measurements.values())).costs
+    node = next(iter(saved.record.measurements.values())).costs
     assert {n.name: n.meta["cost"] for n in pipe.module.graph.nodes if n.op != "output"} == node
     # Two threads per stage are a new kind of device: measured, once.
     fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=2, costs=saved)

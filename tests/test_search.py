@@ -106,13 +106,13 @@ def test_auto_chooses_a_configuration_it_predicts_no_slower_and_stays_equal(trai
     pipe = assert_pipeline_matches(model, (x,), devices=["cpu"] * 3, chunks="auto",
                                    num_stages="auto", schedule="auto", backward=True)
     plan = pipe.plan
-    assert plan.chosen.predicted_s <= plan.unpipelined_s
-    assert pipe.chunks == plan.chosen.config.chunks
-    assert len(pipe.stages) == plan.chosen.config.num_stages
-    configs = {(c.config.num_stages, c.config.chunks, c.config.schedule) for c in plan.considered}
+    assert plan.record.chosen.predicted_s <= plan.record.unpipelined_s
+    assert pipe.chunks == plan.record.chosen.config.chunks
+    assert len(pipe.stages) == plan.record.chosen.config.num_stages
+    configs = {(c.config.num_stages, c.config.chunks, c.config.schedule) for c in plan.record.considered}
     assert {1, 2, 3} <= {stages for stages, _, _ in configs}
     assert {"gpipe", "1f1b"} <= {s for _, _, s in configs} if training else True
-    assert "configurations considered" in str(plan) and f"chosen: {plan.reason}" in str(plan)
+    assert "configurations considered" in str(plan) and f"chosen: {plan.record.reason}" in str(plan)
 
 
 def test_fixed_stages_with_auto_chunks_use_every_device_and_keep_the_result():
@@ -120,7 +120,7 @@ def test_fixed_stages_with_auto_chunks_use_every_device_and_keep_the_result():
     model, x = Residual().eval(), torch.randn(16, 16)
     pipe = assert_pipeline_matches(model, (x,), devices=["cpu"] * 2, chunks="auto")
     assert len(pipe.stages) == 2
-    assert {c.config.chunks for c in pipe.plan.considered} == {1, 2, 4, 8}
+    assert {c.config.chunks for c in pipe.plan.record.considered} == {1, 2, 4, 8}
 
 
 class BatchMean(nn.Module):

@@ -262,7 +262,7 @@ def _measured_inputs(plan: fxpipe.Plan, dtype: torch.dtype | None
     (`_token_inputs`), other tensors of `dtype`, else the float dtype of the bytes the plan
     measured them at (8: float64, 4: float32, 2: bfloat16, 1: bool)."""
     signature = plan.signature
-    measured = {key[0]: m for key, m in plan.measurements.items()}
+    measured = {key[0]: m for key, m in plan.record.measurements.items()}
     if len(measured) != 1:
         raise UsageError(f"the plan was measured on {len(measured)} micro-batch sizes\n"
                          f"so its example's is unknown; give its inputs with --tokens BxS or "

@@ -13,7 +13,6 @@ the plans raced against the model as is (`_raced`) are realized from the same pr
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -39,7 +38,7 @@ def plan_of(recipe: Recipe) -> Plan:
         plan = plan_mode(recipe, model, recipe.trace(model))
     finally:
         recipe.progress.finish()
-    return replace(plan, planning_peak_rss_bytes=peak_rss_bytes())
+    return plan.with_record(planning_peak_rss_bytes=peak_rss_bytes())
 
 
 def plan_mode(recipe: Recipe, model: nn.Module, gm: fx.GraphModule,
@@ -131,18 +130,18 @@ def _raced(plan: Plan, prepared: Prepared, recipe: Recipe) -> Plan:
     alone on the costs measured; so it is where the model's run on CPUs got under
     `BUSY_SHARE` of its threads' time: the machine is too busy to tell, and the model as is is
     the choice that cannot lose much. The plan records each one's predicted and measured time
-    (`Plan.raced`)."""
+    (`PlanRecord.raced`)."""
     shortlist = [plan, *_runners_up(plan, prepared, recipe)]
     raced = race(shortlist, prepared.checked, recipe)
-    rows = tuple((p.chosen.config, p.predicted_step_s, t)
+    rows = tuple((p.record.chosen.config, p.record.predicted_step_s, t)
                  for p, t in zip(shortlist, raced.pipelines_s)) + (
-        (plan.considered[-1].config, plan.unpipelined_s, raced.model_s),)
+        (plan.record.considered[-1].config, plan.record.unpipelined_s, raced.model_s),)
     fastest = min(range(len(shortlist)), key=lambda i: raced.pipelines_s[i])
     best = shortlist[fastest]
     also = f", fastest of {len(shortlist)} pipelines raced" if len(shortlist) > 1 else ""
-    measured = (f"{best.chosen} measured {raced.pipelines_s[fastest] * 1e3:.3f} ms, the model "
-                f"{raced.model_s * 1e3:.3f} ms (the least of {raced.rounds} interleaved runs "
-                f"each{also}; predicted {best.predicted_step_s * 1e3:.3f} ms)")
+    measured = (f"{best.record.chosen} measured {raced.pipelines_s[fastest] * 1e3:.3f} ms, the "
+                f"model {raced.model_s * 1e3:.3f} ms (the least of {raced.rounds} interleaved runs "
+                f"each{also}; predicted {best.record.predicted_step_s * 1e3:.3f} ms)")
     if raced.cpu_share is not None and raced.cpu_share < BUSY_SHARE:
         runs = Runs.AS_IS_BUSY
         reason = (f"no pipeline is weighed on a busy machine: the model's fastest run had "
@@ -151,24 +150,26 @@ def _raced(plan: Plan, prepared: Prepared, recipe: Recipe) -> Plan:
                   f"quiet machine; compile where the cores are free to weigh pipelines "
                   f"({measured})")
     elif raced.pipelines_s[fastest] < raced.model_s * (1 - search.TIE):
-        why = plan.reason if best is plan else (
-            f"measured fastest, though {plan.chosen} was predicted fastest")
-        return replace(best, raced=rows, reason=f"{why}; {measured}")
+        why = plan.record.reason if best is plan else (
+            f"measured fastest, though {plan.record.chosen} was predicted fastest")
+        return best.with_record(raced=rows, reason=f"{why}; {measured}")
     else:
         runs = Runs.AS_IS_MEASURED
         reason = f"no pipeline is measured faster than the model run whole: {measured}"
-    return realize(prepared, recipe, plan.considered[-1], considered=plan.considered,
-                   reason=reason, runs=runs)
+    considered = plan.record.considered
+    return realize(prepared, recipe, considered[-1], considered=considered, reason=reason,
+                   runs=runs)
 
 
 def _runners_up(plan: Plan, prepared: Prepared, recipe: Recipe) -> list[Plan]:
     """The plans of the configurations predicted next best after the chosen one (at most
     `SHORTLIST - 1`, within `SHORTLIST_SLACK` of it and faster than the model), each realized
     from the prepared graph as the chosen one was."""
-    best = plan.chosen.predicted_s
-    others = sorted((c for c in plan.considered[:-1] if c.predicted_s is not None and
-                     c.config != plan.chosen.config and c.predicted_s <= best * SHORTLIST_SLACK
-                     and c.predicted_s < (plan.unpipelined_s or math.inf)),
+    weighed = plan.record
+    best = weighed.chosen.predicted_s
+    others = sorted((c for c in weighed.considered[:-1] if c.predicted_s is not None and
+                     c.config != weighed.chosen.config and c.predicted_s <= best * SHORTLIST_SLACK
+                     and c.predicted_s < (weighed.unpipelined_s or math.inf)),
                     key=lambda c: c.predicted_s)
-    return [realize(prepared, recipe, c, considered=plan.considered, reason=plan.reason,
+    return [realize(prepared, recipe, c, considered=weighed.considered, reason=weighed.reason,
                     runs=Runs.PIPELINE) for c in others[:SHORTLIST - 1]]

@@ -82,7 +82,7 @@ class Costs:
         self.marks: dict[tuple, dict[str, dict[str, Any]]] = {}
         saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
-            key: m for key, m in (saved.measurements if saved is not None else {}).items()
+            key: m for key, m in (saved.record.measurements if saved is not None else {}).items()
             if key[3] == training}      # costs measured with backward, or without
         if self.saved:
             names = {n.name for n in gm.graph.nodes if n.op != "output"}

@@ -38,8 +38,8 @@ rule: where none of the model's writes a tensor (a norm holding `torch.ones(d)` 
 `reset_parameters()`), `Init(stand_ins=True)` gives a stand-in of the right shape, dtype and scale
 (`weights.stand_in_`), drawn under the module's seed so that every read, the model's modules and
 the stages alike, gets the same values; `Recipe.stand_ins` names them (those drawn, and those of
-the same role, which `Tiled` repeats) in `Plan.stand_ins`. Loading with `"init"` still refuses them
-by name.
+the same role, which `Tiled` repeats) in `PlanRecord.stand_ins`. Loading with `"init"` still
+refuses them by name.
 
 Which run reads what on meta. Trace's eager output check cannot run on meta: compile's check runs
 streamed instead (`checks.streamed`: the model's own forward on a structural copy whose modules get
@@ -87,7 +87,7 @@ from . import search
 from .checks import Reference, holding, meta_reference, reference_of, streamed_stages, verify
 from .measure import Baseline, Costs, priced_link
 from .options import placeholder_dims
-from ..plans.plan_data import Plan, Runs, make_plan
+from ..plans.plan_data import Plan, PlanRecord, Runs, make_plan
 from .reference import copied
 from ..runtime.wiring import Wiring
 
@@ -288,33 +288,35 @@ def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
     tolerance = reference.stated_tolerance()
-    plan = make_plan(
-        gm.meta["capture"], part, stages, config.chunks,
-        unverified or ("yes" if o.verify else "skipped (verify=False)"),
-        wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
-                                  if n.op != "placeholder"]),
-        signature=signature,
-        batch_dims=placeholder_dims(signature, recipe.input_dims, recipe.default_dim),
-        schedule=config.schedule, runs=runs, training=prepared.mode,
-        measurements=costs.saved_measurements(), recompute=o.recompute,
-        stage_recomputed=recomputed, output_dims=reference.output_dims,
-        unpipelined_s=prepared.unpipelined_s, unpipelined_spread=prepared.unpipelined_spread,
+    record = PlanRecord(
+        verified=unverified or ("yes" if o.verify else "skipped (verify=False)"),
+        stage_recomputed=recomputed, unpipelined_s=prepared.unpipelined_s,
+        unpipelined_spread=prepared.unpipelined_spread,
         example_rows=microbatch.rows_of((recipe.args, recipe.kwargs), recipe.input_dims),
         unpipelined_threads=torch.get_num_threads(),
         chosen=chosen, reason=reason, considered=considered,
         calibration=costs.calibration[config.chunks, specs[0].kind, config.num_stages > 1],
-        spread=measurement_spread(gm), link=o.link_name, graph=gm,
-        link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
+        spread=measurement_spread(gm),
         weights=recipe.weights.where if materialize else None,
         stand_ins=recipe.stand_ins() if materialize else (),
         verify_tolerance=tolerance.get("verify_tolerance"),
-        verify_tolerance_source=tolerance.get("verify_tolerance_source", ""))
+        verify_tolerance_source=tolerance.get("verify_tolerance_source", ""),
+        measurements=costs.saved_measurements())
+    plan = make_plan(
+        gm.meta["capture"], part, stages, config.chunks,
+        wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
+                                  if n.op != "placeholder"]),
+        signature=signature,
+        batch_dims=placeholder_dims(signature, recipe.input_dims, recipe.default_dim),
+        output_dims=reference.output_dims, schedule=config.schedule, training=prepared.mode,
+        recompute=o.recompute, runs=runs, link=o.link_name, graph=gm,
+        link_fn=priced_link(specs) if o.link_name == "default" else recipe.link, record=record)
     verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
            o.verify_tolerance)
     # The model as is runs the model's own ops, so it takes the model's time.
     predicted_s = (prepared.unpipelined_s if plan.runs_as_is else
                    max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
-    return replace(plan, predicted_step_s=predicted_s)
+    return plan.with_record(predicted_step_s=predicted_s)
 
 
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

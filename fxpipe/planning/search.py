@@ -29,9 +29,9 @@ Never one measured slower either (`fxpipe.planning.build._raced`): the shortlist
 more predicted within 1.25x of it, each realized from the prepared graph, raced with the model; the
 fastest measured is kept where it beats the model by 2%, else the model as is, realized from it. On
 CPUs a model's run that got under 85% of its threads' time means a busy machine: the model as is.
-`Plan.raced` keeps predicted and measured times, which `print(plan)` shows. The model as is is a
-candidate only where its tensors are all on the first device (its one stage holds them there, not
-copies), so a plan is never predicted slower than not pipelining there.
+`PlanRecord.raced` keeps predicted and measured times, which `print(plan)` shows. The model as
+is is a candidate only where its tensors are all on the first device (its one stage holds them
+there, not copies), so a plan is never predicted slower than not pipelining there.
 """
 
 from __future__ import annotations

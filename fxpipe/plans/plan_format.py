@@ -48,8 +48,8 @@ _REGISTERED: dict[str, type] = {}
 
 
 def register_types(**types: type) -> None:
-    """Add types a plan holds under the names given: how plan_data gives `Plan`, `Runs` and
-    `Measurement` as it is imported (importing it here would import this module back)."""
+    """Add types a plan holds under the names given: how plan_data gives `Plan`, `PlanRecord`,
+    `Runs` and `Measurement` as it is imported (importing it here would import this module back)."""
     _REGISTERED.update(types)
 
 
@@ -88,8 +88,11 @@ def encode_plan(plan: Plan) -> dict[str, Any]:
     stages = [{"index": s.index, "inputs": list(s.inputs), "outputs": list(s.outputs),
                "device": str(s.device), "module": encode_module(s.module, tensor_index, codec)}
               for s in plan.stages]
+    # One object of fields, the record's beside the rest, as format 5 has always held them.
     fields = {f.name: codec.encode(getattr(plan, f.name)) for f in dataclasses.fields(plan)
-              if f.init and f.name not in ("stages", "graph", "link_fn")}
+              if f.init and f.name not in ("stages", "graph", "link_fn", "record")}
+    fields.update({f.name: codec.encode(getattr(plan.record, f.name))
+                   for f in dataclasses.fields(plan.record)})
     return {"schema": _SCHEMA, "plan": fields, "stages": stages, "tensors": table,
             "functions": sorted(_user_functions(plan))}
 
@@ -134,14 +137,17 @@ def decode_plan(data: Mapping[str, Any], *, functions: Iterable[Callable] = (),
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise PlanFileError(f"{where} holds malformed plan data ({type(e).__name__}: {e})"
                             f"\nsave the plan again") from None
-    plan_type = _types()["Plan"]
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(plan_type)})
+    plan_type, record_type = _types()["Plan"], _types()["PlanRecord"]
+    recorded = {f.name for f in dataclasses.fields(record_type)}
+    unknown = sorted(set(fields) - recorded -     # the record's fields sit beside the rest
+                     ({f.name for f in dataclasses.fields(plan_type)} - {"record"}))
     if unknown:
         raise PlanFileError(f"{where} holds fields no plan has: {unknown}")
     signature = fields.get("signature")
     for rule in getattr(signature, "size_rules", ()):
         check_rule(rule.code, where)
-    return plan_type(**fields, stages=stages)
+    record = record_type(**{name: fields.pop(name) for name in recorded & set(fields)})
+    return plan_type(**fields, stages=stages, record=record)
 
 
 def _stand_in(entry: Mapping[str, Any]) -> torch.Tensor:
@@ -259,11 +265,12 @@ def _description(plan: Plan) -> dict[str, Any]:
                       "lower_bound_s": part.lower_bound_s, "optimal": part.optimal,
                       "method": str(part.method or ""),
                       "stages": [dataclasses.asdict(c) for c in part.stages]},
-        "predicted_step_s": plan.predicted_step_s, "unpipelined_s": plan.unpipelined_s,
-        "weights_source": plan.weights, "stand_ins": list(plan.stand_ins),
-        "verified": plan.verified, "verify_tolerance": plan.verify_tolerance,
-        "verify_tolerance_source": plan.verify_tolerance_source,
-        "planning_peak_rss_bytes": plan.planning_peak_rss_bytes,
+        "predicted_step_s": plan.record.predicted_step_s,
+        "unpipelined_s": plan.record.unpipelined_s,
+        "weights_source": plan.record.weights, "stand_ins": list(plan.record.stand_ins),
+        "verified": plan.record.verified, "verify_tolerance": plan.record.verify_tolerance,
+        "verify_tolerance_source": plan.record.verify_tolerance_source,
+        "planning_peak_rss_bytes": plan.record.planning_peak_rss_bytes,
         "stages": [{"index": s.index, "device": str(s.device), "inputs": list(s.inputs),
                     "outputs": list(s.outputs)} for s in plan.stages],
         "wiring": {"producer": dict(plan.wiring.producer),
@@ -377,6 +384,17 @@ def unpickled(file: Any) -> Any:
     with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
         return torch.load(file, weights_only=False, pickle_module=_OLD_PATHS_PICKLE)
+
+
+def regrouped(plan: Any) -> Any:
+    """A plan unpickled from format 4, its fields as a plan has them now: the record of what
+    was weighed, pickled among the rest before plans held it apart, moved into `record`."""
+    state = vars(plan)
+    if "record" not in state:
+        record_type = _types()["PlanRecord"]
+        names = {f.name for f in dataclasses.fields(record_type)}
+        state["record"] = record_type(**{name: state.pop(name) for name in names & set(state)})
+    return plan
 
 
 # Where the modules a pickled plan (format 4) names live since fxpipe/ was grouped by layer.

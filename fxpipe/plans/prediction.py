@@ -1,9 +1,10 @@
 """What a configuration is, and what the cost model predicts a partition of it does.
 
-`Config` and `Candidate` are what a plan records of each configuration weighed (`Plan.considered`,
-`Plan.chosen`); `predict_slots` is the timeline of one step (the timetable the runtime would run,
-each action taking its stage's measured time), `in_flight` the activations each stage holds at
-once, and `notes` what `print(plan)` says of the chosen candidate. Planning (`fxpipe.planning.
+`Config` and `Candidate` are what a plan records of each configuration weighed
+(`PlanRecord.considered`, `PlanRecord.chosen`); `predict_slots` is the timeline of one step (the
+timetable the runtime would run, each action taking its stage's measured time), `in_flight` the
+activations each stage holds at once, and `notes` what `print(plan)` says of the chosen
+candidate. Planning (`fxpipe.planning.
 search`) weighs configurations with them; plans read them without the planner.
 """
 

@@ -63,7 +63,7 @@ from ..runtime.devices import DeviceLike, parse_devices
 from .plan_format import (DATA_FILE, FORMAT, PICKLE_FILE, PICKLED_FORMATS, PLAN_FILE,  # noqa: F401
                           _checked, _content_digest, _description, _document, _finite,
                           _non_persistent, _tensors, decode_plan, encode_plan, manifest,
-                          plan_document, unpickled, versions)
+                          plan_document, regrouped, unpickled, versions)
 from ..weights import MAX_SHARD_BYTES, Init, open_weights, save_weights, shard_layout
 
 # `Plan` in annotations is `plan_data.Plan`: plan_data saves its plans here, so this module
@@ -347,7 +347,7 @@ def _load_skeleton(root: Path, document: dict[str, Any], functions: Sequence[Cal
     buffers marked as such (from the manifest), so that they stay out of `state_dict`: rebuilt
     from its data (`plan_format`), or unpickled from a plan of a pickled format (trusted)."""
     if document["format"] in PICKLED_FORMATS:
-        plan = unpickled(root / PICKLE_FILE)
+        plan = regrouped(unpickled(root / PICKLE_FILE))
         vars(plan).setdefault("observed", {})       # saved before plans had it
     else:
         try:
