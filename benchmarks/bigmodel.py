@@ -69,7 +69,7 @@ from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.blocks import block_of
 from fxpipe.passes.cost_model import OPTIMIZER_STATE, DeviceSpec, cost_graph, format_bytes
 from fxpipe.passes.partition import evaluate
-from fxpipe.report import cost_sources
+from fxpipe.plans.report import cost_sources
 from fxpipe.testing.memory import peak_bytes, return_freed_memory
 from fxpipe.weights import Init, open_weights, save_weights, shard_layout
 
@@ -185,7 +185,7 @@ def one(name: str, training: bool = False) -> dict[str, Any]:
              "peak_rss": peak, "before_rss": before, "model_bytes": nbytes(model),
              "largest_block": max(nbytes(b) for b in blocks),
              "balance": max(stage_s) / statistics.mean(stage_s),
-             "predicted_s": made.predicted_step_s, "bottleneck_s": made.partition.bottleneck_s}
+             "predicted_s": made.record.predicted_step_s, "bottleneck_s": made.partition.bottleneck_s}
     if name in COMPARED and not training:
         whole, _ = plan(name, build(name, on_meta=False), reuse_blocks=False)
         error, spread = reuse_error(whole.graph, name)
@@ -237,7 +237,7 @@ def plan_without_weights(name: str, directory: Path) -> dict[str, Any]:
     model = build(name, on_meta=True)
     made, seconds = plan(name, model, RUN_STAGES, RUN_CAP if name != "quick" else None)
     made.save(directory / "plan")
-    return {"plan_s": seconds, "planning_peak": made.planning_peak_rss_bytes,
+    return {"plan_s": seconds, "planning_peak": made.record.planning_peak_rss_bytes,
             "cap": made.partition.devices[0].memory_bytes}
 
 

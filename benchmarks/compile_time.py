@@ -57,8 +57,9 @@ PHASES = {
     "check": ["reference_of", "meta_reference", "verify"],
     "race": ["race"],
 }
-# The modules that call them, before planning was prepared once (`api` did) and after.
-CALLERS = ("api", "prepare", "measure", "search")
+# The modules that call them, before planning was prepared once (`api` did) and after
+# (`planning.build` conducts the steps now).
+CALLERS = ("api", "planning.build", "planning.prepare", "planning.measure", "planning.search")
 
 
 class Net(nn.Module):

@@ -159,7 +159,7 @@ def main() -> None:
                       for _ in range(options.rounds)]       # interleaved: drift hits all alike
             timings = {label: statistics.median(r[label] for r in rounds) for label in runs}
             ideal = STAGES * chunks / (chunks + STAGES - 1)
-            predicted = {"fxpipe.distributed": options.batch / pipe.plan.predicted_step_s}
+            predicted = {"fxpipe.distributed": options.batch / pipe.plan.record.predicted_step_s}
             for label, seconds in timings.items():
                 rows.append((chunks, label, options.batch / seconds, predicted.get(label, ""),
                              one / seconds, every / seconds, 100 * one / seconds / ideal))

@@ -90,7 +90,7 @@ def main() -> None:
                     f"{len(plan.stages)} stages x {plan.chunks} ({plan.schedule}): "
                     + ", ".join(d.kind for d in plan.partition.devices))
             rows.append((name, config, runs, t["pipe"] * 1e3, t["model"] * 1e3,
-                         t["model"] / t["pipe"], plan.predicted_step_s * 1e3))
+                         t["model"] / t["pipe"], plan.record.predicted_step_s * 1e3))
     mode = "training (train_step)" if options.training else "inference"
     print(f"{mode} on {torch.cuda.get_device_name(0)}; ms per call, median of "
           f"{options.repeats}, interleaved, each ending with the GPU's work done")

@@ -24,7 +24,7 @@ from tabulate import tabulate
 
 import fxpipe
 from benchmarks.predict import models
-from fxpipe.schedules import Phase
+from fxpipe.runtime.schedules import Phase
 
 
 def parse(text: str) -> list[fxpipe.DeviceSpec]:

@@ -80,7 +80,7 @@ def measure(name: str, recompute: str, cap: float, chunks: int) -> dict:
                         "whole" if whole else f"{len(nodes)} nodes" if nodes else "keep",
                         c.recompute_s)
                        for c, whole, nodes in zip(stages, pipe.plan.stage_recompute,
-                                                  pipe.plan.stage_recomputed or
+                                                  pipe.plan.record.stage_recomputed or
                                                   ((),) * len(stages))]}
 
 

@@ -76,7 +76,7 @@ def main() -> None:
             pipe = fxpipe.compile(model, ["cpu"] * options.stages, (x,), num_stages="auto",
                                   chunks="auto", schedule="auto")
         compile_s = time.perf_counter() - start
-        chosen = pipe.plan.chosen.config
+        chosen = pipe.plan.record.chosen.config
         if options.training:
             loss = nn.functional.mse_loss
             target = model(x).detach()
@@ -98,7 +98,7 @@ def main() -> None:
         choice = ("the model as is" if pipe.plan.runs_as_is else
                   f"{chosen.num_stages} stages x {chosen.chunks} ({chosen.schedule})")
         # Raced at compile: a pipeline predicted faster than the model as is was measured too.
-        choice += " (raced)" if " measured " in pipe.plan.reason else ""
+        choice += " (raced)" if " measured " in pipe.plan.record.reason else ""
         rows.append((name, choice, t["pipe"] * 1e3, t["model"] * 1e3, t["model"] / t["pipe"],
                      pipe.plan.speedup, compile_s))
         print(f"{name}: compiled in {compile_s:.0f} s", flush=True)

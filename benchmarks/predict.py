@@ -92,7 +92,7 @@ def main() -> None:
             plan = pipe.plan
             measured = t["all"] / t["pipe"]
             claimed = getattr(plan, "claimed_speedup", plan.speedup)
-            rows.append((name, stages, chunks, plan.predicted_step_s * 1e3, t["pipe"] * 1e3,
+            rows.append((name, stages, chunks, plan.record.predicted_step_s * 1e3, t["pipe"] * 1e3,
                          t["all"] * 1e3, measured, "-" if claimed is None else f"{claimed:.2f}",
                          "-" if claimed is None else
                          f"{max(claimed, measured) / min(claimed, measured):.2f}"))

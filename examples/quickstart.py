@@ -109,7 +109,8 @@ def main() -> None:
                                    atol=64 * torch.finfo(x.dtype).eps * expected.abs().max().item())
         model_rate, pipe_rate = samples_per_s(model, x), samples_per_s(pipe, x)
     chosen = ("the model as is" if pipe.plan.runs_as_is else
-              f"{pipe.plan.chosen.config.num_stages} stages x {pipe.plan.chunks} micro-batches")
+              f"{pipe.plan.record.chosen.config.num_stages} stages x {pipe.plan.chunks} "
+              f"micro-batches")
     print(f"\nbatch {args.batch}, {cores} cores: the model {model_rate:.0f} samples/s, the plan's "
           f"choice ({chosen}) {pipe_rate:.0f} samples/s: {pipe_rate / model_rate:.2f}x")
     pipe.close()

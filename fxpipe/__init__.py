@@ -17,10 +17,10 @@ from fxpipe.passes.partition import Partition
 
 from . import timeline
 from .api import compile, plan
-from .devices import tune_cpu_allocator
+from .runtime.devices import tune_cpu_allocator
 from .pipeline import Pipeline
-from .plan_data import Plan
-from .saved import PlanFileError, load_plan
+from .plans.plan_data import Plan
+from .plans.saved import PlanFileError, load_plan
 
 __all__ = [
     "__version__",

@@ -40,9 +40,9 @@ from fxpipe.passes.errors import FxpipeError
 from .cli.arguments import UsageError, _batch_dims, _devices  # noqa: F401 (tests)
 from .cli.commands import (_convert, _diff, _measured_inputs, _plan, _run, _show,  # noqa: F401
                            _token_inputs, weight_shares)
-from .options import LinkName, Recompute
-from .schedules import SCHEDULES
-from .pictures import COLOURS  # noqa: F401 (COLOURS: tests)
+from .planning.options import LinkName, Recompute
+from .runtime.schedules import SCHEDULES
+from .plans.pictures import COLOURS  # noqa: F401 (COLOURS: tests)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

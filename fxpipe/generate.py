@@ -43,7 +43,7 @@ passes (`position_ids` from the mask's cumulative sum, OPT and Llama alike). `Sl
 `Cache` the model sees while captured, reading back whole the rows it wrote, the mask hiding what
 is not written yet.
 
-Two plans, because export fixes the query length. Both are planned through `Recipe.plan_other`. A
+Two plans, because export fixes the query length. Both are planned by `Planner.plan_other`. A
 prefill stage on another device than the decode stage holding the same layer is refused. HF's loop
 runs on the caller's thread; each step is `call_stages` (GPipe over the lanes) under `fork_rng`, so
 the pipeline's seeds do not move the generator that sampling draws from.
@@ -67,8 +67,9 @@ from .runtime.calls import call_stages, runtime_of
 from .runtime.state import Planned, readers_of
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
-    from .plan_data import Plan
+    from .plans.plan_data import Plan
+# `Pipeline` in annotations is `pipeline.Pipeline`, which imports this module to generate:
+# named, never imported (the import runs one way, `tests/test_layers.py`).
 
 try:    # transformers is an optional dependency ('.[hf]')
     from transformers.cache_utils import Cache
@@ -304,11 +305,11 @@ class Generation:
     def tokens_per_s(self) -> float | None:
         """Decode tokens per second predicted: every sequence's next token per decode step
         (the decode plan's predicted time of one call on all rows)."""
-        step = self.decode.predicted_step_s
+        step = self.decode.record.predicted_step_s
         return self.rows / step if step else None
 
     def __str__(self) -> str:
-        from .report import describe_generation
+        from .plans.report import describe_generation
         return describe_generation(self)
 
     def fits(self, rows: int, length: int) -> bool:
@@ -514,7 +515,7 @@ def load_generation(path: str | os.PathLike,
     the model: Hugging Face's loop runs over a copy of the model's class built on the meta
     device from the saved config, whose forward runs the stages."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-    from .saved import load_plan
+    from .plans.saved import load_plan
     root = Path(path)
     if not (root / GENERATION_FILE).is_file():
         raise GenerationError(f"{str(root)!r} holds no saved generation ({GENERATION_FILE})\n"

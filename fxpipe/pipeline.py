@@ -23,19 +23,20 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.passes.codegen import carry_values
 from fxpipe.passes.cost_model import default_link
 from fxpipe.passes.errors import CostError, DeviceError, PipelineClosedError
 
-from .plan_data import Plan, observe, refuse_without_weights
-from .saved import PlanFileError, save_stage_weights
+from .plans.plan_data import Plan, observe, refuse_without_weights
+from .plans.saved import PlanFileError, save_stage_weights
 from .runtime import Run, streaming, training
 from .runtime.calls import call, runtime_of
 from .runtime.front import Facade, LossCheck
-from .runtime.holding import carry_values, check_mode_without_model, gathered
+from .runtime.holding import check_mode_without_model, gathered
 from .runtime.memory import tracked
-from .explain import explain
+from .plans.explain import explain
 from .model_watch import ModelWatch
-from .schedules import Slot
+from .runtime.schedules import Slot
 
 
 class Pipeline(nn.Module):
@@ -71,7 +72,8 @@ class Pipeline(nn.Module):
         self._generation = None    # `generate`'s plans (`fxpipe.generate.plan_generation`)
 
     def _keep_recipe(self, recipe: Any) -> None:
-        """Keep how `fxpipe.compile` planned the model (`api.Recipe`), to watch and replan it."""
+        """Keep how `fxpipe.compile` planned the model (a `Planner`): the model, to notice
+        it changed, and the recipe, to plan it again in the other mode."""
         self._recipe = recipe
         self._watch = ModelWatch(recipe.model)
 
@@ -208,7 +210,7 @@ class Pipeline(nn.Module):
     def explain(self) -> str:
         """For each boundary between stages: the values that cross it (producer, readers, shape,
         bytes) and why the cut is there (the stage times either side, and what a cut one node
-        earlier or later would cost). See `fxpipe.explain`."""
+        earlier or later would cost). See `fxpipe.plans.explain`."""
         if not isinstance(self.module, fx.GraphModule) or not any(
                 "cost" in n.meta for n in self.module.graph.nodes):
             raise CostError("explain() needs the costed graph, which a loaded plan does not keep\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 from xml.sax.saxutils import escape
 
-from .schedules import Phase, Slot
+from .runtime.schedules import Phase, Slot
 
 _COLOURS = {Phase.FORWARD: "#4e79a7", Phase.BACKWARD: "#f28e2b"}
 

@@ -28,12 +28,12 @@ from torch import nn
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.errors import FxpipeError
 
-from .devices import DeviceLike
-from .plan_data import Plan
+from .runtime.devices import DeviceLike
+from .plans.plan_data import Plan
 from .distributed import DistributedError, WorldSizeError, rank_device
 from .distributed.stage import forget_captured_default_group
-from .saved import load_stage_plan, planned_device, stage_count
-from .wiring import DRIVER
+from .plans.saved import load_stage_plan, planned_device, stage_count
+from .runtime.wiring import DRIVER
 
 __all__ = ["NotAChainError", "chain_module", "check_chain", "pipeline_stages"]
 

@@ -24,7 +24,8 @@ written in graphs (`device=cpu`, `x.to("cuda:1")`) become the stage's. A paramet
 (`get_attr`) is copied into each stage reading it on its home's device (home: the first stage using
 it) and sent, like a value, to readers on other devices, so its gradient returns home; a submodule
 called from two devices is an error. Measuring on another device than the graph's tensors runs a
-copy placed there (`placed_copy`), dropped after.
+copy placed there (`placed_copy`), dropped after. The two modes' stages share the copies;
+where they hold different ones, `carry_values` gives the mode switched to the other's values.
 
 Example (two stages of four layers, run one after the other, equal the graph):
 
@@ -186,6 +187,19 @@ def held_by_stages(gm: fx.GraphModule, stages: Sequence[Stage]) -> fx.GraphModul
                                                 *gm.named_buffers(remove_duplicate=False)]
              if name in held}
     return _replace_tensors(gm, lambda t: by_id.get(id(t), t), {id(gm): gm})
+
+
+def carry_values(source: nn.Module, target: nn.Module) -> None:
+    """`target`'s tensors given `source`'s values where the two hold other tensors under one
+    name (the two modes' stages placed copies of it on different devices), so the mode switched
+    to computes with what the other one trained."""
+    held = dict([*source.named_parameters(remove_duplicate=False),
+                 *source.named_buffers(remove_duplicate=False)])
+    with torch.no_grad():
+        for name, t in [*target.named_parameters(remove_duplicate=False),
+                        *target.named_buffers(remove_duplicate=False)]:
+            if name in held and held[name] is not t:
+                t.copy_(held[name])
 
 
 def with_tensors(module: nn.Module,

@@ -36,7 +36,7 @@ def difference(actual: Any, expected: Any, tolerance: float | None) -> str:
     largest magnitude (default 16 epsilons of its dtype; the order of sums changes with the
     number of threads, by about an epsilon per term of magnitude), plus assert_close's atol.
     Compile's verification passes the model's own rounding instead, measured against float64
-    (`fxpipe.checks.rounding_tolerance`), which a deep or wide model makes larger.
+    (`fxpipe.planning.checks.rounding_tolerance`), which a deep or wide model makes larger.
     Containers compare as the user would: same keys, same values.
     """
     flat_expected = pytree.tree_flatten_with_path(expected)[0]

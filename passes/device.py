@@ -10,7 +10,8 @@ statistics, how many there are. No other module tests `device.type == "cuda"`
 Streams follow torchgpipe's: the CPU's stream is None, one that does nothing, so `use_stream`,
 `wait_stream` and the events are no-ops (or the host's wait) off a device with streams, and a
 caller need not ask a device's kind. A kind's methods on a stream are found by the stream's
-`device`. A pass-level module (passes never import fxpipe): `fxpipe.devices` builds on it.
+`device`. A pass-level module (passes never import fxpipe): `fxpipe.runtime.devices` builds
+on it.
 
 Adding a device kind (XPU, MPS) is one file: subclass `DeviceKind`, answer what it has (the base
 answers as a device with no streams, no generators of its own and no allocator statistics), and

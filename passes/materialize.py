@@ -18,7 +18,7 @@ all run through it; the node runs on a shallow copy of its module (`codegen.with
 (values that need only be plausible: each parameter's role, its name without block numbers,
 `blockless`, drawn once and repeated) and `unfilled` (values never looked at) are callbacks over a
 callback. `release_freed_memory` hands freed memory back to the system after each node (see
-`fxpipe.prepare`: planning a meta model).
+`fxpipe.planning.prepare`: planning a meta model).
 
 Example (a model on meta run on another's weights, read per node; the graph keeps meta):
 

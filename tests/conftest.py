@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fxpipe import api, measure
+from fxpipe.planning import build
+from fxpipe.planning import measure
 from fxpipe.passes.cost_model import NodeCost
 
 # Two cores: one intra-op thread keeps pipeline stages from fighting over them.
@@ -63,8 +64,8 @@ def script_costs(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
-    monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
-        plan.predicted_step_s, plan.unpipelined_s, 0))
+    monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
+        plan.record.predicted_step_s, plan.record.unpipelined_s, 0))
     return heavy
 
 

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
-from fxpipe.reference import run_per_microbatch
+from fxpipe.planning.reference import run_per_microbatch
 from fxpipe.passes.randomness import microbatch_seeds
 
 from examples.zoo.resnet import from_preset

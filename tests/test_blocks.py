@@ -184,7 +184,7 @@ def test_without_reuse_every_node_is_measured():
 def test_plans_with_and_without_reuse_compute_the_model(tmp_path, monkeypatch):
     # Block reuse alone: on a loaded machine a noisy Linear may look costly enough to split
     # across stages (split_wide), which adds nodes of its own to the counts below.
-    monkeypatch.setattr(fxpipe.search, "wide_nodes", lambda *args: {})
+    monkeypatch.setattr(fxpipe.planning.search, "wide_nodes", lambda *args: {})
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(8, 8)
     plans = {reuse: fxpipe.plan(model, ["cpu"] * 3, (x,), chunks=2, repeats=2,

@@ -141,7 +141,7 @@ def test_an_errors_fix_names_the_flags_that_exist_and_they_work(capsys):
 
 def test_every_option_a_memory_refusal_offers_is_a_flag_of_plan(tmp_path):
     from fxpipe.__main__ import _as_flags
-    from fxpipe.saved import plan_document
+    from fxpipe.plans.saved import plan_document
     said = _as_flags("use devices with more memory, schedule='1f1b' (fewer micro-batches in "
                      "flight), more micro-batches (chunks=), or recompute='auto'")
     assert said == ("use devices with more memory, --schedule 1f1b (fewer micro-batches in "
@@ -217,7 +217,7 @@ def test_progress_shows_nodes_measured_when_asked_and_not_by_default(capsys):
 
 
 def test_the_node_graph_colours_each_node_by_its_stage(saved, tmp_path):
-    from fxpipe.pictures import write_node_graph
+    from fxpipe.plans.pictures import write_node_graph
 
     torch.manual_seed(0)
     pipe = fxpipe.compile(Skip().eval(), ["cpu"] * 3, (torch.randn(16, 32),))

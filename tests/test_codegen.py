@@ -99,7 +99,7 @@ class Tied(nn.Module):
 
 
 def test_a_parameter_read_on_another_device_is_sent_once_from_its_home():
-    from fxpipe.wiring import Wiring
+    from fxpipe.runtime.wiring import Wiring
 
     gm = fx.symbolic_trace(Tied())
     order = [n.name for n in computing(gm) if n.op != "get_attr"]   # matmul, tanh, matmul_1, ...

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe import report
-from fxpipe.search import default_chunks
+from fxpipe.plans import report
+from fxpipe.planning.search import default_chunks
 from fxpipe.testing import assert_same_up_to_rounding
 
 
@@ -36,7 +36,7 @@ def test_a_plan_without_chunks_takes_the_default_and_equals_the_model(devices, r
 def test_auto_stages_take_the_default_for_each_stage_count_weighed():
     plan = fxpipe.plan(mlp().eval(), ["cpu"] * 3, (torch.randn(16, 16),), num_stages="auto",
                        repeats=1)
-    for candidate in plan.considered:
+    for candidate in plan.record.considered:
         config = candidate.config
         assert config.chunks == default_chunks(16, config.num_stages), config
 

@@ -5,7 +5,7 @@ import torch
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
-from fxpipe.devices import measure_links, parse_devices
+from fxpipe.runtime.devices import measure_links, parse_devices
 from fxpipe.passes.cost_model import DeviceSpec
 
 

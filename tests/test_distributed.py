@@ -184,7 +184,7 @@ def test_a_gpipe_train_step_equals_the_pipeline_and_the_model(two_ranks):
 
 
 def test_each_rank_records_its_row_of_the_timetable_with_its_times(two_ranks):
-    from fxpipe.schedules import timetable_for
+    from fxpipe.runtime.schedules import timetable_for
     *_, out = two_ranks
     timetable = timetable_for("gpipe", 2, 2, backward=True)     # the last step, a train_step
     for rank, got in enumerate(results(out, 2)):
@@ -200,7 +200,7 @@ def test_a_batch_of_fewer_rows_than_chunks_runs_on_ranks_as_in_process(tmp_path)
     """One front for both (`runtime.front`): a batch of 3 rows on a plan of 4 chunks runs as 3
     micro-batches of one row on the ranks as in process (not a BatchError), the output, loss
     and gradients the pipeline's and the model's, each rank's row the timetable of 3."""
-    from fxpipe.schedules import timetable_for
+    from fxpipe.runtime.schedules import timetable_for
     torch.manual_seed(0)
     model, x, target = Branchy(), torch.randn(8, 8), torch.randn(8, 4)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, training=True)
@@ -716,7 +716,7 @@ def _exchange(rank, init, results, held):
     `held` how many messages it holds before and after the answer (which acks all three)."""
     import torch.distributed as dist
     from fxpipe.distributed import DistributedTransport, PeerFailedError
-    from fxpipe.schedules import Phase
+    from fxpipe.runtime.schedules import Phase
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     transport = DistributedTransport(rank, torch.device("cpu"), timeout=30, peers=[0, 1])
     try:

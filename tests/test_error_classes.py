@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.schedules import timetable_for
+from fxpipe.runtime.schedules import timetable_for
 
 
 def two_layers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.explain import explain
+from fxpipe.plans.explain import explain
 from fxpipe.passes.cost_model import DeviceSpec, Memory, NodeCost
 
 MS = 1e-3

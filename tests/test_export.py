@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch import nn
 
 import fxpipe
-from fxpipe.plan_data import stage_modules
+from fxpipe.plans.plan_data import stage_modules
 from fxpipe.testing import assert_pipeline_matches
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.passes.annotate_costs import annotate_costs

@@ -57,7 +57,7 @@ def test_plan_says_how_and_why_the_model_was_captured_and_lists_modules(case, pi
     cache = " without the key/value cache (use_cache=False)" if "use_cache" in str(
         inspect.signature(model.forward)) else ""
     assert f"captured by export in eval mode{cache} because torch.fx failed" in str(pipe.plan)
-    listed = [m for stage in pipe.plan.stage_modules for m in stage]
+    listed = [m for stage in pipe.plan.record.stage_modules for m in stage]
     assert listed and all(m.split(" ")[0].rsplit("-")[0] in dict(model.named_modules())
                           for m in listed)
     named = [n.name for n in pipe.module.graph.nodes if n.op == "call_function"]

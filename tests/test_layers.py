@@ -1,21 +1,21 @@
-"""The layers DESIGN.md draws, held by the code: no import cycle (imports inside functions
-counted, `if TYPE_CHECKING:` blocks aside), passes never import the rest of fxpipe, planning
-never imports the runtime's façade (`fxpipe.pipeline`), no module is over 600 lines, and one
-module, the device seam, names `torch.cuda`."""
+"""The layers DESIGN.md draws, held by the code: every module of fxpipe/ and passes/ on exactly
+one layer of its `layers` block, importing only from its own layer or those below (imports
+inside functions and under `if TYPE_CHECKING:` counted); no import cycle, type-only imports
+included; passes never import the rest of fxpipe, planning never reaches the runtime's façade
+(`fxpipe.pipeline`), no module is over 600 lines, and one module, the device seam, names
+`torch.cuda`."""
 
 import ast
+import functools
 import pathlib
 
 import networkx as nx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# Planning, and what it builds on: none of these may reach the Pipeline (`fxpipe.api`, the
-# edge offering both `plan` and `compile`, is above them all).
-PLANNING = ["fxpipe.measure", "fxpipe.checks", "fxpipe.checks.verification",
-            "fxpipe.checks.rounding", "fxpipe.checks.meta", "fxpipe.checks.runs", "fxpipe.search",
-            "fxpipe.plan_data", "fxpipe.saved", "fxpipe.report", "fxpipe.reference",
-            "fxpipe.runtime.calls", "fxpipe.weights"]
+DESIGN = ROOT / "DESIGN.md"
+# Planning and the layers below it: none of their modules may reach the Pipeline.
+PLANNING_AND_BELOW = "planning"
 
 # A module longer than this is split by what it does (a package whose docstring says what each
 # part is for); the cost model's parts stay under the tighter limit.
@@ -71,14 +71,16 @@ def _modules() -> dict[str, pathlib.Path]:
     return {_name(p): p for folder in ("fxpipe", "passes") for p in (ROOT / folder).rglob("*.py")}
 
 
-def _imported(name: str, path: pathlib.Path, modules) -> set[str]:
-    """The modules of ours `name` imports anywhere but under `if TYPE_CHECKING:`; a package
-    it imports from counts as its module where the name is one."""
+def _imported(name: str, path: pathlib.Path, modules, type_checking: bool = False) -> set[str]:
+    """The modules of ours `name` imports anywhere (in functions too), but under `if
+    TYPE_CHECKING:` unless `type_checking`; a package it imports from counts as its module
+    where the name is one."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    skipped = {id(sub) for node in ast.walk(tree)
-               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for sub in ast.walk(node)}
+    skipped = set() if type_checking else {
+        id(sub) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for sub in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -102,17 +104,91 @@ def _imported(name: str, path: pathlib.Path, modules) -> set[str]:
     return found
 
 
-def _graph() -> nx.DiGraph:
+@functools.cache
+def _graph(type_checking: bool = False) -> nx.DiGraph:
+    """Who imports whom among our modules (read once a run: the tests only read it)."""
     modules = _modules()
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
     for name, path in modules.items():
-        graph.add_edges_from((name, target) for target in _imported(name, path, modules))
+        graph.add_edges_from((name, target)
+                             for target in _imported(name, path, modules, type_checking))
     return graph
 
 
+def layers_block(text: str) -> list[tuple[str, list[str]]]:
+    """DESIGN.md's `layers` block, top to bottom: (layer, its entries). An entry names a module
+    of fxpipe/ by its path there (`api`, `runtime.schedules`), `fxpipe` the package's own
+    `__init__`, and one ending in `/` a package with everything under it (`passes/` is
+    fxpipe.passes)."""
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    layers = []
+    for line in block.splitlines():
+        if line.strip() and not line.startswith("#"):
+            layer, _, entries = line.partition(":")
+            layers.append((layer.strip(), entries.split()))
+    return layers
+
+
+def _matches(entry: str, module: str) -> bool:
+    name = "fxpipe" if entry == "fxpipe" else "fxpipe." + entry.rstrip("/")
+    return module == name or (entry.endswith("/") and module.startswith(name + "."))
+
+
+def placement(layers, modules) -> tuple[dict[str, int], list[str]]:
+    """Each module's layer (its index, 0 the top), and the problems: a module on no layer, or
+    on more than one."""
+    where, problems = {}, []
+    for module in sorted(modules):
+        found = [i for i, (_, entries) in enumerate(layers)
+                 if any(_matches(entry, module) for entry in entries)]
+        if not found:
+            problems.append(f"{module} is on no layer")
+        elif len(found) > 1:
+            problems.append(f"{module} is on layers {', '.join(layers[i][0] for i in found)}")
+        else:
+            where[module] = found[0]
+    return where, problems
+
+
+def upward(layers, where: dict[str, int], graph: nx.DiGraph) -> list[str]:
+    """The imports that go up: from a module to one on a layer above its own."""
+    return [f"{a} ({layers[where[a]][0]}) imports {b} ({layers[where[b]][0]}, above)"
+            for a, b in sorted(graph.edges) if a in where and b in where and where[b] < where[a]]
+
+
+def test_every_module_is_on_exactly_one_layer():
+    _, problems = placement(layers_block(DESIGN.read_text()), _modules())
+    assert not problems, ("DESIGN.md's layers block must place every module once: "
+                          + "; ".join(problems) + "; add each to the layer of what it imports")
+
+
+def test_each_module_imports_only_from_its_layer_or_below():
+    layers = layers_block(DESIGN.read_text())
+    where, _ = placement(layers, _modules())
+    up = upward(layers, where, _graph(type_checking=True))
+    assert not up, ("imports against DESIGN.md's layer order: " + "; ".join(up) +
+                    "; move what is imported down, or the importer up")
+
+
+def test_the_layer_check_finds_an_upward_import_and_an_unplaced_module():
+    layers = [("edge", ["api"]), ("planning", ["planning/"]), ("passes", ["passes/"])]
+    modules = ["fxpipe.api", "fxpipe.planning", "fxpipe.planning.search",
+               "fxpipe.passes.errors", "fxpipe.stray"]
+    where, problems = placement(layers, modules)
+    assert problems == ["fxpipe.stray is on no layer"]
+    graph = nx.DiGraph([("fxpipe.api", "fxpipe.planning.search"),
+                        ("fxpipe.planning.search", "fxpipe.passes.errors"),
+                        ("fxpipe.passes.errors", "fxpipe.planning")])
+    assert upward(layers, where, graph) == [
+        "fxpipe.passes.errors (passes) imports fxpipe.planning (planning, above)"]
+    twice = [("edge", ["api", "planning/"]), *layers[1:]]
+    assert placement(twice, ["fxpipe.planning.search"])[1] == [
+        "fxpipe.planning.search is on layers edge, planning"]
+
+
 def test_no_module_imports_itself_back():
-    cycles = list(nx.simple_cycles(_graph()))
+    cycles = list(nx.simple_cycles(_graph(type_checking=True)))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c + c[:1]) for c in cycles)
 
 
@@ -126,8 +202,12 @@ def test_passes_import_nothing_of_fxpipe_above_them():
 
 def test_planning_never_reaches_the_pipeline_facade():
     graph = _graph()
-    for module in PLANNING:
-        assert module in graph, module
+    layers = layers_block(DESIGN.read_text())
+    where, _ = placement(layers, graph.nodes)
+    first = [name for name, _ in layers].index(PLANNING_AND_BELOW)
+    planning = [module for module, layer in where.items() if layer >= first]
+    assert "fxpipe.planning.build" in planning and "fxpipe.pipeline" not in planning
+    for module in planning:
         reached = nx.descendants(graph, module)
         assert "fxpipe.pipeline" not in reached, (
             f"{module} reaches fxpipe.pipeline: "
@@ -141,6 +221,8 @@ def test_the_analysis_sees_imports_inside_functions_and_skips_type_checking(tmp_
                                    "if TYPE_CHECKING:\n    from .c import C\n"
                                    "def f():\n    from .b import g\n")
     assert _imported("fxpipe.a", modules["fxpipe.a"], modules) == {"fxpipe.b"}
+    assert _imported("fxpipe.a", modules["fxpipe.a"], modules, type_checking=True) == {
+        "fxpipe.b", "fxpipe.c"}
 
 
 def test_no_module_is_over_600_lines():

@@ -196,7 +196,8 @@ def scripted_times(monkeypatch):
     as compile measures them (what a node's output, its kept values and its views take do not
     depend on the machine's speed or load): the cuts, the predicted timeline and so the memory
     predicted are the same on every machine, every time; no calibration, and no race."""
-    from fxpipe import api, measure
+    from fxpipe.planning import build
+    from fxpipe.planning import measure
     measured_costs = measure.annotate_costs
 
     def annotate(gm, *args, backward=False, **kwargs):
@@ -208,8 +209,8 @@ def scripted_times(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
-    monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
-        plan.predicted_step_s, plan.unpipelined_s, 0))
+    monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
+        plan.record.predicted_step_s, plan.record.unpipelined_s, 0))
 
 
 def priced(plan):
@@ -626,7 +627,7 @@ def test_a_model_run_as_is_measures_its_one_stage():
     (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 3.0),
     (lambda ps: torch.optim.Adagrad(ps), 1.0)])
 def test_an_optimizer_given_is_read_for_its_state(optimizer, state):
-    from fxpipe.options import optimizer_state_factor
+    from fxpipe.planning.options import optimizer_state_factor
     assert optimizer_state_factor(optimizer(nn.Linear(4, 4).parameters())) == state
 
 
@@ -635,7 +636,7 @@ def test_an_optimizer_of_another_kind_is_read_off_the_state_it_holds():
     opt = torch.optim.Adamax(model.parameters())      # exp_avg and exp_inf: 2x
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    from fxpipe.options import optimizer_state_factor
+    from fxpipe.planning.options import optimizer_state_factor
     assert optimizer_state_factor(opt) == 2.0
     torch.manual_seed(0)
     x = torch.randn(64, 256)
@@ -649,7 +650,7 @@ def test_the_plan_states_the_cuda_context_outside_the_stages_memory():
     from types import SimpleNamespace
 
     from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
-    from fxpipe.report import _cuda_context
+    from fxpipe.plans.report import _cuda_context
     on = lambda *names: SimpleNamespace(partition=SimpleNamespace(
         devices=[DeviceSpec(n) for n in names]))
     assert _cuda_context(on("cpu", "cpu:1")) == []

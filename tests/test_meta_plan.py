@@ -82,8 +82,8 @@ def test_a_meta_model_gets_the_partition_of_the_materialised_model_on_the_same_c
     from_meta = fxpipe.plan(meta, ["cpu"] * 3, (x,), chunks=2, capture=capture,
                             costs=planned, weights=values_of(real))
     assert dict(from_meta.partition.stage_of) == dict(planned.partition.stage_of)
-    assert from_meta.verified == "yes"
-    assert from_meta.weights == Values.where and from_meta.unpipelined_s is None
+    assert from_meta.record.verified == "yes"
+    assert from_meta.record.weights == Values.where and from_meta.record.unpipelined_s is None
     # the model is as it was: its own tensors, all on meta, and no hook left on any module
     assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
     assert [t for t in meta.parameters()] == params
@@ -109,7 +109,7 @@ def test_a_meta_model_planned_for_training_given_its_values_trains_as_the_model(
     x, target = torch.randn(8, 16), torch.randn(8, 4)
     values = values_of(real)
     plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2, weights=values, training=True)
-    assert plan.training and plan.verified == "yes"
+    assert plan.training and plan.record.verified == "yes"
     pipe = fxpipe.Pipeline(given_values(plan, values))
     mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
     loss = pipe.train_step((x,), target, mse)
@@ -121,7 +121,7 @@ def test_a_meta_model_planned_for_training_given_its_values_trains_as_the_model(
 def test_the_plan_says_it_was_planned_from_meta_and_its_peak_memory(tmp_path):
     real, meta = built()
     plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=values_of(real))
-    assert plan.planning_peak_rss_bytes > 0
+    assert plan.record.planning_peak_rss_bytes > 0
     assert "planned from the meta device" in str(plan)
     assert "the model unpipelined was not measured" in str(plan)
 
@@ -134,7 +134,7 @@ def test_a_small_llama_built_on_meta_plans_and_its_plan_runs_as_the_model():
         meta = transformers.LlamaForCausalLM(real.config).eval()
     values = values_of(real)         # with the rotary inv_freq, which no checkpoint holds
     plan = fxpipe.plan(meta, ["cpu"] * 3, example_kwargs=inputs, chunks=2, weights=values)
-    assert plan.verified == "yes" and len(plan.stages) == 3
+    assert plan.record.verified == "yes" and len(plan.stages) == 3
     with torch.no_grad():
         assert_same_up_to_rounding(fxpipe.Pipeline(given_values(plan, values))(**inputs).logits,
                                    real(**inputs).logits)
@@ -153,7 +153,7 @@ def test_a_llama_built_on_meta_plans_from_its_checkpoint_and_runs_from_it(tmp_pa
         meta = transformers.LlamaForCausalLM(real.config).eval()
     plan = fxpipe.plan(meta, ["cpu:0", "cpu:1"], example_kwargs=inputs, chunks=2,
                        weights=tmp_path / "ckpt")
-    assert plan.verified == "yes"
+    assert plan.record.verified == "yes"
     with torch.no_grad():
         assert_same_up_to_rounding(
             fxpipe.Pipeline(plan.with_weights(tmp_path / "ckpt", model=meta))(**inputs).logits,
@@ -169,7 +169,7 @@ def test_a_meta_model_planned_without_weights_is_checked_on_the_values_it_initia
         meta = layers()
     x = torch.randn(8, 16)
     plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2)
-    assert plan.verified == "yes" and plan.weights == Init.where
+    assert plan.record.verified == "yes" and plan.record.weights == Init.where
     drawn = Init(meta).read(dict(meta.named_parameters()), "cpu")
     model = layers()
     model.load_state_dict(drawn)
@@ -197,7 +197,7 @@ def test_a_small_llama_built_on_meta_plans_on_the_values_it_initialises():
         meta = transformers.LlamaForCausalLM(real.config).eval()
     plan = fxpipe.plan(meta, ["cpu"] * 2, example_kwargs=inputs, chunks=2)
     # the model streamed and the stages read the same drawn values, rotary inv_freq included
-    assert plan.verified == "yes" and plan.weights == Init.where
+    assert plan.record.verified == "yes" and plan.record.weights == Init.where
 
 
 def test_a_model_partly_on_meta_plans_with_its_real_tensors_as_they_are():
@@ -205,7 +205,7 @@ def test_a_model_partly_on_meta_plans_with_its_real_tensors_as_they_are():
     meta.head = real.head                 # real, and never read from the weights
     values = values_of(real)
     plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=values)
-    assert plan.verified == "yes"
+    assert plan.record.verified == "yes"
     assert not any(name.startswith("head.") for names in values.asked for name in names)
 
 
@@ -221,7 +221,7 @@ class ReadsAChildsWeight(nn.Module):
 def test_a_model_that_cannot_run_module_by_module_is_planned_and_says_it_was_not_verified():
     real, meta = built(ReadsAChildsWeight)
     plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(4, 4),), weights=values_of(real))
-    assert plan.verified.startswith("no (the model's forward cannot run one module at a time")
+    assert plan.record.verified.startswith("no (the model's forward cannot run one module at a time")
     assert "checked against the model: no (" in str(plan)
 
 
@@ -240,7 +240,7 @@ def test_a_saved_meta_plan_records_its_source_and_peak_and_loads_refusing_to_run
     plan = fxpipe.plan(meta, ["cpu"] * 2, (torch.randn(8, 16),), weights=values_of(real))
     saved = json.loads((plan.save(tmp_path / "plan") / "plan.json").read_text())
     assert saved["weights_source"] == Values.where
-    assert saved["planning_peak_rss_bytes"] == plan.planning_peak_rss_bytes > 0
+    assert saved["planning_peak_rss_bytes"] == plan.record.planning_peak_rss_bytes > 0
     with pytest.raises(fxpipe.DeviceError, match="on the meta device\nwithout values"):
         fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
 
@@ -301,9 +301,9 @@ _PLANNING = textwrap.dedent("""
     # layers reach 1e28, and the stages' thread counts once moved the output by 2.03e-06 of
     # it, more than the 16 epsilons (1.91e-06) allowed when a meta model's was not measured
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), weights=Drawn(), repeats=2, capture=capture)
-    assert "measured against float64" in plan.verify_tolerance_source
+    assert "measured against float64" in plan.record.verify_tolerance_source
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(after - before, plan.planning_peak_rss_bytes - after)
+    print(after - before, plan.record.planning_peak_rss_bytes - after)
 """)
 
 
@@ -381,10 +381,10 @@ def test_finding_aliases_on_unfilled_weights_falls_back_to_drawn_ones_where_a_no
         def given(like, device):
             raise RuntimeError("no kernel for these values")
         return given
-    monkeypatch.setattr(fxpipe.prepare, "unfilled", failing)
+    monkeypatch.setattr(fxpipe.planning.prepare, "unfilled", failing)
     plan = fxpipe.plan(meta, ["cpu"] * 2, (x,), chunks=2, weights=values_of(real),
                        costs=expected)
-    assert plan.verified == "yes"
+    assert plan.record.verified == "yes"
     assert plan.partition.stage_of == expected.partition.stage_of
 
 

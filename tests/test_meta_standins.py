@@ -96,8 +96,8 @@ def planned():
 
 def test_a_decoder_whose_norms_have_no_init_rule_plans_on_meta_naming_its_stand_ins(planned):
     model, plan = planned
-    assert len(plan.stages) == 4 and plan.verified == "yes"
-    assert plan.stand_ins == NORMS
+    assert len(plan.stages) == 4 and plan.record.verified == "yes"
+    assert plan.record.stand_ins == NORMS
     assert all(t.is_meta for t in model.parameters())        # the model is never touched
     shown = [line for line in str(plan).splitlines() if "stand-in" in line]
     assert len(shown) == 1
@@ -118,7 +118,7 @@ def test_the_saved_plan_keeps_its_stand_ins_and_runs_from_a_safetensors_checkpoi
     saved = plan.save(tmp_path / "plan")
     assert json.loads((saved / "plan.json").read_text())["stand_ins"] == list(NORMS)
     loaded = fxpipe.load_plan(saved, model, weights=tmp_path / "ckpt")
-    assert loaded.stand_ins == NORMS
+    assert loaded.record.stand_ins == NORMS
     x = ids()
     with torch.no_grad():
         got, want = fxpipe.Pipeline(loaded)(x), real(x)
@@ -194,7 +194,7 @@ def test_a_plan_made_from_a_checkpoint_names_no_stand_ins(tmp_path):
     save_weights(Decoder().state_dict(), tmp_path / "ckpt")
     plan = fxpipe.plan(on_meta(), ["cpu:0", "cpu:1"], example_inputs=(ids(),), chunks=2,
                        weights=tmp_path / "ckpt", verify=False)
-    assert plan.stand_ins == ()
+    assert plan.record.stand_ins == ()
     assert "stand-in" not in str(plan)
 
 
@@ -291,7 +291,7 @@ def test_a_buffer_computed_in_init_is_refused_at_load_by_name_with_a_fix_that_wo
     with torch.device("meta"):
         model = RopeDecoder().eval()
     plan = fxpipe.plan(model, DEVICES, example_inputs=(ids(),), chunks=2)
-    assert plan.stand_ins == (*NORMS, "freqs")      # planning is fine with a stand-in
+    assert plan.record.stand_ins == (*NORMS, "freqs")      # planning is fine with a stand-in
     saved = plan.save(tmp_path / "plan")
     refused = r"(?s)^buffer 'freqs' \(RopeDecoder\) has no value.*not persistent.*" \
               r"fxpipe\.weights\.build_on_meta\(make_model\).*model="
@@ -316,7 +316,7 @@ def test_a_model_built_on_meta_with_its_buffers_computed_plans_a_plan_that_holds
     and loads from the checkpoint alone."""
     real, checkpoint = rope_checkpoint
     plan = fxpipe.plan(rope_structure(), DEVICES, example_inputs=(ids(),), chunks=2)
-    assert plan.stand_ins == NORMS
+    assert plan.record.stand_ins == NORMS
     saved = plan.save(tmp_path / "plan")
     entries = {name: entry for stage in json.loads((saved / "plan.json").read_text())[
         "weights"]["stages"] for name, entry in stage.items()}
@@ -383,8 +383,8 @@ def test_a_model_autocasting_on_meta_is_captured_on_fake_tensors_and_runs_as_the
     x = torch.randn(8, 32)
     plan = fxpipe.plan(model, ["cpu:0", "cpu:1"], example_inputs=(x,), chunks=2)
     assert plan.capture.method == "export" and plan.capture.fake == "cpu"
-    assert "on fake cpu tensors" in str(plan) and plan.verified == "yes"
-    assert plan.stand_ins == ("gate",)
+    assert "on fake cpu tensors" in str(plan) and plan.record.verified == "yes"
+    assert plan.record.stand_ins == ("gate",)
     # given its values in memory: a stage pickled (plan.save, plan.with_weights) is traced
     # again from its code as it loads, which inlines export's autocast regions
     with torch.no_grad():

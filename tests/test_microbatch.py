@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from fxpipe import microbatch
+from fxpipe.runtime import microbatch
 from fxpipe.passes.errors import BatchError
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
-from fxpipe.devices import parse_devices, shared_memory, synchronize
+from fxpipe.runtime.devices import parse_devices, shared_memory, synchronize
 from fxpipe.passes import codegen
 from fxpipe.passes.annotate_costs import annotate_costs, start_timer
 from fxpipe.passes.codegen import held_by_stages, place, split_stages
@@ -105,8 +105,8 @@ def test_stages_on_another_device_hold_copies_and_the_model_keeps_its_own():
 
 
 def test_a_mode_switch_computes_with_the_values_the_pipeline_holds():
-    from fxpipe.checks import holding
-    from fxpipe.pipeline import carry_values
+    from fxpipe.planning.checks import holding
+    from fxpipe.passes.codegen import carry_values
 
     model, x = Tied(), torch.randn(4, 8)
     held = copy.deepcopy(model)          # other tensors under the model's names, as copies are

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.measure
-import fxpipe.search
+import fxpipe.planning.measure
+import fxpipe.plans.prediction
 
 
 def mlp():
@@ -26,8 +26,8 @@ def test_costs_are_measured_with_the_threads_each_stage_runs_with(monkeypatch, t
         seen.append(torch.get_num_threads())
         return annotate_costs(*args, **kwargs)
 
-    annotate_costs = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
+    annotate_costs = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs", measuring)
     caller = torch.get_num_threads()
     fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2,
                    threads_per_stage=threads)
@@ -43,8 +43,8 @@ def test_costs_are_measured_on_the_thread_the_stages_run_on(monkeypatch, devices
         seen.append(threading.current_thread() is threading.main_thread())
         return annotate_costs(*args, **kwargs)
 
-    annotate_costs = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
+    annotate_costs = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs", measuring)
     fxpipe.compile(mlp(), ["cpu"] * devices, (torch.randn(8, 16),))
     assert seen == [devices == 1]     # one stage runs on the caller's thread, several on workers
 
@@ -75,7 +75,7 @@ def test_node_costs_are_scaled_to_the_graphs_own_time_keeping_their_proportions(
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     for i, n in enumerate(nodes):          # costs as wrong as can be: 1, 2, 3 microseconds
         n.meta["cost"] = NodeCost(fwd_s=(i + 1) * 1e-6)
-    forward, _ = fxpipe.measure.calibrate(gm, (x,), {}, training=False)
+    forward, _ = fxpipe.planning.measure.calibrate(gm, (x,), {}, training=False)
     times = [n.meta["cost"].fwd_s for n in nodes]
     assert sum(times) >= 0.02             # the whole graph sleeps 20 ms
     assert forward == pytest.approx(sum(times) / 6e-6)
@@ -86,17 +86,17 @@ def test_the_plan_compares_the_pipeline_with_the_model_run_whole():
     pipe = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
     plan = pipe.plan
     predicted = max(slot.end_s for slot in pipe.predict())
-    assert plan.predicted_step_s == pytest.approx(predicted)
-    assert plan.unpipelined_s > 0 and plan.unpipelined_threads == torch.get_num_threads()
-    assert plan.speedup == pytest.approx(plan.unpipelined_s / predicted)
+    assert plan.record.predicted_step_s == pytest.approx(predicted)
+    assert plan.record.unpipelined_s > 0 and plan.record.unpipelined_threads == torch.get_num_threads()
+    assert plan.speedup == pytest.approx(plan.record.unpipelined_s / predicted)
     assert "model unpipelined" in str(plan)
 
 
 def test_a_plan_predicted_slower_than_the_model_says_so():
     plan = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2).plan
-    plan = dataclasses.replace(plan, spread=0.0, unpipelined_spread=0.0)   # measured steadily
-    slower = dataclasses.replace(plan, predicted_step_s=2.0, unpipelined_s=1.0)
-    faster = dataclasses.replace(plan, predicted_step_s=1.0, unpipelined_s=2.0)
+    plan = plan.with_record(spread=0.0, unpipelined_spread=0.0)   # measured steadily
+    slower = plan.with_record(predicted_step_s=2.0, unpipelined_s=1.0)
+    faster = plan.with_record(predicted_step_s=1.0, unpipelined_s=2.0)
     assert "0.50x" in str(slower) and "predicted slower than the model" in str(slower)
     assert "2.00x" in str(faster) and "slower" not in str(faster)
 
@@ -105,7 +105,7 @@ def test_training_plans_compare_a_training_step():
     model = mlp().train()
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
     assert all(p.grad is None for p in model.parameters())       # timing left .grad alone
-    assert pipe.plan.predicted_step_s == pytest.approx(
+    assert pipe.plan.record.predicted_step_s == pytest.approx(
         max(slot.end_s for slot in pipe.predict(training=True)))
 
 
@@ -136,8 +136,8 @@ def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(mon
         measured.append(torch.get_num_threads())
         return annotate_costs(*args, **kwargs)
 
-    annotate_costs = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs", measuring)
+    annotate_costs = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs", measuring)
     devices = [fxpipe.DeviceSpec("cpu", threads=2), fxpipe.DeviceSpec("cpu", threads=1)]
     x = torch.randn(4, 8)
     pipe = fxpipe.compile(TwoParts().eval(), devices, (x,), leaf_modules=[Threads], chunks=1)
@@ -154,11 +154,11 @@ def test_each_kind_of_device_is_measured_with_its_threads_and_runs_with_them(mon
 
 def test_the_plan_shows_how_steady_the_measurement_was():
     pipe = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2)
-    spread = pipe.plan.spread
+    spread = pipe.plan.record.spread
     assert spread is not None and spread >= 0
-    unsteady = dataclasses.replace(pipe.plan, spread=1.5)
+    unsteady = pipe.plan.with_record(spread=1.5)
     assert "spread 150%, unsteady" in str(unsteady) and "compile again" in str(unsteady)
-    assert "compile again" not in str(dataclasses.replace(pipe.plan, spread=0.02,
+    assert "compile again" not in str(pipe.plan.with_record(spread=0.02,
                                                          unpipelined_spread=0.02))
 
 
@@ -171,10 +171,10 @@ def test_the_prediction_prices_each_stage_on_its_own_kind_of_device():
         own = sum(n.meta["costs"][device.kind].fwd_s for n in pipe.module.graph.nodes
                   if part.stage_of.get(n.name) == s)
         assert stage.compute_s == pytest.approx(own / device.speed)
-        alone = fxpipe.search.predict_slots(part, 2, "gpipe", False, {0: [], 1: [0]})
+        alone = fxpipe.plans.prediction.predict_slots(part, 2, "gpipe", False, {0: [], 1: [0]})
         durations = [slot.end_s - slot.start_s for slot in alone if slot.action.stage == s]
         assert durations == pytest.approx([stage.forward_step_s] * 2)
     # 3 threads on 2 cores: where the stages overlap, they share the cores.
     end = max(slot.end_s for slot in pipe.predict())
-    assert end == pytest.approx(pipe.plan.predicted_step_s)
+    assert end == pytest.approx(pipe.plan.record.predicted_step_s)
     assert end >= max(slot.end_s for slot in alone)

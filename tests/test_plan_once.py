@@ -1,4 +1,4 @@
-"""Planning captures the model once per mode (`fxpipe.prepare`): a fixed or an "auto" compile,
+"""Planning captures the model once per mode (`fxpipe.planning.prepare`): a fixed or an "auto" compile,
 its race and its whole-batch retry included, plans from one prepared graph; `pipe.train()` /
 `pipe.eval()` captures once more, in the other mode. That the plans equal the model is what the
 rest of the suite checks."""
@@ -12,10 +12,11 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
-import fxpipe.measure
-from fxpipe.measure import Race, fit_cost
+import fxpipe.planning.build
+import fxpipe.planning.measure
+from fxpipe.planning.measure import Race, fit_cost
 from fxpipe.passes.cost_model import NodeCost
-from fxpipe.prepare import graph_copy
+from fxpipe.planning.prepare import graph_copy
 
 
 class Mlp(nn.Module):
@@ -54,13 +55,13 @@ def raced(monkeypatch):
     """Every pipeline predicted faster than the model and measured slower: the race runs on the
     shortlist, then the model as is is realized (whatever this machine's timings)."""
     shortlists = []
-    monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: 1.0))
-    monkeypatch.setattr(fxpipe.api, "SHORTLIST_SLACK", 100.0)     # runners-up realized too
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "seconds", property(lambda self: 1.0))
+    monkeypatch.setattr(fxpipe.planning.build, "SHORTLIST_SLACK", 100.0)     # runners-up realized too
 
     def race(plans, model, recipe):
         shortlists.append(plans)
         return Race((0.004,) * len(plans), 0.002, 3)
-    monkeypatch.setattr(fxpipe.api, "race", race)
+    monkeypatch.setattr(fxpipe.planning.build, "race", race)
     return shortlists
 
 
@@ -92,8 +93,8 @@ def test_realize_leaves_the_prepared_graph_as_it_was(monkeypatch):
     """Each plan is cut from a copy: the prepared graph keeps its nodes (none split) and the
     model's tensors, while the plan's graph holds what its stages hold."""
     recipes = []
-    of = fxpipe.api.Recipe.of
-    monkeypatch.setattr(fxpipe.api.Recipe, "of",
+    of = fxpipe.planning.recipe.Recipe.of
+    monkeypatch.setattr(fxpipe.planning.recipe.Recipe, "of",
                         staticmethod(lambda *args: recipes.append(of(*args)) or recipes[-1]))
     torch.manual_seed(0)
     model, x = Mlp().eval(), torch.randn(8, 16)
@@ -129,14 +130,14 @@ def scripted_costs(monkeypatch, seconds):
     """Each node measured to cost `seconds(rows)` forward and backward (the rest as measured),
     whatever this machine's timings; returns the (chunks, worker) measured, in order."""
     measured = []
-    measure = fxpipe.measure.Costs._measure
+    measure = fxpipe.planning.measure.Costs._measure
 
     def scripted(self, chunks, device, worker):
         found = measure(self, chunks, device, worker)
         measured.append((chunks, worker))
         s = seconds(self.rows(chunks))
         return {n: replace(cost, fwd_s=s, bwd_s=s) for n, cost in found.items()}
-    monkeypatch.setattr(fxpipe.measure.Costs, "_measure", scripted)
+    monkeypatch.setattr(fxpipe.planning.measure.Costs, "_measure", scripted)
     return measured
 
 
@@ -154,7 +155,7 @@ def test_auto_measures_the_ends_and_the_chosen_size_where_costs_are_affine_in_ro
     pipelined = [c for c, worker in measured if worker]
     assert pipelined == [1, 8, chosen.chunks]
     assert all(p.chosen.config.chunks in pipelined for p in raced[0])
-    exact = {c.config.chunks: c.predicted_s for c in plan.considered[:-1]}
+    exact = {c.config.chunks: c.predicted_s for c in plan.record.considered[:-1]}
     assert exact[chosen.chunks] == min(exact.values())
 
 
@@ -182,6 +183,6 @@ def test_the_model_as_is_takes_its_own_time_over_the_nodes_a_pipeline_measured_a
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     kind = plan.partition.devices[0].kind         # the caller's threads
     assert plan.runs_as_is
-    assert not [key for key in plan.measurements if key[1] == kind and not key[2]]
+    assert not [key for key in plan.record.measurements if key[1] == kind and not key[2]]
     assert plan.partition.stages[0].time_s == pytest.approx(1.0, rel=1e-3)   # and hand-offs
     assert "measured one by one for a pipeline stage" in str(plan)

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
 from fxpipe.__main__ import main
-from fxpipe.options import LinkName, Options, Recompute
-from fxpipe.plan_data import Plan
+from fxpipe.planning.options import LinkName, Options, Recompute
+from fxpipe.plans.plan_data import Plan
 from fxpipe.passes.stage import Stage
 from nets import Skips
 
@@ -53,7 +53,7 @@ def test_plan_builds_no_pipeline_and_starts_no_stage_worker(no_pipeline_no_worke
     plan = fxpipe.plan(model, ["cpu"] * devices, (x,), chunks=chunks, training=training)
     assert stage_workers(no_pipeline_no_worker) == []
     assert isinstance(plan, Plan) and plan.partition.num_stages == devices
-    assert plan.predicted_step_s and plan.predicted_step_s > 0
+    assert plan.record.predicted_step_s and plan.record.predicted_step_s > 0
     assert plan.output_dims == ((0,) if chunks > 1 else None)
     monkeypatch.undo()
 
@@ -95,7 +95,7 @@ def test_a_plan_prints_as_the_pipeline_compiled_with_it():
 def test_options_are_checked_before_anything_runs(option, error, monkeypatch):
     import fxpipe.api
 
-    monkeypatch.setattr(fxpipe.api.Recipe, "of", lambda *a: pytest.fail("planning began"))
+    monkeypatch.setattr(fxpipe.planning.recipe.Recipe, "of", lambda *a: pytest.fail("planning began"))
     with pytest.raises(error, match=next(iter(option))):
         fxpipe.plan(Skips(), ["cpu"] * 2, (torch.randn(4, 16),), **option)
     options = Options(["cpu"] * 2, chunks="auto")
@@ -134,7 +134,7 @@ def test_a_plan_names_no_module_path_of_fxpipe_so_its_classes_may_move(tmp_path,
     plan.save(tmp_path / "plan")
     monkeypatch.undo()
     data = (tmp_path / "plan" / "plan_data.json").read_bytes()
-    assert b"fxpipe.passes" not in data and b"fxpipe.plan_data" not in data
+    assert b"fxpipe.passes" not in data and b"fxpipe.plans.plan_data" not in data
     loaded = fxpipe.load_plan(tmp_path / "plan")
     assert type(loaded) is Plan and all(type(s) is Stage for s in loaded.stages)
     with torch.no_grad():
@@ -142,9 +142,9 @@ def test_a_plan_names_no_module_path_of_fxpipe_so_its_classes_may_move(tmp_path,
 
 
 def test_diff_compares_plans_saved_by_other_versions(tmp_path, capsys):
-    """`fxpipe diff` reads plan.json through `fxpipe.saved.plan_document`: the checks of a load
+    """`fxpipe diff` reads plan.json through `fxpipe.plans.saved.plan_document`: the checks of a load
     but the versions', which a plan from another torch passes."""
-    from fxpipe.saved import _content_digest
+    from fxpipe.plans.saved import _content_digest
 
     torch.manual_seed(0)
     model, x = Skips().eval(), torch.randn(12, 16)

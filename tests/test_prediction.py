@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.measure
-import fxpipe.report
+import fxpipe.planning.measure
+import fxpipe.plans.report
 from fxpipe.passes.cost_model import SAME_DEVICE, DeviceSpec, Link, default_link
 
 HANDOFF_S = 0.5e-3
@@ -31,9 +31,9 @@ def chain():
 def scripted(scripted_costs, monkeypatch):
     """Every node 1 ms, a hand-off between CPU stages 0.5 ms, the model's own time 10 ms
     measured steadily."""
-    monkeypatch.setattr(fxpipe.measure, "handoff_s", lambda threads, cores: HANDOFF_S)
-    monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: MODEL_S))
-    monkeypatch.setattr(fxpipe.measure.Baseline, "spread", property(lambda self: 0.0))
+    monkeypatch.setattr(fxpipe.planning.measure, "handoff_s", lambda threads, cores: HANDOFF_S)
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "seconds", property(lambda self: MODEL_S))
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "spread", property(lambda self: 0.0))
     return scripted_costs
 
 
@@ -47,8 +47,8 @@ def test_the_prediction_prices_each_hand_off_as_the_runtime_costs_it(scripted):
         assert stage.compute_s == pytest.approx(2e-3)
         assert stage.comm_s == pytest.approx(2 * HANDOFF_S)
     # GPipe on 2 stages of 3 ms each, 4 micro-batches: (2 + 4 - 1) steps of 3 ms.
-    assert plan.predicted_step_s == pytest.approx(5 * 3e-3)
-    assert plan.unpipelined_s == MODEL_S
+    assert plan.record.predicted_step_s == pytest.approx(5 * 3e-3)
+    assert plan.record.unpipelined_s == MODEL_S
     assert plan.speedup == pytest.approx(MODEL_S / 15e-3)
     assert plan.claimed_speedup == plan.speedup
     assert f"{MODEL_S / 15e-3:.2f}x" in str(plan)
@@ -57,56 +57,56 @@ def test_the_prediction_prices_each_hand_off_as_the_runtime_costs_it(scripted):
 
 
 def test_the_hand_off_priced_is_the_one_measured_for_cpu_stages_only(monkeypatch):
-    monkeypatch.setattr(fxpipe.measure, "handoff_s", lambda threads, cores: HANDOFF_S)
+    monkeypatch.setattr(fxpipe.planning.measure, "handoff_s", lambda threads, cores: HANDOFF_S)
     cpu = [DeviceSpec("cpu", threads=1), DeviceSpec("cpu", threads=1)]
-    link = fxpipe.measure.priced_link(cpu)
+    link = fxpipe.planning.measure.priced_link(cpu)
     assert link(*cpu) == Link(latency_s=HANDOFF_S)
     assert link(DeviceSpec("cpu"), cpu[0]) == Link(latency_s=HANDOFF_S)     # the driver's
-    assert fxpipe.measure.priced_link([DeviceSpec("cuda:0"), *cpu]) is default_link
+    assert fxpipe.planning.measure.priced_link([DeviceSpec("cuda:0"), *cpu]) is default_link
     assert default_link(*cpu) == SAME_DEVICE
 
 
 def test_the_hand_off_is_measured_once_per_thread_layout():
-    fxpipe.measure.handoff_s.cache_clear()
-    first = fxpipe.measure.handoff_s((1, 1), 2)
-    assert 0 < first < 0.1 and fxpipe.measure.handoff_s((1, 1), 2) == first
-    assert fxpipe.measure.handoff_s.cache_info().misses == 1
+    fxpipe.planning.measure.handoff_s.cache_clear()
+    first = fxpipe.planning.measure.handoff_s((1, 1), 2)
+    assert 0 < first < 0.1 and fxpipe.planning.measure.handoff_s((1, 1), 2) == first
+    assert fxpipe.planning.measure.handoff_s.cache_info().misses == 1
 
 
 def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs, monkeypatch):
     samples = []
-    sample = fxpipe.measure.Baseline.sample
-    monkeypatch.setattr(fxpipe.measure.Baseline, "sample",
+    sample = fxpipe.planning.measure.Baseline.sample
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "sample",
                         lambda self: (samples.append(len(self.times)), sample(self)))
     measured = []
-    measure = fxpipe.measure.Costs._measure
-    monkeypatch.setattr(fxpipe.measure.Costs, "_measure",
+    measure = fxpipe.planning.measure.Costs._measure
+    monkeypatch.setattr(fxpipe.planning.measure.Costs, "_measure",
                         lambda self, *a: (measured.append(len(samples)), measure(self, *a))[1])
     model, x = chain()
     plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), num_stages="auto", chunks="auto")
     # 3 samples before any cost is measured, then one after each measurement.
-    assert len(measured) == len(plan.measurements) > 1
+    assert len(measured) == len(plan.record.measurements) > 1
     assert measured == list(range(3, 3 + len(measured)))
     assert len(samples) == 3 + len(measured)
-    assert plan.unpipelined_spread is not None and plan.unpipelined_spread >= 0
+    assert plan.record.unpipelined_spread is not None and plan.record.unpipelined_spread >= 0
 
 
 def test_a_plan_claims_no_speed_up_where_its_figures_cannot_hold(scripted, monkeypatch):
     model, x = chain()
     plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
-    monkeypatch.setattr(fxpipe.report.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(fxpipe.plans.report.os, "cpu_count", lambda: 1)
     assert plan.claimed_speedup is None
     assert "no speed-up claimed: the CPU stages ask for 2 threads on 1 core" in str(plan)
-    monkeypatch.setattr(fxpipe.report.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(fxpipe.plans.report.os, "cpu_count", lambda: 2)
     assert plan.claimed_speedup == plan.speedup
     for unsteady in (dict(spread=0.4), dict(unpipelined_spread=0.4)):
-        shaken = dataclasses.replace(plan, **unsteady)
+        shaken = plan.with_record(**unsteady)
         assert shaken.claimed_speedup is None and "figures are unsteady" in str(shaken)
         assert f"{plan.speedup:.2f}x" not in str(shaken)
 
 
 def test_the_speed_up_measured_in_use_sits_beside_the_predicted_one(scripted, monkeypatch):
-    monkeypatch.setattr(fxpipe.report.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(fxpipe.plans.report.os, "cpu_count", lambda: 2)
     model, x = chain()
     with fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1) as pipe:
         plan = pipe.plan
@@ -129,7 +129,7 @@ def test_the_speed_up_measured_in_use_sits_beside_the_predicted_one(scripted, mo
         seen.update(speedup=0.5)
         assert "warning: the pipeline measured slower than the model run whole (0.50x)" in \
             str(plan)
-        seen.update(step_s=plan.predicted_step_s * 1.2, speedup=plan.speedup / 1.2)
+        seen.update(step_s=plan.record.predicted_step_s * 1.2, speedup=plan.speedup / 1.2)
         assert "warning: the measured speed-up" not in str(plan)      # within 25%
-        seen.update(step_s=plan.predicted_step_s * 1.3, speedup=plan.speedup / 1.3)
+        seen.update(step_s=plan.record.predicted_step_s * 1.3, speedup=plan.speedup / 1.3)
         assert "warning: the measured speed-up is 1.30x off" in str(plan)

@@ -1,6 +1,6 @@
 """A pipeline chosen over the model as is on its prediction is raced, with the next best
 predicted (the shortlist), against the model on the example, and kept only where it is measured
-faster (`fxpipe.api._raced`), in inference and in training.
+faster (`fxpipe.planning.build._raced`), in inference and in training.
 
 The prediction is steered by hand (the model's own time scripted as slow, or the race's result
 scripted), so what is tested is the rule, not this machine's timings.
@@ -14,9 +14,10 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
-import fxpipe.measure
+import fxpipe.planning.build
+import fxpipe.planning.measure
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
-from fxpipe.measure import Race
+from fxpipe.planning.measure import Race
 
 
 class Tiny(nn.Module):
@@ -31,7 +32,7 @@ class Tiny(nn.Module):
 @pytest.fixture
 def model_predicted_slow(monkeypatch):
     """The model's own time scripted at 1 s: every pipeline is predicted faster than it."""
-    monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: 1.0))
+    monkeypatch.setattr(fxpipe.planning.measure.Baseline, "seconds", property(lambda self: 1.0))
 
 
 def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
@@ -43,7 +44,7 @@ def raced_as(monkeypatch, pipeline_s, model_s, cpu_share=None):
         calls.append(plans)
         times = pipeline_s if isinstance(pipeline_s, tuple) else (pipeline_s,) * len(plans)
         return Race(times[:len(plans)], model_s, 7, cpu_share)
-    monkeypatch.setattr(fxpipe.api, "race", race)
+    monkeypatch.setattr(fxpipe.planning.build, "race", race)
     return calls
 
 
@@ -55,10 +56,10 @@ def test_a_pipeline_measured_slower_than_the_model_gives_way_to_the_model(
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     assert len(calls) == 1 and not calls[0][0].runs_as_is     # the pipeline predicted fastest
     plan = pipe.plan
-    assert plan.runs_as_is and plan.reason.startswith("no pipeline is measured faster")
-    assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.reason
-    assert plan.chosen is plan.considered[-1]                        # the model as is
-    assert any(c.config.num_stages == 2 for c in plan.considered)    # beside what was weighed
+    assert plan.runs_as_is and plan.record.reason.startswith("no pipeline is measured faster")
+    assert "measured 4.000 ms, the model 2.000 ms (the least of 7 interleaved runs" in plan.record.reason
+    assert plan.record.chosen is plan.record.considered[-1]                        # the model as is
+    assert any(c.config.num_stages == 2 for c in plan.record.considered)    # beside what was weighed
     assert_same_up_to_rounding(pipe(x), model(x))
     assert "no pipeline is measured faster" in str(plan)
 
@@ -69,7 +70,7 @@ def test_a_pipeline_measured_faster_is_kept_and_says_so(model_predicted_slow, mo
     model, x = Tiny().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto")
     assert len(calls) == 1 and not pipe.plan.runs_as_is
-    assert "measured 1.000 ms, the model 2.000 ms" in pipe.plan.reason
+    assert "measured 1.000 ms, the model 2.000 ms" in pipe.plan.record.reason
     assert_same_up_to_rounding(pipe(x), model(x))
 
 
@@ -84,8 +85,8 @@ def test_on_a_busy_machine_the_model_as_is_is_kept_and_the_plan_says_why(
     raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002, cpu_share=0.7)
     model, x = Tiny().eval(), torch.randn(8, 16)
     plan = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan
-    assert plan.runs_as_is and plan.reason.startswith("no pipeline is weighed on a busy machine")
-    assert "had 70% of the time of its" in plan.reason and "measured 1.000 ms" in plan.reason
+    assert plan.runs_as_is and plan.record.reason.startswith("no pipeline is weighed on a busy machine")
+    assert "had 70% of the time of its" in plan.record.reason and "measured 1.000 ms" in plan.record.reason
     assert "the machine was too busy to weigh pipelines" in str(plan)
     raced_as(monkeypatch, pipeline_s=0.001, model_s=0.002, cpu_share=0.95)    # cores free
     assert not fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto").plan.runs_as_is
@@ -101,21 +102,21 @@ def test_no_race_where_the_model_as_is_is_not_weighed(model_predicted_slow, monk
 def test_the_shortlist_races_the_next_best_predicted_and_keeps_the_one_measured_fastest(
         model_predicted_slow, monkeypatch):
     calls = raced_as(monkeypatch, pipeline_s=(0.004, 0.001, 0.003), model_s=0.002)
-    monkeypatch.setattr(fxpipe.api, "SHORTLIST_SLACK", 100.0)   # every pipeline a runner-up
+    monkeypatch.setattr(fxpipe.planning.build, "SHORTLIST_SLACK", 100.0)  # all runners-up
     torch.manual_seed(0)
     model, x = Tiny().eval(), torch.randn(8, 16)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
     [shortlist] = calls
-    assert 2 <= len(shortlist) <= fxpipe.api.SHORTLIST
-    predicted = [p.predicted_step_s for p in shortlist]
+    assert 2 <= len(shortlist) <= fxpipe.planning.build.SHORTLIST
+    predicted = [p.record.predicted_step_s for p in shortlist]
     assert predicted[0] == min(predicted) and predicted == sorted(predicted)
     plan = pipe.plan
-    assert plan.chosen.config == shortlist[1].chosen.config and not plan.runs_as_is
-    assert "measured fastest, though" in plan.reason and "measured 1.000 ms" in plan.reason
+    assert plan.record.chosen.config == shortlist[1].record.chosen.config and not plan.runs_as_is
+    assert "measured fastest, though" in plan.record.reason and "measured 1.000 ms" in plan.record.reason
     # Every one raced, the model as is last, predicted against measured; print shows both.
-    assert [config for config, _, _ in plan.raced] == [
-        *(p.chosen.config for p in shortlist), plan.considered[-1].config]
-    assert [s for _, _, s in plan.raced] == [0.004, 0.001, 0.003][:len(shortlist)] + [0.002]
+    assert [config for config, _, _ in plan.record.raced] == [
+        *(p.record.chosen.config for p in shortlist), plan.record.considered[-1].config]
+    assert [s for _, _, s in plan.record.raced] == [0.004, 0.001, 0.003][:len(shortlist)] + [0.002]
     assert "raced ms" in str(plan) and "1.000" in str(plan)
     assert_same_up_to_rounding(pipe(x), model(x))
 
@@ -144,7 +145,7 @@ def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time(
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
-    raced = fxpipe.measure.race([plan], model, plan_recipe(model, x))
+    raced = fxpipe.planning.measure.race([plan], model, plan_recipe(model, x))
     assert 0 < raced.pipelines_s[0] and 0 < raced.model_s and 3 <= raced.rounds <= 5
     assert 0 < raced.cpu_share <= 1.5       # the CPU time of the model's threads, over theirs
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
@@ -161,7 +162,7 @@ def test_a_training_race_runs_train_steps_without_side_effects():
         p.grad = torch.full_like(p, 3.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = torch.get_rng_state()
-    raced = fxpipe.measure.race(plans, model, plan_recipe(model, x))
+    raced = fxpipe.planning.measure.race(plans, model, plan_recipe(model, x))
     assert len(raced.pipelines_s) == 2 and all(t > 0 for t in raced.pipelines_s)
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
@@ -169,4 +170,4 @@ def test_a_training_race_runs_train_steps_without_side_effects():
 
 
 def plan_recipe(model, x):
-    return fxpipe.api.Recipe.of(model, (x,), None, fxpipe.options.Options(["cpu"] * 2))
+    return fxpipe.planning.recipe.Recipe.of(model, (x,), None, fxpipe.planning.options.Options(["cpu"] * 2))

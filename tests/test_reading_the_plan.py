@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.plan_data
-import fxpipe.report
+import fxpipe.plans.plan_data
+import fxpipe.plans.report
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reading-the-plan.md"
 
@@ -64,16 +64,16 @@ def plans(scripted_costs, monkeypatch):
             pipe(x)
         plan = pipe.plan
         printed.append(str(plan))
-        printed.append(str(dataclasses.replace(plan, spread=0.5)))       # unsteady
-        monkeypatch.setattr(fxpipe.report.os, "cpu_count", lambda: 1)
+        printed.append(str(plan.with_record(spread=0.5)))       # unsteady
+        monkeypatch.setattr(fxpipe.plans.report.os, "cpu_count", lambda: 1)
         printed.append(str(plan))                                        # stages share a core
         monkeypatch.undo()
     trained = fxpipe.plan(model.train(), ["cpu", "cpu"], (x,), num_stages="auto",
                           chunks="auto", training=True)
     printed.append(str(trained))
-    printed.append(str(dataclasses.replace(trained, predicted_step_s=1.0, unpipelined_s=0.5,
-                                           runs=fxpipe.plan_data.Runs.PIPELINE, spread=0.0,
-                                           unpipelined_spread=0.0)))     # predicted slower
+    slower = dataclasses.replace(trained, runs=fxpipe.plans.plan_data.Runs.PIPELINE)
+    printed.append(str(slower.with_record(predicted_step_s=1.0, unpipelined_s=0.5, spread=0.0,
+                                          unpipelined_spread=0.0)))     # predicted slower
     return printed
 
 

@@ -173,7 +173,7 @@ def test_auto_recomputes_where_a_stage_would_not_fit_and_the_step_is_unchanged(s
     stages = auto.plan.partition.stages
     assert all(c.memory_bytes <= cap for c in stages)
     recomputes = [whole or bool(nodes) for whole, nodes in
-                  zip(auto.plan.stage_recompute, auto.plan.stage_recomputed)]
+                  zip(auto.plan.stage_recompute, auto.plan.record.stage_recomputed)]
     assert recomputes == [c.memory_kept_bytes > cap for c in stages] and any(recomputes)
     never = fxpipe.compile(model, ["cpu"] * 2, (x,), **options)
     expected, got = step(never, x, target), step(auto, x, target)
@@ -224,7 +224,7 @@ if {recompute!r} == "auto":      # the first cap, in steps of 0.95, that "never"
             break
 pipe = fxpipe.compile(model, [fxpipe.DeviceSpec("cpu", memory_bytes=cap)] * 2, (x,),
                       recompute={recompute!r}, **options)
-assert {recompute!r} != "auto" or any(pipe.plan.stage_recompute + pipe.plan.stage_recomputed)
+assert {recompute!r} != "auto" or any(pipe.plan.stage_recompute + pipe.plan.record.stage_recomputed)
 stages, weights = pipe.plan.partition.stages, pipe.plan.stage_param_bytes
 peak = peak_bytes(lambda: pipe.train_step(x, torch.zeros(2048, 32), F.mse_loss))
 print(json.dumps([peak, sum(c.memory_bytes - w for c, w in zip(stages, weights))]))

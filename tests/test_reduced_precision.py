@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.checks.rounding
-from fxpipe.checks import measured_tolerance, rounding_tolerance
+import fxpipe.planning.checks.rounding
+from fxpipe.planning.checks import measured_tolerance, rounding_tolerance
 from fxpipe.passes.compare import difference
 
 
@@ -46,7 +46,7 @@ class Net(nn.Module):
 
 @pytest.fixture
 def reduced(monkeypatch):
-    monkeypatch.setattr(fxpipe.checks.rounding, "_reduced_float32", lambda tensors, gpu: True)
+    monkeypatch.setattr(fxpipe.planning.checks.rounding, "_reduced_float32", lambda tensors, gpu: True)
 
 
 def test_the_tolerance_is_four_times_the_models_rounding_against_float64(reduced):
@@ -247,17 +247,17 @@ def test_a_bf16_model_compiles_on_micro_batches_and_the_plan_states_its_toleranc
     model, x = bf16()
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=chunks, repeats=1)
     plan = pipe.plan
-    assert plan.verify_tolerance == rounding_tolerance(model, (x,), {}) >= BF16_LEAST
-    assert plan.verify_tolerance_source in (
+    assert plan.record.verify_tolerance == rounding_tolerance(model, (x,), {}) >= BF16_LEAST
+    assert plan.record.verify_tolerance_source in (
         "the model's own bf16 rounding x4, measured against float32",
         f"one bf16 epsilon, the least for a bf16 model; its own rounding x4, measured against "
-        f"float32, is {plan.verify_tolerance:.2g}") or plan.verify_tolerance_source.startswith(
+        f"float32, is {plan.record.verify_tolerance:.2g}") or plan.record.verify_tolerance_source.startswith(
         "one bf16 epsilon, the least for a bf16 model; its own rounding x4, measured against")
     assert str(plan).splitlines()[-1] == (
-        f"outputs checked against the model: yes, within {plan.verify_tolerance:.2g} of each "
-        f"output's largest magnitude ({plan.verify_tolerance_source})")
+        f"outputs checked against the model: yes, within {plan.record.verify_tolerance:.2g} of each "
+        f"output's largest magnitude ({plan.record.verify_tolerance_source})")
     expected = torch.cat([model(part) for part in x.chunk(chunks)])
-    assert not difference(pipe(x), expected, plan.verify_tolerance)
+    assert not difference(pipe(x), expected, plan.record.verify_tolerance)
     # Float32's 16 epsilons, the default for its float32 output, took the rounding of bf16
     # micro-batches on a GPU for a model mixing samples.
     with pytest.raises(fxpipe.BatchError, match="mixes samples across the batch"):
@@ -290,7 +290,7 @@ def test_a_bf16_models_tolerance_is_four_times_its_error_against_float32():
     # Without `rounded`, the same from two runs in eval mode.
     assert rounding_tolerance(model, (x,), {}) == pytest.approx(tolerance, rel=1e-6)
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=4, repeats=1)
-    assert plan.verify_tolerance == pytest.approx(tolerance, rel=1e-6)
+    assert plan.record.verify_tolerance == pytest.approx(tolerance, rel=1e-6)
     assert f"within {tolerance:.2g} of each output's largest magnitude (the model's own bf16 " \
            f"rounding x4, measured against float32)" in str(plan)
 
@@ -305,9 +305,9 @@ def test_a_bf16_model_mixing_samples_is_still_refused():
 def test_a_float32_models_plan_states_its_measured_tolerance_and_an_asked_one():
     model, x = offset()
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, repeats=1, leaf_modules=[AnotherCPU])
-    assert plan.verify_tolerance_source == "the model's own float32 rounding x4, measured " \
+    assert plan.record.verify_tolerance_source == "the model's own float32 rounding x4, measured " \
                                            "against float64"
-    assert plan.verify_tolerance > 16 * torch.finfo(torch.float32).eps
+    assert plan.record.verify_tolerance > 16 * torch.finfo(torch.float32).eps
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, repeats=1, leaf_modules=[AnotherCPU],
                        verify_tolerance=1e-3)
     assert str(plan).endswith("within 0.001 of each output's largest magnitude (as asked: "

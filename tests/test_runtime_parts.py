@@ -10,8 +10,8 @@ from torch import nn
 
 from fxpipe.runtime import Aborted, Runtime, StageExecutor, ThreadTransport
 from fxpipe.runtime.workers import Workers
-from fxpipe.schedules import Phase, gpipe, one_f_one_b
-from fxpipe.wiring import Wiring
+from fxpipe.runtime.schedules import Phase, gpipe, one_f_one_b
+from fxpipe.runtime.wiring import Wiring
 from fxpipe.passes.codegen import split_stages
 from fxpipe.passes.errors import StageError
 

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 import torch
 from torch import nn
 
 import fxpipe
-from fxpipe import saved
+from fxpipe.plans import plan_format, saved
 from fxpipe.__main__ import main
 from fxpipe.testing import assert_same_up_to_rounding
 
@@ -186,7 +188,7 @@ def test_a_plan_naming_anything_outside_the_allow_lists_is_refused(planned, tmp_
 
 def test_the_plan_data_names_no_python_module_of_fxpipe(planned):
     text = (planned[2] / saved.DATA_FILE).read_text()
-    assert "fxpipe.passes" not in text and "fxpipe.plan_data" not in text
+    assert "fxpipe.passes" not in text and "fxpipe.plans.plan_data" not in text
     assert not (planned[2] / "plan.pt").exists()
 
 
@@ -267,6 +269,30 @@ def test_a_format_4_plan_loads_only_when_trusted_and_converts(planned, tmp_path)
             with fxpipe.Pipeline(fxpipe.load_plan(tmp_path / new)) as pipe:
                 assert_same_up_to_rounding(pipe(x), expected)
 
+
+
+def test_a_format_4_plan_naming_the_modules_before_the_tree_moved_loads(planned, tmp_path,
+                                                                        monkeypatch):
+    """A format-4 pickle names the module paths of its day (`fxpipe.plan_data.Plan`): trusted,
+    it loads, though those modules now live in packages (`plan_format.MOVED_MODULES`)."""
+    model, x, _ = planned
+    plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, capture="fx", repeats=1)
+    for old, new in plan_format.MOVED_MODULES.items():      # pickled as before the move
+        module = importlib.import_module(new)
+        monkeypatch.setitem(sys.modules, old, module)
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == new:
+                monkeypatch.setattr(value, "__module__", old)
+    write_format_4(plan, tmp_path / "old")
+    monkeypatch.undo()
+    with zipfile.ZipFile(tmp_path / "old" / "plan.pt") as archive:
+        [pickle_file] = [name for name in archive.namelist() if name.endswith("data.pkl")]
+        data = archive.read(pickle_file)
+    assert b"cfxpipe.plan_data\nPlan\n" in data
+    assert not [new for new in plan_format.MOVED_MODULES.values() if f"c{new}\n".encode() in data]
+    with torch.no_grad(), fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "old",
+                                                           trust_pickle=True)) as pipe:
+        assert_same_up_to_rounding(pipe(x), model(x))
 
 class Recurrent(nn.Module):
     """An LSTM keeps a list of its weights (`_flat_weights`): no attribute a plan holds as data."""

@@ -16,7 +16,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
-from fxpipe.saved import load_stage
+from fxpipe.plans.saved import load_stage
 
 
 class Skip(nn.Module):
@@ -323,14 +323,14 @@ def test_a_plan_for_another_model_says_what_differs(saved):
 
 
 def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, monkeypatch):
-    import fxpipe.measure
+    import fxpipe.planning.measure
 
     model, x = example()
     fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=1).save(tmp_path / "plan")
     saved = fxpipe.load_plan(tmp_path / "plan")
     measured = []
-    annotate = fxpipe.measure.annotate_costs
-    monkeypatch.setattr(fxpipe.measure, "annotate_costs",
+    annotate = fxpipe.planning.measure.annotate_costs
+    monkeypatch.setattr(fxpipe.planning.measure, "annotate_costs",
                         lambda *a, **k: measured.append(torch.get_num_threads()) or annotate(*a, **k))
     # Three stages with one thread each, two micro-batches: all measured before.
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=2, threads_per_stage=1, costs=saved)
@@ -338,7 +338,7 @@ def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, mon
     assert pipe.plan.partition.num_stages == 3
     with torch.no_grad():
         assert_same_up_to_rounding(pipe(x), model(x))
-    node = next(iter(saved.measurements.values())).costs
+    node = next(iter(saved.record.measurements.values())).costs
     assert {n.name: n.meta["cost"] for n in pipe.module.graph.nodes if n.op != "output"} == node
     # Two threads per stage are a new kind of device: measured, once.
     fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=2, costs=saved)
@@ -405,7 +405,7 @@ class TiedEnds(nn.Module):
 
 def test_shared_tensors_names_every_tensor_several_stages_hold(tmp_path):
     """`shared_tensors` (read off plan.json) agrees with the stages' own tensors by identity."""
-    from fxpipe.saved import shared_tensors
+    from fxpipe.plans.saved import shared_tensors
     torch.manual_seed(0)
     pipe = fxpipe.compile(TiedEnds(), ["cpu"] * 3, (torch.randint(0, 20, (8, 5)),), chunks=2)
     pipe.plan.save(tmp_path / "plan")

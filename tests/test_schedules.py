@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from fxpipe.schedules import (INPUTS, Action, Phase, format_timetable, gpipe, message_orders,
+from fxpipe.runtime.schedules import (INPUTS, Action, Phase, format_timetable, gpipe, message_orders,
                               one_f_one_b, simulate, timetable_for, validate, validate_messages)
 from fxpipe.passes.errors import FxpipeError
 

@@ -8,8 +8,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
-from fxpipe import search
-from fxpipe.schedules import Phase, timetable_for
+from fxpipe.planning import search
+from fxpipe.plans import prediction
+from fxpipe.runtime.schedules import Phase, timetable_for
 from fxpipe.testing import assert_pipeline_matches
 from fxpipe.passes.cost_model import CostGraph, DeviceSpec
 from fxpipe.passes.errors import PartitionError
@@ -18,7 +19,7 @@ CPU = DeviceSpec("cpu")
 
 
 def candidate(stages, chunks, predicted_s, schedule="gpipe"):
-    return search.Candidate(search.Config(stages, chunks, schedule, 1), predicted_s, 0)
+    return prediction.Candidate(prediction.Config(stages, chunks, schedule, 1), predicted_s, 0)
 
 
 candidates = st.lists(st.builds(candidate, st.integers(1, 4), st.sampled_from([1, 2, 4, 8]),
@@ -51,10 +52,10 @@ def test_choose_never_picks_a_plan_predicted_slower_than_the_model(found, model_
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages, chunks", [(1, 1), (2, 3), (4, 8), (3, 2)])
 def test_in_flight_micro_batches_are_read_off_the_timetable(schedule, stages, chunks):
-    held = search.in_flight(True, schedule, chunks, stages)
+    held = prediction.in_flight(True, schedule, chunks, stages)
     expected = [chunks if schedule == "gpipe" else min(chunks, stages - s) for s in range(stages)]
     assert held == expected
-    assert search.in_flight(False, schedule, chunks, stages) == [1] * stages
+    assert prediction.in_flight(False, schedule, chunks, stages) == [1] * stages
     for s, actions in enumerate(timetable_for(schedule, stages, chunks, backward=True)):
         assert sum(a.phase is Phase.FORWARD for a in actions) == chunks
 
@@ -105,13 +106,13 @@ def test_auto_chooses_a_configuration_it_predicts_no_slower_and_stays_equal(trai
     pipe = assert_pipeline_matches(model, (x,), devices=["cpu"] * 3, chunks="auto",
                                    num_stages="auto", schedule="auto", backward=True)
     plan = pipe.plan
-    assert plan.chosen.predicted_s <= plan.unpipelined_s
-    assert pipe.chunks == plan.chosen.config.chunks
-    assert len(pipe.stages) == plan.chosen.config.num_stages
-    configs = {(c.config.num_stages, c.config.chunks, c.config.schedule) for c in plan.considered}
+    assert plan.record.chosen.predicted_s <= plan.record.unpipelined_s
+    assert pipe.chunks == plan.record.chosen.config.chunks
+    assert len(pipe.stages) == plan.record.chosen.config.num_stages
+    configs = {(c.config.num_stages, c.config.chunks, c.config.schedule) for c in plan.record.considered}
     assert {1, 2, 3} <= {stages for stages, _, _ in configs}
     assert {"gpipe", "1f1b"} <= {s for _, _, s in configs} if training else True
-    assert "configurations considered" in str(plan) and f"chosen: {plan.reason}" in str(plan)
+    assert "configurations considered" in str(plan) and f"chosen: {plan.record.reason}" in str(plan)
 
 
 def test_fixed_stages_with_auto_chunks_use_every_device_and_keep_the_result():
@@ -119,7 +120,7 @@ def test_fixed_stages_with_auto_chunks_use_every_device_and_keep_the_result():
     model, x = Residual().eval(), torch.randn(16, 16)
     pipe = assert_pipeline_matches(model, (x,), devices=["cpu"] * 2, chunks="auto")
     assert len(pipe.stages) == 2
-    assert {c.config.chunks for c in pipe.plan.considered} == {1, 2, 4, 8}
+    assert {c.config.chunks for c in pipe.plan.record.considered} == {1, 2, 4, 8}
 
 
 class BatchMean(nn.Module):
@@ -170,7 +171,7 @@ def test_a_gpu_stage_keeps_a_core_for_the_thread_that_launches_its_kernels():
     devices = [CPU, CPU, DeviceSpec("cuda:0")]
     assert search.stage_threads(devices, 3, cores=8, fixed=None) == 3
     assert search.stage_threads(devices, 2, cores=8, fixed=None) == 4
-    assert search.cpu_demand([DeviceSpec("cpu", threads=3), DeviceSpec("cuda:0")]) == [3, 1]
+    assert prediction.cpu_demand([DeviceSpec("cpu", threads=3), DeviceSpec("cuda:0")]) == [3, 1]
 
 
 def test_auto_never_weighs_two_stages_on_one_gpu_and_a_fixed_count_is_kept():
@@ -184,5 +185,5 @@ def test_auto_never_weighs_two_stages_on_one_gpu_and_a_fixed_count_is_kept():
 
 def test_stages_on_one_gpu_are_one_pool_and_a_gpu_alone_none():
     devices = [DeviceSpec("cuda:0"), CPU, DeviceSpec("cuda:1"), DeviceSpec("cuda:0")]
-    assert search.gpu_pools(devices) == [(1.0, [1, 0, 0, 1])]
-    assert search.gpu_pools([DeviceSpec("cuda:0"), DeviceSpec("cuda:1"), CPU]) == []
+    assert prediction.gpu_pools(devices) == [(1.0, [1, 0, 0, 1])]
+    assert prediction.gpu_pools([DeviceSpec("cuda:0"), DeviceSpec("cuda:1"), CPU]) == []

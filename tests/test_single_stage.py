@@ -75,8 +75,8 @@ class Drops(nn.Module):
 
 
 def test_the_model_as_is_runs_its_own_forward_from_the_micro_batch_seed(monkeypatch):
-    from fxpipe import search
-    from fxpipe.reference import run_per_microbatch
+    from fxpipe.planning import search
+    from fxpipe.planning.reference import run_per_microbatch
     from fxpipe.passes.randomness import microbatch_seeds
 
     # The choice rests on timings: on a busy machine a one-stage graph with other threads can
@@ -119,7 +119,7 @@ def test_a_failure_of_the_model_as_is_is_a_stage_error():
 def test_train_step_of_the_model_as_is_runs_its_own_forward_and_backward(monkeypatch, counted):
     import copy
 
-    from fxpipe import search
+    from fxpipe.planning import search
     from fxpipe.passes.randomness import microbatch_seeds
 
     monkeypatch.setattr(search, "TIE", 0.99)      # as above: the run is what is tested

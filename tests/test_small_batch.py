@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
-from fxpipe import microbatch
+from fxpipe.runtime import microbatch
 from fxpipe.passes.randomness import microbatch_seeds
-from fxpipe.reference import run_per_microbatch
-from fxpipe.schedules import Phase
+from fxpipe.planning.reference import run_per_microbatch
+from fxpipe.runtime.schedules import Phase
 
 CHUNKS = 4
 ROWS = st.integers(1, CHUNKS + 3)

@@ -17,7 +17,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.testing import assert_same_training, assert_same_up_to_rounding
-from fxpipe import search
+from fxpipe.planning import search
+from fxpipe.plans import prediction
 from fxpipe.passes.cost_model import DeviceSpec, NodeCost, StageCost
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition
@@ -182,7 +183,7 @@ def test_a_split_head_trains_as_the_model_on_several_stages(scripted_costs, mode
     reference = copy.deepcopy(model)
     loss_fn(reference(x), target).backward()
     pipe = fxpipe.compile(model, ["cpu"] * stages, (x,), chunks=2, capture=capture)
-    split = dict(pipe.plan.chosen.split)
+    split = dict(pipe.plan.record.chosen.split)
     assert split["head"] >= 2
     stage_of = pipe.plan.partition.stage_of
     part_stages = {stage_of[f"head_part_{i}"] for i in range(split["head"])}
@@ -201,7 +202,7 @@ def test_a_split_head_tied_to_the_embedding_trains_the_one_parameter(scripted_co
     reference = copy.deepcopy(model)
     token_loss(reference(ids), ids).backward()
     pipe = fxpipe.compile(model, ["cpu"] * 3, (ids,), chunks=2, capture=capture)
-    assert dict(pipe.plan.chosen.split)["head"] >= 2
+    assert dict(pipe.plan.record.chosen.split)["head"] >= 2
     loss = pipe.train_step(ids, ids, token_loss)
     assert model.head.weight is model.embed.weight
     assert_same_up_to_rounding(model.embed.weight.grad, reference.embed.weight.grad,
@@ -219,7 +220,7 @@ def test_a_split_is_kept_only_where_it_lowers_the_bottleneck(scripted_costs):
     scripted_costs["head"] = 1.5    # over a share of 4 stages, but the nodes around it cost more
     model, x = built(Head), EXAMPLES[Head]()
     pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=2)
-    assert pipe.plan.chosen.split == ()
+    assert pipe.plan.record.chosen.split == ()
     assert "head" in pipe.plan.partition.stage_of
 
 
@@ -230,7 +231,7 @@ def test_a_head_that_two_parts_cannot_balance_is_split_finer(scripted_costs):
     scripted_costs.update(body_0=37.0, head=70.0)   # the body's 4 nodes: 37 + 1 + 1 + 1 ms
     model, x = built(Head).eval(), EXAMPLES[Head]()
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), chunks=2)
-    assert dict(plan.chosen.split)["head"] > 2
+    assert dict(plan.record.chosen.split)["head"] > 2
     assert plan.partition.bottleneck_s < 0.9 * 70e-3
     assert_same_up_to_rounding(fxpipe.Pipeline(plan)(x), model(x))
 
@@ -245,7 +246,7 @@ def test_a_saved_plan_with_a_split_node_loads_and_equals_the_model(scripted_cost
     scripted_costs["head"] = 40.0
     model, x = built(Head), EXAMPLES[Head]()
     plan = fxpipe.plan(model, ["cpu"] * 3, (x,), chunks=2)
-    assert plan.chosen.split
+    assert plan.record.chosen.split
     plan.save(tmp_path / "plan")
     loaded = fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan"))
     assert_same_up_to_rounding(loaded(x), model(x))
@@ -253,7 +254,7 @@ def test_a_saved_plan_with_a_split_node_loads_and_equals_the_model(scripted_cost
     # Its measurements are of the graph as captured: planning again from them splits it again.
     again = fxpipe.plan(model, ["cpu"] * 3, (x,), chunks=2,
                         costs=fxpipe.load_plan(tmp_path / "plan"))
-    assert again.chosen.split == plan.chosen.split
+    assert again.record.chosen.split == plan.record.chosen.split
 
 
 def test_gpt2_head_is_split_and_no_stage_idles(scripted_costs):
@@ -270,7 +271,7 @@ def test_gpt2_head_is_split_and_no_stage_idles(scripted_costs):
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     scripted_costs["lm_head"] = float(len(computing))      # the head: as much as all the rest
     plan = fxpipe.plan(model, ["cpu"] * 4, example_kwargs={"input_ids": ids}, chunks=2)
-    assert dict(plan.chosen.split)["lm_head"] >= 2
+    assert dict(plan.record.chosen.split)["lm_head"] >= 2
     bottleneck = plan.partition.bottleneck_s
     assert all(stage.time_s >= search.NEAR_EMPTY * bottleneck for stage in plan.partition.stages)
     assert bottleneck < len(computing) * 1e-3, "below the head's whole cost"
@@ -285,7 +286,7 @@ def candidate(stage_ms, predicted_s=1.0):
                             received_bytes=0, num_nodes=1) for ms in stage_ms)
     part = Partition({}, (DeviceSpec("cpu"),) * len(costs), costs, max(stage_ms) * 1e-3,
                      max(stage_ms) * 1e-3, True)
-    return search.Candidate(search.Config(len(costs), 2, "gpipe", 1), predicted_s, 0, part)
+    return prediction.Candidate(prediction.Config(len(costs), 2, "gpipe", 1), predicted_s, 0, part)
 
 
 def test_a_stage_doing_next_to_nothing_is_named_when_the_stage_count_was_asked_for():
@@ -293,8 +294,8 @@ def test_a_stage_doing_next_to_nothing_is_named_when_the_stage_count_was_asked_f
     chosen, reason = search.choose([idle], None)
     assert chosen is idle
     assert "stage 1 does next to nothing (0.090 ms" in reason and "num_stages=3 was asked" in reason
-    assert search.notes(idle) == ["stage 1 does next to nothing: under 5% of the bottleneck"]
-    assert search.notes(candidate([10.0, 9.0])) == []
+    assert prediction.notes(idle) == ["stage 1 does next to nothing: under 5% of the bottleneck"]
+    assert prediction.notes(candidate([10.0, 9.0])) == []
 
 
 def test_fewer_stages_as_fast_win_over_a_stage_doing_next_to_nothing():
@@ -312,7 +313,7 @@ def test_a_split_tied_head_trains_as_the_model_across_processes(scripted_costs, 
     from test_distributed import held_by, ran, results, tied_batch
     scripted_costs["linear"] = 40.0      # the tied output layer, `F.linear(h, emb.weight)`
     model, x, target, pipe, out = ran(tmp_path, 3, 3, **tied_batch())
-    assert dict(pipe.plan.chosen.split)["linear"] >= 2
+    assert dict(pipe.plan.record.chosen.split)["linear"] >= 2
     assert len(held_by(tmp_path / "plan", "emb.weight")) >= 2
     ranks = results(out, 3)
     assert_same_up_to_rounding(ranks[-1]["loss"], F.mse_loss(model(x), target))

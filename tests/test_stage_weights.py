@@ -15,7 +15,7 @@ import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe import DeviceError, PlanFileError
 from fxpipe.passes.cost_model import DeviceSpec
-from fxpipe.saved import FORMAT, load_stage
+from fxpipe.plans.saved import FORMAT, load_stage
 from fxpipe.weights import Init
 
 

@@ -16,7 +16,7 @@ import fxpipe
 from fxpipe.testing import assert_same_up_to_rounding
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.runtime.asynchronous import row
-from fxpipe.schedules import Phase, async_warmup
+from fxpipe.runtime.schedules import Phase, async_warmup
 
 from test_stream_train import (PressesCtrlC, assert_nothing_written_after, compiled, ctrl_c,  # noqa: F401
                                grads_and_optimizer_state, ours, stream_of)

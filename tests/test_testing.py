@@ -24,14 +24,14 @@ def sabotage_last_stage(gm, stage_of, devices, **options):
 
 
 def test_a_broken_pass_is_caught_and_the_first_differing_stage_named(monkeypatch):
-    monkeypatch.setattr(fxpipe.prepare, "split_stages", sabotage_last_stage)
+    monkeypatch.setattr(fxpipe.planning.prepare, "split_stages", sabotage_last_stage)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     with pytest.raises(AssertionError, match=r"stage 2 is the first whose values differ"):
         assert_pipeline_matches(model, (torch.randn(6, 4),), devices=["cpu"] * 3)
 
 
 def test_shrinking_finds_a_small_model_that_breaks_a_pass(monkeypatch):
-    monkeypatch.setattr(fxpipe.prepare, "split_stages", sabotage_last_stage)
+    monkeypatch.setattr(fxpipe.planning.prepare, "split_stages", sabotage_last_stage)
 
     def breaks(case):
         model, inputs = case

@@ -195,7 +195,7 @@ def test_the_run_is_recorded_and_predicted_and_drawn(tmp_path):
         f"{s}{p}{m}" for s in range(3) for p in "FB" for m in range(4))
     for stage in range(3):       # each stage ran its actions in the timetable's order, one at a time
         own = [s for s in ran if s.action.stage == stage]
-        assert [str(s.action) for s in own] == [str(a) for a in fxpipe.schedules.one_f_one_b(3, 4)[stage]]
+        assert [str(s.action) for s in own] == [str(a) for a in fxpipe.runtime.schedules.one_f_one_b(3, 4)[stage]]
         assert all(a.end_s <= b.start_s for a, b in zip(own, own[1:]))
     predicted = pipe.predict(training=True)
     assert sorted(str(s.action) for s in predicted) == sorted(str(s.action) for s in ran)
@@ -210,7 +210,7 @@ def test_the_run_is_recorded_and_predicted_and_drawn(tmp_path):
 def test_a_parameter_sent_between_stages_gets_every_gradient(monkeypatch, schedule):
     """How stages on different devices share a tied weight: its home stage sends it like a value
     and the gradients come back; forced here on one device, where it is otherwise copied."""
-    monkeypatch.setattr(fxpipe.prepare, "split_stages",
+    monkeypatch.setattr(fxpipe.planning.prepare, "split_stages",
                         functools.partial(split_stages, send_parameters=True))
     torch.manual_seed(0)
     model = Tied()
@@ -268,13 +268,13 @@ def test_generated_models_train_with_the_models_gradients(case, num_stages, chun
 def test_each_microbatchs_target_goes_to_the_last_stages_device(monkeypatch):
     """The loss runs on the last stage, so each micro-batch's target is moved to that stage's
     device (on a CPU the move changes nothing; a CPU target with GPU stages: tests/gpu)."""
-    import fxpipe.microbatch
+    import fxpipe.runtime.microbatch
     torch.manual_seed(0)
     model, x, target = Net(), torch.randn(16, 8), torch.randn(16, 5)
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4)
     moved = []
-    on_device = fxpipe.microbatch.on_device
-    monkeypatch.setattr(fxpipe.microbatch, "on_device", lambda value, device: moved.append(
+    on_device = fxpipe.runtime.microbatch.on_device
+    monkeypatch.setattr(fxpipe.runtime.microbatch, "on_device", lambda value, device: moved.append(
         (value, device)) or on_device(value, device))
     pipe.train_step(x, target, F.mse_loss)
     assert [device for _, device in moved] == [pipe.stage_info[-1].device] * 4

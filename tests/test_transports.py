@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fxpipe.runtime import Aborted, ThreadTransport
-from fxpipe.schedules import Phase
+from fxpipe.runtime.schedules import Phase
 
 MICROBATCHES = 3
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fxpipe.saved import PlanFileError
+from fxpipe.plans.saved import PlanFileError
 from fxpipe.weights import INDEX_FILE, Init, open_weights, save_weights, shard_layout
 
 

@@ -14,10 +14,11 @@ from tabulate import tabulate
 import fxpipe
 from fxpipe.passes.cost_model import format_bytes
 
-from .. import saved, timeline
-from ..pictures import write_node_graph, write_stage_graph
-from ..report import measured_memory
-from ..saved import plan_document
+from ..plans import saved
+from .. import timeline
+from ..plans.pictures import write_node_graph, write_stage_graph
+from ..plans.report import measured_memory
+from ..plans.saved import plan_document
 from .arguments import (UsageError, _batch_dims, _count, _devices, _dtype, _model, _ms,
                         _random_inputs, _size, _token_shape, _vocabulary)
 
@@ -293,7 +294,7 @@ def _measured_inputs(plan: fxpipe.Plan, dtype: torch.dtype | None
     (`_token_inputs`), other tensors of `dtype`, else the float dtype of the bytes the plan
     measured them at (8: float64, 4: float32, 2: bfloat16, 1: bool)."""
     signature = plan.signature
-    measured = {key[0]: m for key, m in plan.measurements.items()}
+    measured = {key[0]: m for key, m in plan.record.measurements.items()}
     if len(measured) != 1:
         raise UsageError(f"the plan was measured on {len(measured)} micro-batch sizes\n"
                          f"so its example's is unknown; give its inputs with --tokens BxS or "

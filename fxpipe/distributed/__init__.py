@@ -68,11 +68,11 @@ ends at what it received; `train_step` is the way to gradients).
 The package stands beside `fxpipe.pipeline`, on the same `fxpipe.runtime`: `launch` (the process
 groups, loading this rank's stage), `transport` (`DistributedTransport`, the runtime's
 `Transport` between processes) and `stage` (`DistributedStage`: this rank's row of a step, with
-the train-step contract of `runtime.step`). `measure_link` lives with the other link
-measurements, in `fxpipe.devices`.
+the train-step contract of `runtime.step`) and `link` (`measure_link`: a message between two
+ranks, the link a plan for torchrun is priced with).
 """
 
-from ..devices import measure_link
+from .link import measure_link
 from .launch import WorldSizeError, load, rank_device
 from .stage import DistributedStage
 from .transport import DistributedError, DistributedTransport, PeerFailedError

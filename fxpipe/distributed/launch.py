@@ -24,9 +24,9 @@ import torch.distributed as dist
 from fxpipe.passes.cost_model import DeviceSpec
 from fxpipe.passes.device import is_gpu, set_device
 
-from ..devices import DeviceLike
-from ..report import LINK_DESCRIPTIONS
-from ..saved import load_stage_plan, planned_device, shared_tensors, stage_count, stored_names
+from ..runtime.devices import DeviceLike
+from ..plans.report import LINK_DESCRIPTIONS
+from ..plans.saved import load_stage_plan, planned_device, shared_tensors, stage_count, stored_names
 from .stage import DistributedStage, forget_captured_default_group, release_groups
 from .transport import DistributedError
 

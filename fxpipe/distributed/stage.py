@@ -32,14 +32,14 @@ import torch.fx as fx
 from fxpipe.passes.errors import StageError
 from fxpipe.passes.graph_values import tensors
 
-from .. import microbatch
+from ..runtime import microbatch
 from ..runtime.executor import StageExecutor
 from ..runtime.front import Front, merged, split, timetable
 from ..runtime.orchestrator import Driver, Run, StageRow, row_executor, send_inputs
-from ..saved import save_stage_weights
+from ..plans.saved import save_stage_weights
 from ..runtime.step import DeferredScale, StepLoss, check_reduction, step_inputs
-from ..schedules import Phase
-from ..wiring import DRIVER
+from ..runtime.schedules import Phase
+from ..runtime.wiring import DRIVER
 from .transport import DistributedError, DistributedTransport, PeerFailedError
 
 

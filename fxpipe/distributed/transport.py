@@ -28,10 +28,10 @@ import torch.fx as fx
 
 from fxpipe.passes.errors import FxpipeError
 
-from ..microbatch import on_device
+from ..runtime.microbatch import on_device
 from ..runtime.transport import Aborted
-from ..schedules import Phase
-from ..wiring import DRIVER
+from ..runtime.schedules import Phase
+from ..runtime.wiring import DRIVER
 
 
 class DistributedError(FxpipeError):

@@ -16,7 +16,7 @@ from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.stage import Stage
 
-from ..schedules import Action, Phase, Slot
+from .schedules import Action, Phase, Slot
 from .memory import stage_memory
 from .orchestrator import Run, Runtime
 from .step import DeferredScale, StepLoss

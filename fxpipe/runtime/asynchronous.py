@@ -36,8 +36,8 @@ from fxpipe.passes.device import is_gpu, synchronize_stream
 from fxpipe.passes.errors import LossError
 from fxpipe.passes.stage import Stage
 
-from .. import microbatch
-from ..schedules import Action, Phase, async_warmup
+from . import microbatch
+from .schedules import Action, Phase, async_warmup
 from .executor import EVERY, StageExecutor
 from .orchestrator import (DRIVER, END, Run, Runtime, StageRow, _NO_MORE, _Rows,
                            _kept_thread_count, item_error, send_inputs)

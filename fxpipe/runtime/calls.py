@@ -1,13 +1,13 @@
 """A call's driver (`pipe(*args, **kwargs)`), and a plan's stages run as a Pipeline runs them,
 without a Pipeline: a runtime for a plan, one call, one train step. The Pipeline
-(`fxpipe.pipeline`) calls them, and so do compile's check and race (`fxpipe.checks`,
-`fxpipe.measure`), which build no Pipeline: planning imports these, not the runtime's façade.
-Each splits its batch by the shared front (`runtime.front`).
+(`fxpipe.pipeline`) calls them, and so do compile's check and race (`fxpipe.planning.checks`,
+`fxpipe.planning.measure`), which build no Pipeline: planning imports these, not the runtime's
+façade. Each splits its batch by the shared front (`runtime.front`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -19,8 +19,8 @@ from .as_is import run_as_is
 from .front import merged, split, timetable
 from .orchestrator import Runtime
 
-if TYPE_CHECKING:
-    from ..plan_data import Plan
+# `Plan` in annotations is `fxpipe.plans.plan_data.Plan`, a layer above the runtime: named, never
+# imported (the import runs one way, `tests/test_layers.py`).
 
 
 def runtime_of(plan: Plan) -> Runtime:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from fxpipe.passes.errors import StageError
 from fxpipe.passes.stage import Stage
 
-from ..schedules import Action
+from .schedules import Action
 from .executor import StageExecutor
 from .record import Run
 from .transport import Aborted, Transport

@@ -24,12 +24,14 @@ from torch import nn
 
 from fxpipe.passes.randomness import microbatch_seeds
 
-from .. import microbatch
-from ..schedules import Timetable, gpipe, timetable_for
+from . import microbatch
+from .schedules import Timetable, gpipe, timetable_for
 
 if TYPE_CHECKING:
-    from ..plan_data import Plan
     from .orchestrator import Runtime
+
+# `Plan` in annotations is `fxpipe.plans.plan_data.Plan`, a layer above the runtime: named, never
+# imported (the import runs one way, `tests/test_layers.py`).
 
 
 @dataclass

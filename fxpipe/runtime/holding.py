@@ -1,21 +1,19 @@
 """What a pipeline holds under the model's names: one module gathering a loaded plan's stages'
-tensors (`gathered`), and the values carried from one mode's stages to the other's
-(`carry_values`), where the two placed copies of a tensor on different devices; a pipeline
-without the model it was planned from runs the mode it was planned in only
-(`check_mode_without_model`)."""
+tensors (`gathered`); a pipeline without the model it was planned from runs the mode it was
+planned in only (`check_mode_without_model`). The values carried from one mode's stages to the
+other's are `fxpipe.passes.codegen.carry_values`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-import torch
 from torch import nn
 
 from fxpipe.passes.errors import ModelChangedError, PlanFileError
 from fxpipe.passes.stage import Stage
 
-if TYPE_CHECKING:
-    from ..plan_data import Plan
+# `Plan` in annotations is `fxpipe.plans.plan_data.Plan`, named, never imported: plans sit above
+# the runtime (`tests/test_layers.py`).
 
 
 def check_mode_without_model(plan: Plan, planned_mode: bool, mode: bool) -> None:
@@ -35,19 +33,6 @@ def check_mode_without_model(plan: Plan, planned_mode: bool, mode: bool) -> None
             f"a plan made in {have} mode has no model to capture in {want} mode\n"
             f"this pipeline runs such a plan; plan the model after model.{want}() for "
             f"that (or compile it, which switches modes)")
-
-
-def carry_values(source: nn.Module, target: nn.Module) -> None:
-    """`target`'s tensors given `source`'s values where the two hold other tensors under one
-    name (the two modes' stages placed copies of it on different devices), so the mode switched
-    to computes with what the other one trained."""
-    held = dict([*source.named_parameters(remove_duplicate=False),
-                 *source.named_buffers(remove_duplicate=False)])
-    with torch.no_grad():
-        for name, t in [*target.named_parameters(remove_duplicate=False),
-                        *target.named_buffers(remove_duplicate=False)]:
-            if name in held and held[name] is not t:
-                t.copy_(held[name])
 
 
 def gathered(stages: Sequence[Stage]) -> nn.Module:

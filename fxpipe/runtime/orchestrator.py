@@ -48,8 +48,8 @@ from fxpipe.passes.device import (Event, Stream, is_cpu, is_gpu, set_device, str
                                   timing_event)
 from fxpipe.passes.errors import PartitionError
 
-from ..schedules import Action, Phase, Timetable
-from ..wiring import DRIVER, Flow, Wiring
+from .schedules import Action, Phase, Timetable
+from .wiring import DRIVER, Flow, Wiring
 from .driver import Driver, item_error
 from .executor import LossFn, StageExecutor
 from .record import Run

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from fxpipe.passes.device import Event
 
-from ..schedules import Action, Slot
+from .schedules import Action, Slot
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable, Sequence
 from fxpipe.passes.device import Stream
 from fxpipe.passes.stage import Stage
 
-from ..schedules import Action, Phase
-from ..wiring import DRIVER, Flow
+from .schedules import Action, Phase
+from .wiring import DRIVER, Flow
 from .executor import LossFn, StageExecutor
 from .transport import Transport
 

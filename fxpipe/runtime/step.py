@@ -36,7 +36,7 @@ from fxpipe.passes.compare import difference
 from fxpipe.passes.errors import BatchError, InputError, LossError, LossReductionError
 from fxpipe.passes.graph_values import tensors
 
-from .. import microbatch
+from . import microbatch
 
 # The step's totals summed over every participant: ([loss sum, count sum, last stages finding
 # loss_fn no mean over rows] float64, counted).

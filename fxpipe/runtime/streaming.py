@@ -32,7 +32,7 @@ from fxpipe.passes.errors import BatchError, DeviceError, InputError, StageError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seeds
 
-from .. import microbatch
+from . import microbatch
 from .asynchronous import AsyncTraining
 from .driver import item_error
 from .front import Facade, Front

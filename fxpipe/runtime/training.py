@@ -22,7 +22,7 @@ import torch
 
 from fxpipe.passes.graph_values import tensors
 
-from .. import microbatch
+from . import microbatch
 from .as_is import train_as_is
 from .front import Facade, Front, split, timetable
 from .step import DeferredScale, StepLoss, check_reduction, check_target, step_inputs

@@ -46,7 +46,7 @@ from fxpipe.passes.device import (Event, gpus_started, is_gpu, record_event, rec
                                   same_memory, wait_event)
 from fxpipe.passes.graph_values import tensors
 
-from ..schedules import Phase
+from .schedules import Phase
 
 POLL_S = 0.05     # how often a waiting thread looks for an abort or a signal
 

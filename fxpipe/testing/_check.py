@@ -13,9 +13,9 @@ from fxpipe.passes.compare import equal, output_name, same_structure
 from fxpipe.passes.randomness import microbatch_seeds
 from fxpipe.passes.capture import trace, without_cache
 
-from .. import microbatch
+from ..runtime import microbatch
 from ..api import compile
-from ..reference import run_per_microbatch
+from ..planning.reference import run_per_microbatch
 from ..pipeline import Pipeline
 from ._rounding import EPSILONS, assert_same_up_to_rounding
 
@@ -28,7 +28,7 @@ def assert_pipeline_matches(model: nn.Module, example_inputs: tuple = (),
                             **compile_options: Any) -> Pipeline:
     """Compile `model` and assert the pipeline equals the model run once per micro-batch.
 
-    The reference is what a pipeline promises (`fxpipe.reference`): the model called on each
+    The reference is what a pipeline promises (`fxpipe.planning.reference`): the model called on each
     micro-batch in turn, micro-batch `m` after `torch.manual_seed(seeds[m])` with the seeds the
     pipeline's call draws after `torch.manual_seed(seed)`; so dropout, BatchNorm and buffers
     updated in forward are compared too. The pipeline's outputs and the model's buffers after

@@ -104,8 +104,8 @@ def dags(draw: st.DrawFn, max_nodes: int = 12, *, min_stages: int = 2, max_stage
                        recompute=draw(st.sampled_from(("never", "always", "auto"))))
         schedule = draw(st.sampled_from((None, "gpipe", "1f1b")), label="timetable")
         if schedule is not None:     # what stages hold read off a timetable, as planning does
-            from fxpipe.search import held_after_first_backward, in_flight
-            from fxpipe.schedules import timetable_for
+            from fxpipe.plans.prediction import held_after_first_backward, in_flight
+            from fxpipe.runtime.schedules import timetable_for
             m = rules.microbatches
             rules = replace(rules, in_flight=tuple(in_flight(True, schedule, m, k)),
                             after_backward=tuple(held_after_first_backward(schedule, m, k)),

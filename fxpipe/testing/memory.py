@@ -15,7 +15,7 @@ import gc
 from pathlib import Path
 from typing import Any, Callable
 
-from fxpipe.devices import set_malloc_thresholds
+from fxpipe.runtime.devices import set_malloc_thresholds
 
 _STATUS = Path("/proc/self/status")
 

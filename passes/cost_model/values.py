@@ -92,7 +92,7 @@ LinkFn = Callable[[DeviceSpec, DeviceSpec], Link]
 
 def default_link(src: DeviceSpec, dst: DeviceSpec, same_device: Link = SAME_DEVICE) -> Link:
     """A link by device kinds, a hand-off on one device costing `same_device` (planning passes
-    the runtime's own, measured: `fxpipe.measure.priced_link`); `fxpipe.devices.measure_links`
+    the runtime's own, measured: `fxpipe.planning.measure.priced_link`); `fxpipe.runtime.devices.measure_links`
     measures real ones."""
     if src.name == dst.name or (is_cpu(src.name) and is_cpu(dst.name)):
         return same_device

@@ -27,7 +27,7 @@ def test_a_split_head_on_gpus_trains_as_the_model(scripted_costs, devices):
     reference = copy.deepcopy(model)
     F.mse_loss(reference(x), target).backward()
     pipe = fxpipe.compile(model, devices, (x,), chunks=2)
-    assert dict(pipe.plan.chosen.split)["head"] >= 2
+    assert dict(pipe.plan.record.chosen.split)["head"] >= 2
     torch.testing.assert_close(pipe(x).cpu(), reference(x), rtol=1e-4, atol=1e-5)
     loss = pipe.train_step(x, target, F.mse_loss)
     assert_same_training(pipe, reference, loss=(loss, F.mse_loss(reference(x), target)),

@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 
 import fxpipe
-from fxpipe.schedules import Phase
+from fxpipe.runtime.schedules import Phase
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

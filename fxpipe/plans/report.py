@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from fxpipe.passes.annotate_costs import UNSTEADY
 from fxpipe.passes.cost_model import CUDA_CONTEXT_BYTES, format_bytes
 from fxpipe.passes.device import is_cpu, is_gpu
 from fxpipe.passes.materialize import blockless
 
-from .search import in_flight, notes
+from .prediction import in_flight, notes
 
-if TYPE_CHECKING:      # plan_data renders its plans here: the type only, or a cycle
-    from .plan_data import Plan
+# `Plan` in annotations is `plan_data.Plan`: plan_data renders its plans here, so this module
+# names the type and never imports it (the import runs one way, `tests/test_layers.py`).
 
 
 def tabulate(*args, **kwargs) -> str:
@@ -44,8 +43,8 @@ def table(plan: Plan) -> str:
     """Each stage: its device, nodes, what it runs, predicted time, parameters, bytes sent."""
     rows = []
     for s, cost in enumerate(plan.partition.stages):
-        first, last = plan.stage_spans[s]
-        modules = plan.stage_modules[s] if plan.stage_modules else ()
+        first, last = plan.record.stage_spans[s]
+        modules = plan.record.stage_modules[s] if plan.record.stage_modules else ()
         runs = ", ".join(modules) if modules else f"{first} .. {last}"
         rows.append((s, plan.partition.devices[s].name, cost.num_nodes, runs,
                      cost.time_s * 1e3, plan.stage_param_bytes[s] / 1e6,
@@ -67,7 +66,7 @@ def describe(plan: Plan) -> str:
         f"bottleneck {p.bottleneck_s * 1e3:.3f} ms per micro-batch, lower bound "
         f"{p.lower_bound_s * 1e3:.3f} ms ({proof}); values priced as "
         f"{LINK_DESCRIPTIONS[plan.link]}",
-        *notes(plan.chosen),
+        *notes(plan.record.chosen),
         *_measurement(plan),
         *_sources(plan),
         *_activations(plan),
@@ -78,19 +77,19 @@ def describe(plan: Plan) -> str:
         *_overlap(plan),
         *_stand_ins(plan),
         *_choice(plan),
-        f"outputs checked against the model: {plan.verified}{_tolerance(plan)}",
+        f"outputs checked against the model: {plan.record.verified}{_tolerance(plan)}",
     ])
 
 
 def _tolerance(plan: Plan) -> str:
     """What the outputs were checked within, and where that came from, after "yes"."""
-    if not plan.verified.startswith("yes") or not plan.verify_tolerance_source:
+    if not plan.record.verified.startswith("yes") or not plan.record.verify_tolerance_source:
         return ""
-    if plan.verify_tolerance is None:
+    if plan.record.verify_tolerance is None:
         return (f", within 16 epsilons of each output's dtype, relative to its largest "
-                f"magnitude ({plan.verify_tolerance_source})")
-    return (f", within {plan.verify_tolerance:.2g} of each output's largest magnitude "
-            f"({plan.verify_tolerance_source})")
+                f"magnitude ({plan.record.verify_tolerance_source})")
+    return (f", within {plan.record.verify_tolerance:.2g} of each output's largest magnitude "
+            f"({plan.record.verify_tolerance_source})")
 
 
 def _sizes(plan: Plan) -> list[str]:
@@ -103,20 +102,21 @@ def _sizes(plan: Plan) -> list[str]:
 def _measurement(plan: Plan) -> list[str]:
     """How the costs were measured: their spread, and the calibration to the graph's own
     time; a warning when the measurement was unsteady."""
-    if plan.calibration is None:
+    if plan.record.calibration is None:
         return []
-    forward, backward = plan.calibration
+    forward, backward = plan.record.calibration
     scaled = f"x{forward:.2f} forward" + (f", x{backward:.2f} backward"
                                          if backward != 1.0 else "")
-    steady = plan.spread is None or plan.spread <= UNSTEADY
+    weighed = plan.record
+    steady = weighed.spread is None or weighed.spread <= UNSTEADY
     # The model as is, its nodes measured for a pipeline's stage at its rows (`Costs.as_is`).
     kind = plan.partition.devices[0].kind
     borrowed = plan.runs_as_is and not any(key[1] == kind and not key[2]
-                                           for key in plan.measurements)
+                                           for key in weighed.measurements)
     lines = [f"node costs: measured one by one{' for a pipeline stage' * borrowed} (spread "
-             f"{plan.spread or 0:.0%}, {'steady' if steady else 'unsteady'}), " + (
+             f"{weighed.spread or 0:.0%}, {'steady' if steady else 'unsteady'}), " + (
                  "not scaled to the whole graph's time (a model on meta never runs whole)"
-                 if plan.weights is not None else
+                 if weighed.weights is not None else
                  f"scaled ({scaled}) to the model's own time measured as is" if borrowed else
                  f"scaled ({scaled}) to the time of the whole graph measured as a stage runs it")]
     if not steady:
@@ -130,7 +130,7 @@ def cost_sources(plan: Plan) -> dict[str, int]:
     they repeat, and estimated (`NodeCost.source`): as the stages' nodes say, or on a loaded
     plan (whose nodes keep no costs) as its measurement on the first stage's kind of device."""
     kind = plan.partition.devices[0].kind
-    saved = next((m.costs for key, m in plan.measurements.items() if key[1] == kind), {})
+    saved = next((m.costs for key, m in plan.record.measurements.items() if key[1] == kind), {})
     counted = dict.fromkeys(("measured", "reused", "estimated"), 0)
     for stage in plan.stages:
         for n in stage.module.graph.nodes:
@@ -157,7 +157,7 @@ def _activations(plan: Plan) -> list[str]:
         return []
     part = plan.partition
     peaks = in_flight(True, plan.schedule, plan.chunks, part.num_stages)
-    some = plan.stage_recomputed or ((),) * part.num_stages
+    some = plan.record.stage_recomputed or ((),) * part.num_stages
     rows = [(s, n, format_bytes(c.memory_kept_bytes), format_bytes(c.memory_recomputing_bytes),
              format_bytes(d.memory_bytes), format_bytes(c.memory_bytes),
              f"recomputes its forward (+{c.recompute_s * 1e3:.3f} ms per micro-batch)"
@@ -211,26 +211,26 @@ def _cuda_context(plan: Plan) -> list[str]:
 def _comparison(plan: Plan) -> list[str]:
     """The pipeline's predicted time per batch against the model's own, and a warning
     when the pipeline is predicted to lose."""
-    if plan.weights is not None:
+    if plan.record.weights is not None:
         return [f"planned from the meta device, never holding the model whole: measured and "
-                f"checked on values from {plan.weights}; the model unpipelined was not "
+                f"checked on values from {plan.record.weights}; the model unpipelined was not "
                 f"measured (no device holds it). Planning peaked at "
-                f"{format_bytes(plan.planning_peak_rss_bytes or 0)} resident"]
+                f"{format_bytes(plan.record.planning_peak_rss_bytes or 0)} resident"]
     if plan.speedup is None:
         return []
-    spread = ("" if plan.unpipelined_spread is None else
+    spread = ("" if plan.record.unpipelined_spread is None else
               f", median of warm runs between the stages' measurements, spread "
-              f"{plan.unpipelined_spread:.0%}")
-    model = (f"{plan.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
-             f"{_count(plan.unpipelined_threads, 'thread')}{spread})")
+              f"{plan.record.unpipelined_spread:.0%}")
+    model = (f"{plan.record.unpipelined_s * 1e3:.3f} ms measured (whole batch, "
+             f"{_count(plan.record.unpipelined_threads, 'thread')}{spread})")
     if plan.runs_as_is:
         return [f"per batch: the model as is, {model}: {plan.runs.value}, so the one stage runs "
                 f"the whole batch on the caller's thread"]
     why = unclaimed(plan)
     if why:
-        return [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
+        return [f"per batch: pipeline {plan.record.predicted_step_s * 1e3:.3f} ms predicted, model "
                 f"unpipelined {model}; no speed-up claimed: {why}"]
-    lines = [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
+    lines = [f"per batch: pipeline {plan.record.predicted_step_s * 1e3:.3f} ms predicted, model "
              f"unpipelined {model}: {plan.speedup:.2f}x"]
     if plan.speedup < 1:
         lines.append("warning: the pipeline is predicted slower than the model run whole: "
@@ -244,7 +244,7 @@ def unclaimed(plan: Plan) -> str:
     CPU stages asking for more threads than the machine has cores (they take turns, which the
     prediction prices only roughly), or costs or the model's own runs measured unsteadily
     (another process using the cores)."""
-    if plan.runs_as_is or plan.weights is not None:
+    if plan.runs_as_is or plan.record.weights is not None:
         return ""
     devices = plan.partition.devices
     asked, cores = sum(d.threads or 1 for d in devices if is_cpu(d.name)), os.cpu_count() or 1
@@ -252,7 +252,8 @@ def unclaimed(plan: Plan) -> str:
         return (f"the CPU stages ask for {asked} threads on {_count(cores, 'core')}, so they "
                 f"take turns (plan as many CPU stages as cores, or fewer, for a prediction)")
     unsteady = [f"{what} (spread {spread:.0%})" for what, spread in
-                [("the node costs", plan.spread), ("the model's own runs", plan.unpipelined_spread)]
+                [("the node costs", plan.record.spread),
+                 ("the model's own runs", plan.record.unpipelined_spread)]
                 if spread is not None and spread > UNSTEADY]
     if unsteady:
         return (f"the figures are unsteady: {' and '.join(unsteady)} varied over "
@@ -276,7 +277,8 @@ def _observed(plan: Plan) -> list[str]:
     predicted = plan.claimed_speedup
     lines = [f"measured in use: {seen['step_s'] * 1e3:.3f} ms per {runs[:-1]} (median of the "
              f"latest {len(seen['times_s'])} of {seen['runs']} {runs}, the first left out): "
-             f"{seen['speedup']:.2f}x the model's {plan.unpipelined_s * 1e3:.3f} ms at compile, "
+             f"{seen['speedup']:.2f}x the model's {plan.record.unpipelined_s * 1e3:.3f} ms at "
+             f"compile, "
              + (f"{predicted:.2f}x predicted" if predicted is not None else
                 "no speed-up was claimed")]
     if seen["speedup"] < 1:
@@ -312,13 +314,13 @@ def _overlap(plan: Plan) -> list[str]:
 def _stand_ins(plan: Plan) -> list[str]:
     """One line naming the tensors timed (and checked) on stand-in values, by role: each
     name with its block numbers starred, and how many tensors it covers."""
-    if not plan.stand_ins:
+    if not plan.record.stand_ins:
         return []
-    roles = Counter(blockless(name) for name in plan.stand_ins)
+    roles = Counter(blockless(name) for name in plan.record.stand_ins)
     shown = [f"{role} ({_count(n, 'tensor')})" if n > 1 else role
              for role, n in list(roles.items())[:STAND_INS_SHOWN]]
     more = len(roles) - len(shown)
-    checked = "timed and checked" if plan.verified.startswith("yes") else "timed"
+    checked = "timed and checked" if plan.record.verified.startswith("yes") else "timed"
     return [f"{checked} on stand-in values (no rule of the model's initialisation writes them; "
             f"a pipeline needs them from a checkpoint): {', '.join(shown)}"
             f"{f' and {more} more' if more else ''}"]
@@ -329,13 +331,13 @@ STAND_INS_SHOWN = 6
 
 def _choice(plan: Plan) -> list[str]:
     """The configurations weighed (when more than one) and why this one was chosen."""
-    if len(plan.considered) < 2:
+    if len(plan.record.considered) < 2:
         return []
-    measured = {config: s for config, _, s in plan.raced}
+    measured = {config: s for config, _, s in plan.record.raced}
     rows = []
-    for c in plan.considered:
-        as_is = c is plan.considered[-1] and plan.runs_as_is
-        row = ["*" if c is plan.chosen else "", c.config.num_stages, c.config.chunks,
+    for c in plan.record.considered:
+        as_is = c is plan.record.considered[-1] and plan.runs_as_is
+        row = ["*" if c is plan.record.chosen else "", c.config.num_stages, c.config.chunks,
                c.config.schedule, c.config.threads,
                "-" if c.predicted_s is None else f"{c.predicted_s * 1e3:.3f}",
                c.memory_bytes / 1e6, "the model as is, measured" if as_is else c.problem]
@@ -350,7 +352,7 @@ def _choice(plan: Plan) -> list[str]:
         if measured else "") + "):"
     return [title, tabulate(rows, headers=headers, floatfmt=".3f",
                             maxcolwidths=[None] * (len(headers) - 1) + [60]),
-            f"chosen: {plan.reason}"]
+            f"chosen: {plan.record.reason}"]
 
 
 def _count(n: int, noun: str) -> str:
@@ -375,10 +377,10 @@ def describe_generation(generation) -> str:
              f"its planned memory, allocated at each generate and freed after it"]
     tokens = g.tokens_per_s()
     if tokens is not None:
-        lines.append(f"decode: {decode.predicted_step_s * 1e3:.3f} ms per step predicted for "
-                     f"{_count(g.rows, 'sequence')}: {tokens:.0f} tokens/s")
-    if g.prefill.predicted_step_s:
-        lines.append(f"prefill: {g.prefill.predicted_step_s * 1e3:.3f} ms per chunk of "
+        lines.append(f"decode: {decode.record.predicted_step_s * 1e3:.3f} ms per step predicted "
+                     f"for {_count(g.rows, 'sequence')}: {tokens:.0f} tokens/s")
+    if g.prefill.record.predicted_step_s:
+        lines.append(f"prefill: {g.prefill.record.predicted_step_s * 1e3:.3f} ms per chunk of "
                      f"{_count(g.prompt, 'token')} predicted")
     lines.append("the two plans: print(generation.decode), print(generation.prefill)")
     return "\n".join(lines)

@@ -26,10 +26,10 @@ from fxpipe.passes.errors import (BatchError, CostError, DeviceError, InputError
 from fxpipe.passes.signature import Signature
 from fxpipe.passes.capture import CaptureMode
 
-from .devices import parse_devices
-from .plan_data import Plan
-from .schedules import SCHEDULES, ScheduleName
-from .weights import Weights
+from ..runtime.devices import parse_devices
+from ..plans.plan_data import Plan
+from ..runtime.schedules import SCHEDULES, ScheduleName
+from ..weights import Weights
 
 Auto = Literal["auto"]
 Recompute = Literal["never", "always", "auto"]
@@ -97,7 +97,7 @@ class Options:
                             f"where a stage would not fit otherwise)")
         optimizer_state_factor(self.optimizer)
         if self.costs is not None and not (isinstance(self.costs, Plan)
-                                           and self.costs.measurements):
+                                           and self.costs.record.measurements):
             raise CostError(f"costs={type(self.costs).__name__} is not a plan of this fxpipe\n"
                             f"pass a plan made by this version of fxpipe (pipe.plan, "
                             f"fxpipe.plan(...) or fxpipe.load_plan(path)), "

@@ -16,14 +16,14 @@ from fxpipe.passes.compare import difference, output_name
 from fxpipe.passes.errors import BatchError, VerificationError
 from fxpipe.passes.randomness import microbatch_seeds
 
-from .. import microbatch
-from ..runtime.calls import call_stages, runtime_of
-from ..plan_data import Plan
+from ...runtime import microbatch
+from ...runtime.calls import call_stages, runtime_of
+from ...plans.plan_data import Plan
 from ..reference import copied, run_per_microbatch, unchanged
 from .rounding import ASKED, measured_tolerance
 
 if TYPE_CHECKING:
-    from ..api import Recipe
+    from ..recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def reference_of(model: nn.Module, recipe: Recipe, chunks: int, verify: bool,
     """The model's runs that compile's checks need, all made before any of its tensors is
     placed on a stage device: each output's batch dimension, the micro-batch check
     (`_check_batch_independent`), and with `verify` the outputs the pipeline must reproduce
-    (see `fxpipe.reference`), compared within `tolerance` or, by default, the model's own
+    (see `fxpipe.planning.reference`), compared within `tolerance` or, by default, the model's own
     rounding measured against float64 (`rounding_tolerance`: on a CPU from the float32 run
     already made on the whole example and one float64 run; where the stages' `devices` or the
     model's may compute float32 in TF32, on that GPU). On copies of the example, from fixed

@@ -55,17 +55,18 @@ from fxpipe.passes.randomness import microbatch_seed
 from fxpipe.passes.stage import Stage
 from fxpipe.passes.state import unchanged_state
 
-from . import microbatch, search
-from .devices import shared_memory, synchronize
-from .runtime.calls import call_stages, runtime_of, train_stages
-from .plan_data import Measurement, Plan
-from .runtime import Runtime
+from ..runtime import microbatch
+from . import search
+from ..runtime.devices import shared_memory, synchronize
+from ..runtime.calls import call_stages, runtime_of, train_stages
+from ..plans.plan_data import Measurement, Plan
+from ..runtime import Runtime
 from .reference import copied, unchanged
-from .schedules import gpipe, simulate
-from .wiring import Wiring
+from ..runtime.schedules import gpipe, simulate
+from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from .api import Recipe
+    from .recipe import Recipe
 
 
 class Costs:
@@ -83,7 +84,7 @@ class Costs:
         self.scaled: dict[tuple, dict[fx.Node, NodeCost]] = {}     # the model as is (`as_is`)
         saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
-            key: m for key, m in (saved.measurements if saved is not None else {}).items()
+            key: m for key, m in (saved.record.measurements if saved is not None else {}).items()
             if key[3] == training}      # costs measured with backward, or without
         if self.saved:
             names = {n.name for n in gm.graph.nodes if n.op != "output"}
@@ -148,7 +149,7 @@ class Costs:
         micro-batch's rows between the two nearest sizes measured on either side, in the same
         kind and thread (`fit_cost`): what a node costs is about affine in its rows (a fixed
         cost per call, then time per row), so configurations are weighed on this and only those
-        that may be chosen are measured (`fxpipe.prepare.weigh` checks the fit on each). None
+        that may be chosen are measured (`fxpipe.planning.prepare.weigh` checks the fit on each). None
         where no measured sizes bracket the configuration's, or it was measured."""
         if self.is_measured(config, devices):
             return None

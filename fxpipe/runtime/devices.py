@@ -1,10 +1,10 @@
 """Device lists: parse and check what the user passed, before anything runs; CPU tuning;
-links measured (between devices here, and between two gloo processes).
+links measured between devices here.
 
 "cuda" means the current GPU. A GPU's budget is its free memory less a margin; stages on one device
 share its budget evenly, the rule the partitioner enforces per stage. Links measured: the hand-off
-between threads, copies between devices, and `measure_link`: a message between two gloo processes
-as `DistributedTransport` sends it (the plan's `link="gloo"`). `tune_cpu_allocator` tunes the
+between threads and copies between devices (a message between two gloo processes is
+`fxpipe.distributed.measure_link`'s). `tune_cpu_allocator` tunes the
 host's allocator. A device's kind, streams and timers are `fxpipe.passes.device`'s: this module
 never tests a kind itself.
 """
@@ -14,13 +14,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-import os
 import queue
 import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -207,80 +206,12 @@ def _copy_link(src: torch.device, dst: torch.device, repeats: int) -> Link:
             synchronize(src, dst)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
-    return _fitted({nbytes: copy_s(nbytes) for nbytes in (64 << 10, 16 << 20)})
+    return fitted_link({nbytes: copy_s(nbytes) for nbytes in (64 << 10, 16 << 20)})
 
 
-def _fitted(seconds: dict[int, float]) -> Link:
+def fitted_link(seconds: dict[int, float]) -> Link:
     """The link whose latency and bandwidth give the times measured for two message sizes
     (`seconds[nbytes]`)."""
     small, large = sorted(seconds)
     bandwidth = (large - small) / max(seconds[large] - seconds[small], 1e-9)
     return Link(latency_s=max(seconds[small] - small / bandwidth, 0.0), bytes_per_s=bandwidth)
-
-
-def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
-    """What one message between two ranks on this host costs, sent as `fxpipe.distributed`
-    sends it (a `DistributedTransport`'s message: its header, then its tensor, over gloo): latency
-    and bandwidth from ping-pongs of 64 KB and 16 MB messages between two processes started
-    here (a few seconds). Plan with it so the plan prices values as they will travel:
-
-        link = fxpipe.distributed.measure_link()
-        fxpipe.plan(model, ["cpu"] * 4, (x,), link=lambda src, dst: link).save("plan/")
-    """
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from .distributed.transport import DistributedError
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    with tempfile.TemporaryDirectory() as folder:
-        init = f"file://{os.path.join(folder, 'rendezvous')}"
-        processes = [context.Process(target=_ping_pong, args=(rank, init, repeats, timeout,
-                                                               results), daemon=True)
-                     for rank in range(2)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout + 30)
-        codes = [process.exitcode for process in processes]
-        if codes != [0, 0] or results.empty():
-            for process in processes:
-                process.kill()
-            raise DistributedError(f"measuring a gloo link between two processes failed (exit "
-                                   f"codes {codes})\ncheck that this host allows local gloo")
-    return _fitted(results.get())
-
-
-def _ping_pong(rank: int, init: str, repeats: int, timeout: float, results: Any) -> None:
-    """One of `measure_link`'s two processes: the median one-way time of a message, by size,
-    each going from one stage to the other through a `DistributedTransport`."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from .distributed.transport import DistributedTransport
-    from .schedules import Phase
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout))
-    transport = DistributedTransport(rank, torch.device("cpu"), timeout=timeout, peers=[0, 1])
-    try:
-        one_way = {}
-        for nbytes in (64 << 10, 16 << 20):
-            x = torch.zeros(nbytes // 4)
-            times = []
-            for m in range(repeats + 1):        # the first one warms up
-                start = time.perf_counter()
-                for phase, sender in ((Phase.FORWARD, 0), (Phase.BACKWARD, 1)):
-                    if rank == sender:
-                        transport.send(phase, sender, 1 - sender, m, {"x": x})
-                    else:
-                        transport.receive(phase, sender, 1 - sender, m)
-                times.append((time.perf_counter() - start) / 2)
-            transport.finish_step()
-            one_way[nbytes] = statistics.median(times[1:])
-        if rank == 0:
-            results.put(one_way)
-    finally:
-        dist.destroy_process_group()

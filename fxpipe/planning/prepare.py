@@ -4,18 +4,19 @@
   random ops seeded, the model's own time measured, and a `Costs` that measures each
   configuration's node costs once. A `Prepared` is never split or placed.
 - `weigh`: every configuration the options leave open, costed, partitioned and predicted
-  (`fxpipe.search`); the one to build, why, and all those considered. With several micro-batch
-  counts on a number of stages, the fewest and the most are measured, those between weighed on
-  node costs fitted between them (`Costs.fitted`: affine in rows), and one chosen so is measured
-  and weighed again before it is kept; where its prediction moved by over `FIT_TOLERANCE`, every
-  size is measured. The model as is takes its own measured time, its nodes those a pipeline
-  measured at its rows, scaled to that time (`Costs.as_is`).
+  (`fxpipe.planning.search`); the one to build, why, and all those considered. With several
+  micro-batch counts on a number of stages, the fewest and the most are measured, those between
+  weighed on node costs fitted between them (`Costs.fitted`: affine in rows), and one chosen so
+  is measured and weighed again before it is kept; where its prediction moved by over
+  `FIT_TOLERANCE`, every size is measured. The model as is takes its own measured time, its
+  nodes those a pipeline measured at its rows, scaled to that time (`Costs.as_is`).
 - `realize(prepared, candidate)`: a `Plan` of one candidate, made on a copy of the prepared
   graph (split to balance, cut into stages, placed), checked against the model's runs on the
-  example (`fxpipe.checks`), which are made once per micro-batch count and kept.
+  example (`fxpipe.planning.checks`), which are made once per micro-batch count and kept.
 
-`fxpipe.api` conducts them: it races realized plans (`fxpipe.measure.race`), and retries with
-the whole batch where micro-batches cannot compute what the model does, on the same
+`fxpipe.planning.build` conducts them: it races realized plans
+(`fxpipe.planning.measure.race`), and retries with the whole batch where micro-batches cannot
+compute what the model does, on the same
 `Prepared`. `benchmarks/compile_time.py` times each step.
 
 The model runs only before placement: capture's check, its time as is and the reference runs
@@ -43,8 +44,8 @@ rule: where none of the model's writes a tensor (a norm holding `torch.ones(d)` 
 `reset_parameters()`), `Init(stand_ins=True)` gives a stand-in of the right shape, dtype and scale
 (`weights.stand_in_`), drawn under the module's seed so that every read, the model's modules and
 the stages alike, gets the same values; `Recipe.stand_ins` names them (those drawn, and those of
-the same role, which `Tiled` repeats) in `Plan.stand_ins`. Loading with `"init"` still refuses them
-by name.
+the same role, which `Tiled` repeats) in `PlanRecord.stand_ins`. Loading with `"init"` still
+refuses them by name.
 
 Which run reads what on meta. Trace's eager output check cannot run on meta: compile's check runs
 streamed instead (`checks.streamed`: the model's own forward on a structural copy whose modules get
@@ -75,7 +76,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.passes.annotate_costs import measurement_spread
-from fxpipe.passes.codegen import held_by_stages, split_stages
+from fxpipe.passes.codegen import carry_values, held_by_stages, split_stages
 from fxpipe.passes.cost_model import Memory
 from fxpipe.passes.device import same_memory
 from fxpipe.passes.functionalize import GraphRunFailed, functionalize
@@ -87,17 +88,17 @@ from fxpipe.passes.recompute import checkpoint_regions
 from fxpipe.passes.signature import signature_of
 from fxpipe.passes.stage import Stage
 
-from . import microbatch, search
+from ..runtime import microbatch
+from . import search
 from .checks import Reference, holding, meta_reference, reference_of, streamed_stages, verify
 from .measure import Baseline, Costs, priced_link
 from .options import placeholder_dims
-from .pipeline import carry_values
-from .plan_data import Plan, Runs, make_plan
+from ..plans.plan_data import Plan, PlanRecord, Runs, make_plan
 from .reference import copied
-from .wiring import Wiring
+from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from .api import Recipe
+    from .recipe import Recipe
 
 PreparedKey = tuple[bool, tuple[tuple[int, ...], ...]]   # (the mode, the example's shapes)
 
@@ -341,33 +342,35 @@ def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     signature = signature_of(gm)
     tolerance = reference.stated_tolerance()
-    plan = make_plan(
-        gm.meta["capture"], part, stages, config.chunks,
-        unverified or ("yes" if o.verify else "skipped (verify=False)"),
-        wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
-                                  if n.op != "placeholder"]),
-        signature=signature,
-        batch_dims=placeholder_dims(signature, recipe.input_dims, recipe.default_dim),
-        schedule=config.schedule, runs=runs, training=prepared.mode,
-        measurements=costs.saved_measurements(), recompute=o.recompute,
-        stage_recomputed=recomputed, output_dims=reference.output_dims,
-        unpipelined_s=prepared.unpipelined_s, unpipelined_spread=prepared.unpipelined_spread,
+    record = PlanRecord(
+        verified=unverified or ("yes" if o.verify else "skipped (verify=False)"),
+        stage_recomputed=recomputed, unpipelined_s=prepared.unpipelined_s,
+        unpipelined_spread=prepared.unpipelined_spread,
         example_rows=microbatch.rows_of((recipe.args, recipe.kwargs), recipe.input_dims),
         unpipelined_threads=torch.get_num_threads(),
         chosen=chosen, reason=reason, considered=considered,
         calibration=costs.calibration[config.chunks, specs[0].kind, config.num_stages > 1],
-        spread=measurement_spread(gm), link=o.link_name, graph=gm,
-        link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
+        spread=measurement_spread(gm),
         weights=recipe.weights.where if materialize else None,
         stand_ins=recipe.stand_ins() if materialize else (),
         verify_tolerance=tolerance.get("verify_tolerance"),
-        verify_tolerance_source=tolerance.get("verify_tolerance_source", ""))
+        verify_tolerance_source=tolerance.get("verify_tolerance_source", ""),
+        measurements=costs.saved_measurements())
+    plan = make_plan(
+        gm.meta["capture"], part, stages, config.chunks,
+        wiring=Wiring.of(stages, [n.name for n in output.all_input_nodes
+                                  if n.op != "placeholder"]),
+        signature=signature,
+        batch_dims=placeholder_dims(signature, recipe.input_dims, recipe.default_dim),
+        output_dims=reference.output_dims, schedule=config.schedule, training=prepared.mode,
+        recompute=o.recompute, runs=runs, link=o.link_name, graph=gm,
+        link_fn=priced_link(specs) if o.link_name == "default" else recipe.link, record=record)
     verify(streamed_stages(plan, materialize) if materialize else plan, recipe, reference,
            o.verify_tolerance)
     # The model as is runs the model's own ops, so it takes the model's time.
     predicted_s = (prepared.unpipelined_s if plan.runs_as_is else
                    max((slot.end_s for slot in plan.predict(training=training)), default=0.0))
-    return replace(plan, predicted_step_s=predicted_s)
+    return plan.with_record(predicted_step_s=predicted_s)
 
 
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

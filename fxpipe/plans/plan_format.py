@@ -1,7 +1,7 @@
 """A plan as data: what `plan_data.json` holds (format 5), written and read without pickle.
 
 The plan's own fields, its partition, wiring, calling convention, costs and measurements are
-written as JSON by `fxpipe.graph_data.Codec`: each dataclass or enum under a name of this
+written as JSON by `fxpipe.plans.graph_data.Codec`: each dataclass or enum under a name of this
 module's table (`Plan`, `Partition`, `StageCost`...), never a Python module path, so plans stay
 readable when fxpipe's modules move; each of its stages as `graph_data` writes modules and
 graphs; its tensors as a table of shapes and dtypes (their values are in the stage files).
@@ -19,8 +19,11 @@ import importlib.metadata
 import json
 import math
 import os
+import pickle
+import types
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -32,8 +35,8 @@ from fxpipe.passes.stage import Stage
 from .graph_data import Codec, decode_module, encode_module, function_name
 from .report import cost_sources
 
-if TYPE_CHECKING:
-    from .plan_data import Plan
+# `Plan` in annotations is `plan_data.Plan`: plan_data writes and reads its plans here, so this module
+# names the type and never imports it (the import runs one way, `tests/test_layers.py`).
 
 _SCHEMA = "fxpipe-plan"       # what plan_data.json says it is
 FORMAT = 5
@@ -45,8 +48,8 @@ _REGISTERED: dict[str, type] = {}
 
 
 def register_types(**types: type) -> None:
-    """Add types a plan holds under the names given: how plan_data gives `Plan`, `Runs` and
-    `Measurement` as it is imported (importing it here would import this module back)."""
+    """Add types a plan holds under the names given: how plan_data gives `Plan`, `PlanRecord`,
+    `Runs` and `Measurement` as it is imported (importing it here would import this module back)."""
     _REGISTERED.update(types)
 
 
@@ -57,8 +60,8 @@ def _types() -> dict[str, type]:
     from fxpipe.passes.partition.result import DeviceOrders, Method, Partition
     from fxpipe.passes.signature import Constant, Signature
 
-    from .search import Candidate, Config
-    from .wiring import Flow, Wiring
+    from .prediction import Candidate, Config
+    from ..runtime.wiring import Flow, Wiring
     return {**_REGISTERED, "Capture": Capture,
             "CaptureMethod": CaptureMethod, "Partition": Partition, "PartitionMethod": Method,
             "DeviceOrders": DeviceOrders, "Memory": Memory, "DeviceSpec": DeviceSpec,
@@ -85,8 +88,11 @@ def encode_plan(plan: Plan) -> dict[str, Any]:
     stages = [{"index": s.index, "inputs": list(s.inputs), "outputs": list(s.outputs),
                "device": str(s.device), "module": encode_module(s.module, tensor_index, codec)}
               for s in plan.stages]
+    # One object of fields, the record's beside the rest, as format 5 has always held them.
     fields = {f.name: codec.encode(getattr(plan, f.name)) for f in dataclasses.fields(plan)
-              if f.init and f.name not in ("stages", "graph", "link_fn")}
+              if f.init and f.name not in ("stages", "graph", "link_fn", "record")}
+    fields.update({f.name: codec.encode(getattr(plan.record, f.name))
+                   for f in dataclasses.fields(plan.record)})
     return {"schema": _SCHEMA, "plan": fields, "stages": stages, "tensors": table,
             "functions": sorted(_user_functions(plan))}
 
@@ -131,14 +137,17 @@ def decode_plan(data: Mapping[str, Any], *, functions: Iterable[Callable] = (),
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise PlanFileError(f"{where} holds malformed plan data ({type(e).__name__}: {e})"
                             f"\nsave the plan again") from None
-    plan_type = _types()["Plan"]
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(plan_type)})
+    plan_type, record_type = _types()["Plan"], _types()["PlanRecord"]
+    recorded = {f.name for f in dataclasses.fields(record_type)}
+    unknown = sorted(set(fields) - recorded -     # the record's fields sit beside the rest
+                     ({f.name for f in dataclasses.fields(plan_type)} - {"record"}))
     if unknown:
         raise PlanFileError(f"{where} holds fields no plan has: {unknown}")
     signature = fields.get("signature")
     for rule in getattr(signature, "size_rules", ()):
         check_rule(rule.code, where)
-    return plan_type(**fields, stages=stages)
+    record = record_type(**{name: fields.pop(name) for name in recorded & set(fields)})
+    return plan_type(**fields, stages=stages, record=record)
 
 
 def _stand_in(entry: Mapping[str, Any]) -> torch.Tensor:
@@ -256,11 +265,12 @@ def _description(plan: Plan) -> dict[str, Any]:
                       "lower_bound_s": part.lower_bound_s, "optimal": part.optimal,
                       "method": str(part.method or ""),
                       "stages": [dataclasses.asdict(c) for c in part.stages]},
-        "predicted_step_s": plan.predicted_step_s, "unpipelined_s": plan.unpipelined_s,
-        "weights_source": plan.weights, "stand_ins": list(plan.stand_ins),
-        "verified": plan.verified, "verify_tolerance": plan.verify_tolerance,
-        "verify_tolerance_source": plan.verify_tolerance_source,
-        "planning_peak_rss_bytes": plan.planning_peak_rss_bytes,
+        "predicted_step_s": plan.record.predicted_step_s,
+        "unpipelined_s": plan.record.unpipelined_s,
+        "weights_source": plan.record.weights, "stand_ins": list(plan.record.stand_ins),
+        "verified": plan.record.verified, "verify_tolerance": plan.record.verify_tolerance,
+        "verify_tolerance_source": plan.record.verify_tolerance_source,
+        "planning_peak_rss_bytes": plan.record.planning_peak_rss_bytes,
         "stages": [{"index": s.index, "device": str(s.device), "inputs": list(s.inputs),
                     "outputs": list(s.outputs)} for s in plan.stages],
         "wiring": {"producer": dict(plan.wiring.producer),
@@ -348,7 +358,7 @@ def _document(root: Path, *, same_versions: bool = True,
         raise PlanFileError(
             f"the plan at {str(root)!r} is of format {document['format']}, a pickle\nloading "
             f"its {PICKLE_FILE} runs whatever code its directory holds\nconvert it once, if "
-            f"you trust it: fxpipe.saved.convert(old, new) or `fxpipe convert old new`; or "
+            f"you trust it: fxpipe.plans.saved.convert(old, new) or `fxpipe convert old new`; or "
             f"load it with trust_pickle=True")
     if document.get("format") != FORMAT and document.get("format") not in PICKLED_FORMATS:
         raise PlanFileError(f"{root / PLAN_FILE} has format {document.get('format')!r}, this "
@@ -367,3 +377,49 @@ def _document(root: Path, *, same_versions: bool = True,
                             f"would not take effect\nsave the plan again to change it "
                             f"(fxpipe.plan(model, ...).save(path)), or restore the saved file")
     return document
+
+
+def unpickled(file: Any) -> Any:
+    """What a pickle of a trusted plan (format 4) holds, its classes found where they live now."""
+    with warnings.catch_warnings():     # torch's own pytree specs warn as they unpickle
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        return torch.load(file, weights_only=False, pickle_module=_OLD_PATHS_PICKLE)
+
+
+def regrouped(plan: Any) -> Any:
+    """A plan unpickled from format 4, its fields as a plan has them now: the record of what
+    was weighed, pickled among the rest before plans held it apart, moved into `record`."""
+    state = vars(plan)
+    if "record" not in state:
+        record_type = _types()["PlanRecord"]
+        names = {f.name for f in dataclasses.fields(record_type)}
+        state["record"] = record_type(**{name: state.pop(name) for name in names & set(state)})
+    return plan
+
+
+# Where the modules a pickled plan (format 4) names live since fxpipe/ was grouped by layer.
+MOVED_MODULES = {f"fxpipe.{old}": f"fxpipe.{new}" for old, new in (
+    ("plan_data", "plans.plan_data"), ("saved", "plans.saved"), ("report", "plans.report"),
+    ("plan_format", "plans.plan_format"), ("graph_data", "plans.graph_data"),
+    ("explain", "plans.explain"), ("pictures", "plans.pictures"), ("search", "planning.search"),
+    ("options", "planning.options"), ("measure", "planning.measure"),
+    ("prepare", "planning.prepare"), ("reference", "planning.reference"),
+    ("progress", "planning.progress"), ("checks", "planning.checks"),
+    ("schedules", "runtime.schedules"), ("wiring", "runtime.wiring"),
+    ("microbatch", "runtime.microbatch"), ("devices", "runtime.devices"))}
+
+
+class _OldPaths(pickle.Unpickler):
+    """Unpickles a format-4 plan, whose classes are named by the modules they lived in then."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        for before, now in MOVED_MODULES.items():
+            if module == before or module.startswith(before + "."):
+                module = now + module[len(before):]
+                break
+        return super().find_class(module, name)
+
+
+# What torch.load takes as its pickle module: `pickle`, reading the old paths.
+_OLD_PATHS_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_OldPaths,
+                                          load=lambda file, **kw: _OldPaths(file, **kw).load())

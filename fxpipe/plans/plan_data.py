@@ -1,25 +1,26 @@
 """The plan of a pipeline as data: what a Pipeline runs and the record of what was weighed.
 
 `fxpipe.plan` returns a `Plan`, complete, before any Pipeline exists; `Pipeline(plan)` runs it,
-`plan.save(path)` writes it, `print(plan)` reads it (`fxpipe.report`). The runtime reads the
+`plan.save(path)` writes it, `print(plan)` reads it (`fxpipe.plans.report`). The runtime reads the
 stages (`fxpipe.passes.stage.Stage`) and their `Wiring`; nothing here imports a pass's code.
 
-A plan is data: `Plan` holds what a Pipeline runs (the stages, their `Wiring`, computed once from
-codegen's stages, the calling convention, batch and output dimensions, schedule, threads, mode:
-`Plan.runs`, a pipeline or the model as is and why, `reason` being only words) and what was weighed
-(the predicted step against the model's measured time, the configurations considered, calibration,
+A plan is data, in two parts by one rule (`Plan`): what a Pipeline (or a torchrun stage) reads to
+run it (the stages, their `Wiring`, computed once from codegen's stages, the calling convention,
+batch and output dimensions, schedule, threads, mode: `Plan.runs`, a pipeline or the model as is)
+and `Plan.record`, a `PlanRecord` of what was weighed (the predicted step against the model's
+measured time, the configurations considered and why one was chosen, calibration, the check,
 every cost measured). `fxpipe.plan` returns it complete (`make_plan`, typed fields); nothing
 patches it after. `Pipeline(plan)` runs it; `plan.save(dir)` writes it and `load_plan(dir)` reads
 it back in a process without the model's code; `fxpipe.distributed` runs one stage of it per
 process; `compile(..., costs=plan)` plans again from its measurements.
 
-`Plan.predict` is the simulated step. `Plan.stand_ins`: a meta plan's tensors timed and checked on
-stand-ins (printed as one line by role, in plan.json). `Plan.verify_tolerance` and its source: what
-the check compared within (printed after "yes"). `Plan.threads` is read off `partition.devices`,
-where each stage's device, threads and memory live once (loading onto other devices changes them
-there). In memory only: the costed graph (explain, the node picture) and the link function. A plan
-whose stages hold meta tensors is refused by a Pipeline until weights are given
-(`refuse_without_weights`). The module is not named plan.py: `fxpipe.plan` is the function.
+`Plan.predict` is the simulated step. `PlanRecord.stand_ins`: a meta plan's tensors timed and
+checked on stand-ins (printed as one line by role, in plan.json). `PlanRecord.verify_tolerance`
+and its source: what the check compared within (printed after "yes"). `Plan.threads` is read off
+`partition.devices`, where each stage's device, threads and memory live once (loading onto other
+devices changes them there). In memory only: the costed graph (explain, the node picture) and the
+link function. A plan whose stages hold meta tensors is refused by a Pipeline until weights are
+given (`refuse_without_weights`). The module is not named plan.py: `fxpipe.plan` is the function.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import resource
 import statistics
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -47,9 +48,9 @@ from fxpipe.passes.capture import Capture, module_path
 from . import saved
 from .plan_format import register_types
 from .report import describe, unclaimed
-from .schedules import Slot, async_warmup
-from .search import predict_slots
-from .wiring import Wiring
+from ..runtime.schedules import Slot, async_warmup
+from .prediction import predict_slots
+from ..runtime.wiring import Wiring
 
 
 @dataclass(frozen=True)
@@ -75,23 +76,20 @@ class Runs(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How a model was split: how it was captured, the partition, and what each stage holds;
-    what a Pipeline runs, and what planning weighed (predicted against measured, the
-    configurations considered, the calibration, every measurement).
+class PlanRecord:
+    """What planning weighed, measured and checked to choose a plan: read by `print(plan)`,
+    `plan.json`, explain, `compile(..., costs=plan)` and the speed-up observed in use, never to
+    run it (`Plan` says the rule).
 
     `stage_modules[s]` are the model's modules stage `s` runs, by qualified name, in order: a
     module wholly inside the stage once (numbered siblings as a range, `model.layers.0-3`), one
     that the stage shares with another as `name (part)`, so a stage's ends show in the model.
     """
 
-    capture: Capture
-    partition: Partition
-    chunks: int
-    stage_spans: tuple[tuple[str, str], ...]     # first and last node of each stage
-    stage_param_bytes: tuple[int, ...]
-    verified: str
+    verified: str = ""                        # how the plan was checked against the model
+    stage_spans: tuple[tuple[str, str], ...] = ()     # first and last node of each stage
     stage_modules: tuple[tuple[str, ...], ...] = ()
+    stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
     predicted_step_s: float | None = None     # one call (or train_step) through the pipeline
     unpipelined_s: float | None = None        # the model run whole, measured at compile
     unpipelined_threads: int = 0
@@ -99,29 +97,14 @@ class Plan:
     # and the example's rows: a call of other rows is not compared with it (`observed`).
     unpipelined_spread: float | None = None
     example_rows: int | None = None
-    considered: tuple = ()                    # search.Candidate: the configurations weighed
-    chosen: object = None                     # the one chosen (a search.Candidate)
+    considered: tuple = ()                    # prediction.Candidate: the configurations weighed
+    chosen: object = None                     # the one chosen (a prediction.Candidate)
     reason: str = ""                          # why, in words
-    runs: Runs = Runs.PIPELINE                # how it runs: what a Pipeline reads
     # The configurations raced on the example (the shortlist, the model as is last): each
-    # one's (search.Config, predicted time, least measured time) per batch.
+    # one's (prediction.Config, predicted time, least measured time) per batch.
     raced: tuple = ()
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
     spread: float | None = None               # how unsteady the measurement was
-    # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
-    # dimension of each graph input and model output leaf, the schedule. Each stage's device,
-    # threads and memory are its `partition.devices[s]`, and nowhere else (`threads`).
-    stages: tuple[Stage, ...] = ()
-    wiring: Wiring | None = None
-    signature: Signature | None = None
-    batch_dims: Mapping[str, Any] = field(default_factory=dict)
-    output_dims: tuple[int | None, ...] | None = None
-    schedule: str = "gpipe"
-    training: bool | None = None              # the mode the model was planned (and checked) in
-    recompute: str = "never"                  # the option: "never", "always" or "auto"
-    stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
-    stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
-    link: str = "default"      # what transfers were priced as: "default", "measure", "gloo", "yours"
     # A plan of a model built on the meta device: where the values it was measured and checked
     # on came from (`Weights.where`); its stages hold meta tensors. None for a model's own.
     weights: str | None = None
@@ -138,6 +121,39 @@ class Plan:
     # Every measurement made, by (the micro-batch's input shapes, device kind, on a worker
     # thread, with backward): what planning again with `compile(..., costs=plan)` reuses.
     measurements: Mapping[tuple, Measurement] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model was split and what a Pipeline runs, with the record of what planning weighed.
+
+    One rule places each field: a field is *what runs* if a Pipeline (or a torchrun stage) reads
+    it to run the plan; everything else is `record` (a `PlanRecord`): the predicted and measured
+    times, the configurations considered and raced, the calibration, the check and its
+    tolerance, every measurement, and what the stages tell a reader (their spans, modules,
+    recomputed nodes). The stages' parameter and saved bytes run: `stream_train` refuses by
+    them.
+    """
+
+    capture: Capture
+    partition: Partition
+    chunks: int
+    # What a Pipeline runs: the stages, their wiring, the model's calling convention, the batch
+    # dimension of each graph input and model output leaf, the schedule. Each stage's device,
+    # threads and memory are its `partition.devices[s]`, and nowhere else (`threads`).
+    stages: tuple[Stage, ...] = ()
+    wiring: Wiring | None = None
+    signature: Signature | None = None
+    batch_dims: Mapping[str, Any] = field(default_factory=dict)
+    output_dims: tuple[int | None, ...] | None = None
+    schedule: str = "gpipe"
+    training: bool | None = None              # the mode the model was planned (and checked) in
+    recompute: str = "never"                  # the option: "never", "always" or "auto"
+    runs: Runs = Runs.PIPELINE                # how it runs: a pipeline, or the model as is
+    link: str = "default"      # transfers priced as: "default", "measure", "gloo", "yours"
+    stage_param_bytes: tuple[int, ...] = ()
+    stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
+    record: PlanRecord = field(default_factory=PlanRecord)    # what was weighed
     # In memory only (a saved plan leaves them out): the costed graph the stages were cut from,
     # holding the stages' tensors under the model's names (a Pipeline's module, what explain()
     # reads), and the link function that priced the transfers.
@@ -153,6 +169,10 @@ class Plan:
     observed: dict[str, Any] = field(default_factory=dict, init=False, compare=False,
                                      repr=False)
 
+    def with_record(self, **changes: Any) -> "Plan":
+        """This plan with those fields of its record changed (`dataclasses.replace`)."""
+        return replace(self, record=replace(self.record, **changes))
+
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`): the
         timetable the runtime executes, each action taking its stage's predicted time."""
@@ -161,7 +181,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
-        without the model's code (see `fxpipe.saved`)."""
+        without the model's code (see `fxpipe.plans.saved`)."""
         return saved.save(self, path)
 
     def with_weights(self, weights: Any, devices: Sequence[Any] | None = None, *,
@@ -169,7 +189,7 @@ class Plan:
         """This plan with each stage's tensors read from `weights` (a checkpoint, "init"),
         each stage only its own, on its device (or `devices[s]`), non-persistent buffers drawn
         from `model`'s structure: how a plan made from a model built on meta gets its weights
-        (see `fxpipe.saved.with_weights`)."""
+        (see `fxpipe.plans.saved.with_weights`)."""
         return saved.with_weights(self, weights, devices, model=model)
 
     @property
@@ -214,9 +234,10 @@ class Plan:
     @property
     def speedup(self) -> float | None:
         """The model's measured time over the pipeline's predicted time, per batch."""
-        if not self.predicted_step_s or self.unpipelined_s is None:
+        record = self.record
+        if not record.predicted_step_s or record.unpipelined_s is None:
             return None
-        return self.unpipelined_s / self.predicted_step_s
+        return record.unpipelined_s / record.predicted_step_s
 
     @property
     def claimed_speedup(self) -> float | None:
@@ -239,7 +260,8 @@ class Plan:
         return tuple(d.threads for d in self.partition.devices[:len(self.stages)])
 
 
-register_types(Plan=Plan, Runs=Runs, Measurement=Measurement)     # a saved plan's names for them
+# A saved plan's names for them.
+register_types(Plan=Plan, PlanRecord=PlanRecord, Runs=Runs, Measurement=Measurement)
 
 
 def refuse_without_weights(plan: Plan) -> None:
@@ -274,34 +296,27 @@ def observe(plan: Plan, record: Any, training: bool) -> None:
     (`runtime.Run`), counts toward the speed-up measured in use: after the first (which may
     start workers), the latest `OBSERVED_RUNS` calls' median against the model's time at
     compile, into `plan.observed` and the record, beside the speed-up the plan claims."""
-    seen = plan.observed
-    if (plan.runs_as_is or not plan.unpipelined_s or record.failed or
-            training != bool(plan.training) or record.rows != plan.example_rows):
+    seen, weighed = plan.observed, plan.record
+    if (plan.runs_as_is or not weighed.unpipelined_s or record.failed or
+            training != bool(plan.training) or record.rows != weighed.example_rows):
         return
     seen["runs"] = seen.get("runs", 0) + 1
     if seen["runs"] == 1:
         return
     times = seen["times_s"] = [*seen.get("times_s", [])[1 - OBSERVED_RUNS:], record.call_s]
     seen["step_s"] = statistics.median(times)
-    seen["speedup"] = record.speedup = plan.unpipelined_s / seen["step_s"]
+    seen["speedup"] = record.speedup = weighed.unpipelined_s / seen["step_s"]
     record.predicted_speedup = plan.claimed_speedup
 
 
-def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int,
-              verified: str, *, wiring: Wiring, signature: Signature,
-              batch_dims: Mapping[str, Any], schedule: str, runs: Runs, training: bool,
-              measurements: Mapping[tuple, Measurement], recompute: str,
-              stage_recomputed: tuple[tuple[str, ...], ...],
-              output_dims: tuple[int | None, ...] | None, unpipelined_s: float | None,
-              unpipelined_spread: float | None, example_rows: int | None,
-              unpipelined_threads: int, chosen: Any, reason: str, considered: tuple,
-              calibration: tuple[float, float] | None, spread: float | None, link: str,
-              graph: fx.GraphModule, link_fn: LinkFn | None, weights: str | None,
-              stand_ins: tuple[str, ...], verify_tolerance: float | None,
-              verify_tolerance_source: str) -> Plan:
+def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], chunks: int, *,
+              wiring: Wiring, signature: Signature, batch_dims: Mapping[str, Any],
+              output_dims: tuple[int | None, ...] | None, schedule: str, training: bool,
+              recompute: str, runs: Runs, link: str, graph: fx.GraphModule,
+              link_fn: LinkFn | None, record: PlanRecord) -> Plan:
     """The plan of `stages` (see `Plan` for each field): what a Pipeline runs besides them, and
-    the record of what was weighed. What the stages tell (their spans, modules, parameter and
-    saved bytes) is read off them here."""
+    `record`, what was weighed. What the stages tell (their spans, modules, parameter and saved
+    bytes) is read off them here."""
     spans = []
     for stage in stages:
         names = [n.name for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
@@ -310,17 +325,12 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
     saved_bytes = tuple(sum(n.meta["cost"].saved_bytes for n in s.module.graph.nodes
                             if n.op not in ("placeholder", "output", "get_attr")
                             and "cost" in n.meta) for s in stages)
-    return Plan(capture, partition, chunks, tuple(spans), param_bytes, verified,
-                stage_modules(stages), stages=tuple(stages), stage_saved_bytes=saved_bytes,
-                wiring=wiring, signature=signature, batch_dims=batch_dims, schedule=schedule,
-                runs=runs, training=training, measurements=measurements, recompute=recompute,
-                stage_recomputed=stage_recomputed, output_dims=output_dims,
-                unpipelined_s=unpipelined_s, unpipelined_spread=unpipelined_spread,
-                example_rows=example_rows, unpipelined_threads=unpipelined_threads,
-                chosen=chosen, reason=reason, considered=considered, calibration=calibration,
-                spread=spread, link=link, graph=graph, link_fn=link_fn, weights=weights,
-                stand_ins=stand_ins, verify_tolerance=verify_tolerance,
-                verify_tolerance_source=verify_tolerance_source)
+    record = replace(record, stage_spans=tuple(spans), stage_modules=stage_modules(stages))
+    return Plan(capture, partition, chunks, stages=tuple(stages), wiring=wiring,
+                signature=signature, batch_dims=batch_dims, output_dims=output_dims,
+                schedule=schedule, training=training, recompute=recompute, runs=runs, link=link,
+                stage_param_bytes=param_bytes, stage_saved_bytes=saved_bytes, record=record,
+                graph=graph, link_fn=link_fn)
 
 
 def stage_param_bytes(stage: Stage) -> int:

@@ -4,7 +4,7 @@ checked against them.
 `reference_of` makes every run of the model the checks need before any stage is placed: each
 output's batch dimension (an output that reduces or mixes the batch refused by name), the
 micro-batch check (the model computes the same on micro-batches as on the whole batch), and the
-outputs the pipeline must reproduce (`fxpipe.reference`). `verify` then runs the plan's placed
+outputs the pipeline must reproduce (`fxpipe.planning.reference`). `verify` then runs the plan's placed
 stages as a pipeline call does (`runtime.calls.call_stages`), in order on the caller's thread, and
 compares. `holding` is the model computing with a pipeline's values, which a mode switch
 checks against. Both compare within the model's own rounding by default (`rounding_tolerance`:

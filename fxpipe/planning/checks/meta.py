@@ -19,15 +19,15 @@ from fxpipe.passes.errors import BatchError, FxpipeError
 from fxpipe.passes.materialize import Materialize, release_freed_memory, run_graph
 from fxpipe.passes.randomness import microbatch_seeds
 
-from .. import microbatch
-from ..plan_data import Plan
+from ...runtime import microbatch
+from ...plans.plan_data import Plan
 from ..reference import run_per_microbatch, unchanged
 from .rounding import reduced_precision
 from .runs import _GraphRun, _StageRun
 from .verification import Reference, _output_dims, reference_of
 
 if TYPE_CHECKING:
-    from ..api import Recipe
+    from ..recipe import Recipe
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

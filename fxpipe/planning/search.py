@@ -25,21 +25,21 @@ best kept where it lowers the bottleneck by over 2% (`Candidate.split`). A stage
 of the bottleneck stays only where fewer stages are predicted slower or `num_stages` was fixed,
 named in the plan's reason and print (`notes`).
 
-Never one measured slower either (`fxpipe.api._raced`): the shortlist, the chosen and up to two
-more predicted within 1.25x of it whose costs were measured (not fitted), each realized from the
-prepared graph, raced with the model; the
+Never one measured slower either (`fxpipe.planning.build._raced`): the shortlist, the chosen and
+up to two more predicted within 1.25x of it whose costs were measured (not fitted), each realized
+from the prepared graph, raced with the model; the
 fastest measured is kept where it beats the model by 2%, else the model as is, realized from it. On
 CPUs a model's run that got under 85% of its threads' time means a busy machine: the model as is.
-`Plan.raced` keeps predicted and measured times, which `print(plan)` shows. The model as is is a
-candidate only where its tensors are all on the first device (its one stage holds them there, not
-copies), so a plan is never predicted slower than not pipelining there.
+`PlanRecord.raced` keeps predicted and measured times, which `print(plan)` shows. The model as
+is is a candidate only where its tensors are all on the first device (its one stage holds them
+there, not copies), so a plan is never predicted slower than not pipelining there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -51,46 +51,11 @@ from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
 from fxpipe.passes.split_wide import split_wide, wide_nodes
 
-from .schedules import SCHEDULES, Phase, Slot, gpipe, simulate, timetable_for
+from ..plans.prediction import (NEAR_EMPTY, Candidate, Config, gpu_pools, held_after_first_backward,
+                                in_flight, predict_slots)
+from ..runtime.schedules import SCHEDULES, timetable_for
 
 TIE = 0.02     # configurations within 2% of the fastest count as equally fast
-NEAR_EMPTY = 0.05   # a stage under 5% of the bottleneck does next to nothing
-
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration: stages on the first `num_stages` devices, `chunks` micro-batches,
-    `schedule` in training, `threads` intra-op threads on each CPU stage."""
-
-    num_stages: int
-    chunks: int
-    schedule: str
-    threads: int
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A configuration and what the plan predicts for it (None: it does not fit)."""
-
-    config: Config
-    predicted_s: float | None       # one step, whole batch
-    memory_bytes: int               # the fullest stage's memory
-    partition: Partition | None = None
-    problem: str = ""               # why it cannot run, when it cannot
-    split: tuple[tuple[str, int], ...] = ()    # nodes split along their features: (name, parts)
-
-    def __str__(self) -> str:
-        c = self.config
-        return (f"{c.num_stages} stage{'s' * (c.num_stages > 1)} x {c.chunks} "
-                f"micro-batch{'es' * (c.chunks > 1)} ({c.schedule}, {c.threads} "
-                f"thread{'s' * (c.threads > 1)})")
-
-    def near_empty(self) -> list[int]:
-        """The stages doing next to nothing: under `NEAR_EMPTY` of the bottleneck."""
-        part = self.partition
-        return [] if part is None or part.num_stages < 2 else [
-            s for s, cost in enumerate(part.stages)
-            if cost.time_s < NEAR_EMPTY * part.bottleneck_s]
 
 
 @dataclass(frozen=True)
@@ -102,21 +67,6 @@ class Costed:
     step: CostGraph
 
 
-def in_flight(training: bool, schedule: str, chunks: int, num_stages: int) -> list[int]:
-    """Micro-batches of activations each stage holds at once, read off the timetable itself."""
-    if not training:
-        return [1] * num_stages
-    timetable = timetable_for(schedule, num_stages, chunks, backward=True)
-    peaks = []
-    for actions in timetable:
-        held = peak = 0
-        for action in actions:
-            held += 1 if action.phase is Phase.FORWARD else -1
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
-
-
 def gpu_overhead_bytes(devices: Sequence[DeviceSpec]) -> int:
     """What a stage on one of `devices`' GPUs holds besides its values: cuBLAS's workspace on
     its stream, by the GPU's architecture (0 without a GPU)."""
@@ -124,50 +74,6 @@ def gpu_overhead_bytes(devices: Sequence[DeviceSpec]) -> int:
     if not gpus:
         return 0
     return max(cublas_workspace_bytes(gpu_capability(g)) for g in gpus)
-
-
-def held_after_first_backward(schedule: str, chunks: int, num_stages: int) -> list[int]:
-    """Per stage, the most micro-batches of activations held as a backward after its first
-    starts (the one it runs among them; 0 where no backward follows the first), read off the
-    timetable: by then every gradient exists (`cost_model.Memory.after_backward`)."""
-    timetable = timetable_for(schedule, num_stages, chunks, backward=True)
-    peaks = []
-    for actions in timetable:
-        held = peak = 0
-        backwards = 0
-        for action in actions:
-            if action.phase is Phase.FORWARD:
-                held += 1
-                continue
-            if backwards:
-                peak = max(peak, held)
-            backwards += 1
-            held -= 1
-        peaks.append(peak)
-    return peaks
-
-
-def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
-                  reads_from: Mapping[int, Sequence[int]], cores: float | None = None) -> list[Slot]:
-    """The timeline the cost model predicts for one step (a call, or a `train_step`): the
-    timetable the runtime would execute, each forward action taking its stage's
-    `forward_step_s` and each backward action its `backward_step_s`. With `cores`, CPU stages
-    whose threads add up to more share them while they run at once; stages on one GPU always
-    share it (`simulate`)."""
-    k = part.num_stages
-    timetable = (timetable_for(schedule, k, chunks, backward=True) if training
-                 else gpipe(k, chunks))
-    return simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
-                                          if a.phase is Phase.FORWARD
-                                          else part.stages[a.stage].backward_step_s),
-                    reads_from, cores=cores, demand=cpu_demand(part.devices),
-                    pools=gpu_pools(part.devices))
-
-
-def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:
-    """The cores each stage's device asks for: a CPU stage's intra-op threads; a GPU stage one,
-    for the thread that launches its kernels (starved of a core, it leaves its GPU idle)."""
-    return [(d.threads or 1) if is_cpu(d.name) else 1 for d in devices]
 
 
 def as_is_config(schedule: str = "gpipe") -> Config:
@@ -184,15 +90,6 @@ def stage_counts(specs: Sequence[DeviceSpec], num_stages: int | str | None) -> l
     if num_stages != "auto":
         return [num_stages or len(specs)]
     return [k for k in range(1, len(specs) + 1) if not gpu_pools(specs[:k])]
-
-
-def gpu_pools(devices: Sequence[DeviceSpec]) -> list[tuple[float, list[int]]]:
-    """Each GPU that several stages run on, as a pool they share (`simulate`): their kernels
-    queue on one device, so two stages there overlap their launches but not their work."""
-    names = [torch.device(d.name) for d in devices]
-    return [(1.0, [int(n == gpu) for n in names])
-            for gpu in dict.fromkeys(n for n in names if is_gpu(n))
-            if names.count(gpu) > 1]
 
 
 def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
@@ -328,17 +225,6 @@ def choose(candidates: Sequence[Candidate], unpipelined: Candidate | None) -> tu
                  f"the fewest stages within {TIE:.0%} of the fastest" if fixed else
                  f"fewer stages are predicted over {TIE:.0%} slower, or do not fit"))
     return best, why
-
-
-def notes(chosen: Candidate | None) -> list[str]:
-    """What `print(plan)` says of the chosen candidate beyond its table: the nodes split to
-    balance the stages, and the stages doing next to nothing."""
-    if chosen is None:
-        return []
-    lines = [("split to balance the stages, along output features: " + ", ".join(
-        f"{name} into {parts} parts" for name, parts in chosen.split))] if chosen.split else []
-    return lines + [f"stage {s} does next to nothing: under {NEAR_EMPTY:.0%} of the bottleneck"
-                    for s in chosen.near_empty()]
 
 
 def default_chunks(rows: int, stages: int) -> int:
