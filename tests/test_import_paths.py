@@ -19,6 +19,7 @@ DOCUMENTED = [
     "fxpipe.distributed.DistributedError", "fxpipe.distributed.PeerFailedError",
     "fxpipe.distributed.WorldSizeError",
     "fxpipe.generate", "fxpipe.generate.plan_generation", "fxpipe.generate.GenerationError",
+    "fxpipe.generate.save_generation", "fxpipe.generate.load_generation",
     "fxpipe.torch_pipelining", "fxpipe.torch_pipelining.pipeline_stages",
     "fxpipe.torch_pipelining.NotAChainError",
     "fxpipe.testing", "fxpipe.testing.memory", "fxpipe.testing.synthetic_graph",

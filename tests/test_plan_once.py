@@ -150,11 +150,11 @@ def test_auto_measures_the_ends_and_the_chosen_size_where_costs_are_affine_in_ro
     torch.manual_seed(0)
     model, x = Mlp().eval(), torch.randn(8, 16)
     plan = fxpipe.plan(model, ["cpu"] * 2, (x,), num_stages="auto", chunks="auto")
-    chosen = raced[0][0].chosen.config         # chosen on its prediction, then raced
+    chosen = raced[0][0].record.chosen.config         # chosen on its prediction, then raced
     assert chosen.chunks not in (1, 8)        # a size between the ends
     pipelined = [c for c, worker in measured if worker]
     assert pipelined == [1, 8, chosen.chunks]
-    assert all(p.chosen.config.chunks in pipelined for p in raced[0])
+    assert all(p.record.chosen.config.chunks in pipelined for p in raced[0])
     exact = {c.config.chunks: c.predicted_s for c in plan.record.considered[:-1]}
     assert exact[chosen.chunks] == min(exact.values())
 
