@@ -5,7 +5,8 @@ and thread (the caller's, or a worker's as the stages of a pipeline run on), reu
 plan passed as `costs=` measured, and `calibrate`s each measurement to the whole graph's time
 measured in the same conditions; `Baseline` times the model as given, whole, between those
 measurements; `handoff_s` times the runtime's own hand-off between stages, which `priced_link`
-prices.
+prices, and `host_costs` what else a call costs the process (`HostCosts`: its start and end,
+splitting and merging, the interpreter lock each node's call holds), which `priced_host` gives.
 
 Costs live on nodes, measured as the stage will run the node: at each configuration's micro-batch
 size, with its stages' intra-op threads, on a worker thread when the stages will run on workers (a
@@ -20,8 +21,10 @@ memory once per repeat.
 
 `Baseline` is sampled warm before and between the stages' measurements (median, spread).
 `handoff_s` is an empty pipeline through the runtime's workers and queues, over the hand-offs the
-cost model counts in it (cached per process and thread layout), which `priced_link` gives as the
-default link for CPU stages. `race` runs pipelines and the model on the example, interleaved
+cost model counts in it (fitted with the call's own start and end at two micro-batch counts,
+cached per process and thread layout), which `priced_link` gives as the default link for CPU
+stages; `lock_s` times tiny nodes on one thread and on several at once (the interpreter lock's
+share of a node's call). `race` runs pipelines and the model on the example, interleaved
 (calls, or in training train steps with the outputs' sum as the loss:
 `runtime.calls.train_stages`), and keeps the least times.
 """
@@ -46,8 +49,8 @@ from fxpipe.passes.annotate_costs import WRITTEN, annotate_costs, bind_inputs
 from fxpipe.passes.device import is_cpu, start_timer
 from fxpipe.passes.codegen import placed_copy
 from fxpipe.passes.materialize import holds_meta
-from fxpipe.passes.cost_model import (DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
-                                      default_link)
+from fxpipe.passes.cost_model import (DeviceSpec, HostCosts, Link, LinkFn, NodeCost,
+                                      cost_graph, default_link)
 from fxpipe.passes.errors import CostError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
@@ -132,8 +135,10 @@ class Costs:
             if n.op != "output":
                 n.meta["costs"] = {k: self.measured[config.chunks, k, worker][n] for k in kinds}
                 n.meta["cost"] = n.meta["costs"][kinds[0]]
+        in_process = self.recipe.options.link_name in ("default", "measure")
+        host = priced_host(devices) if in_process else HostCosts()
         return search.Costed(cost_graph(self.gm, kinds=kinds),
-                             cost_graph(self.gm, training=self.training, kinds=kinds))
+                             cost_graph(self.gm, training=self.training, kinds=kinds), host)
 
     def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
         gm, recipe = self.gm, self.recipe
@@ -323,20 +328,39 @@ def spread_of(times: Sequence[float]) -> float:
     return (at(0.9) - at(0.1)) / statistics.median(ordered)
 
 
-# An empty pipeline's micro-batches and timed runs, per thread layout (`handoff_s`).
-HANDOFF_CHUNKS = 8
+# An empty pipeline's micro-batch counts and timed runs of each, per thread layout (`host_costs`).
+HANDOFF_CHUNKS = (2, 8)
 HANDOFF_RUNS = 15
 
 
-@functools.lru_cache(maxsize=None)
 def handoff_s(threads: tuple[int | None, ...], cores: int) -> float:
     """The runtime's own cost of a hand-off between CPU stages on this machine, for stages with
-    `threads` intra-op threads each on `cores` cores: a call of `HANDOFF_CHUNKS` micro-batches
-    through stages that compute nothing (each returns what it received), run `HANDOFF_RUNS`
-    times by the real runtime (its workers, queues, seeds and records), the median wall time
-    over what the cost model predicts for that call at one second a hand-off (each stage
-    receives and sends one value per micro-batch, the driver feeding the first and taking the
-    last's; `search.predict_slots`' timeline, stages sharing the cores as there). So the
+    `threads` intra-op threads each on `cores` cores (`host_costs`)."""
+    return _runtime_costs(threads, cores)[0]
+
+
+def host_costs(threads: tuple[int | None, ...], cores: int) -> HostCosts:
+    """What a call costs the process besides its stages' work, for CPU stages with `threads`
+    intra-op threads each on `cores` cores: the call's start and end (the runtime's, which
+    `handoff_s` fits, and the rest of the call's, `_call_work_s`), splitting and merging a
+    leaf per micro-batch (`_call_work_s`), and the time a node's call holds
+    the interpreter lock (`lock_s`). Cached per process and thread layout."""
+    fixed, split_s, merge_s = _call_work_s()
+    return HostCosts(start_s=_runtime_costs(threads, cores)[1] + fixed, split_s=split_s,
+                     merge_s=merge_s,
+                     lock_s=lock_s(min(max(cores, 2), LOCK_THREADS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_costs(threads: tuple[int | None, ...], cores: int) -> tuple[float, float]:
+    """The runtime's own cost of a hand-off between CPU stages, and of a call's start and end:
+    calls of `HANDOFF_CHUNKS` micro-batches through stages that compute nothing (each returns
+    what it received), run `HANDOFF_RUNS` times each, interleaved, by the real runtime (its
+    workers, queues, seeds and records). Each call's median wall time is fitted to
+    `start + hand-off x units`, where `units` is what the cost model predicts for that call at
+    one second a hand-off (each stage receives and sends one value per micro-batch, the driver
+    feeding the first and taking the last's; `search.predict_slots`' timeline, stages sharing
+    the cores and, a hand-off being Python, holding the interpreter lock as there). So the
     prediction of an empty pipeline is its measured time, and every hop of a real one pays
     what the runtime costs here: a queue put, a thread's wake-up, a stage's call, its record.
     About 50 ms, once per process and thread layout."""
@@ -344,20 +368,121 @@ def handoff_s(threads: tuple[int | None, ...], cores: int) -> float:
     stages = [Stage(i, _passing(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
               for i in range(k)]
     wiring = Wiring.of(stages, [f"v{k}"])
-    timetable = gpipe(k, HANDOFF_CHUNKS)
-    inputs = [{"v0": torch.zeros(1)} for _ in range(HANDOFF_CHUNKS)]
     runtime = Runtime(stages, wiring, threads_per_stage=list(threads))
-    times = []
+    times: dict[int, list[float]] = {chunks: [] for chunks in HANDOFF_CHUNKS}
     try:
-        for _ in range(HANDOFF_RUNS + 1):
-            _, record = runtime.run(timetable, inputs, seeds=[0] * HANDOFF_CHUNKS)
-            times.append(record.wall_s)
+        for run in range(HANDOFF_RUNS + 1):
+            for chunks in HANDOFF_CHUNKS:
+                inputs, timetable = [{"v0": torch.zeros(1)}] * chunks, gpipe(k, chunks)
+                began = time.perf_counter()
+                runtime.run(timetable, inputs, seeds=[0] * chunks)
+                if run:                         # the first starts the workers
+                    times[chunks].append(time.perf_counter() - began)
     finally:
         runtime.close()
-    unit = max(slot.end_s for slot in simulate(
-        timetable, lambda action: 2.0, wiring.reads_from(False), cores=cores,
-        demand=[t or 1 for t in threads]))
-    return statistics.median(times[1:]) / unit
+    units = [max(slot.end_s for slot in simulate(
+        gpipe(k, chunks), lambda action: 2.0, wiring.reads_from(False), cores=cores,
+        demand=[t or 1 for t in threads], lock=lambda action: 1.0))
+        for chunks in HANDOFF_CHUNKS]
+    (few, many), (t_few, t_many) = units, [statistics.median(times[c]) for c in HANDOFF_CHUNKS]
+    hop = max(t_many - t_few, 0.0) / (many - few) if many > few else t_many / many
+    if hop <= 0:                              # noise: the call's time all hand-offs
+        hop = t_many / many
+    return hop, max(0.0, t_few - hop * few)
+
+
+# The leaf a call splits and merges (`_call_work_s`), and the timed runs at each count.
+CALL_WORK_SHAPE, CALL_WORK_RUNS = (64, 32), 21
+
+
+@functools.lru_cache(maxsize=None)
+def _call_work_s() -> tuple[float, float, float]:
+    """A call's own work besides the runtime's: its inputs' rows counted, one leaf
+    (`CALL_WORK_SHAPE`) split into micro-batches as a call splits its inputs and merged back as
+    it merges its outputs, at `HANDOFF_CHUNKS` micro-batches (medians of `CALL_WORK_RUNS`),
+    fitted to a fixed part and a part per micro-batch: (fixed, split and merge per micro-batch
+    and leaf)."""
+    values, dims = {"x": torch.zeros(CALL_WORK_SHAPE)}, {"x": 0}
+    times: dict[int, tuple[list[float], list[float]]] = {}
+    for chunks in HANDOFF_CHUNKS:
+        parts = microbatch.split_up_to(values, chunks, dims)
+        split_s, merge_s = times[chunks] = [], []
+        for _ in range(CALL_WORK_RUNS):
+            began = time.perf_counter()
+            microbatch.rows_of(values, dims)
+            microbatch.split_up_to(values, chunks, dims)
+            split_s.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            microbatch.merge([(part["x"],) for part in parts], (0,))
+            merge_s.append(time.perf_counter() - began)
+    (few, many) = HANDOFF_CHUNKS
+    fixed, per = 0.0, []
+    for column in (0, 1):
+        t_few, t_many = (statistics.median(times[c][column]) for c in HANDOFF_CHUNKS)
+        slope = max(t_many - t_few, 0.0) / (many - few)
+        per.append(slope)
+        fixed += max(0.0, t_few - slope * few)
+    return fixed, per[0], per[1]
+
+
+# The interpreter lock's calibration: nodes of its graph, runs per thread, threads at most,
+# rounds (`lock_s`).
+LOCK_NODES, LOCK_RUNS, LOCK_THREADS, LOCK_ROUNDS = 32, 10, 4, 3
+
+
+@functools.lru_cache(maxsize=None)
+def lock_s(threads: int) -> float:
+    """The most of a node's call that its thread holds the interpreter lock, on this machine: a
+    graph of `LOCK_NODES` tiny nodes (small `Linear` modules and ReLUs, whose kernels take next
+    to nothing, so their call is the Python and dispatch around a kernel) run `LOCK_RUNS` times
+    on one worker thread alone, then on `threads` at once. What the lock holds, no two threads
+    can do together: `threads` at once take `threads` times as long as one where each holds it
+    throughout, as long as one where none does. So the time per node held is the together
+    time over `threads` (at most the time alone: on fewer cores than threads, the cores are
+    what is shared, which the simulator prices apart). Median of `LOCK_ROUNDS` rounds; one
+    intra-op thread each. About 20 ms, once per process."""
+    graph = _tiny_nodes(LOCK_NODES)
+    x = torch.zeros(2, 4)
+
+    def runs(barrier: threading.Barrier) -> None:
+        with torch.no_grad(), _intra_op_threads(1):
+            barrier.wait()
+            for _ in range(LOCK_RUNS):
+                graph(x)
+
+    def timed(count: int) -> float:
+        barrier = threading.Barrier(count + 1)
+        workers = [threading.Thread(target=runs, args=(barrier,), name="fxpipe-measure",
+                                    daemon=True) for _ in range(count)]
+        for worker in workers:
+            worker.start()
+        barrier.wait()
+        began = time.perf_counter()
+        for worker in workers:
+            worker.join()
+        return time.perf_counter() - began
+    timed(threads)                              # warm-up
+    per_node = []
+    for _ in range(LOCK_ROUNDS):
+        alone, together = timed(1), timed(threads)
+        per_node.append(min(alone, together / threads) / (LOCK_RUNS * LOCK_NODES))
+    return statistics.median(per_node)
+
+
+def _tiny_nodes(count: int) -> fx.GraphModule:
+    """A chain of `count` nodes that compute next to nothing: `Linear(4, 4)` calls and ReLUs
+    in turn, as a captured graph calls modules and functions."""
+    root = nn.Module()
+    graph = fx.Graph()
+    value = graph.placeholder("x")
+    for i in range(count):
+        if i % 2:
+            value = graph.call_function(torch.relu, (value,))
+        else:
+            root.add_module(f"linear{i}", nn.Linear(4, 4))
+            value = graph.call_module(f"linear{i}", (value,))
+    graph.output(value)
+    return fx.GraphModule(root, graph)
 
 
 def _passing() -> fx.GraphModule:
@@ -376,6 +501,14 @@ def priced_link(devices: Sequence[DeviceSpec]) -> LinkFn:
         return default_link
     same = Link(latency_s=handoff_s(tuple(d.threads for d in devices), os.cpu_count() or 1))
     return functools.partial(default_link, same_device=same)
+
+
+def priced_host(devices: Sequence[DeviceSpec]) -> HostCosts:
+    """What a call costs the process besides the stages on `devices` (`host_costs`), where
+    they are all CPU stages on threads of this process; else nothing priced (`HostCosts()`)."""
+    if not all(is_cpu(d.name) for d in devices):
+        return HostCosts()
+    return host_costs(tuple(d.threads for d in devices), os.cpu_count() or 1)
 
 
 class Race(NamedTuple):

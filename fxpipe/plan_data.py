@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
-from fxpipe.passes.cost_model import LinkFn, NodeCost
+from fxpipe.passes.cost_model import HostCosts, LinkFn, NodeCost
 from fxpipe.passes.errors import DeviceError
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.signature import Signature
@@ -122,6 +122,9 @@ class Plan:
     stage_saved_bytes: tuple[int, ...] = ()   # what autograd keeps per micro-batch, per stage
     stage_recomputed: tuple[tuple[str, ...], ...] = ()   # nodes recomputed, per stage ("auto")
     link: str = "default"      # what transfers were priced as: "default", "measure", "gloo", "yours"
+    # What a call costs the process besides the stages, measured on the machine planning
+    # (`measure.host_costs`; zeros: not priced): the call's own work, the interpreter lock.
+    host: HostCosts = HostCosts()
     # A plan of a model built on the meta device: where the values it was measured and checked
     # on came from (`Weights.where`); its stages hold meta tensors. None for a model's own.
     weights: str | None = None
@@ -155,9 +158,14 @@ class Plan:
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`): the
-        timetable the runtime executes, each action taking its stage's predicted time."""
+        timetable the runtime executes, each action taking its stage's predicted time, the
+        stages' threads holding the interpreter lock one at a time, after the call's own work
+        (`HostCosts`: its last action ends when the call returns)."""
+        leaves = (len(self.signature.placeholders) if self.signature else 0,
+                  len(self.wiring.output_names) if self.wiring else 0)
         return predict_slots(self.partition, self.chunks, self.schedule, training,
-                             self.wiring.reads_from(training), os.cpu_count())
+                             self.wiring.reads_from(training), os.cpu_count(), self.host,
+                             leaves)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
@@ -239,7 +247,7 @@ class Plan:
         return tuple(d.threads for d in self.partition.devices[:len(self.stages)])
 
 
-register_types(Plan=Plan, Runs=Runs, Measurement=Measurement)     # a saved plan's names for them
+register_types(Plan=Plan, Runs=Runs, Measurement=Measurement, HostCosts=HostCosts)     # a saved plan's names for them
 
 
 def refuse_without_weights(plan: Plan) -> None:
@@ -296,6 +304,7 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
               unpipelined_spread: float | None, example_rows: int | None,
               unpipelined_threads: int, chosen: Any, reason: str, considered: tuple,
               calibration: tuple[float, float] | None, spread: float | None, link: str,
+              host: HostCosts,
               graph: fx.GraphModule, link_fn: LinkFn | None, weights: str | None,
               stand_ins: tuple[str, ...], verify_tolerance: float | None,
               verify_tolerance_source: str) -> Plan:
@@ -318,7 +327,7 @@ def make_plan(capture: Capture, partition: Partition, stages: Sequence[Stage], c
                 unpipelined_s=unpipelined_s, unpipelined_spread=unpipelined_spread,
                 example_rows=example_rows, unpipelined_threads=unpipelined_threads,
                 chosen=chosen, reason=reason, considered=considered, calibration=calibration,
-                spread=spread, link=link, graph=graph, link_fn=link_fn, weights=weights,
+                spread=spread, link=link, host=host, graph=graph, link_fn=link_fn, weights=weights,
                 stand_ins=stand_ins, verify_tolerance=verify_tolerance,
                 verify_tolerance_source=verify_tolerance_source)
 

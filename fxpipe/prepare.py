@@ -273,7 +273,7 @@ def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
     o, training, costs = recipe.options, prepared.training, prepared.costs
     materialize = recipe.materialize
     config, specs, part = chosen.config, chosen.partition.devices, chosen.partition
-    costs.measure(config, specs)     # the chosen configuration's costs on the nodes
+    costed = costs.measure(config, specs)   # the chosen configuration's costs on the nodes
     gm = graph_copy(prepared.gm)     # with those costs; the prepared graph stays whole
     search.split_chosen(gm, chosen)  # nodes split to balance, their costs shared by the parts
     # The model's runs, made before any stage is placed (a stage holds copies of the tensors
@@ -303,7 +303,7 @@ def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
         unpipelined_threads=torch.get_num_threads(),
         chosen=chosen, reason=reason, considered=considered,
         calibration=costs.calibration[config.chunks, specs[0].kind, config.num_stages > 1],
-        spread=measurement_spread(gm), link=o.link_name, graph=gm,
+        spread=measurement_spread(gm), link=o.link_name, host=costed.host, graph=gm,
         link_fn=priced_link(specs) if o.link_name == "default" else recipe.link,
         weights=recipe.weights.where if materialize else None,
         stand_ins=recipe.stand_ins() if materialize else (),

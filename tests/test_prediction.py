@@ -1,8 +1,9 @@
-"""The plan's prediction, its arithmetic on scripted costs (hand-offs included), its claim only
-where it can stand by it, and the speed-up measured in use beside it (issue 51, item 1).
+"""The plan's prediction, its arithmetic on scripted costs (hand-offs, a call's own work and the
+interpreter lock included), its claim only where it can stand by it, and the speed-up measured in
+use beside it (issue 51, item 1).
 
-Node costs, the runtime's hand-off and the model's own time are scripted, so what is tested is
-the arithmetic and the rules, never this machine's timings.
+Node costs, the runtime's hand-off, what a call costs besides its stages and the model's own time
+are scripted, so what is tested is the arithmetic and the rules, never this machine's timings.
 """
 
 import dataclasses
@@ -16,7 +17,8 @@ from torch import nn
 import fxpipe
 import fxpipe.measure
 import fxpipe.report
-from fxpipe.passes.cost_model import SAME_DEVICE, DeviceSpec, Link, default_link
+from fxpipe.passes.cost_model import SAME_DEVICE, DeviceSpec, HostCosts, Link, default_link
+from fxpipe.schedules import Action, Phase, simulate
 
 HANDOFF_S = 0.5e-3
 MODEL_S = 10e-3
@@ -29,9 +31,10 @@ def chain():
 
 @pytest.fixture
 def scripted(scripted_costs, monkeypatch):
-    """Every node 1 ms, a hand-off between CPU stages 0.5 ms, the model's own time 10 ms
-    measured steadily."""
+    """Every node 1 ms, a hand-off between CPU stages 0.5 ms, a call's own work and the
+    interpreter lock nothing (`host`), the model's own time 10 ms measured steadily."""
     monkeypatch.setattr(fxpipe.measure, "handoff_s", lambda threads, cores: HANDOFF_S)
+    host(monkeypatch, HostCosts())
     monkeypatch.setattr(fxpipe.measure.Baseline, "seconds", property(lambda self: MODEL_S))
     monkeypatch.setattr(fxpipe.measure.Baseline, "spread", property(lambda self: 0.0))
     return scripted_costs
@@ -66,11 +69,76 @@ def test_the_hand_off_priced_is_the_one_measured_for_cpu_stages_only(monkeypatch
     assert default_link(*cpu) == SAME_DEVICE
 
 
-def test_the_hand_off_is_measured_once_per_thread_layout():
-    fxpipe.measure.handoff_s.cache_clear()
-    first = fxpipe.measure.handoff_s((1, 1), 2)
-    assert 0 < first < 0.1 and fxpipe.measure.handoff_s((1, 1), 2) == first
-    assert fxpipe.measure.handoff_s.cache_info().misses == 1
+def host(monkeypatch, costs: HostCosts) -> None:
+    """Script what a call costs the process besides its stages."""
+    monkeypatch.setattr(fxpipe.measure, "host_costs", lambda threads, cores: costs)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="2 one-thread stages need 2 cores")
+def test_the_prediction_prices_the_call_s_own_work(scripted, monkeypatch, tmp_path):
+    # Split, seeds, merge, the runtime's start and end: 0.2 ms a call, 0.1 ms per micro-batch
+    # for the one input leaf, 0.3 ms for the one output leaf.
+    host(monkeypatch, HostCosts(start_s=0.2e-3, split_s=0.1e-3, merge_s=0.3e-3))
+    model, x = chain()
+    plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    call_s = 0.2e-3 + 4 * (0.1e-3 + 0.3e-3)
+    assert plan.predicted_step_s == pytest.approx(5 * 3e-3 + call_s)
+    # The stages' timeline starts after the call's own work; its last action ends the call.
+    slots = plan.predict()
+    assert min(slot.start_s for slot in slots) == pytest.approx(call_s)
+    assert max(slot.end_s for slot in slots) == pytest.approx(plan.predicted_step_s)
+    assert plan.speedup == pytest.approx(MODEL_S / plan.predicted_step_s)
+    # A saved plan predicts the same step.
+    loaded = fxpipe.load_plan(plan.save(tmp_path / "plan"))
+    assert loaded.host == plan.host
+    assert max(slot.end_s for slot in loaded.predict()) == pytest.approx(plan.predicted_step_s)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="2 one-thread stages need 2 cores")
+@pytest.mark.parametrize("lock_s, step_s", [
+    # Each forward: 2 nodes of 1 ms and 2 hand-offs of 0.5 ms (3 ms), holding the lock for the
+    # hand-offs and `lock_s` a node. None: the stages overlap as if it were not there.
+    (0.0, 5 * 3e-3),
+    # Half of each action (1.5 of 3 ms): two at once hold it no more than one would, as 0.
+    (0.25e-3, 5 * 3e-3),
+    # Two thirds: two actions at once progress at 1 / (4/3), 4 ms each where they overlap:
+    # 0F0 alone (3), three overlapping pairs (4 each), 1F3 alone (3).
+    (0.5e-3, (3 + 3 * 4 + 3) * 1e-3),
+    # Every node's call holds it throughout (a node of 1 ms takes no more than its compute):
+    # the stages take turns, 8 actions of 3 ms one after the other.
+    (5e-3, 8 * 3e-3),
+])
+def test_stages_holding_the_interpreter_lock_take_turns(scripted, monkeypatch, lock_s, step_s):
+    host(monkeypatch, HostCosts(lock_s=lock_s))
+    model, x = chain()
+    plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    assert plan.predicted_step_s == pytest.approx(step_s)
+    assert max(slot.end_s for slot in plan.predict()) == pytest.approx(plan.predicted_step_s)
+
+
+def test_the_simulator_lets_one_action_hold_the_lock_at_a_time():
+    # Two stages reading nothing from each other, one action of 1 s each, holding the lock
+    # a share of it: shares adding up to 1 or less overlap; beyond, the pair takes the sum.
+    timetable = [[Action(0, 0, Phase.FORWARD)], [Action(1, 0, Phase.FORWARD)]]
+    for shares, end in [((0.0, 0.0), 1.0), ((0.5, 0.5), 1.0), ((0.75, 0.75), 1.5),
+                        ((1.0, 1.0), 2.0), ((1.0, 0.0), 1.0)]:
+        slots = simulate(timetable, lambda a: 1.0, {0: [], 1: []},
+                         lock=lambda a: shares[a.stage])
+        assert max(slot.end_s for slot in slots) == pytest.approx(end), shares
+    # Processor sharing still holds beside it: 2 one-thread stages on 1 core.
+    slots = simulate(timetable, lambda a: 1.0, {0: [], 1: []}, cores=1, demand=[1, 1],
+                     lock=lambda a: 0.5)
+    assert max(slot.end_s for slot in slots) == pytest.approx(2.0)
+
+
+def test_host_costs_are_measured_once_per_thread_layout():
+    fxpipe.measure._runtime_costs.cache_clear()
+    first = fxpipe.measure.host_costs((1, 1), 2)
+    assert 0 < fxpipe.measure.handoff_s((1, 1), 2) < 0.1
+    assert fxpipe.measure.host_costs((1, 1), 2) == first
+    assert fxpipe.measure._runtime_costs.cache_info().misses == 1
+    assert first.start_s >= 0 and first.split_s >= 0 and first.merge_s >= 0
+    assert 0 < first.lock_s < 0.1
 
 
 def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs, monkeypatch):
