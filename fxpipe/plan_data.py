@@ -161,11 +161,15 @@ class Plan:
         timetable the runtime executes, each action taking its stage's predicted time, the
         stages' threads holding the interpreter lock one at a time, after the call's own work
         (`HostCosts`: its last action ends when the call returns)."""
-        leaves = (len(self.signature.placeholders) if self.signature else 0,
-                  len(self.wiring.output_names) if self.wiring else 0)
         return predict_slots(self.partition, self.chunks, self.schedule, training,
                              self.wiring.reads_from(training), os.cpu_count(), self.host,
-                             leaves)
+                             self.leaves)
+
+    @property
+    def leaves(self) -> tuple[int, int]:
+        """The leaves a call splits and merges: its graph inputs, and the outputs stages make."""
+        return (len(self.signature.placeholders) if self.signature else 0,
+                len(self.wiring.output_names) if self.wiring else 0)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
