@@ -218,10 +218,11 @@ def _comparison(plan: Plan) -> list[str]:
         return [f"per batch: the model as is, {model}: {plan.runs.value}, so the one stage runs "
                 f"the whole batch on the caller's thread"]
     why = unclaimed(plan)
-    pipeline = f"pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted{_host(plan)}"
     if why:
-        return [f"per batch: {pipeline}, model unpipelined {model}; no speed-up claimed: {why}"]
-    lines = [f"per batch: {pipeline}, model unpipelined {model}: {plan.speedup:.2f}x"]
+        return [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
+                f"unpipelined {model}; no speed-up claimed: {why}", *_host(plan)]
+    lines = [f"per batch: pipeline {plan.predicted_step_s * 1e3:.3f} ms predicted, model "
+             f"unpipelined {model}: {plan.speedup:.2f}x", *_host(plan)]
     if plan.speedup < 1:
         lines.append("warning: the pipeline is predicted slower than the model run whole: "
                      "let the plan choose (num_stages='auto', chunks='auto'), or run the "
@@ -229,16 +230,17 @@ def _comparison(plan: Plan) -> list[str]:
     return lines
 
 
-def _host(plan: Plan) -> str:
-    """What the prediction holds besides the stages' work (`HostCosts`), in parentheses: the
-    call's own work, and the share of each stage's forward holding the interpreter lock."""
+def _host(plan: Plan) -> list[str]:
+    """What the prediction holds besides the stages' work (`HostCosts`): the call's own work,
+    and the share of each stage's forward holding the interpreter lock."""
     host = plan.host
     if host.call_s(1, 1, 1) <= 0 and host.lock_s <= 0:
-        return ""
+        return []
     shares = ", ".join(f"{host.lock_share(stage, True):.0%}" for stage in plan.partition.stages)
-    return (f" (the call's own work {host.call_s(plan.chunks, *plan.leaves) * 1e3:.3f} ms: "
-            f"split, merge, the runtime's start and end; the stages' forwards hold the "
-            f"interpreter lock {shares} of their time, one at a time)")
+    call_s = host.call_s(plan.chunks, *plan.leaves)
+    return [f"besides the stages: the call's own work {call_s * 1e3:.3f} ms (split, merge, the "
+            f"runtime's start and end); the stages' forwards hold the interpreter lock "
+            f"{shares} of their time, one at a time"]
 
 
 def unclaimed(plan: Plan) -> str:

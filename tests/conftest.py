@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from fxpipe import api, measure
-from fxpipe.passes.cost_model import NodeCost
+from fxpipe.passes.cost_model import HostCosts, NodeCost
 
 # Two cores: one intra-op thread keeps pipeline stages from fighting over them.
 torch.set_num_threads(1)
@@ -44,7 +44,8 @@ def scripted_costs(monkeypatch):
     every computing node 1 ms (forward, and backward in training), the nodes named in the
     returned dict their own ms (a name matches every node whose name starts with it); costs not
     scaled by calibration; an inference pipeline raced against the model as is runs in its
-    predicted time. No timing is then asserted, and plans do not depend on the load."""
+    predicted time; a call's own work and the interpreter lock not priced (`HostCosts()`). No
+    timing is then asserted, and plans do not depend on the load."""
     heavy: dict[str, float] = {}
 
     def annotate(gm, *args, backward=False, **kwargs):
@@ -58,6 +59,7 @@ def scripted_costs(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
+    monkeypatch.setattr(measure, "host_costs", lambda threads, cores: HostCosts())
     monkeypatch.setattr(api, "race", lambda plan, model, recipe: measure.Race(
         plan.predicted_step_s, plan.unpipelined_s, 0))
     return heavy
