@@ -251,7 +251,8 @@ class Plan:
         return tuple(d.threads for d in self.partition.devices[:len(self.stages)])
 
 
-register_types(Plan=Plan, Runs=Runs, Measurement=Measurement, HostCosts=HostCosts)     # a saved plan's names for them
+# A saved plan's names for them.
+register_types(Plan=Plan, Runs=Runs, Measurement=Measurement, HostCosts=HostCosts)
 
 
 def refuse_without_weights(plan: Plan) -> None:

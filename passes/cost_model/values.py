@@ -160,7 +160,8 @@ class HostCosts:
     """What a call through stages on threads of one process costs that process besides the
     stages' own work, measured on the machine (`fxpipe.measure.host_costs`; zeros: not priced).
 
-    `start_s`: the runtime's own start and end of a call (waking its workers, the record);
+    `start_s`: a call's own start and end (the runtime waking its workers and keeping its
+    record, the batch's rows counted);
     `split_s` and `merge_s`: per micro-batch, slicing one input leaf off the batch and putting
     one output leaf back into the merged output. So a call's own work is `call_s` (drawn before
     the first action in the predicted timeline, `fxpipe.search.predict_slots`).
@@ -169,12 +170,13 @@ class HostCosts:
     lock (Python, argument parsing, the dispatch up to the kernel, which releases it): one
     thread of the process holds it at a time, so a node that takes less holds it throughout.
     A forward action holds it `lock_share` of its time: `lock_s` per node (all of its forward
-    compute where that is less) and its hand-offs (a queue's Python) wholly; a backward only its hand-offs
-    (autograd's engine runs without it). The simulator lets the actions running at once hold it
-    no more than one at a time (`fxpipe.schedules.simulate`'s `lock`): stages of tiny nodes take
-    turns where a model of large ones overlaps. The partitioner balances compute and transfers
-    alone (its relaxed views cannot carry a shared resource); search's exact simulation of each
-    candidate carries the lock, so the configuration chosen and the step predicted do.
+    compute where that is less) and its hand-offs (a queue's Python) wholly; a backward only
+    its hand-offs (autograd's engine runs without it). The simulator lets the actions running
+    at once hold it no more than one at a time (`fxpipe.schedules.simulate`'s `lock`): stages
+    of tiny nodes take turns where a model of large ones overlaps. The partitioner balances
+    compute and transfers alone (its relaxed views cannot carry a shared resource); search's
+    exact simulation of each candidate carries the lock, so the configuration chosen and the
+    step predicted do.
     """
 
     start_s: float = 0.0
