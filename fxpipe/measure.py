@@ -343,12 +343,13 @@ def host_costs(threads: tuple[int | None, ...], cores: int) -> HostCosts:
     """What a call costs the process besides its stages' work, for CPU stages with `threads`
     intra-op threads each on `cores` cores: the call's start and end (the runtime's, which
     `handoff_s` fits, and the rest of the call's, `_call_work_s`), splitting and merging a
-    leaf per micro-batch (`_call_work_s`), and the time a node's call holds
-    the interpreter lock (`lock_s`). Cached per process and thread layout."""
+    leaf per micro-batch (`_call_work_s`), the time a node's call holds the interpreter lock
+    (`lock_s`) and a waiting thread's wake-up (`wake_s`). Cached per process and thread
+    layout."""
     fixed, split_s, merge_s = _call_work_s()
     return HostCosts(start_s=_runtime_costs(threads, cores)[1] + fixed, split_s=split_s,
-                     merge_s=merge_s,
-                     lock_s=lock_s(min(max(cores, 2), LOCK_THREADS)))
+                     merge_s=merge_s, lock_s=lock_s(min(max(cores, 2), LOCK_THREADS)),
+                     wake_s=wake_s() if cores > 1 else 0.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -467,6 +468,37 @@ def lock_s(threads: int) -> float:
         alone, together = timed(1), timed(threads)
         per_node.append(min(alone, together / threads) / (LOCK_RUNS * LOCK_NODES))
     return statistics.median(per_node)
+
+
+# Round trips between two threads timed (`wake_s`).
+WAKE_TRIPS = 50
+
+
+@functools.lru_cache(maxsize=None)
+def wake_s() -> float:
+    """How long a thread waiting on another takes to run once that one lets it: two threads
+    passing a turn back and forth `WAKE_TRIPS` times (each waiting on an event the other sets,
+    as a stage waits on its queue), the median trip over two. The time a node's kernel lets
+    the interpreter lock go before another thread has it (`HostCosts.wake_s`). A few ms, once
+    per process."""
+    turns = [threading.Event(), threading.Event()]
+    trips: list[float] = []
+
+    def back() -> None:
+        for _ in range(WAKE_TRIPS):
+            turns[0].wait()
+            turns[0].clear()
+            turns[1].set()
+    other = threading.Thread(target=back, name="fxpipe-measure", daemon=True)
+    other.start()
+    for _ in range(WAKE_TRIPS):
+        began = time.perf_counter()
+        turns[0].set()
+        turns[1].wait()
+        turns[1].clear()
+        trips.append(time.perf_counter() - began)
+    other.join()
+    return statistics.median(trips) / 2
 
 
 def _tiny_nodes(count: int) -> fx.GraphModule:

@@ -99,21 +99,24 @@ def test_the_prediction_prices_the_call_s_own_work(scripted, monkeypatch, tmp_pa
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="2 one-thread stages need 2 cores")
-@pytest.mark.parametrize("lock_s, step_s", [
+@pytest.mark.parametrize("lock_s, wake_s, step_s", [
     # Each forward: 2 nodes of 1 ms and 2 hand-offs of 0.5 ms (3 ms), holding the lock for the
-    # hand-offs and `lock_s` a node. None: the stages overlap as if it were not there.
-    (0.0, 5 * 3e-3),
+    # hand-offs and `lock_s + wake_s` a node. None: the stages overlap as if it were not there.
+    (0.0, 0.0, 5 * 3e-3),
     # Half of each action (1.5 of 3 ms): two at once hold it no more than one would, as 0.
-    (0.25e-3, 5 * 3e-3),
+    (0.25e-3, 0.0, 5 * 3e-3),
     # Two thirds: two actions at once progress at 1 / (4/3), 4 ms each where they overlap:
     # 0F0 alone (3), three overlapping pairs (4 each), 1F3 alone (3).
-    (0.5e-3, (3 + 3 * 4 + 3) * 1e-3),
+    (0.5e-3, 0.0, (3 + 3 * 4 + 3) * 1e-3),
+    # The same, half of it the wake-up of the thread waiting for the lock.
+    (0.25e-3, 0.25e-3, (3 + 3 * 4 + 3) * 1e-3),
     # Every node's call holds it throughout (a node of 1 ms takes no more than its compute):
     # the stages take turns, 8 actions of 3 ms one after the other.
-    (5e-3, 8 * 3e-3),
+    (5e-3, 0.0, 8 * 3e-3),
 ])
-def test_stages_holding_the_interpreter_lock_take_turns(scripted, monkeypatch, lock_s, step_s):
-    host(monkeypatch, HostCosts(lock_s=lock_s))
+def test_stages_holding_the_interpreter_lock_take_turns(scripted, monkeypatch, lock_s, wake_s,
+                                                        step_s):
+    host(monkeypatch, HostCosts(lock_s=lock_s, wake_s=wake_s))
     model, x = chain()
     plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
     assert plan.predicted_step_s == pytest.approx(step_s)
@@ -143,7 +146,7 @@ def test_host_costs_are_measured_once_per_thread_layout():
     assert fxpipe.measure.host_costs(*layout) == first
     assert fxpipe.measure._runtime_costs.cache_info().misses == misses + 1
     assert first.start_s >= 0 and first.split_s >= 0 and first.merge_s >= 0
-    assert 0 < first.lock_s < 0.1
+    assert 0 < first.lock_s < 0.1 and 0 < first.wake_s < 0.1
 
 
 def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs, monkeypatch):

@@ -176,13 +176,16 @@ class HostCosts:
     of tiny nodes take turns where a model of large ones overlaps. The partitioner balances
     compute and transfers alone (its relaxed views cannot carry a shared resource); search's
     exact simulation of each candidate carries the lock, so the configuration chosen and the
-    step predicted do.
+    step predicted do. `wake_s`: how long a thread waiting for the lock takes to wake once it
+    is let go; a node lets it go for its kernel, but no other thread has it before then, so a
+    node keeps it `lock_s + wake_s` (a node quicker than that, all of its time).
     """
 
     start_s: float = 0.0
     split_s: float = 0.0
     merge_s: float = 0.0
     lock_s: float = 0.0
+    wake_s: float = 0.0
 
     def call_s(self, chunks: int, inputs: int, outputs: int) -> float:
         """A call's own work: its start and end, `inputs` leaves split into `chunks`
@@ -195,7 +198,8 @@ class HostCosts:
         if step_s <= 0 or self.lock_s <= 0:
             return 0.0
         held = stage.comm_s + (min(stage.compute_s - stage.backward_s,
-                                   stage.num_nodes * self.lock_s) if forward else 0.0)
+                                   stage.num_nodes * (self.lock_s + self.wake_s))
+                               if forward else 0.0)
         return min(1.0, held / step_s)
 
 
