@@ -355,16 +355,13 @@ def host_costs(threads: tuple[int | None, ...], cores: int) -> HostCosts:
 @functools.lru_cache(maxsize=None)
 def _runtime_costs(threads: tuple[int | None, ...], cores: int) -> tuple[float, float]:
     """The runtime's own cost of a hand-off between CPU stages, and of a call's start and end:
-    calls of `HANDOFF_CHUNKS` micro-batches through stages that compute nothing (each returns
-    what it received), run `HANDOFF_RUNS` times each, interleaved, by the real runtime (its
-    workers, queues, seeds and records). Each call's median wall time is fitted to
-    `start + hand-off x units`, where `units` is what the cost model predicts for that call at
-    one second a hand-off (each stage receives and sends one value per micro-batch, the driver
-    feeding the first and taking the last's; `search.predict_slots`' timeline, stages sharing
-    the cores and, a hand-off being Python, holding the interpreter lock as there). So the
-    prediction of an empty pipeline is its measured time, and every hop of a real one pays
-    what the runtime costs here: a queue put, a thread's wake-up, a stage's call, its record.
-    About 50 ms, once per process and thread layout."""
+    calls of `HANDOFF_CHUNKS` micro-batches through stages returning what they receive, run
+    `HANDOFF_RUNS` times each, interleaved, by the real runtime (workers, queues, seeds,
+    records), each median fitted to `start + hand-off x units`: `units` is the cost model's
+    prediction of that call at one second a hand-off (one received and one sent per stage and
+    micro-batch; `search.predict_slots`' timeline, cores shared and, a hand-off being Python,
+    the interpreter lock held as there). So an empty pipeline is predicted as measured, and
+    each hop of a real one pays what the runtime costs here. About 50 ms, once a layout."""
     k = len(threads)
     stages = [Stage(i, _passing(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
               for i in range(k)]
@@ -398,11 +395,9 @@ CALL_WORK_SHAPE, CALL_WORK_RUNS = (64, 32), 21
 
 @functools.lru_cache(maxsize=None)
 def _call_work_s() -> tuple[float, float, float]:
-    """A call's own work besides the runtime's: its inputs' rows counted, one leaf
-    (`CALL_WORK_SHAPE`) split into micro-batches as a call splits its inputs and merged back as
-    it merges its outputs, at `HANDOFF_CHUNKS` micro-batches (medians of `CALL_WORK_RUNS`),
-    fitted to a fixed part and a part per micro-batch: (fixed, split and merge per micro-batch
-    and leaf)."""
+    """A call's own work besides the runtime's: rows counted, one leaf split and merged as a call
+    does, at `HANDOFF_CHUNKS` micro-batches (medians of `CALL_WORK_RUNS`), fitted to a fixed
+    part and one per micro-batch: (fixed, split and merge per micro-batch and leaf)."""
     values, dims = {"x": torch.zeros(CALL_WORK_SHAPE)}, {"x": 0}
     times: dict[int, tuple[list[float], list[float]]] = {}
     for chunks in HANDOFF_CHUNKS:
@@ -433,15 +428,11 @@ LOCK_NODES, LOCK_RUNS, LOCK_THREADS, LOCK_ROUNDS = 32, 10, 4, 3
 
 @functools.lru_cache(maxsize=None)
 def lock_s(threads: int) -> float:
-    """The most of a node's call that its thread holds the interpreter lock, on this machine: a
-    graph of `LOCK_NODES` tiny nodes (small `Linear` modules and ReLUs, whose kernels take next
-    to nothing, so their call is the Python and dispatch around a kernel) run `LOCK_RUNS` times
-    on one worker thread alone, then on `threads` at once. What the lock holds, no two threads
-    can do together: `threads` at once take `threads` times as long as one where each holds it
-    throughout, as long as one where none does. So the time per node held is the together
-    time over `threads` (at most the time alone: on fewer cores than threads, the cores are
-    what is shared, which the simulator prices apart). Median of `LOCK_ROUNDS` rounds; one
-    intra-op thread each. About 20 ms, once per process."""
+    """The most of a node's call that its thread holds the interpreter lock, here: `LOCK_NODES`
+    tiny nodes (their call is the Python and dispatch around a kernel of next to nothing) run
+    `LOCK_RUNS` times on one worker thread alone, then on `threads` at once, which take
+    `threads` times as long where the lock is held throughout: the together time per node over
+    `threads`, at most the time alone (median of `LOCK_ROUNDS`; about 20 ms, once a process)."""
     graph = _tiny_nodes(LOCK_NODES)
     x = torch.zeros(2, 4)
 
@@ -470,17 +461,14 @@ def lock_s(threads: int) -> float:
     return statistics.median(per_node)
 
 
-# Round trips between two threads timed (`wake_s`).
-WAKE_TRIPS = 50
+WAKE_TRIPS = 50         # round trips between two threads timed (`wake_s`)
 
 
 @functools.lru_cache(maxsize=None)
 def wake_s() -> float:
-    """How long a thread waiting on another takes to run once that one lets it: two threads
-    passing a turn back and forth `WAKE_TRIPS` times (each waiting on an event the other sets,
-    as a stage waits on its queue), the median trip over two. The time a node's kernel lets
-    the interpreter lock go before another thread has it (`HostCosts.wake_s`). A few ms, once
-    per process."""
+    """How long a waiting thread takes to run once another lets it (`HostCosts.wake_s`): two
+    threads passing a turn back and forth by events `WAKE_TRIPS` times, the median trip over
+    two. A few ms, once per process."""
     turns = [threading.Event(), threading.Event()]
     trips: list[float] = []
 
@@ -502,8 +490,7 @@ def wake_s() -> float:
 
 
 def _tiny_nodes(count: int) -> fx.GraphModule:
-    """A chain of `count` nodes that compute next to nothing: `Linear(4, 4)` calls and ReLUs
-    in turn, as a captured graph calls modules and functions."""
+    """`count` nodes computing next to nothing: `Linear(4, 4)` calls and ReLUs in turn."""
     root = nn.Module()
     graph = fx.Graph()
     value = graph.placeholder("x")
