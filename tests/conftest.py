@@ -4,9 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fxpipe.planning import build
-from fxpipe.planning import measure
-from fxpipe.passes.cost_model import NodeCost
+from fxpipe.planning import build, host, measure
+from fxpipe.passes.cost_model import HostCosts, NodeCost
 
 # Two cores: one intra-op thread keeps pipeline stages from fighting over them.
 torch.set_num_threads(1)
@@ -50,7 +49,8 @@ def script_costs(monkeypatch):
     every computing node 1 ms (forward, and backward in training), the nodes named in the
     returned dict their own ms (a name matches every node whose name starts with it); costs not
     scaled by calibration; an inference pipeline raced against the model as is runs in its
-    predicted time. No timing is then asserted, and plans do not depend on the load."""
+    predicted time; a call's own work and the interpreter lock not priced (`HostCosts()`). No
+    timing is then asserted, and plans do not depend on the load."""
     heavy: dict[str, float] = {}
 
     def annotate(gm, *args, backward=False, **kwargs):
@@ -64,6 +64,7 @@ def script_costs(monkeypatch):
         return gm
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
+    monkeypatch.setattr(host, "host_costs", lambda threads, cores: HostCosts())
     monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
         plan.record.predicted_step_s, plan.record.unpipelined_s, 0))
     return heavy

@@ -37,7 +37,7 @@ DOCUMENTED = [
     "fxpipe.runtime.schedules.Phase",
     "fxpipe.planning.reference.run_per_microbatch",
     "fxpipe.plans.saved.load_stage", "fxpipe.plans.saved.convert", "fxpipe.plans.report",
-    "fxpipe.plans.report.cost_sources",
+    "fxpipe.plans.report.cost_sources", "fxpipe.plans.report.unclaimed",
     "fxpipe.passes", "fxpipe.passes.annotate_costs", "fxpipe.passes.blocks",
     "fxpipe.passes.capture", "fxpipe.passes.cost_model", "fxpipe.passes.errors",
     "fxpipe.passes.partition", "fxpipe.passes.split_wide", "fxpipe.passes.materialize",

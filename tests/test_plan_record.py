@@ -21,7 +21,8 @@ FORMAT_5_FIELDS = {
     "spread", "stage_modules", "stage_param_bytes", "stage_recomputed", "stage_saved_bytes",
     "stage_spans", "stand_ins", "training", "unpipelined_s", "unpipelined_spread",
     "unpipelined_threads", "verified", "verify_tolerance", "verify_tolerance_source", "weights",
-    "wiring"}
+    "wiring",
+    "host"}     # added since: a plan saved without it loads with nothing priced (`HostCosts()`)
 
 
 @pytest.fixture(scope="module")

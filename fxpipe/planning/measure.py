@@ -5,8 +5,8 @@ and thread (the caller's, or a worker's as the stages of a pipeline run on), reu
 plan passed as `costs=` measured, and `calibrate`s each measurement to the whole graph's time
 measured in the same conditions (`fitted`: the sizes between two measured ones interpolated,
 for weighing; `as_is`: the model as is, scaled to its own time); `Baseline` times the model as
-given, whole, between those measurements; `handoff_s` times the runtime's own hand-off between
-stages, which `priced_link` prices.
+given, whole, between those measurements. What a call costs the process besides its stages (the
+runtime's hand-offs, the call's own work, the interpreter lock) is `host.py`'s.
 
 Costs live on nodes, measured as the stage will run the node: at each configuration's micro-batch
 size, with its stages' intra-op threads, on a worker thread when the stages will run on workers (a
@@ -20,23 +20,19 @@ not calibrated: that run would time drawing every weight and pass the whole mode
 memory once per repeat.
 
 `Baseline` is sampled warm before and between the stages' measurements (median, spread).
-`handoff_s` is an empty pipeline through the runtime's workers and queues, over the hand-offs the
-cost model counts in it (cached per process and thread layout), which `priced_link` gives as the
-default link for CPU stages. `race` runs pipelines and the model on the example, interleaved
-(calls, or in training train steps with the outputs' sum as the loss:
-`runtime.calls.train_stages`), and keeps the least times.
+`race` runs pipelines and the model on the example, interleaved (calls, or in training train
+steps with the outputs' sum as the loss: `runtime.calls.train_stages`), and keeps the least
+times.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -47,12 +43,10 @@ from fxpipe.passes.annotate_costs import WRITTEN, annotate_costs, bind_inputs
 from fxpipe.passes.device import is_cpu, start_timer
 from fxpipe.passes.codegen import placed_copy
 from fxpipe.passes.materialize import holds_meta
-from fxpipe.passes.cost_model import (DeviceSpec, Link, LinkFn, NodeCost, cost_graph,
-                                      default_link)
+from fxpipe.passes.cost_model import DeviceSpec, HostCosts, NodeCost, cost_graph
 from fxpipe.passes.errors import CostError
 from fxpipe.passes.graph_values import tensors
 from fxpipe.passes.randomness import microbatch_seed
-from fxpipe.passes.stage import Stage
 from fxpipe.passes.state import unchanged_state
 
 from ..runtime import microbatch
@@ -61,9 +55,8 @@ from ..runtime.devices import shared_memory, synchronize
 from ..runtime.calls import call_stages, runtime_of, train_stages
 from ..plans.plan_data import Measurement, Plan
 from ..runtime import Runtime
+from .host import intra_op_threads, priced_host
 from .reference import copied, unchanged
-from ..runtime.schedules import gpipe, simulate
-from ..runtime.wiring import Wiring
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -127,14 +120,14 @@ class Costs:
         worker = config.num_stages > 1
         if len(devices) == 1 and (config.chunks, devices[0].kind, worker) in self.scaled:
             return self._costed({devices[0].kind: self.scaled[config.chunks, devices[0].kind,
-                                                              worker]})     # `as_is`
+                                                              worker]}, devices)     # `as_is`
         for device in {d.kind: d for d in devices}.values():
             key = (config.chunks, device.kind, worker)
             if key not in self.measured:
                 self.measured[key] = self._measure(config.chunks, device, worker)
                 self.between()
         return self._costed({d.kind: self.measured[config.chunks, d.kind, worker]
-                             for d in devices})
+                             for d in devices}, devices)
 
     def is_measured(self, config: search.Config, devices: Sequence[DeviceSpec]) -> bool:
         """Whether `config`'s costs on `devices` were measured (or reused from `costs=`), not
@@ -149,8 +142,8 @@ class Costs:
         micro-batch's rows between the two nearest sizes measured on either side, in the same
         kind and thread (`fit_cost`): what a node costs is about affine in its rows (a fixed
         cost per call, then time per row), so configurations are weighed on this and only those
-        that may be chosen are measured (`fxpipe.planning.prepare.weigh` checks the fit on each). None
-        where no measured sizes bracket the configuration's, or it was measured."""
+        that may be chosen are measured (`fxpipe.planning.prepare.weigh` checks the fit on each).
+        None where no measured sizes bracket the configuration's, or it was measured."""
         if self.is_measured(config, devices):
             return None
         worker, rows = config.num_stages > 1, self.rows(config.chunks)
@@ -165,7 +158,7 @@ class Costs:
             at_low, at_high = (self.measured[sizes[r], kind, worker] for r in (low, high))
             found[kind] = {n: fit_cost(at_low[n], at_high[n], (rows - low) / (high - low))
                            for n in at_low}
-        return self._costed(found)
+        return self._costed(found, devices)
 
     def as_is(self, config: search.Config, devices: Sequence[DeviceSpec],
               seconds: float | None) -> search.Costed | None:
@@ -195,7 +188,7 @@ class Costs:
             forward, backward = self.calibration[source]
             self.calibration[key] = (forward * scale,
                                      backward * scale if self.training else backward)
-        return self._costed({kind: self.scaled[key]})
+        return self._costed({kind: self.scaled[key]}, devices)
 
     def rows(self, chunks: int) -> int:
         """The rows of the first of `chunks` micro-batches (the one costs are measured on)."""
@@ -203,15 +196,19 @@ class Costs:
         first = microbatch.split((recipe.args, recipe.kwargs), chunks, recipe.input_dims)[0]
         return microbatch.rows_of(first, recipe.input_dims) or 1
 
-    def _costed(self, by_kind: Mapping[str, Mapping[fx.Node, NodeCost]]) -> search.Costed:
-        """The graph costed with each kind's node costs, left on the nodes."""
+    def _costed(self, by_kind: Mapping[str, Mapping[fx.Node, NodeCost]],
+                devices: Sequence[DeviceSpec]) -> search.Costed:
+        """The graph costed with each kind's node costs, left on the nodes, and what a call
+        costs the process besides them on `devices` (`priced_host`)."""
         kinds = list(by_kind)
         for n in self.gm.graph.nodes:
             if n.op != "output":
                 n.meta["costs"] = {k: by_kind[k][n] for k in kinds}
                 n.meta["cost"] = n.meta["costs"][kinds[0]]
+        in_process = self.recipe.options.link_name in ("default", "measure")
+        host = priced_host(devices) if in_process else HostCosts()
         return search.Costed(cost_graph(self.gm, kinds=kinds),
-                             cost_graph(self.gm, training=self.training, kinds=kinds))
+                             cost_graph(self.gm, training=self.training, kinds=kinds), host)
 
     def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
         gm, recipe = self.gm, self.recipe
@@ -226,7 +223,7 @@ class Costs:
                                         recipe.input_dims)[0]
 
         def run():
-            with _intra_op_threads(device.threads):
+            with intra_op_threads(device.threads):
                 annotate_costs(gm, args, kwargs, device=device.name,
                                repeats=recipe.options.repeats, backward=self.training,
                                reuse_blocks=recipe.options.reuse_blocks,
@@ -334,26 +331,14 @@ def _positional(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-@contextlib.contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with `threads` intra-op threads on this thread (None: as it is)."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 class Baseline:
     """The model's own time for one batch, as given: whole, on its device, with the caller's
     threads (in training, forward and backward to every parameter): what a pipeline must beat.
 
     Measured warm (one run first, not counted), `first` samples at once, then one more at each
-    `sample()` (a sample: one run, or several of a quick model): planning samples it between the stages' measurements (`Costs(between=...)`), so
-    a disturbance of the machine that moves the stages' costs moves the baseline alike, and no
-    single run sets it. `seconds` is the median of the runs, `spread` how far they disagree
+    `sample()` (a sample: one run, or several of a quick model): planning samples it between the
+    stages' measurements (`Costs(between=...)`), so a disturbance of the machine that moves the
+    stages' costs moves the baseline alike, and no single run sets it. `seconds` is the median of the runs, `spread` how far they disagree
     ((p90 - p10) / median, as the nodes' own spread). Each run leaves the model, its buffers and
     `.grad` as they were, and every device it uses synchronised.
     """
@@ -412,61 +397,6 @@ def spread_of(times: Sequence[float]) -> float:
     ordered = sorted(times)
     at = lambda q: ordered[round(q * (len(ordered) - 1))]      # noqa: E731
     return (at(0.9) - at(0.1)) / statistics.median(ordered)
-
-
-# An empty pipeline's micro-batches and timed runs, per thread layout (`handoff_s`).
-HANDOFF_CHUNKS = 8
-HANDOFF_RUNS = 15
-
-
-@functools.lru_cache(maxsize=None)
-def handoff_s(threads: tuple[int | None, ...], cores: int) -> float:
-    """The runtime's own cost of a hand-off between CPU stages on this machine, for stages with
-    `threads` intra-op threads each on `cores` cores: a call of `HANDOFF_CHUNKS` micro-batches
-    through stages that compute nothing (each returns what it received), run `HANDOFF_RUNS`
-    times by the real runtime (its workers, queues, seeds and records), the median wall time
-    over what the cost model predicts for that call at one second a hand-off (each stage
-    receives and sends one value per micro-batch, the driver feeding the first and taking the
-    last's; `search.predict_slots`' timeline, stages sharing the cores as there). So the
-    prediction of an empty pipeline is its measured time, and every hop of a real one pays
-    what the runtime costs here: a queue put, a thread's wake-up, a stage's call, its record.
-    About 50 ms, once per process and thread layout."""
-    k = len(threads)
-    stages = [Stage(i, _passing(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
-              for i in range(k)]
-    wiring = Wiring.of(stages, [f"v{k}"])
-    timetable = gpipe(k, HANDOFF_CHUNKS)
-    inputs = [{"v0": torch.zeros(1)} for _ in range(HANDOFF_CHUNKS)]
-    runtime = Runtime(stages, wiring, threads_per_stage=list(threads))
-    times = []
-    try:
-        for _ in range(HANDOFF_RUNS + 1):
-            _, record = runtime.run(timetable, inputs, seeds=[0] * HANDOFF_CHUNKS)
-            times.append(record.wall_s)
-    finally:
-        runtime.close()
-    unit = max(slot.end_s for slot in simulate(
-        timetable, lambda action: 2.0, wiring.reads_from(False), cores=cores,
-        demand=[t or 1 for t in threads]))
-    return statistics.median(times[1:]) / unit
-
-
-def _passing() -> fx.GraphModule:
-    """A stage that computes nothing: it returns the value it received."""
-    graph = fx.Graph()
-    graph.output((graph.placeholder("x"),))
-    return fx.GraphModule(nn.Module(), graph)
-
-
-def priced_link(devices: Sequence[DeviceSpec]) -> LinkFn:
-    """`default_link` with a hand-off between stages on the CPU (and to or from the driver)
-    priced as this machine's runtime costs one for these devices' thread layout (`handoff_s`):
-    how the default link prices a configuration's CPU stages. Devices not all CPUs keep
-    `default_link`'s prices."""
-    if not all(is_cpu(d.name) for d in devices):
-        return default_link
-    same = Link(latency_s=handoff_s(tuple(d.threads for d in devices), os.cpu_count() or 1))
-    return functools.partial(default_link, same_device=same)
 
 
 class Race(NamedTuple):

@@ -91,7 +91,8 @@ from fxpipe.passes.stage import Stage
 from ..runtime import microbatch
 from . import search
 from .checks import Reference, holding, meta_reference, reference_of, streamed_stages, verify
-from .measure import Baseline, Costs, priced_link
+from .host import priced_link
+from .measure import Baseline, Costs
 from .options import placeholder_dims
 from ..plans.plan_data import Plan, PlanRecord, Runs, make_plan
 from .reference import copied
@@ -327,7 +328,7 @@ def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
     o, training, costs = recipe.options, prepared.training, prepared.costs
     materialize = recipe.materialize
     config, specs, part = chosen.config, chosen.partition.devices, chosen.partition
-    costs.measure(config, specs)     # the chosen configuration's costs on the nodes
+    costed = costs.measure(config, specs)   # the chosen configuration's costs on the nodes
     gm = graph_copy(prepared.gm)     # with those costs; the prepared graph stays whole
     search.split_chosen(gm, chosen)  # nodes split to balance, their costs shared by the parts
     # The model's runs, made before any stage is placed (a stage holds copies of the tensors
@@ -350,7 +351,7 @@ def realize(prepared: Prepared, recipe: Recipe, chosen: search.Candidate, *,
         unpipelined_threads=torch.get_num_threads(),
         chosen=chosen, reason=reason, considered=considered,
         calibration=costs.calibration[config.chunks, specs[0].kind, config.num_stages > 1],
-        spread=measurement_spread(gm),
+        spread=measurement_spread(gm), host=costed.host,
         weights=recipe.weights.where if materialize else None,
         stand_ins=recipe.stand_ins() if materialize else (),
         verify_tolerance=tolerance.get("verify_tolerance"),

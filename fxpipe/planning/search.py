@@ -44,8 +44,8 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, LinkFn, Memory, cost_graph,
-                                      cublas_workspace_bytes)
+from fxpipe.passes.cost_model import (CostGraph, DeviceSpec, HostCosts, LinkFn, Memory,
+                                      cost_graph, cublas_workspace_bytes)
 from fxpipe.passes.device import gpu_capability, is_cpu, is_gpu
 from fxpipe.passes.errors import PartitionError
 from fxpipe.passes.partition import Partition, partition
@@ -61,10 +61,12 @@ TIE = 0.02     # configurations within 2% of the fastest count as equally fast
 @dataclass(frozen=True)
 class Costed:
     """The graph costed for one micro-batch size and thread count: forward times alone, and
-    forward plus backward (the same graph in inference)."""
+    forward plus backward (the same graph in inference), and what a call costs the process
+    besides its stages on those threads (`HostCosts`; zeros: not priced)."""
 
     forward: CostGraph
     step: CostGraph
+    host: HostCosts = HostCosts()
 
 
 def gpu_overhead_bytes(devices: Sequence[DeviceSpec]) -> int:
@@ -94,11 +96,14 @@ def stage_counts(specs: Sequence[DeviceSpec], num_stages: int | str | None) -> l
 
 def predict_step_s(costed: Costed, part: Partition, chunks: int, schedule: str,
                    training: bool, cores: float | None = None) -> float:
-    """One step's predicted time (`predict_slots`, its last action's end)."""
+    """One step's predicted time (`predict_slots` with `costed.host`, its last action's end)."""
     stage_of = [part.stage_of.get(name, -1) for name in costed.forward.names]
     reads = reads_from(costed.forward, stage_of, part.num_stages, training)
+    graph = costed.forward
+    leaves = (sum(graph.is_input), sum(graph.to_output))
     return max((slot.end_s for slot in predict_slots(part, chunks, schedule, training, reads,
-                                                     cores)), default=0.0)
+                                                     cores, costed.host, leaves)),
+               default=0.0)
 
 
 def reads_from(graph: CostGraph, stage_of: Sequence[int], num_stages: int,

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
-from fxpipe.passes.cost_model import LinkFn, NodeCost
+from fxpipe.passes.cost_model import HostCosts, LinkFn, NodeCost
 from fxpipe.passes.errors import DeviceError
 from fxpipe.passes.partition import Partition
 from fxpipe.passes.signature import Signature
@@ -105,6 +105,9 @@ class PlanRecord:
     raced: tuple = ()
     calibration: tuple[float, float] | None = None   # node costs scaled to the graph's own time
     spread: float | None = None               # how unsteady the measurement was
+    # What a call costs the process besides the stages, measured on the machine planning
+    # (`measure.host_costs`; zeros: not priced): the call's own work, the interpreter lock.
+    host: HostCosts = HostCosts()
     # A plan of a model built on the meta device: where the values it was measured and checked
     # on came from (`Weights.where`); its stages hold meta tensors. None for a model's own.
     weights: str | None = None
@@ -175,9 +178,18 @@ class Plan:
 
     def predict(self, *, training: bool = False) -> list[Slot]:
         """The timeline the cost model predicts for one call (or one `train_step`): the
-        timetable the runtime executes, each action taking its stage's predicted time."""
+        timetable the runtime executes, each action taking its stage's predicted time, the
+        stages' threads holding the interpreter lock one at a time, after the call's own work
+        (`HostCosts`: its last action ends when the call returns)."""
         return predict_slots(self.partition, self.chunks, self.schedule, training,
-                             self.wiring.reads_from(training), os.cpu_count())
+                             self.wiring.reads_from(training), os.cpu_count(), self.record.host,
+                             self.leaves)
+
+    @property
+    def leaves(self) -> tuple[int, int]:
+        """The leaves a call splits and merges: its graph inputs, and the outputs stages make."""
+        return (len(self.signature.placeholders) if self.signature else 0,
+                len(self.wiring.output_names) if self.wiring else 0)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to the directory `path`: `fxpipe.load_plan(path)` reads it back,
@@ -261,7 +273,8 @@ class Plan:
 
 
 # A saved plan's names for them.
-register_types(Plan=Plan, PlanRecord=PlanRecord, Runs=Runs, Measurement=Measurement)
+register_types(Plan=Plan, PlanRecord=PlanRecord, Runs=Runs, Measurement=Measurement,
+               HostCosts=HostCosts)
 
 
 def refuse_without_weights(plan: Plan) -> None:

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from fxpipe.passes.cost_model import DeviceSpec
+from fxpipe.passes.cost_model import DeviceSpec, HostCosts
 from fxpipe.passes.device import is_cpu, is_gpu
 from fxpipe.passes.partition import Partition
 
@@ -97,20 +97,31 @@ def held_after_first_backward(schedule: str, chunks: int, num_stages: int) -> li
 
 
 def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
-                  reads_from: Mapping[int, Sequence[int]], cores: float | None = None) -> list[Slot]:
+                  reads_from: Mapping[int, Sequence[int]], cores: float | None = None,
+                  host: HostCosts = HostCosts(), leaves: tuple[int, int] = (0, 0)
+                  ) -> list[Slot]:
     """The timeline the cost model predicts for one step (a call, or a `train_step`): the
     timetable the runtime would execute, each forward action taking its stage's
     `forward_step_s` and each backward action its `backward_step_s`. With `cores`, CPU stages
     whose threads add up to more share them while they run at once; stages on one GPU always
-    share it (`simulate`)."""
+    share it (`simulate`). With `host`, the stages' actions hold the interpreter lock their
+    `HostCosts.lock_share` of their time, one at a time, and the timeline starts after the
+    call's own work (`HostCosts.call_s`, for `leaves`: the call's input and output leaves), so
+    that its last action ends when the call returns."""
     k = part.num_stages
     timetable = (timetable_for(schedule, k, chunks, backward=True) if training
                  else gpipe(k, chunks))
-    return simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
-                                          if a.phase is Phase.FORWARD
-                                          else part.stages[a.stage].backward_step_s),
-                    reads_from, cores=cores, demand=cpu_demand(part.devices),
-                    pools=gpu_pools(part.devices))
+    forward = {s: host.lock_share(c, True) for s, c in enumerate(part.stages)}
+    backward = {s: host.lock_share(c, False) for s, c in enumerate(part.stages)}
+    slots = simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
+                                           if a.phase is Phase.FORWARD
+                                           else part.stages[a.stage].backward_step_s),
+                     reads_from, cores=cores, demand=cpu_demand(part.devices),
+                     pools=gpu_pools(part.devices),
+                     lock=(lambda a: (forward if a.phase is Phase.FORWARD else backward)[a.stage])
+                     if host.lock_s > 0 else None)
+    before = host.call_s(chunks, *leaves)
+    return [Slot(slot.action, slot.start_s + before, slot.end_s + before) for slot in slots]
 
 
 def cpu_demand(devices: Sequence[DeviceSpec]) -> list[int]:

@@ -228,15 +228,28 @@ def _comparison(plan: Plan) -> list[str]:
                 f"the whole batch on the caller's thread"]
     why = unclaimed(plan)
     if why:
-        return [f"per batch: pipeline {plan.record.predicted_step_s * 1e3:.3f} ms predicted, model "
-                f"unpipelined {model}; no speed-up claimed: {why}"]
+        return [f"per batch: pipeline {plan.record.predicted_step_s * 1e3:.3f} ms predicted, "
+                f"model unpipelined {model}; no speed-up claimed: {why}", *_host(plan)]
     lines = [f"per batch: pipeline {plan.record.predicted_step_s * 1e3:.3f} ms predicted, model "
-             f"unpipelined {model}: {plan.speedup:.2f}x"]
+             f"unpipelined {model}: {plan.speedup:.2f}x", *_host(plan)]
     if plan.speedup < 1:
         lines.append("warning: the pipeline is predicted slower than the model run whole: "
                      "let the plan choose (num_stages='auto', chunks='auto'), or run the "
                      "model without fxpipe")
     return lines
+
+
+def _host(plan: Plan) -> list[str]:
+    """What the prediction holds besides the stages' work (`HostCosts`): the call's own work,
+    and the share of each stage's forward holding the interpreter lock."""
+    host = plan.record.host
+    if host.call_s(1, 1, 1) <= 0 and host.lock_s <= 0:
+        return []
+    shares = ", ".join(f"{host.lock_share(stage, True):.0%}" for stage in plan.partition.stages)
+    call_s = host.call_s(plan.chunks, *plan.leaves)
+    return [f"besides the stages: the call's own work {call_s * 1e3:.3f} ms (split, merge, the "
+            f"runtime's start and end); the stages' forwards hold the interpreter lock "
+            f"{shares} of their time, one at a time"]
 
 
 def unclaimed(plan: Plan) -> str:

@@ -25,7 +25,8 @@ stage s reads from; `B` of m on s needs its own `F` of m and `B` of m on every s
 
 The simulator is the predictor, fed by the cost model: CPU stages asking for more threads than
 there are cores share them (processor sharing: actions that overlap run at their share of the
-cores, not each at full speed), and so do stages standing on one GPU, as pools. The runtime
+cores, not each at full speed), and so do stages standing on one GPU, as pools; the stages'
+threads of one process hold its interpreter lock one at a time (`lock`). The runtime
 executes a timetable, it does not decide one: the same actions feed the runtime,
 `fxpipe.distributed` (`message_orders`: per pair of ranks, the order of sends against the order of
 receives, equal unless a later stage reads both graph inputs and stage 0's values, which the
@@ -128,7 +129,8 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
              reads_from: Mapping[int, Sequence[int]], *,
              message_s: Callable[[Action, Action], float] = lambda a, b: 0.0,
              cores: float | None = None, demand: Sequence[float] = (),
-             pools: Sequence[tuple[float, Sequence[float]]] = ()) -> list[Slot]:
+             pools: Sequence[tuple[float, Sequence[float]]] = (),
+             lock: Callable[[Action], float] | None = None) -> list[Slot]:
     """Run the timetable on an ideal machine: each stage does its actions in order, each action
     starts when its stage is free and its dependencies have finished (plus `message_s` for a
     dependency on another stage). Raises if the timetable deadlocks, showing where.
@@ -140,14 +142,22 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
     are more resources shared alike, each a capacity and every stage's demand on it (a GPU that
     several stages run on: capacity 1, demand 1 each); an action progresses at the smallest of
     its pools' shares.
+
+    `lock(action)` is the share of an action's time spent holding a lock that one action holds
+    at a time (the interpreter lock of the process the stages' threads share: `HostCosts`):
+    while the running actions' shares add up to more than 1, each progresses at 1 / that sum of
+    its speed, so that the lock is never held twice (where the cores are the tighter share,
+    that one).
     """
     read_by: dict[int, list[int]] = {}
     for s, sources in reads_from.items():
         for p in sources:
             read_by.setdefault(p, []).append(s)
     pools = [*([(cores, demand)] if cores is not None else []), *pools]
-    if any(sum(asks) > capacity for capacity, asks in pools):
-        return _shared(timetable, duration_s, reads_from, read_by, message_s, pools)
+    if any(sum(asks) > capacity for capacity, asks in pools) or (
+            lock is not None and len(timetable) > 1):
+        return _shared(timetable, duration_s, reads_from, read_by, message_s, pools,
+                       lock or (lambda action: 0.0))
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
     free_at = [0.0] * len(timetable)
@@ -180,13 +190,14 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
 def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             reads_from: Mapping[int, Sequence[int]], read_by: Mapping[int, Sequence[int]],
             message_s: Callable[[Action, Action], float],
-            pools: Sequence[tuple[float, Sequence[float]]]) -> list[Slot]:
+            pools: Sequence[tuple[float, Sequence[float]]],
+            lock: Callable[[Action], float]) -> list[Slot]:
     """`simulate` on resources the stages share: events are an action's start and its end, and
     between two events every running action progresses at its smallest share of the pools it
-    asks of."""
+    asks of and of the lock."""
     done: dict[Action, float] = {}
     position = [0] * len(timetable)
-    running: dict[int, list] = {}       # stage -> [action, start_s, work left in seconds]
+    running: dict[int, list] = {}   # stage -> [action, start_s, work left in s, lock share]
     slots: list[Slot] = []
     now = 0.0
     while True:
@@ -201,7 +212,7 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             ready = max([now] + [done[d] + (message_s(d, action) if d.stage != s else 0.0)
                                  for d in deps])
             if ready <= now:
-                running[s] = [action, now, duration_s(action)]
+                running[s] = [action, now, duration_s(action), lock(action)]
                 position[s] += 1
             else:
                 waits.append(ready)
@@ -218,13 +229,14 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
             return sorted(slots, key=lambda slot: (slot.start_s, slot.action.stage))
         shares = [min(1.0, capacity / max(sum(asks[s] for s in running), 1e-30))
                   for capacity, asks in pools]
-        rate = {s: min([share for share, (_, asks) in zip(shares, pools) if asks[s] > 0],
+        held = sum(r[3] for r in running.values())
+        rate = {s: min([share for share, (_, asks) in zip(shares, pools) if asks[s] > 0] +
+                       ([1.0 / held] if running[s][3] > 0 and held > 1.0 else []),
                        default=1.0) for s in running}
-        step = min([left / rate[s] for s, (_, _, left) in running.items()] +
-                   [w - now for w in waits])
+        step = min([r[2] / rate[s] for s, r in running.items()] + [w - now for w in waits])
         now += step
         for s in list(running):
-            action, start, left = running[s]
+            action, start, left, _ = running[s]
             left -= step * rate[s]
             if left <= 1e-12 * max(1.0, now):
                 slots.append(Slot(action, start, now))

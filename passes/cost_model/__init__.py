@@ -10,7 +10,8 @@ Units are in the names: seconds (`_s`), bytes (`_bytes`), bytes per second (`byt
 The parts, each importable from here:
 
 - `values.py`: the plain values: `NodeCost`, `DeviceSpec`, `Link` and the default links,
-  `KindTimes`, `StageCost`, `format_bytes`.
+  `KindTimes`, `StageCost`, `HostCosts` (a call's own work and the interpreter lock's share of
+  an action), `format_bytes`.
 - `graph.py`: `CostGraph` and `cost_graph`, which reads a GraphModule's costs into one.
 - `gpu.py`: a GPU's memory arithmetic (the caching allocator's blocks and segments, cuBLAS's
   workspace, the CUDA context).
@@ -52,8 +53,8 @@ runs.
 """
 
 from .values import (DRIVER_DEVICE, HOST_DEVICE, PEER_DEVICE, SAME_DEVICE, CostSource,
-                     DeviceSpec, KindTimes, Link, LinkFn, NodeCost, StageCost, default_link,
-                     format_bytes)
+                     DeviceSpec, HostCosts, KindTimes, Link, LinkFn, NodeCost, StageCost,
+                     default_link, format_bytes)
 from .graph import CostGraph, cost_graph
 from .gpu import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, GPU_BLOCK_BYTES,
                   GPU_LARGE_ROUND_BYTES, GPU_MID_BYTES, GPU_MID_SEGMENT_BYTES, GPU_SMALL_BYTES,
@@ -70,9 +71,10 @@ __all__ = [
     "CUBLAS_WORKSPACE_BYTES", "CUDA_CONTEXT_BYTES", "Choice", "CostGraph", "CostSource",
     "DRIVER_DEVICE", "DeviceSpec", "GPU_BLOCK_BYTES", "GPU_LARGE_ROUND_BYTES", "GPU_MID_BYTES",
     "GPU_MID_SEGMENT_BYTES", "GPU_SMALL_BYTES", "GPU_SMALL_SEGMENT_BYTES", "HOST_DEVICE", "Held",
-    "KindTimes", "Link", "LinkFn", "Memory", "NodeCost", "OPTIMIZER_STATE", "PEER_DEVICE",
-    "Pricing", "RECOMPUTE_LARGEST", "RECOMPUTE_WINDOW", "SAME_DEVICE", "StageCost", "StageNodes",
-    "StageTally", "WAIT_SLACK", "choose_recomputed", "cost_graph", "cublas_workspace_bytes",
-    "default_link", "format_bytes", "forward_peak", "gpu_block_bytes", "gpu_segment_bytes",
-    "lower_bound_s", "standalone_held", "stage_costs", "stage_memory", "stage_nodes",
+    "HostCosts", "KindTimes", "Link", "LinkFn", "Memory", "NodeCost", "OPTIMIZER_STATE",
+    "PEER_DEVICE", "Pricing", "RECOMPUTE_LARGEST", "RECOMPUTE_WINDOW", "SAME_DEVICE", "StageCost",
+    "StageNodes", "StageTally", "WAIT_SLACK", "choose_recomputed", "cost_graph",
+    "cublas_workspace_bytes", "default_link", "format_bytes", "forward_peak", "gpu_block_bytes",
+    "gpu_segment_bytes", "lower_bound_s", "standalone_held", "stage_costs", "stage_memory",
+    "stage_nodes",
 ]

@@ -1,6 +1,7 @@
 """The cost model's plain values: what a node costs (`NodeCost`), a device (`DeviceSpec`), a link
 between two (`Link`, `default_link`), a device kind's times (`KindTimes`), a stage's predicted
-cost (`StageCost`), and bytes as a person reads them (`format_bytes`)."""
+cost (`StageCost`), what a call costs its process besides its stages (`HostCosts`), and bytes
+as a person reads them (`format_bytes`)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,54 @@ class StageCost:
     @property
     def backward_step_s(self) -> float:
         return self.backward_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What a call through stages on threads of one process costs that process besides the
+    stages' own work, measured on the machine (`fxpipe.measure.host_costs`; zeros: not priced).
+
+    `start_s`: a call's own start and end (the runtime waking its workers and keeping its
+    record, the batch's rows counted);
+    `split_s` and `merge_s`: per micro-batch, slicing one input leaf off the batch and putting
+    one output leaf back into the merged output. So a call's own work is `call_s` (drawn before
+    the first action in the predicted timeline, `fxpipe.search.predict_slots`).
+
+    `lock_s`: per node, the most of its call a stage's thread spends holding the interpreter
+    lock (Python, argument parsing, the dispatch up to the kernel, which releases it): one
+    thread of the process holds it at a time, so a node that takes less holds it throughout.
+    A forward action holds it `lock_share` of its time: `lock_s` per node (all of its forward
+    compute where that is less) and its hand-offs (a queue's Python) wholly; a backward only
+    its hand-offs (autograd's engine runs without it). The simulator lets the actions running
+    at once hold it no more than one at a time (`fxpipe.schedules.simulate`'s `lock`): stages
+    of tiny nodes take turns where a model of large ones overlaps. The partitioner balances
+    compute and transfers alone (its relaxed views cannot carry a shared resource); search's
+    exact simulation of each candidate carries the lock, so the configuration chosen and the
+    step predicted do. `wake_s`: how long a thread waiting for the lock takes to wake once it
+    is let go; a node lets it go for its kernel, but no other thread has it before then, so a
+    node keeps it `lock_s + wake_s` (a node quicker than that, all of its time).
+    """
+
+    start_s: float = 0.0
+    split_s: float = 0.0
+    merge_s: float = 0.0
+    lock_s: float = 0.0
+    wake_s: float = 0.0
+
+    def call_s(self, chunks: int, inputs: int, outputs: int) -> float:
+        """A call's own work: its start and end, `inputs` leaves split into `chunks`
+        micro-batches and `outputs` leaves merged back."""
+        return self.start_s + chunks * (inputs * self.split_s + outputs * self.merge_s)
+
+    def lock_share(self, stage: StageCost, forward: bool) -> float:
+        """The share of a `stage`'s forward (or backward) action spent holding the lock."""
+        step_s = stage.forward_step_s if forward else stage.backward_step_s
+        if step_s <= 0 or self.lock_s <= 0:
+            return 0.0
+        held = stage.comm_s + (min(stage.compute_s - stage.backward_s,
+                                   stage.num_nodes * (self.lock_s + self.wake_s))
+                               if forward else 0.0)
+        return min(1.0, held / step_s)
 
 
 def format_bytes(nbytes: float) -> str:
