@@ -322,9 +322,9 @@ class Generation:
         padded = length + (-q) % self.prompt
         if not self.fits(rows, padded):
             raise GenerationError(
-                f"{rows} sequences of {padded} slots (prompt padded to whole chunks of "
-                f"{self.prompt}, and new tokens), over the {self.rows} x {self.length} planned\n"
-                f"Fix: generate fewer new tokens (max_new_tokens) or fewer sequences, or "
+                f"{rows} x {padded} slots, over the {self.rows} x {self.length} planned\n"
+                f"{rows} sequences of {padded} slots: the prompt padded to whole chunks of "
+                f"{self.prompt}, and the new tokens\nFix: generate fewer new tokens (max_new_tokens) or fewer sequences, or "
                 f"plan again from the model (pipe.generate, plan_generation)")
         return self.run(args, kwargs)
 

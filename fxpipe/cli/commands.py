@@ -77,8 +77,8 @@ def _plan_generation(args: argparse.Namespace, model: torch.nn.Module, devices: 
                          "time), without --input, --train or --meta")
     length = _count(args.generate)
     if not isinstance(length, int) or length <= tokens[1]:
-        raise UsageError(f"--generate {args.generate}: the tokens in all (prompt and new), "
-                         f"more than the prompt's {tokens[1]}")
+        raise UsageError(f"--generate {args.generate}: not more tokens than the prompt's\n"
+                         f"give the tokens in all (prompt and new), more than {tokens[1]}")
     kept = ("chunks", "progress", "link", "verify", "capture", "leaf_modules", "num_stages")
     options = {k: v for k, v in options.items() if k in kept}
     lanes = options.pop("chunks") or 1
