@@ -59,7 +59,8 @@ PHASES = {
 }
 # The modules that call them, before planning was prepared once (`api` did) and after
 # (`planning.build` conducts the steps now).
-CALLERS = ("api", "planning.build", "planning.prepare", "planning.measure", "planning.search")
+CALLERS = ("api", "planning.build", "planning.recipe", "planning.prepare", "planning.measure",
+           "planning.search")
 
 
 class Net(nn.Module):

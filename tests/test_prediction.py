@@ -125,6 +125,20 @@ def test_stages_holding_the_interpreter_lock_take_turns(scripted, monkeypatch, l
     assert max(slot.end_s for slot in plan.predict()) == pytest.approx(plan.record.predicted_step_s)
 
 
+def test_a_graph_split_to_balance_costs_the_call_what_the_unsplit_one_does():
+    # A candidate whose wide nodes are split (`search.consider`) is costed again on the split
+    # graph: its call's own work and the interpreter lock are still priced, so it is weighed
+    # against the others on the same terms.
+    from fxpipe.planning import search
+    from fxpipe.passes.cost_model import NodeCost, cost_graph
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    for node in gm.graph.nodes:
+        node.meta["cost"] = NodeCost(fwd_s=1e-3, bwd_s=2e-3, out_bytes=64)
+    host = HostCosts(start_s=1e-3, lock_s=1e-5)
+    like = search.Costed(cost_graph(gm), cost_graph(gm, training=False), host)
+    assert search._costed(gm, like, training=False).host == host
+
+
 def test_the_simulator_lets_one_action_hold_the_lock_at_a_time():
     # Two stages reading nothing from each other, one action of 1 s each, holding the lock
     # a share of it: shares adding up to 1 or less overlap; beyond, the pair takes the sum.

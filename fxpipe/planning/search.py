@@ -167,9 +167,11 @@ def split_chosen(gm: fx.GraphModule, chosen: Candidate) -> None:
 
 
 def _costed(gm: fx.GraphModule, like: Costed, training: bool) -> Costed:
-    """`gm` costed from its nodes' costs, with the device kinds `like` carries."""
+    """`gm` costed from its nodes' costs, with the device kinds and the host costs `like`
+    carries (a split graph's call costs the process what the unsplit one's does)."""
     kinds = [kind for kind in like.forward.kinds if kind is not None]
-    return Costed(cost_graph(gm, kinds=kinds), cost_graph(gm, training=training, kinds=kinds))
+    return Costed(cost_graph(gm, kinds=kinds), cost_graph(gm, training=training, kinds=kinds),
+                  like.host)
 
 
 def _consider(config: Config, costed: Costed, devices: Sequence[DeviceSpec], link: LinkFn,
