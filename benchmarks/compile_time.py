@@ -136,6 +136,8 @@ def compile_timed(phases: Phases, model: nn.Module, args: tuple, kwargs: dict, d
                   auto: bool) -> tuple[float, dict[str, float], int]:
     import fxpipe
     phases.reset()
+    shapes = getattr(sys.modules.get("fxpipe.passes.partition.lattice"), "_SHAPES", {})
+    shapes.clear()      # each compile lists its graph's ideals, as a first compile of it does
     options = dict(num_stages="auto", chunks="auto") if auto else dict(chunks=2 * devices)
     start = time.perf_counter()
     pipe = fxpipe.compile(model, ["cpu"] * devices, args, kwargs, **options)

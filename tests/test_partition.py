@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import random
 
 import pytest
@@ -402,3 +403,45 @@ def test_slicing_that_fails_with_no_time_limit_tries_balanced_limits():
     stage_of = _best_slicing(model, order, lower_bound_s(graph, devices))
     assert stage_of is not None and all(e <= 0 for e in model.memory_over(stage_of))
     assert isinstance(partition(graph, devices, memory=memory), Partition)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(max_nodes=10), st.integers(1, 5))
+def test_ideals_listed_once_per_shape_equal_every_downward_closed_set(case, scale):
+    """The ideals (their masks listed once per graph shape, their sums per costing) are exactly
+    the downward-closed sets of computing nodes, by brute force over every subset, with each
+    ideal's compute, bytes and frontier summed from its members: for a graph, for the same
+    shape costed again (times and bytes scaled), which reuses the listing, and for its nodes
+    chained one after another (another shape, listed anew)."""
+    from fxpipe.passes.partition import lattice as lattices
+    graph = case.graph
+    again = replace(graph, time_s=tuple(t * scale for t in graph.time_s),
+                    out_bytes=tuple(b * scale + 1 for b in graph.out_bytes), kinds={})
+    chained = replace(graph, preds=tuple(() if graph.is_input[i] else (i - 1,) if i else ()
+                                         for i in range(len(graph))),
+                      views=tuple(() for _ in graph.names))
+    lattices._SHAPES.clear()
+    listed = []
+    original = lattices._list_ideals
+    lattices._list_ideals = lambda *a: listed.append(1) or original(*a)
+    try:
+        for costed in (graph, again, chained):
+            model = Pricing(costed, case.devices)
+            lattice = _Lattice.ideals(costed, model.columns, model.forward_columns, 10_000)
+            nodes = costed.compute_nodes
+            closed = {mask for mask in range(1 << len(nodes))
+                      if all(mask >> b & 1 == 0 or all(mask >> nodes.index(p) & 1
+                                                      for p in costed.preds[i] if p in nodes)
+                             for b, i in enumerate(nodes))}
+            assert sorted(lattice.masks) == sorted(closed)
+            for k, mask in enumerate(lattice.masks):
+                members = [i for b, i in enumerate(nodes) if mask >> b & 1]
+                for column, times in zip(model.columns, lattice.time_s):
+                    assert times[k] == pytest.approx(sum(column[i] for i in members))
+                assert lattice.out_bytes[k] == sum(costed.out_bytes[i] for i in members)
+                read_outside = {b for b, i in enumerate(nodes) if mask >> b & 1 and
+                                any(mask >> nodes.index(j) & 1 == 0 for j in costed.succs[i])}
+                assert lattice.frontier[k] == sum(1 << b for b in read_outside)
+    finally:
+        lattices._list_ideals = original
+    assert len(listed) == 1 + (chained.preds != graph.preds)

@@ -15,7 +15,6 @@ is the model's output, and the capture records it so. A hook on the model itself
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import re
 import traceback
@@ -79,11 +78,20 @@ _STATE = ("_parameters", "_buffers", "_modules")
 
 def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
     """Every module's plain attributes (not parameters, buffers, submodules), and the contents
-    of the lists, dicts and sets among them, as objects: what a forward's Python could change."""
+    of the lists, dicts and sets among them, as objects: what a forward's Python could change.
+    The contents are kept in plain containers (a module's dozen hook dicts each copied by
+    `copy.copy` made this cost several times a small model's run)."""
     return [(m, {k: v for k, v in vars(m).items() if k not in _STATE},
-             {k: copy.copy(v) for k, v in vars(m).items()
+             {k: _contents(v) for k, v in vars(m).items()
               if k not in _STATE and isinstance(v, (list, dict, set))})
             for m in model.modules()]
+
+
+def _contents(container: list | dict | set) -> list | dict | set:
+    """What `container` holds, in a new plain list, dict or set."""
+    if isinstance(container, list):
+        return list(container)
+    return dict(container) if isinstance(container, dict) else set(container)
 
 
 def _restore_attributes(snapshot) -> list[tuple[nn.Module, str, Any]]:
@@ -174,7 +182,7 @@ def _unsettled(model: nn.Module, example: tuple[tuple, Mapping[str, Any]],
 def _held(module: nn.Module, name: str) -> tuple[Any, Any]:
     """An attribute's value (None when absent), and a copy of its contents if a container."""
     value = vars(module).get(name)
-    return value, copy.copy(value) if isinstance(value, (list, dict, set)) else None
+    return value, _contents(value) if isinstance(value, (list, dict, set)) else None
 
 
 def _settled(before: tuple[Any, Any], now: tuple[Any, Any]) -> bool:

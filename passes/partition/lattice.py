@@ -12,7 +12,8 @@ received by at most one later stage over uniform links (typical DNNs).
 Only pairs whose compute fits under the best bottleneck known are tried, only ideals in the
 compute bands where stage boundaries can fall take part, and sources are scanned from the
 largest down, stopping once compute alone reaches the best value: O(n N) to list N ideals
-(`Limits.ideals`), then O(k P) for the P pairs tried (<= k N^2 / 2, about k N w in practice for a
+(`Limits.ideals`; once per graph shape, which a graph costed for other micro-batches, threads or
+devices keeps, so "auto" lists a graph's ideals once for all its configurations), then O(k P) for the P pairs tried (<= k N^2 / 2, about k N w in practice for a
 band of w ideals). A sequential graph has n + 1 ideals; chains with parallel branches have few
 more. Listing ideals grows as n times the graph's width; the DP as k times the pairs in the bands.
 
@@ -23,6 +24,7 @@ chains are the contiguous slicings of that order (exact slicing, `search.py`).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
@@ -77,39 +79,24 @@ class _Lattice:
     @staticmethod
     def ideals(graph: CostGraph, columns: list[tuple[float, ...]],
                forward_columns: list[tuple[float, ...]], max_ideals: int) -> _Lattice | None:
-        """All ideals, grown one node at a time, or None past `max_ideals`. O(N * width)."""
+        """All ideals, or None past `max_ideals`: their masks listed once per graph shape
+        (`_shape_ideals`), their sums here, each ideal its parent's plus one node."""
         nodes = graph.compute_nodes
-        if len(nodes) + 1 > max_ideals:
+        shape = _shape_ideals(graph, max_ideals)
+        if shape is None:
             return None
         lattice = _Lattice._empty(graph, nodes, columns, forward_columns)
-        bit = {i: b for b, i in enumerate(nodes)}
-        pred_mask = [sum(1 << bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
-        ready = sum(1 << b for b in range(len(nodes)) if pred_mask[b] == 0)
-        seen = {0}
-        level = [(0, 0, ready)]                      # (mask, index, nodes that may join)
-        while level:
-            grown = []
-            for mask, index, can_join in level:
-                rest = can_join
-                while rest:
-                    low = rest & -rest
-                    rest ^= low
-                    bigger = mask | low
-                    if bigger in seen:
-                        continue
-                    seen.add(bigger)
-                    if len(seen) > max_ideals:
-                        return None
-                    b = low.bit_length() - 1
-                    joining = can_join & ~low
-                    readers = lattice.reader_mask[nodes[b]]
-                    while readers:
-                        r = readers & -readers
-                        readers ^= r
-                        if pred_mask[r.bit_length() - 1] & ~bigger == 0:
-                            joining |= r
-                    grown.append((bigger, lattice._add(index, b, bigger), joining))
-            level = grown
+        lattice.masks = list(shape.masks)
+        lattice.frontier = list(shape.frontier)
+        added = [nodes[b] for b in shape.bit]
+        sums = [*lattice.time_s, *lattice.forward_s, lattice.param_bytes, lattice.saved_bytes,
+                lattice.out_bytes]
+        terms = [*columns, *forward_columns, graph.param_bytes, graph.saved_bytes,
+                 graph.out_bytes]
+        for total, term in zip(sums, terms):
+            append = total.append
+            for parent, i in zip(shape.parent, added):
+                append(total[parent] + term[i])
         return lattice
 
     @staticmethod
@@ -207,6 +194,88 @@ class _Lattice:
                 stage_of[node] = s
             previous = self.masks[i]
         return stage_of
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Every ideal of a graph's computing nodes, by size: ideal `k` (k > 0) is ideal
+    `parent[k]` plus bit `bit[k]`, and `frontier[k]` masks its members read outside it. It
+    depends on the graph's shape alone, which the costings of one graph for other micro-batches,
+    threads and devices share."""
+
+    masks: tuple[int, ...]
+    parent: tuple[int, ...]      # from ideal 1 on
+    bit: tuple[int, ...]         # from ideal 1 on
+    frontier: tuple[int, ...]
+
+
+_SHAPES: collections.OrderedDict[tuple, _Shape | None] = collections.OrderedDict()
+_SHAPES_KEPT = 4
+
+
+def _shape_ideals(graph: CostGraph, max_ideals: int) -> _Shape | None:
+    """`graph`'s ideals (`_Shape`), or None past `max_ideals`, listed once per shape: the last
+    `_SHAPES_KEPT` shapes are kept. O(N * width) for N ideals."""
+    nodes = graph.compute_nodes
+    key = (max_ideals, tuple(nodes), tuple(tuple(graph.preds[i]) for i in nodes),
+           tuple(tuple(graph.succs[i]) for i in nodes))
+    if key in _SHAPES:
+        _SHAPES.move_to_end(key)
+        return _SHAPES[key]
+    shape = _list_ideals(graph, max_ideals)
+    _SHAPES[key] = shape
+    if len(_SHAPES) > _SHAPES_KEPT:
+        _SHAPES.popitem(last=False)
+    return shape
+
+
+def _list_ideals(graph: CostGraph, max_ideals: int) -> _Shape | None:
+    """All ideals, grown one node at a time, or None past `max_ideals`."""
+    nodes = graph.compute_nodes
+    if len(nodes) + 1 > max_ideals:
+        return None
+    bit = {i: b for b, i in enumerate(nodes)}
+    reader_mask = [sum(1 << bit[j] for j in graph.succs[i]) for i in nodes]
+    pred_mask = [sum(1 << bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
+    pred_bits = [tuple(bit[p] for p in graph.preds[i] if p in bit) for i in nodes]
+    masks, parents, bits, frontiers = [0], [], [], [0]
+    seen = {0}
+    ready = sum(1 << b for b in range(len(nodes)) if pred_mask[b] == 0)
+    level = [(0, 0, ready)]                      # (ideal, its index, nodes that may join)
+    while level:
+        grown = []
+        for mask, index, can_join in level:
+            rest = can_join
+            while rest:
+                low = rest & -rest
+                rest ^= low
+                bigger = mask | low
+                if bigger in seen:
+                    continue
+                seen.add(bigger)
+                if len(seen) > max_ideals:
+                    return None
+                b = low.bit_length() - 1
+                joining = can_join & ~low
+                readers = reader_mask[b]
+                while readers:
+                    r = readers & -readers
+                    readers ^= r
+                    if pred_mask[r.bit_length() - 1] & ~bigger == 0:
+                        joining |= r
+                frontier = frontiers[index]
+                if reader_mask[b] & ~bigger:
+                    frontier |= low
+                for p in pred_bits[b]:     # only what b reads can stop being read outside
+                    if frontier >> p & 1 and not reader_mask[p] & ~bigger:
+                        frontier &= ~(1 << p)
+                masks.append(bigger)
+                parents.append(index)
+                bits.append(b)
+                frontiers.append(frontier)
+                grown.append((bigger, len(masks) - 1, joining))
+        level = grown
+    return _Shape(tuple(masks), tuple(parents), tuple(bits), tuple(frontiers))
 
 
 def _bits(mask: int) -> list[int]:
