@@ -50,8 +50,11 @@ def test_plan_builds_no_pipeline_and_starts_no_stage_worker(no_pipeline_no_worke
                                                             chunks, devices, monkeypatch):
     torch.manual_seed(0)
     model, x = Skips().train(training), torch.randn(12, 16)
+    before = set(threading.enumerate())
     plan = fxpipe.plan(model, ["cpu"] * devices, (x,), chunks=chunks, training=training)
     assert stage_workers(no_pipeline_no_worker) == []
+    # Measuring what a hand-off costs here (once a layout) runs probes that end with it.
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("fxpipe")]
     assert isinstance(plan, Plan) and plan.partition.num_stages == devices
     assert plan.record.predicted_step_s and plan.record.predicted_step_s > 0
     assert plan.output_dims == ((0,) if chunks > 1 else None)

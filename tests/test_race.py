@@ -152,6 +152,15 @@ def test_the_race_runs_both_without_side_effects_and_gives_each_ones_least_time(
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_a_race_stops_early_only_once_the_fastest_leads_every_other_by_the_margin():
+    from fxpipe.planning.measure import DECIDED, _decided
+    runs = lambda *least: [[(t, t), (2 * t, 2 * t)] for t in least]     # noqa: E731
+    assert _decided(runs(0.8, 1.0, 1.2))                 # 20% ahead of the next
+    assert _decided(runs(1.0, 0.8))                      # whichever leads: the model too
+    assert not _decided(runs(1.0 - DECIDED / 2, 1.0, 2.0))    # the two fastest near
+    assert not _decided(runs(0.95, 1.0))                 # 5%: more rounds may turn it
+
+
 def test_a_training_race_runs_train_steps_without_side_effects():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1), nn.Linear(16, 4)).train()

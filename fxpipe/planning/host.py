@@ -83,7 +83,7 @@ def _runtime_costs(threads: tuple[int | None, ...], cores: int) -> tuple[float, 
     stages = [Stage(i, _passing(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
               for i in range(k)]
     wiring = Wiring.of(stages, [f"v{k}"])
-    runtime = Runtime(stages, wiring, threads_per_stage=list(threads))
+    runtime = Runtime(stages, wiring, threads_per_stage=list(threads), name="fxpipe-probe")
     times: dict[int, list[float]] = {chunks: [] for chunks in HANDOFF_CHUNKS}
     try:
         for run in range(HANDOFF_RUNS + 1):

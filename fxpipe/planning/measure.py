@@ -75,6 +75,7 @@ class Costs:
         self.calibration: dict[tuple, tuple[float, float]] = {}
         self.marks: dict[tuple, dict[str, dict[str, Any]]] = {}
         self.scaled: dict[tuple, dict[fx.Node, NodeCost]] = {}     # the model as is (`as_is`)
+        self.costed: dict[tuple, tuple[Mapping, search.Costed]] = {}     # by `_costed`
         saved = recipe.options.costs
         self.saved: Mapping[tuple, Measurement] = {
             key: m for key, m in (saved.record.measurements if saved is not None else {}).items()
@@ -199,16 +200,21 @@ class Costs:
     def _costed(self, by_kind: Mapping[str, Mapping[fx.Node, NodeCost]],
                 devices: Sequence[DeviceSpec]) -> search.Costed:
         """The graph costed with each kind's node costs, left on the nodes, and what a call
-        costs the process besides them on `devices` (`priced_host`)."""
+        costs the process besides them on `devices` (`priced_host`); built once per costs and
+        devices (a configuration weighed, then planned, is costed once)."""
         kinds = list(by_kind)
         for n in self.gm.graph.nodes:
             if n.op != "output":
                 n.meta["costs"] = {k: by_kind[k][n] for k in kinds}
                 n.meta["cost"] = n.meta["costs"][kinds[0]]
-        in_process = self.recipe.options.link_name in ("default", "measure")
-        host = priced_host(devices) if in_process else HostCosts()
-        return search.Costed(cost_graph(self.gm, kinds=kinds),
-                             cost_graph(self.gm, training=self.training, kinds=kinds), host)
+        key = (tuple((k, id(costs)) for k, costs in by_kind.items()), tuple(devices))
+        if key not in self.costed:      # the costs kept with it: their ids stay theirs
+            in_process = self.recipe.options.link_name in ("default", "measure")
+            host = priced_host(devices) if in_process else HostCosts()
+            forward = cost_graph(self.gm, kinds=kinds)
+            step = cost_graph(self.gm, training=True, kinds=kinds) if self.training else forward
+            self.costed[key] = (by_kind, search.Costed(forward, step, host))
+        return self.costed[key][1]
 
     def _measure(self, chunks: int, device: DeviceSpec, worker: bool) -> dict[fx.Node, NodeCost]:
         gm, recipe = self.gm, self.recipe
@@ -409,11 +415,23 @@ class Race(NamedTuple):
     cpu_share: float | None = None
 
 
+# A race whose fastest (pipeline or model) leads every other by more than this share after its
+# first 3 rounds is decided: several times what the least of 3 runs moves on a quiet machine.
+DECIDED = 0.10
+
+
+def _decided(times: Sequence[Sequence[tuple[float, float]]]) -> bool:
+    """Whether the least times so far name a winner by over `DECIDED` (see `race`)."""
+    first, second = sorted(min(t)[0] for t in times)[:2]
+    return first < second * (1 - DECIDED)
+
+
 def race(plans: Sequence[Plan], model: nn.Module, recipe: Recipe, rounds: int = 5,
          budget_s: float = 1.0) -> Race:
     """The plans' pipelines and the model run whole, on the example, timed in interleaved
     rounds (the order turning each round) after one warm-up each: the least time of each, and
-    the rounds run (`rounds`, or fewer, at least 3, once `budget_s` is spent). In inference a
+    the rounds run (`rounds`, or fewer, at least 3, once `budget_s` is spent or the fastest
+    leads every other by over `DECIDED`: more rounds would not change the winner). In inference a
     run is a call, as `Pipeline.forward` makes it (`call_stages`); in training (the plans'
     mode) one train step with the sum of the outputs as the loss (`train_stages`) against the
     model's forward and backward. Each run ends with its devices' work done. Without side
@@ -461,7 +479,7 @@ def race(plans: Sequence[Plan], model: nn.Module, recipe: Recipe, rounds: int = 
                 runs[i]()
                 synchronize(*devices)
                 times[i].append((time.perf_counter() - began, time.process_time() - cpu))
-            if r >= 2 and time.perf_counter() - start > budget_s:
+            if r >= 2 and (time.perf_counter() - start > budget_s or _decided(times)):
                 break
     model_s, model_cpu_s = min(times[-1])
     share = (model_cpu_s / (model_s * torch.get_num_threads())

@@ -60,11 +60,12 @@ from .workers import Workers
 
 
 class Runtime:
-    """Runs timetables on a pipeline's stages along their `Wiring`, any number of times."""
+    """Runs timetables on a pipeline's stages along their `Wiring`, any number of times; its
+    workers' threads are `name`-0, `name`-1, ... (a pipeline's: "fxpipe-stage")."""
 
     def __init__(self, stages: Sequence[Stage], wiring: Wiring, *,
                  threads_per_stage: int | Sequence[int | None] | None = None,
-                 recompute: bool | Sequence[bool] = False):
+                 recompute: bool | Sequence[bool] = False, name: str = "fxpipe-stage"):
         self.stages = list(stages)
         self.wiring = wiring
         # Per stage: its training forwards keep only their inputs (see the executor).
@@ -76,7 +77,8 @@ class Runtime:
         self.streams = [stream_for(s.device) for s in stages]
         self.last_run: Run | None = None    # the latest run's record, failed or not
         self._in_order = False
-        self.workers = Workers([_setup(s.device, t) for s, t in zip(self.stages, self.threads)])
+        self.workers = Workers([_setup(s.device, t) for s, t in zip(self.stages, self.threads)],
+                               name)
         # What each stage keeps across runs (`runtime.state`): empty until a use allocates it.
         self.state = [StageState(s.index, s.device) for s in self.stages]
         # Dropped without `close()`: the workers end as the runtime is collected (they hold no
