@@ -95,8 +95,9 @@ def test_the_plan_compares_the_pipeline_with_the_model_run_whole():
 def test_a_plan_predicted_slower_than_the_model_says_so():
     plan = fxpipe.compile(mlp(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2).plan
     plan = plan.with_record(spread=0.0, unpipelined_spread=0.0)   # measured steadily
-    slower = plan.with_record(predicted_step_s=2.0, unpipelined_s=1.0)
-    faster = plan.with_record(predicted_step_s=1.0, unpipelined_s=2.0)
+    work_s = sum(s.compute_s for s in plan.partition.stages) * plan.chunks   # figures that agree
+    slower = plan.with_record(predicted_step_s=2 * work_s, unpipelined_s=work_s)
+    faster = plan.with_record(predicted_step_s=work_s, unpipelined_s=2 * work_s)
     assert "0.50x" in str(slower) and "predicted slower than the model" in str(slower)
     assert "2.00x" in str(faster) and "slower" not in str(faster)
 

@@ -195,6 +195,11 @@ def test_a_plan_claims_no_speed_up_where_its_figures_cannot_hold(scripted, monke
         shaken = plan.with_record(**unsteady)
         assert shaken.claimed_speedup is None and "figures are unsteady" in str(shaken)
         assert f"{plan.speedup:.2f}x" not in str(shaken)
+    # The model's runs all slowed alike (steady) far past its stages' whole work: disturbed.
+    work_s = sum(s.compute_s for s in plan.partition.stages) * plan.chunks
+    slowed = plan.with_record(unpipelined_s=4 * work_s, unpipelined_spread=0.0)
+    assert slowed.claimed_speedup is None and "the figures disagree" in str(slowed)
+    assert plan.with_record(unpipelined_s=2 * work_s).claimed_speedup is not None
 
 
 def test_the_speed_up_measured_in_use_sits_beside_the_predicted_one(scripted, monkeypatch):

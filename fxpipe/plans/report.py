@@ -272,7 +272,23 @@ def unclaimed(plan: Plan) -> str:
         return (f"the figures are unsteady: {' and '.join(unsteady)} varied over "
                 f"{UNSTEADY:.0%}, as when another process uses the cores; compile again when "
                 f"the machine is quiet")
+    work_s = sum(s.compute_s for s in plan.partition.stages) * plan.chunks
+    model_s = plan.record.unpipelined_s
+    if model_s and work_s and all(is_cpu(d.name) for d in devices) and \
+            model_s > DISAGREE * work_s:
+        return (f"the figures disagree: the model run whole took {model_s * 1e3:.3f} ms, "
+                f"{model_s / work_s:.0f}x its stages' whole work on one thread each "
+                f"({work_s * 1e3:.3f} ms), as when another process held the cores while the "
+                f"model ran; compile again when the machine is quiet")
     return ""
+
+
+# The model run whole on the caller's threads never takes longer than its stages' work on the
+# whole batch, one thread each (fewer threads, smaller micro-batches), by more than the
+# call's own overhead: over this factor, the model's runs were slowed by other processes (each
+# run alike, so their spread looks steady), and a speed-up claimed on them would be that
+# factor too high.
+DISAGREE = 3.0
 
 
 # Measured and predicted speed-ups further apart than this (the larger over the smaller) warn.
