@@ -459,28 +459,34 @@ def plan_generation(pipe: "Pipeline | nn.Module", devices: Sequence[Any] | None 
                                   "plan_generation(model, ['cpu', 'cpu'], ...)")
         return Generation(pipe, devices, rows=rows, prompt=prompt, length=length,
                           chunks=lanes, planner=Planner.plan_other, **options)
-    recipe = pipe._recipe
-    model = recipe.model if recipe is not None else None
+    from .planning.build import Planner
+    model = _model_of(pipe)
     if model is None or not hasattr(model, "generate"):
-        raise GenerationError("pipe.generate needs the model it was compiled from\n"
-                              "a Hugging Face causal LM; a pipeline from load_plan cannot "
-                              "plan generation\nFix: fxpipe.compile(model, ...) the model, or "
-                              "load a saved generation (fxpipe.generate.load_generation)")
+        raise GenerationError("pipe.generate needs the model, a Hugging Face causal LM\n"
+                              "a pipeline plans generation from the model it was compiled "
+                              "from, or that load_plan(path, model=model) was given\nFix: "
+                              "fxpipe.load_plan(path, model=model), fxpipe.compile(model, ...), "
+                              "or load a saved generation (fxpipe.generate.load_generation)")
     if pipe._generation is not None:
         pipe._generation.close()
         pipe._generation = None
     devices = [stage.device for stage in pipe.stage_info]
     pipe._generation = Generation(model, devices, rows=rows, prompt=prompt, length=length,
-                                  chunks=lanes, planner=recipe.plan_other, **options)
+                                  chunks=lanes, planner=Planner.plan_other, **options)
     return pipe._generation
+
+
+def _model_of(pipe: "Pipeline") -> nn.Module | None:
+    """The model a pipeline plans generation from: the one compiled, or the one its loaded plan
+    took its weights from (`load_plan(path, model=model)`)."""
+    return pipe._recipe.model if pipe._recipe is not None else pipe.plan.model
 
 
 def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     """`pipe.generate(*args, **kwargs)`: `model.generate`'s result, each step run by the
     stages of `pipe`'s generation plan (made by `plan_generation` where none fits the call)."""
     generation = pipe._generation
-    model = generation.model if generation is not None else (
-        pipe._recipe.model if pipe._recipe is not None else None)
+    model = generation.model if generation is not None else _model_of(pipe)
     rows, q, length = _asked(model, args, kwargs)
     if generation is None or not generation.fits(rows, length + (-q) % generation.prompt):
         generation = plan_generation(pipe, rows=rows, prompt=q, length=length)

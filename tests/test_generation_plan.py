@@ -203,3 +203,21 @@ def test_the_plan_runs_the_lanes_predicted_even_where_planning_chose_others(scri
         assert generation.lane_choice.lanes == 2 and generation.decode.chunks == 2
     finally:
         generation.close()
+
+
+# --- a pipeline from a saved plan ------------------------------------------------------------
+
+def test_a_pipeline_loaded_with_its_model_generates_the_models_tokens(scripted, tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    ids = torch.randint(1, 1000, (4, 4), generator=torch.Generator().manual_seed(4))
+    fxpipe.plan(model, ["cpu", "cpu"], example_kwargs=dict(input_ids=ids), chunks=2,
+                **FAST).save(tmp_path / "plan")
+    kwargs = dict(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan", model=model)) as pipe:
+        assert torch.equal(pipe.generate(**kwargs), model.generate(**kwargs))
+        assert pipe._generation.model is model
+    with fxpipe.Pipeline(fxpipe.load_plan(tmp_path / "plan")) as pipe:
+        with pytest.raises(GenerationError, match=r"load_plan\(path, model=model\)") as e:
+            pipe.generate(**kwargs)
+        assert "load_generation" in str(e.value)

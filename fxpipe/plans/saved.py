@@ -139,6 +139,7 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
         plan = _weighed(plan, weights, loaded, model)
     elif model is not None:
         _take_weights(plan, model, root)
+    object.__setattr__(plan, "model", model)      # in memory only: what generate plans from
     return plan
 
 
