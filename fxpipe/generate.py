@@ -61,8 +61,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from fxpipe.passes.errors import DeviceError, FxpipeError, InputError
+from fxpipe.passes.errors import DeviceError, InputError
 
+from .planning.generation import GenerationError
 from .runtime.calls import call_stages, runtime_of
 from .runtime.state import Planned, readers_of
 
@@ -76,10 +77,6 @@ try:    # transformers is an optional dependency ('.[hf]')
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError:      # pragma: no cover - generation needs transformers
     Cache = object
-
-
-class GenerationError(FxpipeError):
-    """A generation the pipeline cannot run as asked."""
 
 
 class SlotCache(Cache):
@@ -346,7 +343,8 @@ class Generation:
         (`model.generate` itself where the plan runs the model as is)."""
         if self.as_is:
             return self.model.generate(*args, **kwargs)
-        _refuse_meta(self.decode)
+        from .planning.generation import refuse_meta
+        refuse_meta(self.decode)
         with self.session():
             return self.front().generate(*args, cache=Counting(), **kwargs)
 
@@ -451,15 +449,14 @@ def plan_generation(pipe: "Pipeline | nn.Module", devices: Sequence[Any] | None 
     Given a causal LM instead of a pipeline, it plans that model's generation on `devices`
     (a model built on meta too: the plan shows each stage's KV bytes and the lanes, and
     `save_generation` keeps it for `load_generation(path, weights=...)`)."""
+    from .planning.build import Planner
     if not hasattr(pipe, "_recipe"):            # a model, planned on its own
-        from .planning.build import Planner
         if not hasattr(pipe, "generate") or devices is None:
             raise GenerationError("plan_generation takes a pipeline, or a causal LM and its "
                                   "devices\nFix: plan_generation(pipe, ...) or "
                                   "plan_generation(model, ['cpu', 'cpu'], ...)")
         return Generation(pipe, devices, rows=rows, prompt=prompt, length=length,
                           chunks=lanes, planner=Planner.plan_other, **options)
-    from .planning.build import Planner
     model = _model_of(pipe)
     if model is None or not hasattr(model, "generate"):
         raise GenerationError("pipe.generate needs the model, a Hugging Face causal LM\n"
@@ -576,15 +573,6 @@ def load_generation(path: str | os.PathLike, devices: Sequence[Any] | None = Non
     return Generation.of_plans(model, decode, prefill, rows=document["rows"],
                                prompt=document["prompt"], length=document["length"],
                                planned=planned)
-
-
-def _refuse_meta(plan: "Plan") -> None:
-    """A generation planned from a model on meta holds no weights: refused, with the fix."""
-    if any(t.is_meta for stage in plan.stages for t in stage.module.parameters()):
-        raise GenerationError("this generation was planned on meta: its stages hold no weights\n"
-                              "Fix: save_generation(generation, path), then "
-                              "load_generation(path, weights='ckpt/') (a checkpoint or a "
-                              "state_dict), or plan from the model with its weights")
 
 
 def _config(directory: Path) -> Any:

@@ -221,3 +221,29 @@ def test_a_pipeline_loaded_with_its_model_generates_the_models_tokens(scripted, 
         with pytest.raises(GenerationError, match=r"load_plan\(path, model=model\)") as e:
             pipe.generate(**kwargs)
         assert "load_generation" in str(e.value)
+
+
+# Llama-70B's shape (Llama 3: 80 layers, hidden 8192, 64 heads, 8 key/value heads of 128, MLP
+# 28672, vocabulary 128256), bf16, on 8 CPU devices of 24 GB: no one holds its 141 GB.
+LLAMA_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+@pytest.mark.slow
+def test_the_70b_shape_gets_a_generation_plan_from_meta_with_its_kv_bytes(tmp_path, capsys):
+    """Minutes on a 2-core machine (two plans of the 70B shape from meta: decode and prefill)."""
+    from fxpipe.__main__ import main
+    from fxpipe.passes.cost_model import format_bytes
+    LlamaConfig(**LLAMA_70B).to_json_file(tmp_path / "config.json")
+    devices = ",".join(f"cpu:{s}=24GB" for s in range(8))
+    assert main(["plan", "transformers:AutoModelForCausalLM", "--config",
+                 str(tmp_path / "config.json"), "--meta", "--dtype", "bf16", "--tokens", "8x64",
+                 "--generate", "2048", "--chunks", "4", "--no-verify", "--quiet",
+                 "--devices", devices]) == 0
+    out = capsys.readouterr().out
+    total = kv_bytes_by_hand(80, 8, 8, 2048, 128, 2)          # 5.4 GB
+    assert f"key/value cache: {format_bytes(total)} in all" in out and "4 lanes" in out, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in
+            [[str(s)] for s in range(8)] and line.split()[1].startswith("cpu:")]
+    assert len(rows) == 8, out

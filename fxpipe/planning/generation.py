@@ -37,8 +37,12 @@ if TYPE_CHECKING:
     from ..plans.plan_data import Plan
 
 
-class LanesError(FxpipeError):
-    """A number of lanes that cannot be planned (none fits, or one asked for that is not)."""
+class GenerationError(FxpipeError):
+    """A generation the pipeline cannot run as asked (`fxpipe.generate.GenerationError`)."""
+
+
+class LanesError(GenerationError):
+    """No number of lanes fits the stages' memory."""
 
 
 @dataclass(frozen=True)
@@ -160,9 +164,10 @@ def plan_decode(planner: Callable[..., "Plan"], lm: Any, devices: Sequence[Any],
         plan = planner(lm, devices, example, chunks=min(int(lanes), rows), **options)
         return plan, choose_lanes(rows, lane_options(plan), asked=plan.chunks)
     plan = planner(lm, devices, example, chunks="auto", **options)
-    if plan.runs_as_is:
+    options_weighed = lane_options(plan)
+    if plan.runs_as_is or not options_weighed:     # (none: the plan's record weighed nothing)
         return plan, None
-    choice = choose_lanes(rows, lane_options(plan))
+    choice = choose_lanes(rows, options_weighed)
     if choice.lanes != plan.chunks:
         options = dict(options, num_stages=len(plan.stages))
         options.setdefault("costs", plan)       # the costs planning measured, reused
@@ -186,3 +191,13 @@ class Prefixed(Weights):
         n = len(self.prefix)
         return {self.prefix + name: t for name, t in
                 self.inner._read({name[n:]: t for name, t in like.items()}, device).items()}
+
+
+def refuse_meta(plan: "Plan") -> None:
+    """A generation planned from a model on meta holds no weights: refused before it runs,
+    with the fix (`fxpipe.generate.load_generation` with `weights=`)."""
+    if any(t.is_meta for stage in plan.stages for t in stage.module.parameters()):
+        raise GenerationError("this generation was planned on meta: its stages hold no weights\n"
+                              "Fix: save_generation(generation, path), then "
+                              "load_generation(path, weights='ckpt/') (a checkpoint or a "
+                              "state_dict), or plan from the model with its weights")
