@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--generate", metavar="LENGTH", default=None,
                       help="plan generation instead (a causal LM, --tokens BxS: B sequences, "
                            "prompts prefilled S tokens at a time, LENGTH tokens in all; --chunks "
-                           "the lanes); --save writes it for fxpipe.generate.load_generation")
+                           "the lanes, chosen by the plan when left out; --meta plans it "
+                           "without the weights); --save writes it for fxpipe.generate.load_generation")
     plan.set_defaults(command=_plan, name="plan")
 
     explain = commands.add_parser("explain", help="plan a model and say, for each cut, what "

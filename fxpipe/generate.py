@@ -61,8 +61,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from fxpipe.passes.errors import DeviceError, FxpipeError, InputError
+from fxpipe.passes.errors import DeviceError, InputError
 
+from .planning.generation import GenerationError
 from .runtime.calls import call_stages, runtime_of
 from .runtime.state import Planned, readers_of
 
@@ -76,10 +77,6 @@ try:    # transformers is an optional dependency ('.[hf]')
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError:      # pragma: no cover - generation needs transformers
     Cache = object
-
-
-class GenerationError(FxpipeError):
-    """A generation the pipeline cannot run as asked."""
 
 
 class SlotCache(Cache):
@@ -205,20 +202,27 @@ class Counting(Cache):
 class Generation:
     """Two plans of `CachedLM(model)` on `devices` (decode and prefill), for up to `rows`
     sequences of up to `length` tokens, prompts prefilled `prompt` tokens at a time, `chunks`
-    lanes; their caches the decode runtime's stage state."""
+    lanes ("auto" or None: chosen, `fxpipe.planning.generation`); their caches the decode
+    runtime's stage state. `as_is` says why generation runs the model as is, where it does."""
 
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
-                 length: int, chunks: int, planner: Callable[..., "Plan"], **options: Any):
+                 length: int, chunks: int | str | None, planner: Callable[..., "Plan"],
+                 **options: Any):
+        from .planning.generation import plan_decode
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
         self.lm = CachedLM(model, rows, length)
         self.lm.training = model.training     # (not .eval(): it would switch the model's modules)
         options.setdefault("training", False)  # generation runs forwards only
         dims = {"slots": None}
-        self.decode = planner(self.lm, devices, self.example(rows, 1),
-                              chunks=min(chunks, rows), batch_dims=dims, **options)
-        self.prefill = self.decode if prompt == 1 else planner(
-            self.lm, devices, self.example(rows, prompt),
-            chunks=min(chunks, rows), batch_dims=dims, **options)
+        self.decode, self.lane_choice = plan_decode(planner, self.lm, devices,
+                                                    self.example(rows, 1), rows=rows,
+                                                    lanes=chunks, batch_dims=dims, **options)
+        self.as_is = "" if not self.decode.runs_as_is else (
+            f"no pipeline is predicted to decode faster than the model: it generates as is "
+            f"(model.generate); {self.decode.record.reason}")
+        self.prefill = self.decode if prompt == 1 or self.as_is else planner(
+            self.lm, devices, self.example(rows, prompt), batch_dims=dims,
+            **dict(options, chunks=self.decode.chunks, num_stages=len(self.decode.stages)))
         self.planned = {name: Planned(tuple(b.shape), b.dtype) for stage in self.decode.stages
                         for name, b in stage.module.named_buffers() if name.startswith("kv_")}
         self._start()
@@ -231,6 +235,7 @@ class Generation:
         self = cls.__new__(cls)
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
         self.lm, self.decode, self.prefill, self.planned = None, decode, prefill, planned
+        self.lane_choice, self.as_is = None, ""
         self._start()
         return self
 
@@ -248,8 +253,10 @@ class Generation:
         self._adopt()
 
     def example(self, rows: int, q: int) -> dict[str, torch.Tensor]:
-        """A step's graph inputs: `q` new tokens of `rows` sequences at slots 0..q-1."""
+        """A step's graph inputs: `q` new tokens of `rows` sequences at slots 0..q-1 (on the
+        CPU for a model on meta: planning runs it on real inputs)."""
         device = _device(self.model)
+        device = torch.device("cpu") if device.type == "meta" else device
         ids = torch.zeros((rows, q), dtype=torch.long, device=device)
         mask = self.mask(torch.ones((rows, q), dtype=torch.long, device=device))
         return dict(input_ids=ids, attention_mask=mask,
@@ -304,7 +311,10 @@ class Generation:
 
     def tokens_per_s(self) -> float | None:
         """Decode tokens per second predicted: every sequence's next token per decode step
-        (the decode plan's predicted time of one call on all rows)."""
+        (`lane_choice`'s prediction for its lanes; without one, the decode plan's predicted
+        time of one call on all rows)."""
+        if self.lane_choice is not None and self.lane_choice.tokens_per_s() is not None:
+            return self.lane_choice.tokens_per_s()
         step = self.decode.record.predicted_step_s
         return self.rows / step if step else None
 
@@ -329,7 +339,12 @@ class Generation:
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Hugging Face's loop over the front, the caches allocated for it and freed after."""
+        """Hugging Face's loop over the front, the caches allocated for it and freed after
+        (`model.generate` itself where the plan runs the model as is)."""
+        if self.as_is:
+            return self.model.generate(*args, **kwargs)
+        from .planning.generation import refuse_meta
+        refuse_meta(self.decode)
         with self.session():
             return self.front().generate(*args, cache=Counting(), **kwargs)
 
@@ -420,37 +435,55 @@ class Generation:
             return call_stages(plan, self.runtimes[id(plan)], (), inputs)
 
 
-def plan_generation(pipe: "Pipeline", *, rows: int, prompt: int, length: int,
-                    lanes: int | None = None, **options: Any) -> Generation:
+def plan_generation(pipe: "Pipeline | nn.Module", devices: Sequence[Any] | None = None, *,
+                    rows: int, prompt: int, length: int, lanes: int | str | None = "auto",
+                    **options: Any) -> Generation:
     """Plan `pipe`'s generation ahead (`pipe.generate` plans at its first call otherwise, and
     again when a call needs more): for up to `rows` sequences of up to `length` tokens (prompt
     and new tokens, the prompt left-padded to whole prefill chunks), prompts prefilled `prompt`
-    tokens at a time, `lanes` micro-batches of sequences in flight (default: the pipeline's
-    chunks), on the pipeline's devices; `options` are `fxpipe.plan`'s (`repeats`, `verify`,
-    `capture`...). It replaces the pipeline's previous generation plan."""
-    recipe = pipe._recipe
-    model = recipe.model if recipe is not None else None
+    tokens at a time, `lanes` micro-batches of sequences in flight ("auto" or None: chosen on
+    the decode costs measured, `fxpipe.planning.generation`), on the pipeline's devices;
+    `options` are `fxpipe.plan`'s (`repeats`, `verify`, `capture`, `num_stages`...). It replaces
+    the pipeline's previous generation plan.
+
+    Given a causal LM instead of a pipeline, it plans that model's generation on `devices`
+    (a model built on meta too: the plan shows each stage's KV bytes and the lanes, and
+    `save_generation` keeps it for `load_generation(path, weights=...)`)."""
+    from .planning.build import Planner
+    if not hasattr(pipe, "_recipe"):            # a model, planned on its own
+        if not hasattr(pipe, "generate") or devices is None:
+            raise GenerationError("plan_generation takes a pipeline, or a causal LM and its "
+                                  "devices\nFix: plan_generation(pipe, ...) or "
+                                  "plan_generation(model, ['cpu', 'cpu'], ...)")
+        return Generation(pipe, devices, rows=rows, prompt=prompt, length=length,
+                          chunks=lanes, planner=Planner.plan_other, **options)
+    model = _model_of(pipe)
     if model is None or not hasattr(model, "generate"):
-        raise GenerationError("pipe.generate needs the model it was compiled from\n"
-                              "a Hugging Face causal LM; a pipeline from load_plan cannot "
-                              "plan generation\nFix: fxpipe.compile(model, ...) the model, or "
-                              "load a saved generation (fxpipe.generate.load_generation)")
+        raise GenerationError("pipe.generate needs the model, a Hugging Face causal LM\n"
+                              "a pipeline plans generation from the model it was compiled "
+                              "from, or that load_plan(path, model=model) was given\nFix: "
+                              "fxpipe.load_plan(path, model=model), fxpipe.compile(model, ...), "
+                              "or load a saved generation (fxpipe.generate.load_generation)")
     if pipe._generation is not None:
         pipe._generation.close()
         pipe._generation = None
     devices = [stage.device for stage in pipe.stage_info]
     pipe._generation = Generation(model, devices, rows=rows, prompt=prompt, length=length,
-                                  chunks=lanes or pipe.chunks, planner=recipe.plan_other,
-                                  **options)
+                                  chunks=lanes, planner=Planner.plan_other, **options)
     return pipe._generation
+
+
+def _model_of(pipe: "Pipeline") -> nn.Module | None:
+    """The model a pipeline plans generation from: the one compiled, or the one its loaded plan
+    took its weights from (`load_plan(path, model=model)`)."""
+    return pipe._recipe.model if pipe._recipe is not None else pipe.plan.model
 
 
 def generate(pipe: "Pipeline", args: tuple, kwargs: dict[str, Any]) -> Any:
     """`pipe.generate(*args, **kwargs)`: `model.generate`'s result, each step run by the
     stages of `pipe`'s generation plan (made by `plan_generation` where none fits the call)."""
     generation = pipe._generation
-    model = generation.model if generation is not None else (
-        pipe._recipe.model if pipe._recipe is not None else None)
+    model = generation.model if generation is not None else _model_of(pipe)
     rows, q, length = _asked(model, args, kwargs)
     if generation is None or not generation.fits(rows, length + (-q) % generation.prompt):
         generation = plan_generation(pipe, rows=rows, prompt=q, length=length)
@@ -508,22 +541,27 @@ def save_generation(generation: Generation, path: str | os.PathLike) -> Path:
     return root
 
 
-def load_generation(path: str | os.PathLike,
-                    devices: Sequence[Any] | None = None) -> Generation:
+def load_generation(path: str | os.PathLike, devices: Sequence[Any] | None = None, *,
+                    weights: Any = None) -> Generation:
     """The generation saved at `path` (`save_generation`), its stages on the devices planned
     (or `devices`, one per stage); `generation.generate(...)` as `model.generate(...)`, without
     the model: Hugging Face's loop runs over a copy of the model's class built on the meta
-    device from the saved config, whose forward runs the stages."""
+    device from the saved config, whose forward runs the stages. A generation planned on meta
+    saves no weights: `weights` (a checkpoint, a state_dict: what `fxpipe.load_plan` takes)
+    gives both plans' stages theirs."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from .plans.saved import load_plan
+    from .planning.generation import Prefixed
     root = Path(path)
+    weights = None if weights is None else Prefixed(weights)
     if not (root / GENERATION_FILE).is_file():
         raise GenerationError(f"{str(root)!r} holds no saved generation ({GENERATION_FILE})\n"
                               f"Fix: save one with fxpipe.generate.save_generation(generation, "
                               f"path)")
     document = json.loads((root / GENERATION_FILE).read_text())
-    decode = load_plan(root / "decode", devices=devices)
-    prefill = (load_plan(root / "prefill", devices=devices) if (root / "prefill").is_dir()
+    decode = load_plan(root / "decode", devices=devices, weights=weights)
+    prefill = (load_plan(root / "prefill", devices=devices, weights=weights)
+               if (root / "prefill").is_dir()
                else decode)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(

@@ -76,7 +76,7 @@ def llama(scripted):
     pipe = fxpipe.compile(model, ["cpu"] * 2, example_kwargs=dict(input_ids=ids,
                                                                  attention_mask=mask),
                           chunks=2, **FAST)
-    plan_generation(pipe, rows=4, prompt=6, length=16, **FAST)
+    plan_generation(pipe, rows=4, prompt=6, length=16, lanes=2, **FAST)
     yield model, pipe, ids, mask
     pipe.close()
 
@@ -348,7 +348,7 @@ def test_greedy_tokens_equal_model_generate_for_each_architecture(arch, stages, 
     with fxpipe.compile(model, ["cpu"] * stages, example_kwargs=dict(input_ids=ids,
                                                                     attention_mask=mask),
                         chunks=2, **FAST) as pipe:
-        plan_generation(pipe, rows=4, prompt=5, length=15, **FAST)
+        plan_generation(pipe, rows=4, prompt=5, length=15, lanes=2, **FAST)
         free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
                               do_sample=False, pad_token_id=0)
         eos = int(free[1, ids.shape[1] + 2])            # sequence 1's third new token

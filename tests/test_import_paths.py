@@ -20,6 +20,8 @@ DOCUMENTED = [
     "fxpipe.distributed.WorldSizeError",
     "fxpipe.generate", "fxpipe.generate.plan_generation", "fxpipe.generate.GenerationError",
     "fxpipe.generate.save_generation", "fxpipe.generate.load_generation",
+    "fxpipe.planning.generation", "fxpipe.planning.generation.decode_step_s",
+    "fxpipe.planning.generation.choose_lanes",
     "fxpipe.torch_pipelining", "fxpipe.torch_pipelining.pipeline_stages",
     "fxpipe.torch_pipelining.NotAChainError",
     "fxpipe.testing", "fxpipe.testing.memory", "fxpipe.testing.synthetic_graph",

@@ -68,24 +68,25 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_generation(args: argparse.Namespace, model: torch.nn.Module, devices: list,
                      tokens: tuple[int, int] | None, options: dict[str, Any]) -> int:
     """`plan --generate LENGTH`: the generation plan (`fxpipe.generate`) of B sequences of up
-    to LENGTH tokens, prompts prefilled S at a time (`--tokens BxS`), `--chunks` lanes;
-    printed, and saved with `--save` (`fxpipe.generate.load_generation` reads it)."""
-    from ..generate import Generation, save_generation
-    if tokens is None or args.input or args.train or args.meta:
+    to LENGTH tokens, prompts prefilled S at a time (`--tokens BxS`), `--chunks` lanes (left
+    out or "auto": chosen by the plan, `fxpipe.planning.generation`);
+    printed, and saved with `--save` (`fxpipe.generate.load_generation` reads it). With
+    `--meta`, the model is built on meta and planned without being held (its KV caches too:
+    shapes only, each stage's bytes printed); saved, the plans hold no weights."""
+    from ..generate import plan_generation, save_generation
+    if tokens is None or args.input or args.train:
         raise UsageError("--generate plans a causal LM's generation on its token ids\n"
                          "give --tokens BxS (B sequences, prompts prefilled S tokens at a "
-                         "time), without --input, --train or --meta")
+                         "time), without --input or --train")
     length = _count(args.generate)
     if not isinstance(length, int) or length <= tokens[1]:
         raise UsageError(f"--generate {args.generate}: not more tokens than the prompt's\n"
                          f"give the tokens in all (prompt and new), more than {tokens[1]}")
     kept = ("chunks", "progress", "link", "verify", "capture", "leaf_modules", "num_stages")
     options = {k: v for k, v in options.items() if k in kept}
-    lanes = options.pop("chunks") or 1
-    generation = Generation(
-        model.eval(), devices, rows=tokens[0], prompt=tokens[1], length=length, chunks=lanes,
-        planner=lambda m, d, example, **o: fxpipe.plan(m, d, example_kwargs=example, **o),
-        **options)
+    lanes = options.pop("chunks")
+    generation = plan_generation(model.eval(), devices, rows=tokens[0], prompt=tokens[1],
+                                 length=length, lanes=lanes, **options)
     try:
         print(generation)
         if args.save:

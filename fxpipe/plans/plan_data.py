@@ -171,6 +171,9 @@ class Plan:
     # `dataclasses.replace`), and a saved plan keeps it empty.
     observed: dict[str, Any] = field(default_factory=dict, init=False, compare=False,
                                      repr=False)
+    # In memory only: the model `load_plan(path, model=...)` was given (its stages took their
+    # weights from it), which `pipe.generate` plans generation from; None otherwise.
+    model: Any = field(default=None, init=False, compare=False, repr=False)
 
     def with_record(self, **changes: Any) -> "Plan":
         """This plan with those fields of its record changed (`dataclasses.replace`)."""

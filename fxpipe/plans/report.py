@@ -406,8 +406,12 @@ def describe_generation(generation) -> str:
              f"its planned memory, allocated at each generate and freed after it"]
     tokens = g.tokens_per_s()
     if tokens is not None:
-        lines.append(f"decode: {decode.record.predicted_step_s * 1e3:.3f} ms per step predicted "
+        lines.append(f"decode: {g.rows / tokens * 1e3:.3f} ms per step predicted "
                      f"for {_count(g.rows, 'sequence')}: {tokens:.0f} tokens/s")
+    if getattr(g, "as_is", ""):
+        lines.append(f"as is: {g.as_is}")
+    if getattr(g, "lane_choice", None) is not None:
+        lines.extend(g.lane_choice.lines())
     if g.prefill.record.predicted_step_s:
         lines.append(f"prefill: {g.prefill.record.predicted_step_s * 1e3:.3f} ms per chunk of "
                      f"{_count(g.prompt, 'token')} predicted")

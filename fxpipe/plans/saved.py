@@ -110,7 +110,8 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
     """The plan saved at `path`, every stage with its weights on its device.
 
     With `model`, the stages take that model's current weights instead of the saved ones (a
-    plan made once, run with weights trained since); a model whose parameters and buffers do not
+    plan made once, run with weights trained since), and the plan keeps it in memory
+    (`plan.model`: what `pipe.generate` plans generation from); a model whose parameters and buffers do not
     match the plan's by name, shape and dtype is refused, naming what differs. With `weights`
     (a checkpoint, "init", anything `fxpipe.weights.open_weights` takes), each stage reads the
     model's parameters and persistent buffers it holds from there, and only those, straight to
@@ -139,6 +140,7 @@ def load_plan(path: str | os.PathLike, model: nn.Module | None = None, *,
         plan = _weighed(plan, weights, loaded, model)
     elif model is not None:
         _take_weights(plan, model, root)
+    object.__setattr__(plan, "model", model)      # in memory only: what generate plans from
     return plan
 
 
