@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 from pathlib import Path
@@ -64,6 +65,8 @@ from torch import nn
 from fxpipe.passes.errors import DeviceError, FxpipeError, InputError
 
 from .runtime.calls import call_stages, runtime_of
+from .generate_lanes import Lane, on_lanes
+from .runtime.lanes import bubble
 from .runtime.state import Planned, readers_of
 
 if TYPE_CHECKING:
@@ -329,9 +332,41 @@ class Generation:
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Hugging Face's loop over the front, the caches allocated for it and freed after."""
+        """Hugging Face's loop over the front, the caches allocated for it and freed after:
+        one loop per lane (`_lanes`), or one for the batch where the lanes must keep step."""
         with self.session():
+            if not self.lockstep(args, kwargs):
+                return on_lanes(self, kwargs)
+            self.last_lanes = "lockstep"
             return self.front().generate(*args, cache=Counting(), **kwargs)
+
+    def lockstep(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether one loop runs the batch (its lanes in lockstep): one lane, a streamer, or
+        `return_dict_in_generate` (its per-step scores and logits are the whole batch's at
+        every step, which lanes ending at different steps do not have)."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        return (min(self.lanes, ids.shape[0]) < 2 or len(args) > 0 or "inputs" in kwargs
+                or kwargs.get("streamer") is not None
+                or kwargs.get("return_dict_in_generate", config.return_dict_in_generate))
+
+    @property
+    def last_run(self) -> Any:
+        """The record of the latest decode on independent lanes (`runtime.record.Run`)."""
+        return self.runtimes[id(self.decode)].last_run
+
+    def decode_bubble(self) -> float | None:
+        """The share of stage-time idle in the latest decode on independent lanes."""
+        return bubble(self.last_run)
+
+    def loop(self, lane: Lane, kwargs: dict[str, Any]) -> Any:
+        """Hugging Face's loop over `lane`'s rows (`kwargs`: theirs)."""
+        return self.front(lane).generate(cache=Counting(), **kwargs)
+
+    def prefill_lanes(self, parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """Every lane's prompt prefilled at once (pipelined over the prefill plan's lanes)."""
+        logits = self._prefill(*(torch.cat(part) for part in zip(*parts)))
+        return list(logits.split([part[0].shape[0] for part in parts]))
 
     def close(self) -> None:
         for runtime in self.runtimes.values():
@@ -350,19 +385,19 @@ class Generation:
             for state in self.states:
                 state.free()
 
-    def front(self) -> nn.Module:
-        """A shallow copy of the model whose forward is `step`: what Hugging Face's loop calls
-        (the model itself is left as it is)."""
+    def front(self, lane: "Lane | None" = None) -> nn.Module:
+        """A shallow copy of the model whose forward is `step` (of `lane`, else of the whole
+        batch): what Hugging Face's loop calls (the model itself is left as it is)."""
         front = copy.copy(self.model)
-        front.forward = self.step
+        front.forward = functools.partial(self.step, lane=lane)
         return front
 
     def step(self, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, cache: Counting | None = None,
              position_ids: torch.Tensor | None = None, inputs_embeds: Any = None,
-             **ignored: Any) -> Any:
-        """One call of Hugging Face's loop: the logits of the last of `input_ids`'s tokens,
-        the stages' caches written."""
+             lane: "Lane | None" = None, **ignored: Any) -> Any:
+        """One call of Hugging Face's loop (over `lane`'s rows, else the batch's): the logits
+        of the last of `input_ids`'s tokens, the stages' caches written."""
         if inputs_embeds is not None or input_ids is None:
             raise InputError("pipe.generate takes input_ids, not inputs_embeds\n"
                              "Fix: pass the prompts' token ids")
@@ -376,7 +411,7 @@ class Generation:
                                         device=input_ids.device)
         if position_ids is None:          # what the model computes without them
             position_ids = (torch.arange(q, device=input_ids.device) + seen).expand(rows, q)
-        if seen == 0:
+        if seen == 0 and lane is None:          # (the lanes' is set before they start)
             self._pad = (-q) % self.prompt if q > 1 else 0
         pad = self._pad
         if pad + seen + q > self.length or rows > self.rows:
@@ -386,10 +421,14 @@ class Generation:
                 f"with fewer new tokens (max_new_tokens) or fewer sequences, or plan_generation "
                 f"for more")
         slot_mask = torch.cat([attention_mask.new_zeros((rows, pad)), attention_mask], 1)
-        if seen == 0 and q > 1:
+        if seen == 0 and q > 1 and lane is not None:
+            with lane.random.away(lane.index):
+                logits = lane.gathered.give(lane.index, (input_ids, position_ids, slot_mask))
+        elif seen == 0 and q > 1:
             logits = self._prefill(input_ids, position_ids, slot_mask)
         elif q == 1:
-            logits = self._run(self.decode, input_ids, position_ids, slot_mask, pad + seen)
+            logits = self._run(self.decode, input_ids, position_ids, slot_mask, pad + seen,
+                               lane)
         else:
             raise GenerationError(f"a step of {q} tokens after {seen} is not supported\n"
                                   f"pipe.generate runs the prompt, then one token at a time")
@@ -408,14 +447,21 @@ class Generation:
         return logits
 
     def _run(self, plan: "Plan", ids: torch.Tensor, positions: torch.Tensor,
-             slot_mask: torch.Tensor, offset: int) -> torch.Tensor:
-        """One step of `plan`: tokens `ids` at slots `offset`.., the caller's random
-        generators untouched (sampling draws from them as for the model)."""
+             slot_mask: torch.Tensor, offset: int, lane: "Lane | None" = None) -> torch.Tensor:
+        """One step of `plan`: tokens `ids` at slots `offset`.., in `lane`'s cache rows (as
+        its step, fed on its own), else the batch's; the caller's random generators untouched
+        (sampling draws from them as for the model)."""
         rows, q = ids.shape
         inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask),
                       position_ids=positions.contiguous(),
                       slots=torch.arange(offset, offset + q, device=ids.device),
-                      rows=torch.arange(rows, device=ids.device))
+                      rows=torch.arange(rows, device=ids.device) if lane is None else lane.rows)
+        if lane is not None:
+            signature = plan.signature
+            values = dict(zip(signature.placeholders, signature.flatten_inputs((), inputs)))
+            with lane.random.away(lane.index):
+                out = lane.steps.step(values)
+            return signature.rebuild_outputs({**values, **out})
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             return call_stages(plan, self.runtimes[id(plan)], (), inputs)
 
