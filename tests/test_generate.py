@@ -267,6 +267,19 @@ def test_no_thread_is_left_after_generate_nor_after_a_stage_fails(llama, monkeyp
     assert "a failing decode step" in str(failed.value)
     assert set(threading.enumerate()) - before == kept and not working()
     monkeypatch.undo()
+    # A lane whose own loop fails before its prefill: the lane waiting to prefill with it
+    # stops too, and the failure is raised as it is.
+    loop = type(generation).loop
+
+    def lane_1_fails(self, lane, mine):
+        if lane.index == 1:
+            raise ValueError("lane 1's loop failed")
+        return loop(self, lane, mine)
+    monkeypatch.setattr(type(generation), "loop", lane_1_fails)
+    with pytest.raises(ValueError, match="lane 1's loop failed"):
+        pipe.generate(**kwargs)
+    assert set(threading.enumerate()) - before == kept and not working()
+    monkeypatch.undo()
     assert torch.equal(pipe.generate(**kwargs), model.generate(**kwargs))
 
 
