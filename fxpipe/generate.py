@@ -20,8 +20,9 @@ the model, whose forward runs the stages, and a cache that only counts the token
   balanced on its costs) and the prefill (a chunk of `prompt` tokens per sequence). Their
   stages hold the same cache tensors: the decode runtime's per-stage state
   (`fxpipe.runtime.state`) owns them and binds them into both.
-- Micro-batches of a step are lanes: rows split along the batch, `rows` telling each lane which
-  cache rows are its own, so stage i runs lane a while stage i+1 runs lane b.
+- Lanes are rows split along the batch, `rows` telling each lane which cache rows are its own,
+  each advancing on its own (`fxpipe.generate_lanes`), so stage i runs lane a while stage i+1
+  runs lane b.
 - A prompt is left-padded to a multiple of the prefill chunk (slots only: the positions the
   model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk.
 
@@ -44,9 +45,10 @@ passes (`position_ids` from the mask's cumulative sum, OPT and Llama alike). `Sl
 is not written yet.
 
 Two plans, because export fixes the query length. Both are planned by `Planner.plan_other`. A
-prefill stage on another device than the decode stage holding the same layer is refused. HF's loop
-runs on the caller's thread; each step is `call_stages` (GPipe over the lanes) under `fork_rng`, so
-the pipeline's seeds do not move the generator that sampling draws from.
+prefill stage on another device than the decode stage holding the same layer is refused. With one
+lane (or in lockstep, `Generation.lockstep`) HF's loop runs on the caller's thread, each step
+`call_stages` (GPipe over the lanes) under `fork_rng`, so the pipeline's seeds do not move the
+generator sampling draws from; otherwise one loop per lane (`fxpipe.generate_lanes`).
 """
 
 from __future__ import annotations
@@ -341,14 +343,17 @@ class Generation:
             return self.front().generate(*args, cache=Counting(), **kwargs)
 
     def lockstep(self, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """Whether one loop runs the batch (its lanes in lockstep): one lane, a streamer, or
+        """Whether one loop runs the batch (its lanes in lockstep): one lane, a streamer,
         `return_dict_in_generate` (its per-step scores and logits are the whole batch's at
-        every step, which lanes ending at different steps do not have)."""
+        every step, which lanes ending at different steps do not have), or sampling from
+        logits off the CPU (the lanes' own generators are the CPU's)."""
         config = kwargs.get("generation_config") or self.model.generation_config
         ids = kwargs.get("input_ids", args[0] if args else None)
-        return (min(self.lanes, ids.shape[0]) < 2 or len(args) > 0 or "inputs" in kwargs
-                or kwargs.get("streamer") is not None
-                or kwargs.get("return_dict_in_generate", config.return_dict_in_generate))
+        return bool(min(self.lanes, ids.shape[0]) < 2 or args or "inputs" in kwargs
+                    or kwargs.get("streamer") is not None
+                    or kwargs.get("return_dict_in_generate", config.return_dict_in_generate)
+                    or kwargs.get("do_sample", config.do_sample)
+                    and torch.device(self.decode.stages[-1].device).type != "cpu")
 
     @property
     def last_run(self) -> Any:
