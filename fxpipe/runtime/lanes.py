@@ -9,8 +9,9 @@ lane and waits for its outputs only: while stage 1 runs lane 0's step, stage 0 r
 - `LaneSteps` (a driver, as `_Stream`): the runtime's kept workers walk an endless row of
   forwards, item after item in the order the steps were fed; the item's values are all it reads
   (a lane's cache rows are among its inputs: the stages' state is the runtime's, per stage,
-  `runtime.state`). Each step is numbered as it is fed; whichever lane waits receives the
-  outputs in order and keeps those of the others for them, so no thread of its own collects.
+  `runtime.state`). Each step is numbered as it is fed; a waiting lane receives the next
+  outputs (in order, one message at a time) and hands another's over, so no thread of its
+  own collects, and no lane's outputs wait behind another's step.
   A stage that fails aborts the steps: every waiting lane raises `Aborted`, and the driver's
   block raises the `StageError` naming the stage (and the step, as a stream's item).
 - `run_lanes(loops)`: each loop on a thread of its own, all joined whatever happens (no
@@ -60,8 +61,9 @@ class LaneSteps(_Rows):
         self.executors = [StageExecutor(stage, stream=runtime.streams[stage.index])
                           for stage in runtime.stages]
         self.record = Run(num_stages=len(runtime.stages))
-        self._feeding, self._receiving = threading.Lock(), threading.Lock()
+        self._feeding, self._arrived = threading.Lock(), threading.Condition()
         self._fed = self._received = 0
+        self._receiving = False            # a lane is taking the next outputs now
         self._outputs: dict[int, dict[str, Any]] = {}
         self._driving: contextlib.ExitStack | None = None
 
@@ -86,12 +88,28 @@ class LaneSteps(_Rows):
             m = self._fed
             self._fed += 1
             send_inputs(self.flow, self.transport, m, values)
-        with self._receiving:      # outputs come in the order fed: take them until m's
+        with self._arrived:
             while m not in self._outputs:
-                self._outputs[self._received] = receive_values(self.flow, self.transport,
-                                                               DRIVER, self._received)
-                self._received += 1
+                if self._receiving:
+                    self._arrived.wait(POLL_S)
+                else:
+                    self._take_next()
             return self._outputs.pop(m)
+
+    def _take_next(self) -> None:
+        """Receive the next step's outputs (they come in the order fed), with `_arrived` let go
+        meanwhile, and wake the lane they are for: one message at a time, so that no lane's
+        outputs wait behind another's."""
+        self._receiving, n = True, self._received
+        self._arrived.release()
+        try:
+            out = receive_values(self.flow, self.transport, DRIVER, n)
+        finally:
+            self._arrived.acquire()
+            self._receiving = False
+            self._arrived.notify_all()
+        self._outputs[n] = out
+        self._received += 1
 
     def work(self, index: int) -> None:
         """Stage `index` runs the steps in the order fed, until told none is coming."""
