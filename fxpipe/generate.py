@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fxpipe.passes.device import is_cpu
 from fxpipe.passes.errors import DeviceError, FxpipeError, InputError
 
 from .runtime.calls import call_stages, runtime_of
@@ -353,7 +354,7 @@ class Generation:
                     or kwargs.get("streamer") is not None
                     or kwargs.get("return_dict_in_generate", config.return_dict_in_generate)
                     or kwargs.get("do_sample", config.do_sample)
-                    and torch.device(self.decode.stages[-1].device).type != "cpu")
+                    and not is_cpu(torch.device(self.decode.stages[-1].device)))
 
     @property
     def last_run(self) -> Any:

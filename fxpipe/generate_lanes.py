@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,8 +30,8 @@ from fxpipe.passes.errors import FxpipeError
 
 from .runtime.lanes import Gathered, LaneRandom, LaneSteps, run_lanes
 
-if TYPE_CHECKING:
-    from .generate import Generation
+# `Generation` in annotations is `fxpipe.generate.Generation`, which imports this module:
+# named, never imported (the import runs one way, `tests/test_layers.py`).
 
 
 @dataclass
