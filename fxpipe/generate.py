@@ -336,7 +336,7 @@ class Generation:
 
     def run(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Hugging Face's loop over the front, the caches allocated for it and freed after:
-        one loop per lane (`_lanes`), or one for the batch where the lanes must keep step."""
+        one loop per lane (`on_lanes`), or one for the batch where the lanes must keep step."""
         with self.session():
             if not self.lockstep(args, kwargs):
                 return on_lanes(self, kwargs)
@@ -358,11 +358,12 @@ class Generation:
 
     @property
     def last_run(self) -> Any:
-        """The record of the latest decode on independent lanes (`runtime.record.Run`)."""
+        """The latest decode's record (`runtime.record.Run`): on independent lanes, all its
+        steps; in lockstep, its last step."""
         return self.runtimes[id(self.decode)].last_run
 
     def decode_bubble(self) -> float | None:
-        """The share of stage-time idle in the latest decode on independent lanes."""
+        """The share of stage-time idle in `last_run`, from its first step to its last."""
         return bubble(self.last_run)
 
     def loop(self, lane: Lane, kwargs: dict[str, Any]) -> Any:

@@ -12,7 +12,7 @@ lane whose sequences all ended stops while the others go on.
 - Each lane samples from its own generator (`LaneRandom`), seeded from one number drawn from
   the caller's generator and the lane (`lane_seeds`): what a lane draws does not depend on
   the order the threads ran in, and two generates after the same `torch.manual_seed` draw the
-  same. The caller's generator is left as that one draw left it.
+  same. The caller's generator is left as that one draw left it (greedy draws nothing).
 - Every tensor argument with the batch's rows (`input_ids`, `attention_mask`, ...) is cut by
   lane; the lanes' sequences come back in the caller's rows, a lane that ended sooner padded
   after its end as Hugging Face pads a finished sequence (`padded`).
@@ -53,7 +53,9 @@ def on_lanes(generation: "Generation", kwargs: dict[str, Any]) -> torch.Tensor:
     cuts = torch.tensor_split(torch.arange(rows, device=ids.device),
                               min(generation.lanes, rows))
     generation._pad = (-q) % generation.prompt if q > 1 else 0
-    random = LaneRandom(lane_seeds(len(cuts)))
+    config = kwargs.get("generation_config") or generation.model.generation_config
+    sampling = kwargs.get("do_sample", config.do_sample)    # (greedy draws nothing)
+    random = LaneRandom(lane_seeds(len(cuts)) if sampling else [0] * len(cuts))
     caller = torch.get_rng_state()
     gathered = Gathered(len(cuts), generation.prefill_lanes)
 

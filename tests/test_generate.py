@@ -154,10 +154,11 @@ def test_greedy_tokens_equal_model_generate_on_a_left_padded_batch(llama):
     def held():      # parameters and buffers (non-persistent ones too), as tensors and values
         return {n: (t, t.clone()) for n, t in [*model.named_parameters(),
                                                *model.named_buffers()]}
-    before = held()
+    before, generator = held(), torch.get_rng_state()
     got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=10,
                      do_sample=False)
     assert_same_tokens(got, want, ids.shape[1])
+    assert torch.equal(torch.get_rng_state(), generator)      # greedy draws nothing
     after = held()
     assert before.keys() == after.keys()
     for name, (tensor, value) in before.items():
