@@ -20,8 +20,9 @@ the model, whose forward runs the stages, and a cache that only counts the token
   balanced on its costs) and the prefill (a chunk of `prompt` tokens per sequence). Their
   stages hold the same cache tensors: the decode runtime's per-stage state
   (`fxpipe.runtime.state`) owns them and binds them into both.
-- Micro-batches of a step are lanes: rows split along the batch, `rows` telling each lane which
-  cache rows are its own, so stage i runs lane a while stage i+1 runs lane b.
+- Lanes are rows split along the batch, `rows` telling each lane which cache rows are its own,
+  each advancing on its own (`fxpipe.generate_lanes`), so stage i runs lane a while stage i+1
+  runs lane b.
 - A prompt is left-padded to a multiple of the prefill chunk (slots only: the positions the
   model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk.
 
@@ -44,15 +45,17 @@ passes (`position_ids` from the mask's cumulative sum, OPT and Llama alike). `Sl
 is not written yet.
 
 Two plans, because export fixes the query length. Both are planned by `Planner.plan_other`. A
-prefill stage on another device than the decode stage holding the same layer is refused. HF's loop
-runs on the caller's thread; each step is `call_stages` (GPipe over the lanes) under `fork_rng`, so
-the pipeline's seeds do not move the generator that sampling draws from.
+prefill stage on another device than the decode stage holding the same layer is refused. With one
+lane (or in lockstep, `Generation.lockstep`) HF's loop runs on the caller's thread, each step
+`call_stages` (GPipe over the lanes) under `fork_rng`, so the pipeline's seeds do not move the
+generator sampling draws from; otherwise one loop per lane (`fxpipe.generate_lanes`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 from pathlib import Path
@@ -61,142 +64,25 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fxpipe.passes.device import is_cpu
 from fxpipe.passes.errors import DeviceError, InputError
 
 from .planning.generation import GenerationError
 from .runtime.calls import call_stages, runtime_of
+from .generate_lanes import Lane, on_lanes
+from .runtime.lanes import bubble
+from .cached_lm import CachedLM, Counting, SlotCache, kv_shapes  # noqa: F401 (also found here)
 from .runtime.state import Planned, readers_of
+
+try:    # transformers is an optional dependency ('.[hf]')
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+except ImportError:      # pragma: no cover - generation needs transformers
+    pass
 
 if TYPE_CHECKING:
     from .plans.plan_data import Plan
 # `Pipeline` in annotations is `pipeline.Pipeline`, which imports this module to generate:
 # named, never imported (the import runs one way, `tests/test_layers.py`).
-
-try:    # transformers is an optional dependency ('.[hf]')
-    from transformers.cache_utils import Cache
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-except ImportError:      # pragma: no cover - generation needs transformers
-    Cache = object
-
-
-class SlotCache(Cache):
-    """The cache a captured step sees: layer l's keys and values are `keys[l]` / `values[l]`
-    (rows, heads, length, head_dim); `update` writes the new ones at `slots` in `rows` and
-    returns those rows whole (the mask hides the slots not written yet)."""
-
-    is_compileable = True
-
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                 rows: torch.Tensor, slots: torch.Tensor):
-        self.layers = []
-        self.keys, self.values, self.rows, self.slots = keys, values, rows, slots
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        at = (self.rows[:, None], slice(None), self.slots[None, :])
-        self.keys[layer_idx][at] = key_states.transpose(1, 2)
-        self.values[layer_idx][at] = value_states.transpose(1, 2)
-        return (self.keys[layer_idx].index_select(0, self.rows),
-                self.values[layer_idx].index_select(0, self.rows))
-
-    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        return self.slots[0]              # the slots before this step's, as a tensor
-
-    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
-        return self.slots[0]
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.keys[layer_idx].shape[2], 0
-
-
-class _Recorder(Cache):
-    """Records the shape and dtype of each layer's keys and values, returning them as given."""
-
-    def __init__(self) -> None:
-        self.layers = []
-        self.shapes: list[tuple[Planned, Planned]] = []
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.shapes.append((Planned(tuple(key_states.shape), key_states.dtype),
-                            Planned(tuple(value_states.shape), value_states.dtype)))
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-
-def kv_shapes(model: nn.Module) -> list[tuple[Planned, Planned]]:
-    """Each attention layer's (keys, values) for one token of one sequence, by running it."""
-    recorder = _Recorder()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
-              cache=recorder, use_cache=True)
-    if not recorder.shapes:
-        raise GenerationError(f"{type(model).__name__} wrote no key/value cache\n"
-                              f"generation needs a causal LM whose attention layers call "
-                              f"cache.update")
-    return recorder.shapes
-
-
-class CachedLM(nn.Module):
-    """One step of `model` with its cache as buffers (see the module): the last position's logits
-    of `input_ids` (rows, q) given its 2-D `attention_mask` over the cache's slots, `position_ids`, the `slots` (q,)
-    written and the cache `rows` (rows,)."""
-
-    def __init__(self, model: nn.Module, rows: int, length: int):
-        super().__init__()
-        self.model = model
-        self.layers = len(shapes := kv_shapes(model))
-        for l, (k, v) in enumerate(shapes):
-            for kind, p in (("keys", k), ("values", v)):
-                shape = (rows, p.shape[1], length, p.shape[3])
-                self.register_buffer(f"kv_{kind}_{l}", torch.zeros(shape, dtype=p.dtype,
-                                                                   device=_device(model)),
-                                     persistent=False)
-
-    def cache_names(self) -> list[str]:
-        return [f"kv_{kind}_{l}" for l in range(self.layers) for kind in ("keys", "values")]
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        cache = SlotCache([getattr(self, f"kv_keys_{l}") for l in range(self.layers)],
-                          [getattr(self, f"kv_values_{l}") for l in range(self.layers)],
-                          rows, slots)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
-
-
-class Counting(Cache):
-    """The cache Hugging Face's loop sees: it counts the tokens seen; the keys and values are in
-    the stages. What would rearrange a cache is refused by name."""
-
-    is_compileable = False
-
-    def __init__(self) -> None:
-        super().__init__(layers=[])
-        self.seen = 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        raise GenerationError("beam search (num_beams > 1) is not supported yet\n"
-                              "it reorders the cache, which pipe.generate does not do yet\n"
-                              "Fix: num_beams=1 (greedy or sampling), or generate with the model")
-
-    def crop(self, max_length: int) -> None:
-        raise GenerationError("assisted and contrastive decoding are not supported yet\n"
-                              "they crop the cache, which pipe.generate does not do yet\n"
-                              "Fix: leave out assistant_model, penalty_alpha and "
-                              "prompt_lookup_num_tokens")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise GenerationError("num_return_sequences > 1 is not supported yet\n"
-                              "it repeats the cache, which pipe.generate does not do yet\n"
-                              "Fix: repeat the prompts in the batch instead "
-                              "(input_ids.repeat_interleave(n, 0), the mask likewise)")
 
 
 class Generation:
@@ -339,14 +225,50 @@ class Generation:
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Hugging Face's loop over the front, the caches allocated for it and freed after
+        """Hugging Face's loop over the front, the caches allocated for it and freed after:
+        one loop per lane (`on_lanes`), or one for the batch where the lanes must keep step
         (`model.generate` itself where the plan runs the model as is)."""
         if self.as_is:
             return self.model.generate(*args, **kwargs)
         from .planning.generation import refuse_meta
         refuse_meta(self.decode)
         with self.session():
+            if not self.lockstep(args, kwargs):
+                return on_lanes(self, kwargs)
+            self.last_lanes = "lockstep"
             return self.front().generate(*args, cache=Counting(), **kwargs)
+
+    def lockstep(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether one loop runs the batch (its lanes in lockstep): one lane, a streamer,
+        `return_dict_in_generate` (its per-step scores and logits are the whole batch's at
+        every step, which lanes ending at different steps do not have), or sampling from
+        logits off the CPU (the lanes' own generators are the CPU's)."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        return bool(min(self.lanes, ids.shape[0]) < 2 or args or "inputs" in kwargs
+                    or kwargs.get("streamer") is not None
+                    or kwargs.get("return_dict_in_generate", config.return_dict_in_generate)
+                    or kwargs.get("do_sample", config.do_sample)
+                    and not is_cpu(torch.device(self.decode.stages[-1].device)))
+
+    @property
+    def last_run(self) -> Any:
+        """The latest decode's record (`runtime.record.Run`): on independent lanes, all its
+        steps; in lockstep, its last step."""
+        return self.runtimes[id(self.decode)].last_run
+
+    def decode_bubble(self) -> float | None:
+        """The share of stage-time idle in `last_run`, from its first step to its last."""
+        return bubble(self.last_run)
+
+    def loop(self, lane: Lane, kwargs: dict[str, Any]) -> Any:
+        """Hugging Face's loop over `lane`'s rows (`kwargs`: theirs)."""
+        return self.front(lane).generate(cache=Counting(), **kwargs)
+
+    def prefill_lanes(self, parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """Every lane's prompt prefilled at once (pipelined over the prefill plan's lanes)."""
+        logits = self._prefill(*(torch.cat(part) for part in zip(*parts)))
+        return list(logits.split([part[0].shape[0] for part in parts]))
 
     def close(self) -> None:
         for runtime in self.runtimes.values():
@@ -365,19 +287,19 @@ class Generation:
             for state in self.states:
                 state.free()
 
-    def front(self) -> nn.Module:
-        """A shallow copy of the model whose forward is `step`: what Hugging Face's loop calls
-        (the model itself is left as it is)."""
+    def front(self, lane: "Lane | None" = None) -> nn.Module:
+        """A shallow copy of the model whose forward is `step` (of `lane`, else of the whole
+        batch): what Hugging Face's loop calls (the model itself is left as it is)."""
         front = copy.copy(self.model)
-        front.forward = self.step
+        front.forward = functools.partial(self.step, lane=lane)
         return front
 
     def step(self, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, cache: Counting | None = None,
              position_ids: torch.Tensor | None = None, inputs_embeds: Any = None,
-             **ignored: Any) -> Any:
-        """One call of Hugging Face's loop: the logits of the last of `input_ids`'s tokens,
-        the stages' caches written."""
+             lane: "Lane | None" = None, **ignored: Any) -> Any:
+        """One call of Hugging Face's loop (over `lane`'s rows, else the batch's): the logits
+        of the last of `input_ids`'s tokens, the stages' caches written."""
         if inputs_embeds is not None or input_ids is None:
             raise InputError("pipe.generate takes input_ids, not inputs_embeds\n"
                              "Fix: pass the prompts' token ids")
@@ -391,7 +313,7 @@ class Generation:
                                         device=input_ids.device)
         if position_ids is None:          # what the model computes without them
             position_ids = (torch.arange(q, device=input_ids.device) + seen).expand(rows, q)
-        if seen == 0:
+        if seen == 0 and lane is None:          # (the lanes' is set before they start)
             self._pad = (-q) % self.prompt if q > 1 else 0
         pad = self._pad
         if pad + seen + q > self.length or rows > self.rows:
@@ -401,10 +323,14 @@ class Generation:
                 f"with fewer new tokens (max_new_tokens) or fewer sequences, or plan_generation "
                 f"for more")
         slot_mask = torch.cat([attention_mask.new_zeros((rows, pad)), attention_mask], 1)
-        if seen == 0 and q > 1:
+        if seen == 0 and q > 1 and lane is not None:
+            with lane.random.away(lane.index):
+                logits = lane.gathered.give(lane.index, (input_ids, position_ids, slot_mask))
+        elif seen == 0 and q > 1:
             logits = self._prefill(input_ids, position_ids, slot_mask)
         elif q == 1:
-            logits = self._run(self.decode, input_ids, position_ids, slot_mask, pad + seen)
+            logits = self._run(self.decode, input_ids, position_ids, slot_mask, pad + seen,
+                               lane)
         else:
             raise GenerationError(f"a step of {q} tokens after {seen} is not supported\n"
                                   f"pipe.generate runs the prompt, then one token at a time")
@@ -423,14 +349,21 @@ class Generation:
         return logits
 
     def _run(self, plan: "Plan", ids: torch.Tensor, positions: torch.Tensor,
-             slot_mask: torch.Tensor, offset: int) -> torch.Tensor:
-        """One step of `plan`: tokens `ids` at slots `offset`.., the caller's random
-        generators untouched (sampling draws from them as for the model)."""
+             slot_mask: torch.Tensor, offset: int, lane: "Lane | None" = None) -> torch.Tensor:
+        """One step of `plan`: tokens `ids` at slots `offset`.., in `lane`'s cache rows (as
+        its step, fed on its own), else the batch's; the caller's random generators untouched
+        (sampling draws from them as for the model)."""
         rows, q = ids.shape
         inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask),
                       position_ids=positions.contiguous(),
                       slots=torch.arange(offset, offset + q, device=ids.device),
-                      rows=torch.arange(rows, device=ids.device))
+                      rows=torch.arange(rows, device=ids.device) if lane is None else lane.rows)
+        if lane is not None:
+            signature = plan.signature
+            values = dict(zip(signature.placeholders, signature.flatten_inputs((), inputs)))
+            with lane.random.away(lane.index):
+                out = lane.steps.step(values)
+            return signature.rebuild_outputs({**values, **out})
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             return call_stages(plan, self.runtimes[id(plan)], (), inputs)
 

@@ -46,24 +46,32 @@ def prompts(rows: int, length: int, pads: list[int], seed: int = 1, vocab: int =
 
 
 def both(pipe, model, **kwargs):
-    """`pipe.generate` and `model.generate` on the same arguments, with their logits."""
-    kwargs = dict(kwargs, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-    return pipe.generate(**kwargs), model.generate(**kwargs)
+    """`pipe.generate`'s sequences, on lanes that advance on their own (it returns no
+    per-step logits: those come in lockstep), and `model.generate`'s with its logits, on the
+    same arguments."""
+    kwargs = dict(kwargs, pad_token_id=0)
+    got = pipe.generate(**kwargs)
+    assert pipe._generation.last_lanes == "independent"
+    return got, model.generate(**kwargs, return_dict_in_generate=True, output_logits=True)
 
 
 def assert_same_tokens(got, want, prompt: int) -> None:
     """Each sequence's new tokens equal, up to its first rounding tie of `want`'s two best
-    logits; the logits of every step before it within the rounding rule."""
-    assert got.sequences.shape == want.sequences.shape
-    assert torch.equal(got.sequences[:, :prompt], want.sequences[:, :prompt])
+    logits; where `got` has logits (not bare sequences), those of every step before it within
+    the rounding rule."""
+    sequences = got if isinstance(got, torch.Tensor) else got.sequences
+    assert sequences.shape == want.sequences.shape
+    assert torch.equal(sequences[:, :prompt], want.sequences[:, :prompt])
     for r in range(want.sequences.shape[0]):
-        for t, (a, b) in enumerate(zip(got.logits, want.logits)):
-            assert_same_up_to_rounding(a[r], b[r], what=f"sequence {r}'s logits at step {t}")
+        for t, b in enumerate(want.logits):
+            if not isinstance(got, torch.Tensor):
+                assert_same_up_to_rounding(got.logits[t][r], b[r],
+                                           what=f"sequence {r}'s logits at step {t}")
             top = b[r].topk(2).values
             if top[0] - top[1] <= 128 * torch.finfo(b.dtype).eps * b[r].abs().max():
                 break           # a tie: either token is the model's
-            assert got.sequences[r, prompt + t] == want.sequences[r, prompt + t], \
-                f"sequence {r}, new token {t}: {got.sequences[r]} != {want.sequences[r]}"
+            assert sequences[r, prompt + t] == want.sequences[r, prompt + t], \
+                f"sequence {r}, new token {t}: {sequences[r]} != {want.sequences[r]}"
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +154,11 @@ def test_greedy_tokens_equal_model_generate_on_a_left_padded_batch(llama):
     def held():      # parameters and buffers (non-persistent ones too), as tensors and values
         return {n: (t, t.clone()) for n, t in [*model.named_parameters(),
                                                *model.named_buffers()]}
-    before = held()
+    before, generator = held(), torch.get_rng_state()
     got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=10,
                      do_sample=False)
     assert_same_tokens(got, want, ids.shape[1])
+    assert torch.equal(torch.get_rng_state(), generator)      # greedy draws nothing
     after = held()
     assert before.keys() == after.keys()
     for name, (tensor, value) in before.items():
@@ -171,27 +180,108 @@ def test_shorter_prompts_pad_and_longer_ones_prefill_in_chunks(llama):
 
 
 def test_each_sequence_stops_at_its_eos_padded_after_as_the_model_pads(llama):
+    """Lane 0 (sequences 0 and 1, one prompt twice) meets its eos at its third token and
+    stops; lane 1 goes on alone, and lane 0's rows come back padded as the model pads them."""
     model, pipe, ids, mask = llama
+    ids, mask = ids.clone(), mask.clone()
+    ids[0], mask[0] = ids[1], mask[1]
     free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
                           do_sample=False, pad_token_id=0)
-    eos = int(free[1, ids.shape[1] + 2])            # sequence 1's third new token
+    q = ids.shape[1]
+    eos = int(free[1, q + 2])            # sequence 1's third new token
+    assert eos not in free[2:, q:]       # lane 1 never meets it
     got, want = both(pipe, model, input_ids=ids, attention_mask=mask, max_new_tokens=8,
                      do_sample=False, eos_token_id=eos)
-    assert (want.sequences[1, ids.shape[1] + 3:] == 0).all()      # it ended early
-    assert torch.equal(got.sequences, want.sequences)
+    assert (want.sequences[:2, q + 3:] == 0).all()      # they ended early
+    assert torch.equal(got, want.sequences)
+    # Lane 0 ran 2 decode steps (its tokens after the first up to the eos), lane 1 all 7.
+    steps = {slot.action.microbatch for slot in pipe._generation.last_run.slots}
+    assert len(steps) == 2 + 7, sorted(steps)
 
 
-def test_sampling_from_a_seed_draws_the_models_samples(llama):
+def test_sampling_from_a_seed_draws_each_lanes_samples_from_its_own_generator(llama):
+    from fxpipe.generate_lanes import lane_seeds
     model, pipe, ids, mask = llama
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True,
-                  top_k=50, temperature=0.9, pad_token_id=0)
+                  top_k=50, temperature=0.9, pad_token_id=0, eos_token_id=None)
     torch.manual_seed(7)
     first = pipe.generate(**kwargs)
+    after = torch.rand(3)            # where the caller's generator was left
     torch.manual_seed(7)
     again = pipe.generate(**kwargs)
+    assert torch.equal(first, again)
+    # Lane l (sequences 2l, 2l+1) samples as the model does on its rows alone, after
+    # torch.manual_seed(lane_seeds(2)[l]) drawn after the caller's seed; the caller's generator
+    # moves by that one draw only.
     torch.manual_seed(7)
-    expected = model.generate(**kwargs)
-    assert torch.equal(first, again) and torch.equal(first, expected)
+    seeds = lane_seeds(2)
+    assert torch.equal(torch.rand(3), after)
+    for lane, seed in enumerate(seeds):
+        rows = slice(2 * lane, 2 * lane + 2)
+        torch.manual_seed(seed)
+        expected = model.generate(**dict(kwargs, input_ids=ids[rows], attention_mask=mask[rows]))
+        assert torch.equal(first[rows], expected), f"lane {lane}"
+    # One lane (a batch of one sequence) is the model's loop: its samples after the same seed.
+    one = dict(kwargs, input_ids=ids[1:2], attention_mask=mask[1:2])
+    torch.manual_seed(7)
+    got = pipe.generate(**one)
+    assert pipe._generation.last_lanes == "lockstep"
+    torch.manual_seed(7)
+    assert torch.equal(got, model.generate(**one))
+
+
+def test_a_lanes_tokens_read_only_its_own_cache_rows(llama):
+    """Lane 0's tokens are the same whatever lane 1's sequences are, and lane 1's are the
+    model's on its new prompts: no lane reads (or writes) another's cache rows."""
+    model, pipe, ids, mask = llama
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                  eos_token_id=None)
+    first = pipe.generate(input_ids=ids, **kwargs)
+    other = ids.clone()
+    other[2:] = prompts(2, 6, [3, 0], seed=9)[0]
+    second = pipe.generate(input_ids=other, **kwargs)
+    assert pipe._generation.last_lanes == "independent"
+    assert torch.equal(first[:2], second[:2])
+    want = model.generate(input_ids=other, **kwargs, return_dict_in_generate=True,
+                          output_logits=True)
+    assert_same_tokens(second, want, ids.shape[1])
+
+
+def test_no_thread_is_left_after_generate_nor_after_a_stage_fails(llama, monkeypatch):
+    import threading
+    from fxpipe.runtime.workers import working
+    model, pipe, ids, mask = llama
+    generation = pipe._generation
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                  pad_token_id=0)
+    before = set(threading.enumerate())
+    pipe.generate(**kwargs)
+    kept = set(threading.enumerate()) - before    # the stages' workers, kept for the pipeline
+    assert all(t.name.startswith("fxpipe-stage") for t in kept), kept
+    stage = generation.decode.stages[1].module
+
+    def failing(*args):
+        raise RuntimeError("a failing decode step")
+    monkeypatch.setattr(stage, "forward", failing)
+    with pytest.raises(fxpipe.StageError, match=r"stage 1 failed on item \d+") as failed:
+        pipe.generate(**kwargs)
+    assert "a failing decode step" in str(failed.value)
+    assert set(threading.enumerate()) - before == kept and not working()
+    monkeypatch.undo()
+    # A lane whose own loop fails before its prefill: the lane waiting to prefill with it
+    # stops too, and the failure is raised as it is.
+    loop = type(generation).loop
+
+    def lane_1_fails(self, lane, mine):
+        if lane.index == 1:
+            raise ValueError("lane 1's loop failed")
+        return loop(self, lane, mine)
+    monkeypatch.setattr(type(generation), "loop", lane_1_fails)
+    with pytest.raises(ValueError, match="lane 1's loop failed"):
+        pipe.generate(**kwargs)
+    assert set(threading.enumerate()) - before == kept and not working()
+    monkeypatch.undo()
+    assert torch.equal(pipe.generate(**kwargs), model.generate(**kwargs))
 
 
 def test_a_lane_writes_only_its_own_cache_rows(llama):
@@ -277,6 +367,7 @@ def test_return_dict_fields_and_a_streamer_are_the_models(llama):
                   output_scores=True, output_logits=True)
     streamed, model_streamed = Streamer(), Streamer()
     got = pipe.generate(**kwargs, streamer=streamed)
+    assert pipe._generation.last_lanes == "lockstep"       # one loop, as the model's
     want = model.generate(**kwargs, streamer=model_streamed)
     assert type(got) is type(want)
     assert_same_tokens(got, want, ids.shape[1])

@@ -90,20 +90,22 @@ def test_the_cli_plans_generation_from_meta_printing_each_stages_kv_bytes(script
 
 # --- the lanes ---------------------------------------------------------------------------------
 
-def test_a_decode_step_of_lanes_is_the_lanes_flowing_through_the_stages_back_to_back():
+def test_a_decode_step_of_lanes_on_their_own_is_one_trip_or_the_slowest_stage_on_every_lane():
     assert decode_step_s([1.0, 1.0], 1) == 2.0
-    assert decode_step_s([1.0, 3.0], 4) == 4.0 + 3 * 3.0
-    assert decode_step_s([2.0], 3) == 6.0          # one stage: the lanes one after the other
+    assert decode_step_s([1.0, 3.0], 4) == 4 * 3.0      # the slowest stage busy throughout
+    assert decode_step_s([3.0, 3.0, 3.0], 2) == 9.0     # a lane's trip outlasts both lanes' work
+    assert decode_step_s([2.0], 3) == 6.0               # one stage: the lanes one after the other
 
 
 def test_the_choice_follows_the_prediction():
     # A step that only reads weights: a lane of 2 rows costs what 4 rows cost; one lane wins.
-    flat = [LaneOption(1, (1.0, 1.0)), LaneOption(2, (0.95, 0.95)), LaneOption(4, (0.9, 0.9))]
+    flat = [LaneOption(1, (1.0, 1.0)), LaneOption(2, (0.99, 0.99)), LaneOption(4, (0.98, 0.98))]
     assert choose_lanes(4, flat).lanes == 1
-    # A step whose time follows its rows: 4 lanes take 5 units against 8 for one.
-    linear = [LaneOption(1, (4.0, 4.0)), LaneOption(2, (2.0, 2.0)), LaneOption(4, (1.0, 1.0))]
+    # A step whose time follows its rows, on 3 stages: 4 lanes take 4 units, 2 take 6, 1 takes 12.
+    linear = [LaneOption(1, (4.0, 4.0, 4.0)), LaneOption(2, (2.0, 2.0, 2.0)),
+              LaneOption(4, (1.0, 1.0, 1.0))]
     choice = choose_lanes(4, linear)
-    assert choice.lanes == 4 and choice.tokens_per_s() == 4 / 5.0
+    assert choice.lanes == 4 and choice.tokens_per_s() == 4 / 4.0
     assert choice.bound(4) == 4.0
     assert "4 lanes: 1 tokens/s predicted, T(4)/T(1) = 4.00" in "\n".join(choice.lines())
 
@@ -156,7 +158,8 @@ def test_auto_lanes_are_chosen_on_the_decode_costs_and_generate_the_models_token
         choice = generation.lane_choice
         assert [o.lanes for o in choice.options] == [1, 2, 4]
         best = max(choice.options, key=lambda o: choice.tokens_per_s(o.lanes))
-        assert generation.lanes == choice.lanes == best.lanes == (4 if follow_rows else 1)
+        # Costs that follow the rows: on 2 stages, 2 lanes keep both busy; 4 gain nothing more.
+        assert generation.lanes == choice.lanes == best.lanes == (2 if follow_rows else 1)
         assert generation.tokens_per_s() == choice.tokens_per_s()
         assert f"lanes: {choice.lanes} (" in str(generation)
         assert unexplained(str(generation), PAGE.read_text()) == [], str(generation)

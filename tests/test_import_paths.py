@@ -51,7 +51,8 @@ DOCUMENTED = [
     "fxpipe.passes.cost_model.stage_memory", "fxpipe.passes.cost_model.stage_nodes",
     "fxpipe.passes.partition.Method", "fxpipe.passes.partition.Partition",
     "fxpipe.passes.partition.evaluate", "fxpipe.passes.partition.partition",
-    "fxpipe.passes.partition.lattice",
+    "fxpipe.passes.partition.lattice", "fxpipe.generate_lanes.lane_seeds", "fxpipe.runtime.lanes",
+    "fxpipe.runtime.lanes.bubble",
     "fxpipe.passes.split_wide.split_wide",
 ]
 # The paths the docs showed before the modules moved (docs/saved-plans.md, docs/training.md,

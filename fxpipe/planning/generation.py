@@ -60,11 +60,14 @@ class LaneOption:
 
 
 def decode_step_s(stage_s: Sequence[float], lanes: int) -> float:
-    """One decode step's predicted time with `lanes` lanes, from each stage's time on one
-    lane's rows: every token, the lanes flow through the stages back to back (HF's loop advances
-    them in lockstep), so the first lane crosses every stage and each further one adds the
-    slowest stage's time. Lanes that advance on their own change this, and only this."""
-    return sum(stage_s) + (lanes - 1) * max(stage_s, default=0.0)
+    """One decode step's predicted time with `lanes` lanes (every sequence one token further),
+    from each stage's time on one lane's rows. Lanes advance on their own
+    (`fxpipe.runtime.lanes`): a lane's token crosses every stage, and the next lane's follows it
+    into each stage as soon as the stage is free, so a step takes the longer of one lane's trip
+    through the stages and the slowest stage's work on every lane. (Lanes in lockstep, as a
+    streamer or `return_dict_in_generate` runs them, take one trip and then the slowest stage
+    once per further lane: this is their best case.)"""
+    return max(sum(stage_s), lanes * max(stage_s, default=0.0))
 
 
 @dataclass(frozen=True)

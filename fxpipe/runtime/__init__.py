@@ -7,7 +7,8 @@ The ways of running are small drivers, each checking its own arguments, which th
   (compile's check and race).
 - `training`: `train_step`, and the step of each of `stream_train`'s exact windows.
 - `streaming`: `stream`, and `stream_train`'s exact and asynchronous windows (`asynchronous`).
-- `fxpipe.generate` (above the runtime): generation, on the runtime's per-stage `state`.
+- `lanes`: steps fed from several threads, each waiting for its own (lanes that advance on
+  their own); `fxpipe.generate` (above the runtime): generation, on the per-stage `state`.
 
 Each splits its batch by one front (`front`: split -> timetable -> seeds -> run -> merge), which
 torchrun ranks share (`fxpipe.distributed.stage`). `holding`: the pipeline's tensors under the
