@@ -5,8 +5,9 @@
 
 Each model is compiled on `--devices` CPU stages twice in one process, fixed (`num_stages`
 the devices, `chunks` 2 per stage) and "auto" (`num_stages="auto"`, `chunks="auto"`), after one
-compile of it not counted (the first compile of a process imports and warms what any compile
-needs: `--first` measures that). The phases are timed by wrapping the functions that do them,
+compile of each not counted (the first compiles of a process import and warm what any compile
+needs, and measure once per process what the runtime's hand-offs cost on each layout of
+threads: `--first` measures a first compile). The phases are timed by wrapping the functions that do them,
 wherever fxpipe calls them from, so the script times an older fxpipe the same way:
 
 - capture: the front-ends (`passes.capture.trace`); the column `captures` counts its calls
@@ -152,7 +153,8 @@ def by_phase(models: list[str], devices: int) -> None:
     rows = []
     for name in models:
         model, args, kwargs = build(name)
-        compile_timed(phases, model, args, kwargs, devices, auto=False)    # warm, not counted
+        for auto in (False, True):      # warm, not counted: what a process measures once
+            compile_timed(phases, model, args, kwargs, devices, auto)
         totals = {}
         for auto in (False, True):
             total, seconds, captures = compile_timed(phases, model, args, kwargs, devices, auto)
