@@ -5,8 +5,8 @@ sampling, `max_new_tokens`, `eos_token_id`, padding after eos): it calls a front
 the model, whose forward runs the stages, and a cache that only counts the tokens seen
 (`Counting`). The real key/value cache lives in the stages:
 
-- `CachedLM` wraps the model for capture. Every attention layer's keys and values are buffers
-  `kv_keys_{l}` / `kv_values_{l}` of shape (rows, heads, length, head_dim), preallocated for the
+- `CachedLM` (`fxpipe.cached_lm`) wraps the model for capture. Every attention layer's keys
+  and values are buffers `kv_keys_{l}` / `kv_values_{l}` of shape (rows, heads, length, head_dim), preallocated for the
   planned rows and length, and written in place (`SlotCache.update`) at the slots the step
   fills, in the rows of the sequences it runs. A buffer write stays with its readers in one
   stage (`fxpipe.passes.state`), so each stage holds its own layers' cache, and nothing about
@@ -71,7 +71,7 @@ from .planning.generation import GenerationError
 from .runtime.calls import call_stages, runtime_of
 from .generate_lanes import Lane, on_lanes
 from .runtime.lanes import bubble
-from .cached_lm import CachedLM, Counting, SlotCache, kv_shapes  # noqa: F401 (also found here)
+from .cached_lm import CachedLM, Counting
 from .runtime.state import Planned, readers_of
 
 try:    # transformers is an optional dependency ('.[hf]')

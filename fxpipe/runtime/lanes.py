@@ -34,11 +34,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from fxpipe.passes.errors import PartitionError
-
 from .driver import item_error
 from .executor import StageExecutor
-from .orchestrator import Runtime, _Rows
+from .orchestrator import Runtime, _Rows, endless_flow
 from .record import Run
 from .schedules import Action, Phase
 from .stage_row import END, StageRow, receive_values, send_inputs
@@ -51,12 +49,7 @@ class LaneSteps(_Rows):
     Use as a context manager: the workers walk from its start to its end."""
 
     def __init__(self, runtime: Runtime):
-        flow = runtime.wiring.flow(training=False)
-        silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
-        if silent:
-            raise PartitionError(f"stage {silent[0]} reads no input nor other stage\nso it would "
-                                 f"never learn that the lanes ended: plan on fewer devices")
-        super().__init__(runtime, flow)
+        super().__init__(runtime, endless_flow(runtime, "the lanes"))
         # Made here, on the caller's thread: they capture its grad mode.
         self.executors = [StageExecutor(stage, stream=runtime.streams[stage.index])
                           for stage in runtime.stages]

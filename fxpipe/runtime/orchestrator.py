@@ -143,6 +143,17 @@ class _Rows(Driver):
         self.rt.last_run = record
 
 
+def endless_flow(runtime: Runtime, what: str) -> Flow:
+    """The forward flow of items that come without end (a stream's, lanes' steps): each stage
+    learns that `what` ended from what it reads, so a stage that reads nothing is refused."""
+    flow = runtime.wiring.flow(training=False)
+    silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
+    if silent:
+        raise PartitionError(f"stage {silent[0]} reads no input nor other stage\nso it would "
+                             f"never learn that {what} ended: plan on fewer devices")
+    return flow
+
+
 class _Stream(_Rows):
     """A stream: workers stay up for the whole stream, each stage takes the next item as soon as
     it is free, and the driver (the caller's thread, in the generator) feeds items while fewer
@@ -158,12 +169,7 @@ class _Stream(_Rows):
     for the stages when the stream ends."""
 
     def __init__(self, runtime: Runtime, max_in_flight: int, seed: Callable[[], int | None]):
-        flow = runtime.wiring.flow(training=False)
-        silent = [s.index for s in runtime.stages if not flow.reads.get(s.index)]
-        if silent:
-            raise PartitionError(f"stage {silent[0]} reads no input nor other stage\nso it would "
-                                 f"never learn that a stream ended: plan on fewer devices")
-        super().__init__(runtime, flow)
+        super().__init__(runtime, endless_flow(runtime, "a stream"))
         self.limit = max_in_flight
         self.seed = seed
         self.seeds: dict[int, int | None] = {}      # item -> its seed, drawn as it is fed
