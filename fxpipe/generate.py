@@ -6,9 +6,9 @@ the model, whose forward runs the stages, and a cache that only counts the token
 (`Counting`). The real key/value cache lives in the stages:
 
 - `CachedLM` (`fxpipe.cached_lm`) wraps the model for capture. Every attention layer's keys
-  and values are buffers `kv_keys_{l}` / `kv_values_{l}` of shape (rows, heads, length, head_dim), preallocated for the
-  planned rows and length, and written in place (`SlotCache.update`) at the slots the step
-  fills, in the rows of the sequences it runs. A buffer write stays with its readers in one
+  and values are buffers `kv_keys_{l}` / `kv_values_{l}` of shape (rows, heads, length,
+  head_dim), preallocated for the planned rows and length, and written in place
+  (`SlotCache.update`) at the slots the step fills, in the rows of the sequences it runs. A buffer write stays with its readers in one
   stage (`fxpipe.passes.state`), so each stage holds its own layers' cache, and nothing about
   the cache crosses a stage boundary: the graph's inputs are the new tokens, their positions,
   the 2-D attention mask over the cache's slots (the slots written so far, this step's
