@@ -5,16 +5,16 @@ sampling, `max_new_tokens`, `eos_token_id`, padding after eos): it calls a front
 the model, whose forward runs the stages, and a cache that only counts the tokens seen
 (`Counting`). The real key/value cache lives in the stages:
 
-- `CachedLM` (`fxpipe.cached_lm`) wraps the model for capture. Every attention layer's keys
-  and values are buffers `kv_keys_{l}` / `kv_values_{l}` of shape (rows, heads, length,
-  head_dim), preallocated for the planned rows and length, and written in place
-  (`SlotCache.update`) at the slots the step fills, in the rows of the sequences it runs. A buffer write stays with its readers in one
-  stage (`fxpipe.passes.state`), so each stage holds its own layers' cache, and nothing about
-  the cache crosses a stage boundary: the graph's inputs are the new tokens, their positions,
-  the 2-D attention mask over the cache's slots (the slots written so far, this step's
-  included), the slots written and the rows. The model makes its own masks from it in the graph,
-  as it does in `model.generate`: causal and sliding-window masks (Mistral; Gemma2's mix of
-  sliding and global layers), ALiBi biases from the mask's cumulative sum (Falcon), with the
+- `CachedLM` (`fxpipe.cached_lm`) wraps the model for capture. Every attention layer's keys and
+  values are buffers `kv_keys_{l}` / `kv_values_{l}` of shape (rows, heads, length, head_dim),
+  preallocated for the planned rows and length, and written in place (`SlotCache.update`) at the
+  slots the step fills, in the rows of the sequences it runs. A buffer write stays with its
+  readers in one stage (`fxpipe.passes.state`), so each stage holds its own layers' cache, and
+  nothing about the cache crosses a stage boundary: the graph's inputs are the new tokens, their
+  positions, the 2-D attention mask over the cache's slots (the slots written so far, this
+  step's included), the slots written and the rows. The model makes its own masks from it in the
+  graph, as it does in `model.generate`: causal and sliding-window masks (Mistral; Gemma2's mix
+  of sliding and global layers), ALiBi biases from the mask's cumulative sum (Falcon), with the
   step's first slot (`SlotCache.get_query_offset`, a tensor) as the queries' offset.
 - Two plans over the same stage weights: the decode step (one token per sequence; the plan is
   balanced on its costs) and the prefill (a chunk of `prompt` tokens per sequence). Their
