@@ -72,8 +72,9 @@ def plans(scripted_costs, monkeypatch):
                           chunks="auto", training=True)
     printed.append(str(trained))
     slower = dataclasses.replace(trained, runs=fxpipe.plans.plan_data.Runs.PIPELINE)
-    printed.append(str(slower.with_record(predicted_step_s=1.0, unpipelined_s=0.5, spread=0.0,
-                                          unpipelined_spread=0.0)))     # predicted slower
+    work_s = sum(s.compute_s for s in slower.partition.stages) * slower.chunks  # agreeing figures
+    printed.append(str(slower.with_record(predicted_step_s=2 * work_s, unpipelined_s=work_s,
+                                          spread=0.0, unpipelined_spread=0.0)))  # predicted slower
     return printed
 
 
