@@ -1,7 +1,8 @@
 """Generation: `pipe.generate` on 2 CPU stages beside `model.generate`, side by side in one run.
 
     python -m benchmarks.generate [--rows 256] [--prompt 16] [--new 16] [--width 1024]
-                                  [--layers 4] [--lanes 2]
+                                  [--layers 4] [--lanes 2] [--long 2048] [--chunk 256]
+                                  [--only decode|first]
 
 A Llama built from a config (no download), greedy, a batch of `--rows` prompts (every other one
 left-padded by a quarter), `--new` new tokens each. Side by side, from the same weights:
@@ -18,8 +19,13 @@ decode bubble (the share of the stages' time idle over the decode, from the gene
 `last_run`; with one lane, that of its last step), the decode tokens/s the generation plan
 predicts, and each stage's key/value bytes, as predicted and as allocated; and the bound on
 what lanes can gain over the one-lane split, T(N)/T(N/L): the model's decode step on N
-sequences over one on N/L (one thread), measured in the same run. Run it alone: two cores are
-easily shared into noise.
+sequences over one on N/L (one thread), measured in the same run.
+
+Then the time to first token of one `--long`-token prompt: the model's, the 2-stage split's with
+the whole prompt in one prefill step (the stages one after another), and fxpipe's with the
+prompt prefilled in chunks of `--chunk` tokens fed at once (stage 1 runs chunk c while stage 0
+runs chunk c + 1), against the bound of C chunks on 2 stages: (C + 1) / (2C) of the split's
+time. Run it alone: two cores are easily shared into noise.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lanes", type=int, default=2)
+    parser.add_argument("--long", type=int, default=2048, help="the long prompt's tokens")
+    parser.add_argument("--chunk", type=int, default=256, help="its prefill chunk")
+    parser.add_argument("--only", choices=["decode", "first"], help="one of the two tables")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs each")
     a = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -86,6 +95,13 @@ def main() -> None:
         num_hidden_layers=a.layers, hidden_size=a.width, num_attention_heads=a.width // 64,
         num_key_value_heads=a.width // 128, intermediate_size=a.width * 4 // 1,
         vocab_size=4000)).eval()
+    if a.only != "first":
+        decode_table(model, a, cores)
+    if a.only != "decode":
+        first_token_table(model, a, cores)
+
+
+def decode_table(model, a, cores: int) -> None:
     ids = torch.randint(1, 4000, (a.rows, a.prompt))
     mask = torch.ones_like(ids)
     mask[::2, :a.prompt // 4] = 0
@@ -155,6 +171,46 @@ def main() -> None:
           f"{a.rows // a.lanes} (one thread, {length} cached tokens): T(N)/T(N/{a.lanes}) = "
           f"{bound:.2f}; {a.lanes} lanes gained {gain:.2f}x over 1 lane, {gain / bound:.2f} of "
           f"the bound (goal >= 0.85)")
+
+
+def first_token_table(model, a, cores: int) -> None:
+    """The time to first token of one `--long`-token prompt (see the module)."""
+    ids = torch.randint(1, 4000, (1, a.long))
+    mask = torch.ones_like(ids)
+    chunks = a.long // a.chunk
+    rows, reference, split = [], None, None
+
+    def best(generate, threads=None) -> tuple[float, torch.Tensor]:
+        runs = [timed(generate, ids, mask, 1, threads) for _ in range(a.repeats)]
+        return min(runs, key=lambda r: r[0])
+
+    def report(name, seconds, out):
+        nonlocal reference
+        reference = out if reference is None else reference
+        rows.append([name, f"{seconds * 1e3:.0f}", f"{split / seconds:.2f}x" if split else "",
+                     "yes" if torch.equal(out, reference) else "NO"])
+
+    with torch.no_grad():
+        timed(model.generate, ids, mask, 1, cores)         # warm up
+        report(f"model.generate, {cores} threads", *best(model.generate, cores))
+        report("model.generate, 1 thread", *best(model.generate, 1))
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], example_kwargs=dict(
+            input_ids=ids[:, :a.chunk], attention_mask=mask[:, :a.chunk]), chunks=1,
+            threads_per_stage=1)
+        with pipe:
+            for prompt, name in ((a.long, "the whole prompt in one step"),
+                                 (a.chunk, f"{chunks} chunks of {a.chunk}, overlapped")):
+                plan_generation(pipe, rows=1, prompt=prompt, length=a.long + 1, lanes=1)
+                seconds, out = best(pipe.generate)
+                split = split or seconds
+                report(f"pipe.generate, 2 stages, {name}", seconds, out)
+    print(f"\nfirst token of one prompt of {a.long} tokens; best of {a.repeats}")
+    print(tabulate(rows, headers=["", "first token ms", "vs the split's whole prompt",
+                                  "tokens equal"]))
+    gain = float(rows[-1][2].rstrip("x"))
+    bound = 2 * chunks / (chunks + 1)
+    print(f"bound on 2 stages with {chunks} chunks: {bound:.2f}x; the chunks gained "
+          f"{gain:.2f}x (goal >= 1.5x)")
 
 
 if __name__ == "__main__":

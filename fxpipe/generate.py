@@ -24,7 +24,8 @@ the model, whose forward runs the stages, and a cache that only counts the token
   each advancing on its own (`fxpipe.generate_lanes`), so stage i runs lane a while stage i+1
   runs lane b.
 - A prompt is left-padded to a multiple of the prefill chunk (slots only: the positions the
-  model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk.
+  model sees are those Hugging Face's loop passes); a longer prompt runs chunk after chunk,
+  all fed at once (`_prefill`), so that stage 1 runs a chunk while stage 0 runs the next.
 
 Each generate starts from zeroed caches and frees them when it returns. `save_generation`
 writes both plans, the model's configs and the caches' shapes; `load_generation` runs Hugging
@@ -70,7 +71,7 @@ from fxpipe.passes.errors import DeviceError, InputError
 from .planning.generation import GenerationError
 from .runtime.calls import call_stages, runtime_of
 from .generate_lanes import Lane, on_lanes
-from .runtime.lanes import bubble
+from .runtime.lanes import LaneSteps, bubble
 from .cached_lm import CachedLM, Counting
 from .runtime.state import Planned, readers_of
 
@@ -339,14 +340,32 @@ class Generation:
 
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor,
                  slot_mask: torch.Tensor) -> torch.Tensor:
-        """The prompt left-padded to whole chunks, run chunk after chunk."""
-        pad, P = self._pad, self.prompt
+        """The prompt left-padded to whole chunks, every chunk of every lane (the prefill
+        plan's micro-batches) fed at once to the prefill stages (`LaneSteps`), in order: a stage
+        runs a lane's chunks one after another (each reads the cache the one before wrote),
+        and stage 1 runs chunk c while stage 0 runs chunk c + 1. The last chunk's logits."""
+        pad, P, plan = self._pad, self.prompt, self.prefill
         ids = torch.cat([ids.new_zeros((ids.shape[0], pad)), ids], 1)
         positions = torch.cat([positions.new_zeros((ids.shape[0], pad)), positions], 1)
-        for start in range(0, ids.shape[1], P):
-            logits = self._run(self.prefill, ids[:, start:start + P],
-                               positions[:, start:start + P], slot_mask[:, :start + P], start)
-        return logits
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        lanes = [(int(cut[0]), int(cut[-1]) + 1)
+                 for cut in torch.tensor_split(rows, min(plan.chunks, len(rows)))]
+        signature, fed = plan.signature, []
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), \
+                LaneSteps(self.runtimes[id(plan)]) as steps:
+            for start in range(0, ids.shape[1], P):
+                mask = self.mask(slot_mask[:, :start + P])
+                slots = torch.arange(start, start + P, device=ids.device)
+                for a, b in lanes:
+                    inputs = dict(input_ids=ids[a:b, start:start + P], attention_mask=mask[a:b],
+                                  position_ids=positions[a:b, start:start + P].contiguous(),
+                                  slots=slots, rows=rows[a:b])
+                    values = dict(zip(signature.placeholders, signature.flatten_inputs((), inputs)))
+                    fed.append((steps.feed(values), values))
+            for m, _ in fed[:-len(lanes)]:
+                steps.outputs(m)           # (the earlier chunks' logits: not needed)
+            return torch.cat([signature.rebuild_outputs({**values, **steps.outputs(m)})
+                              for m, values in fed[-len(lanes):]])
 
     def _run(self, plan: "Plan", ids: torch.Tensor, positions: torch.Tensor,
              slot_mask: torch.Tensor, offset: int, lane: "Lane | None" = None) -> torch.Tensor:

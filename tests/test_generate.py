@@ -179,6 +179,33 @@ def test_shorter_prompts_pad_and_longer_ones_prefill_in_chunks(llama):
     assert pipe._generation is generation          # both fit the plan
 
 
+def test_a_prompts_chunks_overlap_across_the_stages(llama, monkeypatch):
+    """Stage 1's prefill of the first chunk waits until stage 0 starts the last: chunks run
+    one after another (each waiting for the one before to leave the last stage) would hold
+    it until the timeout. The tokens are still the model's."""
+    import threading
+    model, pipe, ids, mask = llama
+    stages = [stage.module for stage in pipe._generation.prefill.stages]
+    calls, last_started, overlapped = [0, 0], threading.Event(), []
+
+    def counted(index, forward):
+        def run(*args):
+            calls[index] += 1
+            if index == 0 and calls[0] == 4:     # 2 chunks x 2 lanes: the last fed
+                last_started.set()
+            if index == 1 and calls[1] == 1:
+                overlapped.append(last_started.wait(20))
+            return forward(*args)
+        return run
+    for index, stage in enumerate(stages):
+        monkeypatch.setattr(stage, "forward", counted(index, stage.forward))
+    long_ids, long_mask = prompts(4, 12, [1, 0, 5, 0], seed=12)     # two chunks of 6
+    got, want = both(pipe, model, input_ids=long_ids, attention_mask=long_mask,
+                     max_new_tokens=4, do_sample=False)
+    assert_same_tokens(got, want, 12)
+    assert calls == [4, 4] and overlapped == [True]
+
+
 def test_each_sequence_stops_at_its_eos_padded_after_as_the_model_pads(llama):
     """Lane 0 (sequences 0 and 1, one prompt twice) meets its eos at its third token and
     stops; lane 1 goes on alone, and lane 0's rows come back padded as the model pads them."""

@@ -170,3 +170,43 @@ def test_the_workers_abort_and_wait_for_their_jobs_when_the_callers_block_raises
     assert all(t.is_alive() for t in workers.threads)       # parked, not ended
     workers.close()
     assert threading.enumerate() == before
+
+
+def test_a_lanes_outputs_never_wait_behind_another_lanes_step():
+    """Lane B, waiting for step 1, receives step 0's outputs on its way and hands them over at
+    once: lane A has them while step 1 is still in the last stage, which holds step 1 until
+    lane A has them. A receiver that kept step 0's outputs until its own came would hold it
+    there until the timeout."""
+    import time
+    from fxpipe.runtime.lanes import LaneSteps
+    mlp = Mlp()
+    stages = split(mlp, 2)
+    runtime = Runtime(stages, Wiring.of(stages, list(stages[-1].outputs)))
+    forward, calls, a_has_its, held = stages[1].module.forward, [0], threading.Event(), []
+
+    def last_stage(*args):
+        calls[0] += 1
+        if calls[0] == 2:                 # step 1
+            held.append(a_has_its.wait(20))
+        return forward(*args)
+    stages[1].module.forward = last_stage
+    x = [torch.randn(2, 4) for _ in range(2)]
+    got = {}
+    try:
+        with LaneSteps(runtime) as steps:
+            first, second = steps.feed({"x": x[0]}), steps.feed({"x": x[1]})
+            lane_b = threading.Thread(target=lambda: got.update(b=steps.outputs(second)))
+            lane_b.start()
+            deadline = time.monotonic() + 20
+            while steps._received < 1 and time.monotonic() < deadline:   # B took step 0's
+                time.sleep(0.001)
+            got["a"] = steps.outputs(first)
+            a_has_its.set()
+            lane_b.join()
+    finally:
+        runtime.close()
+    assert held == [True]
+    (out,) = stages[-1].outputs
+    with torch.no_grad():
+        torch.testing.assert_close(got["a"][out], mlp(x[0]))
+        torch.testing.assert_close(got["b"][out], mlp(x[1]))

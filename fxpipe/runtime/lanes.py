@@ -77,10 +77,20 @@ class LaneSteps(_Rows):
 
     def step(self, values: dict[str, Any]) -> dict[str, Any]:
         """One step's graph outputs from its graph inputs (`values`, by placeholder)."""
+        return self.outputs(self.feed(values))
+
+    def feed(self, values: dict[str, Any]) -> int:
+        """One step fed (its graph inputs `values`, by placeholder): its number, for `outputs`.
+        The stages take steps in the order fed, so steps fed one after another without
+        waiting (a prompt's chunks) overlap: stage 1 runs one while stage 0 runs the next."""
         with self._feeding:
             m = self._fed
             self._fed += 1
             send_inputs(self.flow, self.transport, m, values)
+        return m
+
+    def outputs(self, m: int) -> dict[str, Any]:
+        """Step `m`'s graph outputs, once they came (each taken once)."""
         with self._arrived:
             while m not in self._outputs:
                 if self._receiving:
