@@ -59,6 +59,7 @@ import copy
 import functools
 import json
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -95,18 +96,23 @@ class Generation:
     def __init__(self, model: nn.Module, devices: Sequence[Any], *, rows: int, prompt: int,
                  length: int, chunks: int | str | None, planner: Callable[..., "Plan"],
                  **options: Any):
-        from .planning.generation import plan_decode
+        from .planning.generation import plan_decode, slower_than_the_model
         self.model, self.rows, self.prompt, self.length = model, rows, prompt, length
         self.lm = CachedLM(model, rows, length)
         self.lm.training = model.training     # (not .eval(): it would switch the model's modules)
         options.setdefault("training", False)  # generation runs forwards only
         dims = {"slots": None}
+        loop_s = functools.lru_cache(maxsize=None)(functools.partial(loop_step_s, model))
         self.decode, self.lane_choice = plan_decode(planner, self.lm, devices,
                                                     self.example(rows, 1), rows=rows,
-                                                    lanes=chunks, batch_dims=dims, **options)
-        self.as_is = "" if not self.decode.runs_as_is else (
+                                                    lanes=chunks, loop_s=loop_s,
+                                                    batch_dims=dims, **options)
+        why = self.decode.record.reason if self.decode.runs_as_is else (
+            options.get("num_stages") == "auto" and
+            slower_than_the_model(self.decode, self.lane_choice, loop_s(rows)))
+        self.as_is = "" if not why else (
             f"no pipeline is predicted to decode faster than the model: it generates as is "
-            f"(model.generate); {self.decode.record.reason}")
+            f"(model.generate); {why}")
         self.prefill = self.decode if prompt == 1 or self.as_is else planner(
             self.lm, devices, self.example(rows, prompt), batch_dims=dims,
             **dict(options, chunks=self.decode.chunks, num_stages=len(self.decode.stages)))
@@ -385,6 +391,29 @@ class Generation:
             return signature.rebuild_outputs({**values, **out})
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             return call_stages(plan, self.runtimes[id(plan)], (), inputs)
+
+
+def loop_step_s(model: nn.Module, rows: int, repeats: int = 3) -> float:
+    """Seconds Hugging Face's greedy loop spends per token on `rows` sequences outside the
+    model's forward (its Python, the next token's choice, the mask it grows): a front whose
+    forward returns zero logits at once, timed at 2 and 10 new tokens, the least of `repeats`
+    differences, over 8 (0 for a model on meta: it cannot run here)."""
+    device = _device(model)
+    if device.type == "meta":
+        return 0.0
+    logits = torch.zeros((rows, 1, model.config.vocab_size), device=device)
+    front = copy.copy(model)
+    front.forward = lambda *args, cache=None, **kwargs: CausalLMOutputWithPast(logits=logits,
+                                                                               cache=cache)
+    ids = torch.ones((rows, 1), dtype=torch.long, device=device)
+
+    def run(new: int) -> float:
+        start = time.perf_counter()
+        front.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       do_sample=False, pad_token_id=0, eos_token_id=None, cache=Counting())
+        return time.perf_counter() - start
+    with torch.no_grad():
+        return max(0.0, min(run(10) - run(2) for _ in range(repeats)) / 8)
 
 
 def plan_generation(pipe: "Pipeline | nn.Module", devices: Sequence[Any] | None = None, *,

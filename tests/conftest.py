@@ -49,8 +49,9 @@ def script_costs(monkeypatch):
     every computing node 1 ms (forward, and backward in training), the nodes named in the
     returned dict their own ms (a name matches every node whose name starts with it); costs not
     scaled by calibration; an inference pipeline raced against the model as is runs in its
-    predicted time; a call's own work and the interpreter lock not priced (`HostCosts()`). No
-    timing is then asserted, and plans do not depend on the load."""
+    predicted time; a call's own work and the interpreter lock not priced (`HostCosts()`), nor
+    the generation loop's own (`loop_step_s`). No timing is then asserted, and plans do not
+    depend on the load."""
     heavy: dict[str, float] = {}
 
     def annotate(gm, *args, backward=False, **kwargs):
@@ -65,8 +66,9 @@ def script_costs(monkeypatch):
     monkeypatch.setattr(measure, "annotate_costs", annotate)
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
     monkeypatch.setattr(host, "host_costs", lambda threads, cores: HostCosts())
-    monkeypatch.setattr(build, "race", lambda plan, model, recipe: measure.Race(
-        plan.record.predicted_step_s, plan.record.unpipelined_s, 0))
+    monkeypatch.setattr("fxpipe.generate.loop_step_s", lambda model, rows: 0.0)
+    monkeypatch.setattr(build, "race", lambda plans, model, recipe: measure.Race(
+        tuple(p.record.predicted_step_s for p in plans), plans[0].record.unpipelined_s, 0))
     return heavy
 
 

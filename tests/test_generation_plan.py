@@ -4,6 +4,8 @@ that does not fit; the model as is where no pipeline decodes faster."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -95,6 +97,31 @@ def test_a_decode_step_of_lanes_on_their_own_is_one_trip_or_the_slowest_stage_on
     assert decode_step_s([1.0, 3.0], 4) == 4 * 3.0      # the slowest stage busy throughout
     assert decode_step_s([3.0, 3.0, 3.0], 2) == 9.0     # a lane's trip outlasts both lanes' work
     assert decode_step_s([2.0], 3) == 6.0               # one stage: the lanes one after the other
+    # Each lane's loop chooses its next token after its trip, and the loops take turns.
+    assert decode_step_s([1.0, 1.0], 1, loop_s=0.5) == 2.5
+    assert decode_step_s([1.0, 1.0], 2, loop_s=0.5) == 2.5
+    assert decode_step_s([1.0, 1.0], 4, loop_s=1.5) == 4 * 1.5
+
+
+def test_lanes_whose_loops_cost_more_than_they_gain_are_not_chosen():
+    linear = [LaneOption(1, (4.0, 4.0, 4.0)), LaneOption(2, (2.0, 2.0, 2.0)),
+              LaneOption(4, (1.0, 1.0, 1.0))]
+    assert choose_lanes(4, linear).lanes == 4
+    # A loop of 3.5 s a token on any lane: 4 lanes' loops take 14 s, 2 lanes' rounds 9.5.
+    looped = [replace(o, loop_s=3.5) for o in linear]
+    choice = choose_lanes(4, looped)
+    assert choice.lanes == 2 and choice.step_s(2) == 9.5 and choice.step_s(4) == 14.0
+
+
+def test_lanes_slower_than_the_models_step_and_loop_give_the_model_as_is():
+    from types import SimpleNamespace
+    from fxpipe.planning.generation import slower_than_the_model
+    choice = choose_lanes(4, [LaneOption(2, (2.0, 2.0), loop_s=0.5)], asked=2)   # 4.5 s a step
+    plan = SimpleNamespace(runs_as_is=False, record=SimpleNamespace(unpipelined_s=4.0))
+    assert "faster than 2 lanes' predicted (4.5e+03 ms)" in slower_than_the_model(plan, choice, 0.25)
+    assert slower_than_the_model(plan, choice, 0.5) == ""           # 4.5 against 4.5: the lanes
+    plan.record.unpipelined_s = None                                # not measured: the lanes
+    assert slower_than_the_model(plan, choice, 0.25) == ""
 
 
 def test_the_choice_follows_the_prediction():
@@ -193,12 +220,39 @@ def test_where_no_pipeline_decodes_faster_generation_is_the_model_as_is(scripted
         generation.close()
 
 
+def test_auto_stages_generate_as_is_where_the_lanes_are_slower(scripted, monkeypatch):
+    from fxpipe.planning import generation as planning
+    rows_times_ms(monkeypatch)           # lanes pay, and the model measured at 1000 s a step:
+    monkeypatch.setattr(measure.Baseline, "seconds", property(lambda self: 1000.0))  # a pipeline
+    asked = []
+    monkeypatch.setattr(planning, "slower_than_the_model",
+                        lambda plan, choice, loop_s: asked.append(loop_s) or "slower, scripted")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    generation = plan_generation(model, ["cpu", "cpu"], rows=4, prompt=4, length=12, **FAST)
+    generation.close()
+    assert not generation.as_is and not asked          # stages asked for: the lanes run
+    generation = plan_generation(model, ["cpu", "cpu"], rows=4, prompt=4, length=12,
+                                 num_stages="auto", **FAST)
+    try:
+        assert not generation.decode.runs_as_is and asked == [0.0] and generation.as_is.endswith("slower, scripted")
+        assert generation.prefill is generation.decode        # no prefill planned for nothing
+        ids = torch.randint(1, 1000, (4, 4), generator=torch.Generator().manual_seed(3))
+        kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        calls = []
+        monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw) or "model's")
+        assert generation.generate(**kwargs) == "model's" and calls == [kwargs]
+    finally:
+        generation.close()
+
+
 def test_the_plan_runs_the_lanes_predicted_even_where_planning_chose_others(scripted,
                                                                            monkeypatch):
     """The step's prediction is one function (the runtime's way of stepping lanes may change
     it): the decode plan is made again for the lanes it predicts fastest."""
     from fxpipe.planning import generation as planning
-    monkeypatch.setattr(planning, "decode_step_s", lambda stage_s, lanes: 1.0 + abs(lanes - 2))
+    monkeypatch.setattr(planning, "decode_step_s",
+                        lambda stage_s, lanes, loop_s: 1.0 + abs(lanes - 2))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
     generation = plan_generation(model, ["cpu", "cpu"], rows=4, prompt=1, length=8, **FAST)

@@ -11,21 +11,24 @@ through the bottleneck stage, and one lane is the fastest. So the lanes are chos
   fewest and the most lanes' rows, fits the sizes between, and partitions every lane count
   (`fxpipe.planning.search`); a lane count whose activations in flight do not fit a stage's
   memory is a candidate that does not fit (the key/value cache is the same for any lane count).
-- `decode_step_s` predicts a step of L lanes from the stages' times on one lane's rows, and
+- `decode_step_s` predicts a step of L lanes from the stages' times on one lane's rows and
+  the generation loop's own time per token on them (`LaneOption.loop_s`: Hugging Face's Python
+  and the choice of the next token, measured with a forward that does nothing), and
   `choose_lanes` takes the lane count of the most tokens per second, the fewest among those
   within `TIE` of it; the decode plan is made again for that count where planning chose another
   (on the costs it measured: `costs=`), so the lanes run are the lanes predicted.
 - Where no pipeline is predicted faster than the model run whole (`num_stages="auto"`), the plan
-  runs the model as is, and generation is `model.generate` itself (`Generation.as_is` says why).
+  runs the model as is, and generation is `model.generate` itself (`Generation.as_is` says why):
+  the decode plan's own choice, or the lanes' step predicted slower than the model's step and
+  its one loop (`slower_than_the_model`).
 
 `decode_step_s` is the one place the runtime's way of stepping lanes enters the prediction:
-today HF's loop advances every lane in lockstep, so each token's lanes flow through the stages
-back to back and the pipeline fills and drains once per token.
+each lane advances on its own (`fxpipe.runtime.lanes`), one loop per lane.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from fxpipe.passes.errors import FxpipeError
@@ -53,21 +56,24 @@ class LaneOption:
     lanes: int
     stage_s: tuple[float, ...]
     problem: str = ""
+    loop_s: float = 0.0         # the loop's own time per token on one lane's rows
 
     @property
     def fits(self) -> bool:
         return not self.problem
 
 
-def decode_step_s(stage_s: Sequence[float], lanes: int) -> float:
+def decode_step_s(stage_s: Sequence[float], lanes: int, loop_s: float = 0.0) -> float:
     """One decode step's predicted time with `lanes` lanes (every sequence one token further),
-    from each stage's time on one lane's rows. Lanes advance on their own
-    (`fxpipe.runtime.lanes`): a lane's token crosses every stage, and the next lane's follows it
-    into each stage as soon as the stage is free, so a step takes the longer of one lane's trip
-    through the stages and the slowest stage's work on every lane. (Lanes in lockstep, as a
-    streamer or `return_dict_in_generate` runs them, take one trip and then the slowest stage
-    once per further lane: this is their best case.)"""
-    return max(sum(stage_s), lanes * max(stage_s, default=0.0))
+    from each stage's time on one lane's rows and the lane's loop's own time per token
+    (`loop_s`). Lanes advance on their own (`fxpipe.runtime.lanes`): a lane's token crosses
+    every stage and then its loop chooses the next, and the next lane's follows it into each
+    stage as soon as the stage is free, so a step takes the longest of one lane's round (its
+    trip through the stages and its loop), the slowest stage's work on every lane, and every
+    lane's loop (Python, one at a time). (Lanes in lockstep, as a streamer or
+    `return_dict_in_generate` runs them, take one trip and then the slowest stage once per
+    further lane: this is their best case.)"""
+    return max(sum(stage_s) + loop_s, lanes * max(max(stage_s, default=0.0), loop_s))
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class LaneChoice:
 
     def step_s(self, lanes: int) -> float | None:
         option = next((o for o in self.options if o.lanes == lanes and o.fits), None)
-        return None if option is None else decode_step_s(option.stage_s, lanes)
+        return None if option is None else decode_step_s(option.stage_s, lanes, option.loop_s)
 
     def tokens_per_s(self, lanes: int | None = None) -> float | None:
         """Decode tokens per second predicted with `lanes` (default: the chosen)."""
@@ -122,7 +128,7 @@ def choose_lanes(rows: int, options: Sequence[LaneOption], asked: int | None = N
         raise LanesError(f"no number of lanes fits the stages' memory for {rows} sequences\n" +
                          "\n".join(f"{o.lanes} lanes: {o.problem}" for o in options) +
                          "\nFix: plan for fewer sequences or a shorter length, or more devices")
-    speed = {o.lanes: rows / decode_step_s(o.stage_s, o.lanes) for o in fitting}
+    speed = {o.lanes: rows / decode_step_s(o.stage_s, o.lanes, o.loop_s) for o in fitting}
     best = max(speed.values())
     lanes = min(n for n, s in speed.items() if s >= best * (1 - TIE))
     if len(fitting) == 1:
@@ -158,24 +164,41 @@ def lane_options(plan: "Plan") -> list[LaneOption]:
 
 def plan_decode(planner: Callable[..., "Plan"], lm: Any, devices: Sequence[Any],
                 example: dict[str, Any], *, rows: int, lanes: int | str | None,
+                loop_s: Callable[[int], float] = lambda rows: 0.0,
                 **options: Any) -> tuple["Plan", LaneChoice | None]:
     """The decode plan of `lm` and its lanes: `lanes` as given (an int, at most `rows`), or
     with "auto" (or None) chosen (`choose_lanes`) among those planning weighed with
     `chunks="auto"`, the plan made again for the chosen count where planning chose another.
-    None for the choice where the plan runs the model as is."""
+    `loop_s(n)`: the generation loop's own time per token on n sequences. None for the choice
+    where the plan runs the model as is."""
+    def looped(weighed: list[LaneOption]) -> list[LaneOption]:
+        return [replace(o, loop_s=loop_s(-(-rows // o.lanes))) if o.fits else o
+                for o in weighed]
     if lanes not in ("auto", None):
         plan = planner(lm, devices, example, chunks=min(int(lanes), rows), **options)
-        return plan, choose_lanes(rows, lane_options(plan), asked=plan.chunks)
+        return plan, choose_lanes(rows, looped(lane_options(plan)), asked=plan.chunks)
     plan = planner(lm, devices, example, chunks="auto", **options)
     options_weighed = lane_options(plan)
     if plan.runs_as_is or not options_weighed:     # (none: the plan's record weighed nothing)
         return plan, None
-    choice = choose_lanes(rows, options_weighed)
+    choice = choose_lanes(rows, looped(options_weighed))
     if choice.lanes != plan.chunks:
         options = dict(options, num_stages=len(plan.stages))
         options.setdefault("costs", plan)       # the costs planning measured, reused
         plan = planner(lm, devices, example, chunks=choice.lanes, **options)
     return plan, choice
+
+
+def slower_than_the_model(plan: "Plan", choice: LaneChoice | None, loop_s: float) -> str:
+    """Why the model as is decodes faster than `choice`'s lanes on `plan` (its step, measured
+    at planning, and its one loop's `loop_s` on every row, against the lanes' step predicted),
+    or "" where it does not or was not measured."""
+    model_s, step_s = plan.record.unpipelined_s, choice and choice.step_s(choice.lanes)
+    if plan.runs_as_is or not model_s or not step_s or step_s <= model_s + loop_s:
+        return ""
+    return (f"the model's step with its loop ({(model_s + loop_s) * 1e3:.3g} ms) is faster "
+            f"than {choice.lanes} lane{'s' * (choice.lanes > 1)}' predicted "
+            f"({step_s * 1e3:.3g} ms)")
 
 
 class Prefixed(Weights):
