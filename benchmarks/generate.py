@@ -10,7 +10,9 @@ left-padded by a quarter), `--new` new tokens each. Side by side, from the same 
 - `model.generate` on the whole batch with all cores' threads (the baseline) and with one;
 - `pipe.generate` on 2 one-thread stages with one lane (the stages take each step one after
   another: what a split by `device_map` does) and with `--lanes` lanes that advance on their
-  own (one Hugging Face loop per lane: stage 1 decodes lane 0 while stage 0 decodes lane 1).
+  own (one Hugging Face loop per lane: stage 1 decodes lane 0 while stage 0 decodes lane 1);
+- `pipe.generate` planned with `num_stages="auto"` (stages and lanes chosen, or the model as is
+  where no pipeline is predicted to decode faster), against `model.generate` on all cores.
 
 Each is timed twice, at `--new` tokens and at 1 (the prompt's prefill and the first token: time
 to first token); decode tokens/s is the new tokens after the first over the time between the
@@ -157,6 +159,18 @@ def decode_table(model, a, cores: int) -> None:
                 gains[lanes] = report(
                     f"pipe.generate, 2 stages, {lanes} lane{'s' * (lanes > 1)}", full_s,
                     first_s, out, idle, kv=kv, predicted=predicted)
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], example_kwargs=dict(
+            input_ids=ids, attention_mask=mask), chunks=a.lanes, threads_per_stage=1)
+        with pipe:
+            generation = plan_generation(pipe, rows=a.rows, prompt=a.prompt, length=length,
+                                         num_stages="auto")
+            chose = ("the model as is" if generation.as_is else
+                     f"{len(generation.decode.stages)} stages x {generation.lanes} lanes")
+            predicted = "" if generation.as_is else f"{generation.tokens_per_s():.0f}"
+            full_s, first_s, out, idle = best(pipe.generate)
+            report(f"pipe.generate, num_stages='auto' ({chose})", full_s, first_s, out, idle,
+                   predicted=predicted)
+            auto = reference[0] / full_s
         bound = (step_time(model, a.rows, length) /
                  step_time(model, a.rows // a.lanes, length))
     print(f"Llama d={a.width}, {a.layers} layers, {a.rows} prompts of {a.prompt} tokens "
@@ -171,6 +185,8 @@ def decode_table(model, a, cores: int) -> None:
           f"{a.rows // a.lanes} (one thread, {length} cached tokens): T(N)/T(N/{a.lanes}) = "
           f"{bound:.2f}; {a.lanes} lanes gained {gain:.2f}x over 1 lane, {gain / bound:.2f} of "
           f"the bound (goal >= 0.85)")
+    print(f"num_stages='auto' ({chose}): {auto:.2f}x model.generate on {cores} threads "
+          f"(goal >= 0.95)")
 
 
 def first_token_table(model, a, cores: int) -> None:
