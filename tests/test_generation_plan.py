@@ -197,6 +197,15 @@ def test_auto_lanes_are_chosen_on_the_decode_costs_and_generate_the_models_token
         generation.close()
 
 
+def generates_with_the_model(generation, model, monkeypatch):
+    """`generation.generate(...)` is `model.generate(...)`, called once with the same kwargs."""
+    ids = torch.randint(1, 1000, (4, 4), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    calls = []
+    monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw) or "model's")
+    assert generation.generate(**kwargs) == "model's" and calls == [kwargs]
+
+
 def test_where_no_pipeline_decodes_faster_generation_is_the_model_as_is(scripted, monkeypatch):
     from fxpipe.planning import build
     # The model measured at a thousandth of the pipeline's predicted step: the model as is wins.
@@ -211,11 +220,7 @@ def test_where_no_pipeline_decodes_faster_generation_is_the_model_as_is(scripted
         assert generation.decode.runs_as_is and generation.as_is
         assert "as is: no pipeline is predicted to decode faster" in str(generation)
         assert unexplained(str(generation), PAGE.read_text()) == [], str(generation)
-        ids = torch.randint(1, 1000, (4, 4), generator=torch.Generator().manual_seed(3))
-        kwargs = dict(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        calls = []
-        monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw) or "model's")
-        assert generation.generate(**kwargs) == "model's" and calls == [kwargs]
+        generates_with_the_model(generation, model, monkeypatch)
     finally:
         generation.close()
 
@@ -235,13 +240,10 @@ def test_auto_stages_generate_as_is_where_the_lanes_are_slower(scripted, monkeyp
     generation = plan_generation(model, ["cpu", "cpu"], rows=4, prompt=4, length=12,
                                  num_stages="auto", **FAST)
     try:
-        assert not generation.decode.runs_as_is and asked == [0.0] and generation.as_is.endswith("slower, scripted")
+        assert not generation.decode.runs_as_is and asked == [0.0]
+        assert generation.as_is.endswith("slower, scripted")
         assert generation.prefill is generation.decode        # no prefill planned for nothing
-        ids = torch.randint(1, 1000, (4, 4), generator=torch.Generator().manual_seed(3))
-        kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-        calls = []
-        monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw) or "model's")
-        assert generation.generate(**kwargs) == "model's" and calls == [kwargs]
+        generates_with_the_model(generation, model, monkeypatch)
     finally:
         generation.close()
 
