@@ -401,7 +401,7 @@ def loop_step_s(model: nn.Module, rows: int, repeats: int = 3) -> float:
     device = _device(model)
     if device.type == "meta":
         return 0.0
-    logits = torch.zeros((rows, 1, model.config.vocab_size), device=device)
+    logits = torch.zeros((rows, 1, model.config.get_text_config().vocab_size), device=device)
     front = copy.copy(model)
     front.forward = lambda *args, cache=None, **kwargs: CausalLMOutputWithPast(logits=logits,
                                                                                cache=cache)
