@@ -107,9 +107,9 @@ class Generation:
                                                     self.example(rows, 1), rows=rows,
                                                     lanes=chunks, loop_s=loop_s,
                                                     batch_dims=dims, **options)
-        why = self.decode.record.reason if self.decode.runs_as_is else (
-            options.get("num_stages") == "auto" and
-            slower_than_the_model(self.decode, self.lane_choice, loop_s(rows)))
+        why = self.decode.record.reason if self.decode.runs_as_is else ""
+        if not why and options.get("num_stages") == "auto":
+            why = slower_than_the_model(self.decode, self.lane_choice, loop_s(rows))
         self.as_is = "" if not why else (
             f"no pipeline is predicted to decode faster than the model: it generates as is "
             f"(model.generate); {why}")
