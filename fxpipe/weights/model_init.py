@@ -151,12 +151,19 @@ class Init(Weights):
         (`stand_ins`), else, when `asked` names it, is refused. The model is not touched."""
         model = self._structure()
         module = model.get_submodule(path)
-        fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
+        held = {**module._parameters, **module._buffers}
+        # A rule may write any own tensor, drawing in turn: all are made. Without one, each
+        # tensor's value is its own, so only those asked are (a module owning many, as a
+        # generation's caches: one read each, not all of them per read).
+        every = _has_rules(model, path)
+        made = {id(t) for name, t in held.items() if t is not None and (every or name in asked)}
+        fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device)
+                              if id(t) in made else _on_meta(t))
         own = {name: t for name, t in {**fresh._parameters, **fresh._buffers}.items()
-               if t is not None}
+               if t is not None and not t.is_meta}
         versions = {name: t._version for name, t in own.items()}
         rules = self._rules(model, fresh, path)
-        held = {**module._parameters, **module._buffers}
+        standing: list[str] = []
         with _seeded(_module_seed(self.seed, path), device):
             for rule in rules:
                 rule()
@@ -180,10 +187,13 @@ class Init(Weights):
                         f"to initialise it\nits module's rules left it unwritten; load it "
                         f"from a checkpoint, write it in the module's reset_parameters(), or "
                         f"use Init(build=..., exact=True), which builds the model")
-                stand_in_(t, name)
-                self.stood_in.add(_join(path, name))
+                standing.append(name)
+        for name in standing:       # each under a seed of its own: the same whatever is asked
+            with _seeded(_module_seed(self.seed, _join(path, name)), device):
+                stand_in_(own[name], name)
+            self.stood_in.add(_join(path, name))
         return {name: t.detach() if isinstance(t, nn.Parameter) else t
-                for name, t in after.items() if t is not None}
+                for name, t in after.items() if t is not None and not t.is_meta}
 
     def _rules(self, model: nn.Module, fresh: nn.Module, path: str) -> list[Callable[[], None]]:
         """The rules that initialise `fresh` (the module at `path`), in the order building the
@@ -230,6 +240,14 @@ class Init(Weights):
         """Each name -> the model's first name for its tensor (itself unless tied)."""
         first: dict[int, str] = {}
         return {name: first.setdefault(id(t), name) for name, t in self._owners().items()}
+
+
+def _has_rules(model: nn.Module, path: str) -> bool:
+    """Whether any rule initialises the module at `path` (`Init._rules`): its own reset, an
+    enclosing module's, or a Hugging Face model's `_init_weights`."""
+    parts = path.split(".") if path else []
+    return callable(getattr(model, "_init_weights", None)) or any(
+        _reset_rule(model.get_submodule(".".join(parts[:k]))) for k in range(len(parts) + 1))
 
 
 def _with_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor],
