@@ -68,7 +68,9 @@ class Init(Weights):
     non-persistent buffers are computed by those rules too, never left as uninitialised memory.
     A module's seed is drawn from (seed, module path), so values depend neither on the
     partition nor on the order of reads (they do on the device type: CPU and CUDA generators
-    differ). Cost: each module's own tensors, once per read asking for them, on their device.
+    differ). Cost: each module's own tensors, once per read asking for them, on their device
+    (of a module that no rule initialises, only those asked: a generation's `CachedLM` owns
+    every layer's cache, read one at a time).
     `model` is the model's structure (built on meta is fine), or `build` builds it with
     `build_on_meta` (parameters on meta, buffers computed on the CPU); without either, give it
     later with `bind(model)`. A tensor that no rule writes takes the value the model holds (a
@@ -84,8 +86,9 @@ class Init(Weights):
 
     With `stand_ins=True` (what planning uses: timing and the streamed check need plausible
     values, the same on both sides, not the model's), a tensor that no rule writes is not
-    refused: it gets a stand-in (`stand_in_`), drawn after the module's rules under the same
-    seed, so every read of it gives the same values; its name is added to `stood_in`.
+    refused: it gets a stand-in (`stand_in_`), drawn after the module's rules under a seed of
+    its own, from (seed, its name), so every read of it gives the same values, whatever else
+    the read asks for; its name is added to `stood_in`.
     """
 
     where = "Init (the model's own initialisation)"
@@ -152,22 +155,22 @@ class Init(Weights):
         model = self._structure()
         module = model.get_submodule(path)
         held = {**module._parameters, **module._buffers}
-        # A rule may write any own tensor, drawing in turn: all are made. Without one, each
-        # tensor's value is its own, so only those asked are (a module owning many, as a
-        # generation's caches: one read each, not all of them per read).
-        every = _has_rules(model, path)
-        made = {id(t) for name, t in held.items() if t is not None and (every or name in asked)}
-        fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device)
-                              if id(t) in made else _on_meta(t))
-        own = {name: t for name, t in {**fresh._parameters, **fresh._buffers}.items()
-               if t is not None and not t.is_meta}
+        if _has_rules(model, path):    # a rule may write any own tensor, drawing in turn: all
+            fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
+            own = {name: t for name, t in {**fresh._parameters, **fresh._buffers}.items()
+                   if t is not None}
+            rules = self._rules(model, fresh, path)
+        else:       # each tensor's value is its own: only those asked are made (a module
+            # owning many, as a generation's root its caches, is read one tensor at a time)
+            rules = []
+            own = {name: torch.empty_like(t, device=device) for name, t in held.items()
+                   if t is not None and name in asked}
         versions = {name: t._version for name, t in own.items()}
-        rules = self._rules(model, fresh, path)
         standing: list[str] = []
         with _seeded(_module_seed(self.seed, path), device):
             for rule in rules:
                 rule()
-            after = {**fresh._parameters, **fresh._buffers}
+            after = {**fresh._parameters, **fresh._buffers} if rules else own
             for name, t in own.items():
                 if after[name] is not t or t._version != versions[name]:
                     continue
@@ -180,7 +183,7 @@ class Init(Weights):
                 if not self.stand_ins and name in module._non_persistent_buffers_set:
                     raise _no_value(path, name, module)
                 if not rules and not self.stand_ins:
-                    raise _no_rule(path, fresh)
+                    raise _no_rule(path, module)
                 if not self.stand_ins:
                     raise PlanFileError(
                         f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule "
@@ -193,7 +196,7 @@ class Init(Weights):
                 stand_in_(own[name], name)
             self.stood_in.add(_join(path, name))
         return {name: t.detach() if isinstance(t, nn.Parameter) else t
-                for name, t in after.items() if t is not None and not t.is_meta}
+                for name, t in after.items() if t is not None}
 
     def _rules(self, model: nn.Module, fresh: nn.Module, path: str) -> list[Callable[[], None]]:
         """The rules that initialise `fresh` (the module at `path`), in the order building the
