@@ -349,18 +349,14 @@ class _WeightsFreed(MaterializingInterpreter):
 
     def _drop(self, p: fx.Node) -> None:
         """`p`'s value no longer kept: noted, and a meta tensor of its type in its place."""
-        value = self.env[p]
-        leaves = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-        found = _storages(value)
-        self.dropped[p] = (found, [weakref.ref(t.untyped_storage()) for t in leaves
+        value, found = self.env[p], _storages(self.env[p])
+        self.dropped[p] = (found, [weakref.ref(t.untyped_storage()) for t in tensors(value)
                                    if t.layout == torch.strided and not t.is_meta])
         for key in found:
             self.waiting.setdefault(key, set()).add(p)
         weight = attr_value(self.module, p.target) if p.op == "get_attr" else None
-        if isinstance(weight, torch.Tensor) and weight.is_meta:
-            self.env[p] = weight
-        else:
-            self.env[p] = pytree.tree_map(self._meta_of, value)
+        meta = isinstance(weight, torch.Tensor) and weight.is_meta
+        self.env[p] = weight if meta else pytree.tree_map(self._meta_of, value)
 
     def _meta_of(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.is_meta:
