@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -287,9 +288,9 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     storages can be the same memory reused), and the storages of each. Buffers the run updates,
     and the random generators it draws from, are restored.
 
-    Meta weights are given by `materialize` on the inputs' device, node by node; a weight a
-    `get_attr` read is freed after its last reader (`_WeightsFreed`): the third dict gives the
-    position in the graph after which its memory may be another value's."""
+    Meta weights are given by `materialize` on the inputs' device, node by node; there a value
+    is dropped after its last reader (`_WeightsFreed`; its value a meta tensor after), and the
+    third dict gives the position in the graph after which its memory may be another value's."""
     inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                              signature_of(gm).flatten_inputs(args, kwargs))
     device = next((t.device for t in tensors(inputs)), torch.device("cpu"))
@@ -304,32 +305,67 @@ def _run_example(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | No
     except Exception as e:
         raise GraphRunFailed(f"{RUN_FAILED}\n{type(e).__name__}: {e}") from e
     storages = {node: _storages(value) for node, value in interpreter.env.items()}
-    storages.update({node: found for node, (found, _) in interpreter.freed.items()})
+    storages.update({node: found for node, (found, _) in interpreter.dropped.items()})
     return interpreter.env, storages, {node: at for node, (_, at) in interpreter.freed.items()}
 
 
 class _WeightsFreed(MaterializingInterpreter):
-    """Runs a graph keeping every value, but for a graph holding meta tensors, a weight that a
-    `get_attr` read is kept only until its last reader has run, so the model is never held
-    whole: its storages are noted then (`freed`, with the position of that reader), and the
-    node's value becomes its meta tensor again."""
+    """Runs a graph keeping every value, but for a graph holding meta tensors (planned without
+    being held), a value is kept only until its last reader has run (one without readers, once
+    it ran), so neither the model's weights nor its activations are held whole: a decoder's
+    activations grow with its layers, and each layer's attention reads its whole key/value
+    cache. The value's storages are noted then, and the node's value becomes a meta tensor of
+    its type (a `get_attr`'s, the model's meta tensor itself; one object stays one object).
+    Its memory may be another value's only once nothing holds it (a view made from it may
+    outlive it): `freed` gives each such value's storages and the position of the node after
+    which they were gone."""
 
     def __init__(self, gm: fx.GraphModule, **kwargs: Any):
         super().__init__(gm, garbage_collect_values=False, **kwargs)
         self.freed: dict[fx.Node, tuple[set, int]] = {}
         self.position = {node: i for i, node in enumerate(gm.graph.nodes)}
+        self.dropped: dict[fx.Node, tuple[set, list]] = {}   # storages, and weak references
+        self.waiting: dict[tuple[str, int], set[fx.Node]] = {}    # by storage: dropped, held
+        self.on_meta: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        if self.materialize is None:
+        if self.materialize is None or n.op == "output":
             return result
-        for p in n.all_input_nodes:
-            weight = attr_value(self.module, p.target) if p.op == "get_attr" else None
-            last = max(p.users, key=self.position.__getitem__)
-            if isinstance(weight, torch.Tensor) and weight.is_meta and last is n and p in self.env:
-                self.freed[p] = (_storages(self.env[p]), self.position[n])
-                self.env[p] = weight
-        return result
+        done = [p for p in n.all_input_nodes
+                if p in self.env and max(p.users, key=self.position.__getitem__) is n]
+        if not n.users:
+            self.env[n] = result
+            done.append(n)
+        for p in done:
+            self._drop(p)
+        for key in {key for p in done for key in self.dropped[p][0]}:
+            for p in list(self.waiting.get(key, ())):
+                if all(ref() is None for ref in self.dropped[p][1]):
+                    self.freed[p] = (self.dropped[p][0], self.position[n])
+                    for other in self.dropped[p][0]:
+                        self.waiting[other].discard(p)
+        return self.env[n] if not n.users else result     # (the run stores it)
+
+    def _drop(self, p: fx.Node) -> None:
+        """`p`'s value no longer kept: noted, and a meta tensor of its type in its place."""
+        value, found = self.env[p], _storages(self.env[p])
+        self.dropped[p] = (found, [weakref.ref(t.untyped_storage()) for t in tensors(value)
+                                   if t.layout == torch.strided and not t.is_meta])
+        for key in found:
+            self.waiting.setdefault(key, set()).add(p)
+        weight = attr_value(self.module, p.target) if p.op == "get_attr" else None
+        meta = isinstance(weight, torch.Tensor) and weight.is_meta
+        self.env[p] = weight if meta else pytree.tree_map(self._meta_of, value)
+
+    def _meta_of(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.is_meta:
+            return value
+        ref, meta = self.on_meta.get(id(value), (None, None))
+        if ref is None or ref() is not value:
+            meta = torch.empty_like(value, device="meta")
+            self.on_meta[id(value)] = (weakref.ref(value), meta)
+        return meta
 
 
 def _storages(value: Any) -> set[tuple[str, int]]:

@@ -282,6 +282,60 @@ def test_a_pipeline_loaded_with_its_model_generates_the_models_tokens(scripted, 
         assert "load_generation" in str(e.value)
 
 
+# --- planning from meta holds one layer's cache at a time, never every layer's -----------------
+
+_PLANNING = """
+import sys
+from transformers import LlamaConfig, LlamaForCausalLM
+from fxpipe.generate import plan_generation
+from fxpipe.testing.memory import peak_bytes, return_freed_memory
+from fxpipe.weights import build_on_meta
+layers, length = int(sys.argv[1]), int(sys.argv[2])
+return_freed_memory()
+config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256)
+model = build_on_meta(lambda: LlamaForCausalLM(config)).eval()
+def plan(length):
+    plan_generation(model, ["cpu", "cpu"], rows=4, prompt=1, length=length, lanes=2,
+                    capture="export", repeats=1, verify=False, progress=False).close()
+plan(8)       # what a process does once (imports, first calls), before the peak is taken
+print(peak_bytes(lambda: plan(length)))
+"""
+
+
+def test_a_generation_planned_from_meta_holds_one_layers_cache_at_a_time_not_every_layers():
+    """16 layers of 8.4 MB of cache (4 rows of 8192 slots): planning them from meta, after
+    planning 8 slots, holds no more than a few layers' worth at once. Two ways it once held
+    them all: a cache buffer read made every layer's (`CachedLM` owns them all, and no rule
+    writes them), and functionalize's run kept every value to the end (each layer's whole
+    cache read back, and repeated per head)."""
+    import subprocess
+    import sys
+    layers, length = 16, 8192
+    found = subprocess.run([sys.executable, "-c", _PLANNING, str(layers), str(length)],
+                           capture_output=True, text=True, timeout=600)
+    assert found.returncode == 0, found.stderr
+    peak = int(found.stdout.split()[-1])
+    cache = kv_bytes_by_hand(layers, 4, 2, length, 64 // 4, 4)        # 134 MB
+    assert peak < cache / 4, (peak, cache)
+
+
+def test_a_cache_read_alone_gets_the_values_it_gets_with_the_others():
+    """A stand-in (a cache no rule writes) is drawn under a seed of its own name: a stage
+    reading one layer's cache gets what a stage reading all of them gets."""
+    from fxpipe.cached_lm import CachedLM
+    from fxpipe.weights import Init
+    on_meta = build_on_meta(lambda: LlamaForCausalLM(LlamaConfig(**CONFIG))).eval()
+    lm = CachedLM(on_meta, rows=2, length=8)
+    names = lm.cache_names()
+    init = Init(lm, stand_ins=True)
+    together = init.read({name: getattr(lm, name) for name in names}, "cpu")
+    for name in (names[0], names[-1]):
+        alone = init.read({name: getattr(lm, name)}, "cpu")
+        assert torch.equal(alone[name], together[name]), name
+    assert together[names[0]].std() > 0 and set(init.stood_in) == set(names)
+
+
 # Llama-70B's shape (Llama 3: 80 layers, hidden 8192, 64 heads, 8 key/value heads of 128, MLP
 # 28672, vocabulary 128256), bf16, on 8 CPU devices of 24 GB: no one holds its 141 GB.
 LLAMA_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,

@@ -42,10 +42,10 @@ runs again on fake tensors of the planned device type (the model's meta tensors 
 while it runs, the graph then given the model's own tensors back). Planning never needs an init
 rule: where none of the model's writes a tensor (a norm holding `torch.ones(d)` without
 `reset_parameters()`), `Init(stand_ins=True)` gives a stand-in of the right shape, dtype and scale
-(`weights.stand_in_`), drawn under the module's seed so that every read, the model's modules and
-the stages alike, gets the same values; `Recipe.stand_ins` names them (those drawn, and those of
-the same role, which `Tiled` repeats) in `PlanRecord.stand_ins`. Loading with `"init"` still
-refuses them by name.
+(`weights.stand_in_`), drawn under a seed of its own (from its name) so that every read, the
+model's modules and the stages alike, gets the same values; `Recipe.stand_ins` names them (those
+drawn, and those of the same role, which `Tiled` repeats) in `PlanRecord.stand_ins`. Loading
+with `"init"` still refuses them by name.
 
 Which run reads what on meta. Trace's eager output check cannot run on meta: compile's check runs
 streamed instead (`checks.streamed`: the model's own forward on a structural copy whose modules get

@@ -68,7 +68,9 @@ class Init(Weights):
     non-persistent buffers are computed by those rules too, never left as uninitialised memory.
     A module's seed is drawn from (seed, module path), so values depend neither on the
     partition nor on the order of reads (they do on the device type: CPU and CUDA generators
-    differ). Cost: each module's own tensors, once per read asking for them, on their device.
+    differ). Cost: each module's own tensors, once per read asking for them, on their device
+    (of a module that no rule initialises, only those asked: a generation's `CachedLM` owns
+    every layer's cache, read one at a time).
     `model` is the model's structure (built on meta is fine), or `build` builds it with
     `build_on_meta` (parameters on meta, buffers computed on the CPU); without either, give it
     later with `bind(model)`. A tensor that no rule writes takes the value the model holds (a
@@ -84,8 +86,9 @@ class Init(Weights):
 
     With `stand_ins=True` (what planning uses: timing and the streamed check need plausible
     values, the same on both sides, not the model's), a tensor that no rule writes is not
-    refused: it gets a stand-in (`stand_in_`), drawn after the module's rules under the same
-    seed, so every read of it gives the same values; its name is added to `stood_in`.
+    refused: it gets a stand-in (`stand_in_`), drawn after the module's rules under a seed of
+    its own, from (seed, its name), so every read of it gives the same values, whatever else
+    the read asks for; its name is added to `stood_in`.
     """
 
     where = "Init (the model's own initialisation)"
@@ -151,16 +154,23 @@ class Init(Weights):
         (`stand_ins`), else, when `asked` names it, is refused. The model is not touched."""
         model = self._structure()
         module = model.get_submodule(path)
-        fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
-        own = {name: t for name, t in {**fresh._parameters, **fresh._buffers}.items()
-               if t is not None}
-        versions = {name: t._version for name, t in own.items()}
-        rules = self._rules(model, fresh, path)
         held = {**module._parameters, **module._buffers}
+        if _has_rules(model, path):    # a rule may write any own tensor, drawing in turn: all
+            fresh = _with_tensors(module, lambda t: torch.empty_like(t, device=device))
+            own = {name: t for name, t in {**fresh._parameters, **fresh._buffers}.items()
+                   if t is not None}
+            rules = self._rules(model, fresh, path)
+        else:       # each tensor's value is its own: only those asked are made (a module
+            # owning many, as a generation's root its caches, is read one tensor at a time)
+            rules = []
+            own = {name: torch.empty_like(t, device=device) for name, t in held.items()
+                   if t is not None and name in asked}
+        versions = {name: t._version for name, t in own.items()}
+        standing: list[str] = []
         with _seeded(_module_seed(self.seed, path), device):
             for rule in rules:
                 rule()
-            after = {**fresh._parameters, **fresh._buffers}
+            after = {**fresh._parameters, **fresh._buffers} if rules else own
             for name, t in own.items():
                 if after[name] is not t or t._version != versions[name]:
                     continue
@@ -173,15 +183,18 @@ class Init(Weights):
                 if not self.stand_ins and name in module._non_persistent_buffers_set:
                     raise _no_value(path, name, module)
                 if not rules and not self.stand_ins:
-                    raise _no_rule(path, fresh)
+                    raise _no_rule(path, module)
                 if not self.stand_ins:
                     raise PlanFileError(
                         f"tensor {_join(path, name)!r} ({type(module).__name__}) has no rule "
                         f"to initialise it\nits module's rules left it unwritten; load it "
                         f"from a checkpoint, write it in the module's reset_parameters(), or "
                         f"use Init(build=..., exact=True), which builds the model")
-                stand_in_(t, name)
-                self.stood_in.add(_join(path, name))
+                standing.append(name)
+        for name in standing:       # each under a seed of its own: the same whatever is asked
+            with _seeded(_module_seed(self.seed, _join(path, name)), device):
+                stand_in_(own[name], name)
+            self.stood_in.add(_join(path, name))
         return {name: t.detach() if isinstance(t, nn.Parameter) else t
                 for name, t in after.items() if t is not None}
 
@@ -230,6 +243,14 @@ class Init(Weights):
         """Each name -> the model's first name for its tensor (itself unless tied)."""
         first: dict[int, str] = {}
         return {name: first.setdefault(id(t), name) for name, t in self._owners().items()}
+
+
+def _has_rules(model: nn.Module, path: str) -> bool:
+    """Whether any rule initialises the module at `path` (`Init._rules`): its own reset, an
+    enclosing module's, or a Hugging Face model's `_init_weights`."""
+    parts = path.split(".") if path else []
+    return callable(getattr(model, "_init_weights", None)) or any(
+        _reset_rule(model.get_submodule(".".join(parts[:k]))) for k in range(len(parts) + 1))
 
 
 def _with_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor],
