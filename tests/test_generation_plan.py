@@ -304,6 +304,7 @@ print(peak_bytes(lambda: plan(length)))
 """
 
 
+@pytest.mark.slow          # about 20 s, a planning process of its own
 def test_a_generation_planned_from_meta_holds_one_layers_cache_at_a_time_not_every_layers():
     """16 layers of 8.4 MB of cache (4 rows of 8192 slots): planning them from meta, after
     planning 8 slots, holds no more than a few layers' worth at once. Two ways it once held
