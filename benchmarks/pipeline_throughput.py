@@ -53,10 +53,22 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+# Untimed interleaved rounds first, until each function ran this long and at least twice: a
+# fresh pipeline's first calls on this machine ran 2-5x slower for its first 2 to 16 calls
+# (README net, 2 stages: 2-7 ms, then 1.3 ms), and a median of a few calls read that instead.
+WARM_S = 0.2
+
+
 def side_by_side(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, timed in interleaved rounds so drift hits all alike."""
-    for fn in fns.values():
-        fn()
+    """Median seconds of each function, timed in interleaved rounds so drift hits all alike,
+    after warm rounds (`WARM_S`)."""
+    ran = {name: [0, 0.0] for name in fns}
+    while any(runs < 2 or spent < WARM_S for runs, spent in ran.values()):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            ran[name][0] += 1
+            ran[name][1] += time.perf_counter() - start
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -34,7 +34,7 @@ import fxpipe
 from fxpipe.plans.report import unclaimed
 from benchmarks.compile_time import Net as ReadmeNet     # the README's first model
 from benchmarks.pipeline_throughput import build as conv_chain
-from benchmarks.pipeline_throughput import side_by_side
+from benchmarks.pipeline_throughput import WARM_S, side_by_side
 from examples.quickstart import BranchyCNN
 from examples.zoo import build as zoo
 
@@ -115,7 +115,8 @@ def main() -> None:
             print(*rows[-1], flush=True)
     mode = "training (train_step)" if options.training else "inference"
     print(f"load average after: {_load()}")
-    print(f"{mode}, {cores} cores; ms per step (median of {options.repeats}, interleaved)")
+    print(f"{mode}, {cores} cores; ms per step (median of {options.repeats}, interleaved, after "
+          f"{WARM_S} s of warm rounds each)")
     print(tabulate(rows, headers=["model", "stages", "chunks", "predicted", "measured",
                                   "time off", f"model {cores} threads", "measured x",
                                   "plan says", "claims", "spread costs / model", "off", "goal"],
