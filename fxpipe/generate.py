@@ -373,16 +373,23 @@ class Generation:
             return torch.cat([signature.rebuild_outputs({**values, **steps.outputs(m)})
                               for m, values in fed[-len(lanes):]])
 
+    def inputs(self, ids: torch.Tensor, positions: torch.Tensor, slot_mask: torch.Tensor,
+               offset: int, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """A step's graph inputs: tokens `ids` at slots `offset`.., in cache `rows` (None: the
+        first rows, one per sequence)."""
+        q = ids.shape[1]
+        return dict(input_ids=ids, attention_mask=self.mask(slot_mask),
+                    position_ids=positions.contiguous(),
+                    slots=torch.arange(offset, offset + q, device=ids.device),
+                    rows=torch.arange(ids.shape[0], device=ids.device) if rows is None else rows)
+
     def _run(self, plan: "Plan", ids: torch.Tensor, positions: torch.Tensor,
              slot_mask: torch.Tensor, offset: int, lane: "Lane | None" = None) -> torch.Tensor:
         """One step of `plan`: tokens `ids` at slots `offset`.., in `lane`'s cache rows (as
         its step, fed on its own), else the batch's; the caller's random generators untouched
         (sampling draws from them as for the model)."""
-        rows, q = ids.shape
-        inputs = dict(input_ids=ids, attention_mask=self.mask(slot_mask),
-                      position_ids=positions.contiguous(),
-                      slots=torch.arange(offset, offset + q, device=ids.device),
-                      rows=torch.arange(rows, device=ids.device) if lane is None else lane.rows)
+        inputs = self.inputs(ids, positions, slot_mask, offset,
+                             None if lane is None else lane.rows)
         if lane is not None:
             signature = plan.signature
             values = dict(zip(signature.placeholders, signature.flatten_inputs((), inputs)))
@@ -530,30 +537,36 @@ def load_generation(path: str | os.PathLike, devices: Sequence[Any] | None = Non
     device from the saved config, whose forward runs the stages. A generation planned on meta
     saves no weights: `weights` (a checkpoint, a state_dict: what `fxpipe.load_plan` takes)
     gives both plans' stages theirs."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
     from .plans.saved import load_plan
     from .planning.generation import Prefixed
     root = Path(path)
+    document, model, planned = read_saved(root)
     weights = None if weights is None else Prefixed(weights)
+    decode = load_plan(root / "decode", devices=devices, weights=weights)
+    prefill = (load_plan(root / "prefill", devices=devices, weights=weights)
+               if (root / "prefill").is_dir()
+               else decode)
+    return Generation.of_plans(model, decode, prefill, rows=document["rows"],
+                               prompt=document["prompt"], length=document["length"],
+                               planned=planned)
+
+
+def read_saved(root: Path) -> tuple[dict[str, Any], nn.Module, dict[str, Planned]]:
+    """A saved generation's `generation.json`, the model's class built on meta from its saved
+    config (the front Hugging Face's loop calls), and each cache buffer as planned."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
     if not (root / GENERATION_FILE).is_file():
         raise GenerationError(f"{str(root)!r} holds no saved generation ({GENERATION_FILE})\n"
                               f"Fix: save one with fxpipe.generate.save_generation(generation, "
                               f"path)")
     document = json.loads((root / GENERATION_FILE).read_text())
-    decode = load_plan(root / "decode", devices=devices, weights=weights)
-    prefill = (load_plan(root / "prefill", devices=devices, weights=weights)
-               if (root / "prefill").is_dir()
-               else decode)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            _config(root / "model"))
+        model = AutoModelForCausalLM.from_config(_config(root / "model"))
     model.generation_config = GenerationConfig.from_pretrained(root / "model")
     model.eval()
     planned = {name: Planned(tuple(shape), getattr(torch, dtype))
                for name, (shape, dtype) in document["caches"].items()}
-    return Generation.of_plans(model, decode, prefill, rows=document["rows"],
-                               prompt=document["prompt"], length=document["length"],
-                               planned=planned)
+    return document, model, planned
 
 
 def _config(directory: Path) -> Any:

@@ -20,7 +20,7 @@ DOCUMENTED = [
     "fxpipe.distributed.WorldSizeError",
     "fxpipe.generate", "fxpipe.generate.plan_generation", "fxpipe.generate.GenerationError",
     "fxpipe.generate.save_generation", "fxpipe.generate.load_generation",
-    "fxpipe.generate.loop_step_s",
+    "fxpipe.generate.loop_step_s", "fxpipe.generate_ranks", "fxpipe.generate_ranks.load_generation",
     "fxpipe.planning.generation", "fxpipe.planning.generation.decode_step_s",
     "fxpipe.planning.generation.choose_lanes",
     "fxpipe.torch_pipelining", "fxpipe.torch_pipelining.pipeline_stages",
