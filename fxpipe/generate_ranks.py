@@ -141,8 +141,8 @@ class RankGeneration(Generation):
         """`model.generate(*args, **kwargs)`'s result on rank 0 (its arguments are the ones
         read), None on the other ranks, which serve the steps rank 0 asks for."""
         if self._failed or self.stages[DECODE].closed:
-            raise DistributedError(f"rank {self.rank}'s stages failed in an earlier generate "
-                                   f"and are closed\nFix: load the generation again")
+            raise DistributedError(f"rank {self.rank}'s stages failed in an earlier generate"
+                                   f"\nFix: close the generation and load it again")
         with self.session():
             if self.rank != 0:
                 return self._serve()

@@ -6,7 +6,8 @@ For each generation saved (`save_generation`) at SAVED, in turn: loads this rank
 (`fxpipe.generate_ranks.load_generation`) and generates on the prompts in DATA (`input_ids`,
 `attention_mask`, and `kwargs` for every generate): greedy; one asking for more tokens than
 planned (refused on rank 0, the others told); greedy again (nothing of the first two is left);
-sampled after `torch.manual_seed(7)`. Rank 0 saves its results to OUT/<i>.pt (i: the SAVED's
+sampled after `torch.manual_seed(7)`; one where rank 1's decode stage raises; one more after
+it (refused: the stages are closed). Rank 0 saves its results to OUT/<i>.pt (i: the SAVED's
 place); every rank writes what each generate raised (its type and first line, "" for none)
 and whether its caches were freed after each to OUT/<i>.rank<r>.txt.
 """
@@ -30,9 +31,12 @@ def main(data: str, out: str, *saved: str) -> None:
         with load_generation(path, timeout=30) as generation:
             notes.append(f"prefill_by_tokens {generation.prefill_by_tokens}")
             for name, extra in [("greedy", {}), ("over", {"max_new_tokens": 40}),
-                                ("again", {}), ("sampled", {"do_sample": True})]:
+                                ("again", {}), ("sampled", {"do_sample": True}),
+                                ("broken", {}), ("after", {})]:
                 if name == "sampled":
                     torch.manual_seed(7)
+                if name == "broken" and generation.rank == 1:
+                    generation.stages[1].module.forward = _fail
                 try:
                     results[name] = generation.generate(**prompts,
                                                         **dict(batch["kwargs"], **extra))
@@ -48,6 +52,10 @@ def main(data: str, out: str, *saved: str) -> None:
             torch.save(results, Path(out, f"{i}.pt"))
         Path(out, f"{i}.rank{rank}.txt").write_text("\n".join(notes) + "\n")
     dist.destroy_process_group()
+
+
+def _fail(*values):
+    raise RuntimeError("the test's stage fails here")
 
 
 if __name__ == "__main__":

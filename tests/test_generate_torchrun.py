@@ -19,7 +19,8 @@ def test_a_saved_generation_generates_the_models_tokens_under_torchrun(scripted,
     prefill plan (prompts of 6 tokens a step) and without one (prompts through the decode plan,
     a token a step). Greedy tokens equal `model.generate`'s, twice, around a generate over the
     planned length (refused on rank 0, the other rank told, both ready after it); samples after
-    a seed equal `model.generate`'s after the same seed; every rank's caches freed after each."""
+    a seed equal `model.generate`'s after the same seed; a stage failing ends the generate on both
+ranks (named), and the next is refused; every rank's caches freed after each."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
     ids, mask = prompts(4, 6, [2, 0, 3, 0])
@@ -44,6 +45,9 @@ def test_a_saved_generation_generates_the_models_tokens_under_torchrun(scripted,
                           return_dict_in_generate=True, output_logits=True)
     torch.manual_seed(7)
     sampled = model.generate(input_ids=ids, attention_mask=mask, **dict(kwargs, do_sample=True))
+    broken = ["PeerFailedError: rank 1 failed: rank 1: stage 1 failed on micro-batch 0 (forward)",
+              "StageError: rank 1: stage 1 failed on micro-batch 0 (forward)"]
+    after = [f"DistributedError: rank {r}'s stages failed in an earlier generate" for r in (0, 1)]
     for i, by_tokens in enumerate((False, True)):
         got = torch.load(out / f"{i}.pt")
         assert_same_tokens(got["greedy"], want, 6)
@@ -57,7 +61,9 @@ def test_a_saved_generation_generates_the_models_tokens_under_torchrun(scripted,
                              "greedy raised '' freed True",
                              f"over raised {told!r} freed True",
                              "again raised '' freed True",
-                             "sampled raised '' freed True"], (rank, notes)
+                             "sampled raised '' freed True",
+                             f"broken raised {broken[rank]!r} freed True",
+                             f"after raised {after[rank]!r} freed True"], (rank, notes)
 
 
 def test_prompts_run_through_the_decode_plan_where_the_two_plans_split_the_layers_apart():
