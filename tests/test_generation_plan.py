@@ -364,3 +364,8 @@ def test_the_70b_shape_gets_a_generation_plan_from_meta_with_its_kv_bytes(tmp_pa
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in
             [[str(s)] for s in range(8)] and line.split()[1].startswith("cpu:")]
     assert len(rows) == 8, out
+
+
+def test_a_few_tokens_a_second_print_as_more_than_zero():
+    from fxpipe.plans.report import per_s
+    assert [per_s(r) for r in (0.0412, 3.456, 12.6, 1234.4)] == ["0.041", "3.5", "13", "1234"]

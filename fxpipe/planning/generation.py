@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from fxpipe.passes.errors import FxpipeError
 
+from ..plans.report import per_s
 from ..weights import Weights, open_weights
 from .search import TIE
 
@@ -111,7 +112,7 @@ class LaneChoice:
             bound = self.bound(o.lanes)
             ratio = "" if bound is None or o.lanes == 1 else (
                 f", T({self.rows})/T({self.rows // o.lanes}) = {bound:.2f}")
-            what = (f"{self.tokens_per_s(o.lanes):.0f} tokens/s predicted{ratio}" if o.fits
+            what = (f"{per_s(self.tokens_per_s(o.lanes))} tokens/s predicted{ratio}" if o.fits
                     else f"does not fit: {o.problem}")
             out.append(f"  {o.lanes} lane{'s' * (o.lanes > 1)}: {what}")
         return out

@@ -407,7 +407,7 @@ def describe_generation(generation) -> str:
     tokens = g.tokens_per_s()
     if tokens is not None:
         lines.append(f"decode: {g.rows / tokens * 1e3:.3f} ms per step predicted "
-                     f"for {_count(g.rows, 'sequence')}: {tokens:.0f} tokens/s")
+                     f"for {_count(g.rows, 'sequence')}: {per_s(tokens)} tokens/s")
     if getattr(g, "as_is", ""):
         lines.append(f"as is: {g.as_is}")
     if getattr(g, "lane_choice", None) is not None:
@@ -417,6 +417,12 @@ def describe_generation(generation) -> str:
                      f"{_count(g.prompt, 'token')} predicted")
     lines.append("the two plans: print(generation.decode), print(generation.prefill)")
     return "\n".join(lines)
+
+
+def per_s(rate: float) -> str:
+    """A rate for people: whole numbers from 10 up, two significant digits below (a 70B
+    model's few tokens a second are not 0)."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
 
 
 def _layers(layers: list[int]) -> str:
