@@ -183,6 +183,28 @@ def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs,
     assert plan.record.unpipelined_spread is not None and plan.record.unpipelined_spread >= 0
 
 
+@pytest.mark.parametrize("warm_s, timed", [(0.01, [0.05, 0.01, 0.01]), (0.2, [1.0, 1.0, 1.0])])
+def test_a_quick_model_runs_untimed_before_each_sample(monkeypatch, warm_s, timed):
+    """The stages' measurements between samples leave the model cold (`cold` here): a model
+    quicker than `REWARM_S` runs once untimed before each sample after the first; a slower
+    one does not (the first run after a measurement is timed: 5x its warm time here)."""
+    Baseline = fxpipe.planning.measure.Baseline
+    cold, ran = [True], []
+
+    def run(self):
+        ran.append(cold[0])
+        seconds, cold[0] = 5 * warm_s if cold[0] else warm_s, False
+        return seconds
+    monkeypatch.setattr(Baseline, "_run", run)
+    baseline = Baseline.__new__(Baseline)
+    baseline.times = []
+    for _ in range(3):
+        cold[0] = True            # a stage's measurement ran
+        baseline.sample()
+    assert baseline.times == timed
+    assert len(ran) == (5 if warm_s < Baseline.REWARM_S else 3)
+
+
 def test_a_plan_claims_no_speed_up_where_its_figures_cannot_hold(scripted, monkeypatch):
     model, x = chain()
     plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
