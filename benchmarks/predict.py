@@ -13,7 +13,8 @@ far apart the two are ("time off": the larger over the smaller), the model run w
 cores (forward, or forward and backward), measured in the same interleaved rounds, the speed-up
 measured ("measured x": the model over the pipeline), the one the plan claims ("plan says":
 `plan.claimed_speedup`, "-" where the plan claims none), whether it claims one and if not why
-("claims": "no: cores" where its stages share cores, "no: unsteady" where its costs or the
+("claims": "no: cores" where its stages share cores, "no: Python" where a training plan's stages
+are mostly Python (its train step's own Python is not priced), "no: unsteady" where its costs or the
 model's runs at compile were unsteady), the spreads its steadiness check read (node costs /
 the model's runs), how far the claim is from the measurement ("off": the larger over the
 smaller) and whether the goal holds ("goal": a claim within 1.25x of the measured speed-up;
@@ -131,7 +132,8 @@ def _apart(a: float, b: float) -> float:
 def _claims(plan) -> str:
     """Whether the plan claims a speed-up, and if not, why, in a word."""
     why = unclaimed(plan)
-    return "yes" if not why else "no: cores" if "take turns" in why else "no: unsteady"
+    return ("yes" if not why else "no: cores" if "take turns" in why else
+            "no: Python" if "mostly Python" in why else "no: unsteady")
 
 
 def _load() -> str:

@@ -183,6 +183,21 @@ def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs,
     assert plan.record.unpipelined_spread is not None and plan.record.unpipelined_spread >= 0
 
 
+def test_a_training_plan_of_mostly_python_stages_claims_no_speed_up(scripted):
+    """A train step's own Python is not priced: where the stages' forwards hold the interpreter
+    lock most of their time, a training plan claims nothing; an inference plan still does."""
+    import dataclasses
+    from fxpipe.passes.cost_model import HostCosts
+    model, x = chain()
+    plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    assert plan.claimed_speedup is not None
+    python = plan.with_record(host=HostCosts(lock_s=1.0))
+    assert python.claimed_speedup is not None          # a call's Python is priced
+    trained = dataclasses.replace(python, training=True)
+    assert trained.claimed_speedup is None and "mostly Python" in str(trained)
+    assert dataclasses.replace(plan, training=True).claimed_speedup is not None
+
+
 @pytest.mark.parametrize("warm_s, timed", [(0.01, [0.05, 0.01, 0.01]), (0.2, [1.0, 1.0, 1.0])])
 def test_a_quick_model_runs_untimed_before_each_sample(monkeypatch, warm_s, timed):
     """The stages' measurements between samples leave the model cold (`cold` here): a model

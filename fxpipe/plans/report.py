@@ -255,8 +255,9 @@ def _host(plan: Plan) -> list[str]:
 def unclaimed(plan: Plan) -> str:
     """Why the plan's predicted speed-up cannot be relied on here, in words ("" where it can):
     CPU stages asking for more threads than the machine has cores (they take turns, which the
-    prediction prices only roughly), or costs or the model's own runs measured unsteadily
-    (another process using the cores)."""
+    prediction prices only roughly), costs or the model's own runs measured unsteadily
+    (another process using the cores), or training stages whose work is mostly Python
+    (`PYTHON_BOUND`)."""
     if plan.runs_as_is or plan.record.weights is not None:
         return ""
     devices = plan.partition.devices
@@ -272,6 +273,13 @@ def unclaimed(plan: Plan) -> str:
         return (f"the figures are unsteady: {' and '.join(unsteady)} varied over "
                 f"{UNSTEADY:.0%}, as when another process uses the cores; compile again when "
                 f"the machine is quiet")
+    held = max((plan.record.host.lock_share(s, True) for s in plan.partition.stages),
+               default=0.0)
+    if plan.training and held > PYTHON_BOUND:
+        return (f"the stages' forwards hold the interpreter lock up to {held:.0%} of their "
+                f"time, so their work is mostly Python, and a train step's own Python (each "
+                f"micro-batch's loss, the gradients' scaling, the backward calls) is not in the "
+                f"prediction")
     work_s = sum(s.compute_s for s in plan.partition.stages) * plan.chunks
     model_s = plan.record.unpipelined_s
     if model_s and work_s and all(is_cpu(d.name) for d in devices) and \
@@ -289,6 +297,12 @@ def unclaimed(plan: Plan) -> str:
 # run alike, so their spread looks steady), and a speed-up claimed on them would be that
 # factor too high.
 DISAGREE = 3.0
+
+
+# A training plan whose stages' forwards hold the interpreter lock over this share claims no
+# speed-up: its train step's own Python, not priced, is then a large part of the step (README
+# net, 2 stages x 4: 3.3 ms measured, 2.0 predicted; larger models' rows within 1.25x).
+PYTHON_BOUND = 0.5
 
 
 # Measured and predicted speed-ups further apart than this (the larger over the smaller) warn.
