@@ -31,7 +31,7 @@ stages' own seeds are drawn away from the caller's generator).
 Failures: a stage's failure ends the generate on every rank, as a failed call of
 `fxpipe.distributed` does (close and load again). An error of rank 0's own (a generate over the
 planned length, an argument refused) is raised there, and every other rank raises a
-`DistributedError` saying rank 0 stopped; all can generate again.
+`DistributedError` saying rank 0 failed; all can generate again.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def load_generation(path: str | os.PathLike, *, weights: Any = None, device: Any
     try:
         if decode.replicas > 1:
             raise GenerationError(
-                f"generation runs one replica: {decode.replicas * decode.num_stages} processes "
-                f"run a plan of {decode.num_stages} stages\nFix: torchrun --nproc-per-node "
+                f"{decode.replicas * decode.num_stages} processes for {decode.num_stages} "
+                f"stages: generation runs one replica\nFix: torchrun --nproc-per-node "
                 f"{decode.num_stages}")
         if (root / "prefill").is_dir():
             prefill = load_stage(root / "prefill", weights=weights, device=device,
@@ -217,9 +217,9 @@ class RankGeneration(Generation):
             if kind == STOP:
                 return None
             if kind == FAILED:
-                raise DistributedError(f"rank 0 stopped its generate with an error (see its "
-                                       f"output), so rank {self.rank} stops too\nthe stages "
-                                       f"are ready for the next generate")
+                raise DistributedError(f"rank 0's generate failed, so rank {self.rank} stops "
+                                       f"too\nsee rank 0's output; the stages are ready for the "
+                                       f"next generate")
             try:
                 with torch.no_grad():
                     logits = self.stages[kind]()

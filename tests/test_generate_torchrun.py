@@ -54,8 +54,8 @@ ranks (named), and the next is refused; every rank's caches freed after each."""
         assert_same_tokens(got["again"], want, 6)
         assert torch.equal(got["sampled"], sampled)
         for rank, told in [(0, "GenerationError: 4 x 46 slots, over the 4 x 16 planned"),
-                           (1, "DistributedError: rank 0 stopped its generate with an error "
-                               "(see its output), so rank 1 stops too")]:
+                           (1, "DistributedError: rank 0's generate failed, so rank 1 stops "
+                               "too")]:
             notes = (out / f"{i}.rank{rank}.txt").read_text().splitlines()
             assert notes == [f"prefill_by_tokens {by_tokens}",
                              "greedy raised '' freed True",
