@@ -115,11 +115,11 @@ def main() -> None:
             ran["whole"], ran["first"], ran["tokens"])
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     want = results[f"model.generate, {cores} threads"][2]
-    base = (new - 1) / (results[f"model.generate, {cores} threads"][0] -
+    base = rows * (new - 1) / (results[f"model.generate, {cores} threads"][0] -
                         results[f"model.generate, {cores} threads"][1])
     table = []
     for name, (whole, first, tokens) in results.items():
-        decode = (new - 1) / (whole - first)
+        decode = rows * (new - 1) / (whole - first)
         table.append((name, decode, decode / base, first * 1e3, torch.equal(tokens, want)))
     print(f"{rows} sequences, prompt {q}, {new} new tokens, Llama d={options.width} "
           f"x {options.layers} layers")

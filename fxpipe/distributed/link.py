@@ -47,7 +47,10 @@ def measure_link(*, repeats: int = 20, timeout: float = 60.0) -> Link:
             for process in processes:
                 process.kill()
             raise DistributedError(f"measuring a gloo link between two processes failed (exit "
-                                   f"codes {codes})\ncheck that this host allows local gloo")
+                                   f"codes {codes})\nits two processes are spawned, so they "
+                                   f"import the caller's script: run the code that plans under "
+                                   f"`if __name__ == \"__main__\":`, and check that this host "
+                                   f"allows local gloo")
     return fitted_link(results.get())
 
 
