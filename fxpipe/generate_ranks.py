@@ -10,13 +10,15 @@
 Every rank calls `generate` at once; rank 0's arguments are the ones read. Rank 0 runs Hugging
 Face's loop over the front a `Generation` runs in process (`Generation.step`: a cache that only
 counts, each step's masks and slots), over the model's class built on meta from the saved
-config. Before each step it tells every rank which plan runs it (one number broadcast over the
-ranks' gloo group: decode, prefill, stop or failed); every rank calls its stage of that plan
-(`DistributedStage`: the step's sequences split into the plan's lanes, run in GPipe order, so
-stage 1 runs lane 0 while stage 0 runs lane 1), and the last rank sends the logits back to rank
-0 (as float32 with their dtype: gloo's tensors are the CPU's). The lanes keep step: one loop for
-the batch, the pipeline drained at every token, a prompt's chunks one after another, what a
-`Generation` runs in lockstep. One replica: a world of as many processes as stages.
+config. Before each step it tells every rank which plan runs it (two numbers broadcast over the
+ranks' gloo group: decode, prefill, stop or failed, and how many micro-batches' logits to send
+back); every rank calls its stage of that plan (`DistributedStage`: the step's sequences split
+into the plan's lanes, run in GPipe order, so stage 1 runs lane 0 while stage 0 runs lane 1),
+and the last rank sends the logits back to rank 0 (as float32 with their dtype: gloo's tensors
+are the CPU's). The lanes keep step: one loop for the batch, the pipeline drained at every
+token, what a `Generation` runs in lockstep. A prompt is one call of every chunk of every lane
+(`DistributedStage.microbatches`), so stage 1 runs chunk c while stage 0 runs chunk c + 1, as in
+process. One replica: a world of as many processes as stages.
 
 Caches: each rank's decode stage's layers' keys and values are a `StageState` of this rank,
 allocated zeroed at each generate and freed after it, bound into its prefill stage too where
@@ -183,29 +185,45 @@ class RankGeneration(Generation):
 
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor,
                  slot_mask: torch.Tensor) -> torch.Tensor:
-        """The prompt left-padded to whole chunks, chunk after chunk (a token a step through the
-        decode plan where `prefill_by_tokens`); the last chunk's logits."""
+        """The prompt left-padded to whole chunks, every chunk of every lane fed to the ranks
+        in one call (`DistributedStage.microbatches`), in order: a stage runs a lane's chunks
+        one after another (each reads the cache the one before wrote), and stage 1 runs chunk c
+        while stage 0 runs chunk c + 1 (a token a chunk, through the decode plan, where
+        `prefill_by_tokens`). The last chunk's logits."""
         pad, P = self._pad, self.prompt
         ids = torch.cat([ids.new_zeros((ids.shape[0], pad)), ids], 1)
         positions = torch.cat([positions.new_zeros((ids.shape[0], pad)), positions], 1)
         kind = DECODE if self.prefill_by_tokens else PREFILL
+        signature = self.stages[kind].plan.signature
+        cuts = torch.tensor_split(torch.arange(ids.shape[0]),
+                                  min(self.stages[kind].plan.chunks, ids.shape[0]))
+        lanes = [(int(cut[0]), int(cut[-1]) + 1) for cut in cuts]
+        chunks = []
         for start in range(0, ids.shape[1], P):
-            logits = self._call(kind, self.inputs(ids[:, start:start + P],
-                                                  positions[:, start:start + P],
-                                                  slot_mask[:, :start + P], start))
-        return logits
+            step = self.inputs(ids[:, start:start + P], positions[:, start:start + P],
+                               slot_mask[:, :start + P], start)
+            for a, b in lanes:
+                lane = {name: v if name == "slots" else v[a:b] for name, v in step.items()}
+                chunks.append(dict(zip(signature.placeholders,
+                                       signature.flatten_inputs((), lane))))
+        return self._call(kind, chunks=chunks, keep=len(lanes))
 
     def _run(self, plan: Any, ids: torch.Tensor, positions: torch.Tensor,
              slot_mask: torch.Tensor, offset: int, lane: Any = None) -> torch.Tensor:
-        return self._call(DECODE, self.inputs(ids, positions, slot_mask, offset))
+        return self._call(DECODE, inputs=self.inputs(ids, positions, slot_mask, offset))
 
-    def _call(self, kind: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Rank 0: every rank runs `kind`'s stage on `inputs`; the logits, back from the last."""
-        self._tell(kind)
+    def _call(self, kind: int, *, inputs: dict[str, torch.Tensor] | None = None,
+              chunks: list[dict[str, torch.Tensor]] | None = None, keep: int = 0
+              ) -> torch.Tensor:
+        """Rank 0: every rank runs `kind`'s stage, on the step's `inputs` (split into the
+        plan's lanes) or on the micro-batches `chunks`; the logits back from the last rank:
+        the step's, or the last `keep` micro-batches' together."""
+        self._tell(kind, keep)
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
-                logits = self.stages[kind](**inputs)
-            return logits if self.last == 0 else self._receive()
+                stage = self.stages[kind]
+                logits = stage(**inputs) if chunks is None else stage.microbatches(chunks)
+            return _kept(logits, keep) if self.last == 0 else self._receive()
         except BaseException:
             self._failed = True
             raise
@@ -213,7 +231,7 @@ class RankGeneration(Generation):
     def _serve(self) -> None:
         """Another rank: run the steps rank 0 asks for until it says stop."""
         while True:
-            kind = self._hear()
+            kind, keep = self._hear()
             if kind == STOP:
                 return None
             if kind == FAILED:
@@ -222,18 +240,20 @@ class RankGeneration(Generation):
                                        f"next generate")
             try:
                 with torch.no_grad():
-                    logits = self.stages[kind]()
+                    stage = self.stages[kind]
+                    logits = stage.microbatches() if keep else stage()
                 if self.index == self.last:
-                    self._send(logits)
+                    self._send(_kept(logits, keep))
             except BaseException:
                 self._failed = True
                 raise
 
-    def _tell(self, kind: int) -> None:
-        self._broadcast(torch.tensor([kind]))
+    def _tell(self, kind: int, keep: int = 0) -> None:
+        self._broadcast(torch.tensor([kind, keep]))
 
-    def _hear(self) -> int:
-        return int(self._broadcast(torch.zeros(1, dtype=torch.long))[0])
+    def _hear(self) -> tuple[int, int]:
+        kind, keep = self._broadcast(torch.zeros(2, dtype=torch.long)).tolist()
+        return kind, keep
 
     def _broadcast(self, news: torch.Tensor) -> torch.Tensor:
         try:
@@ -258,3 +278,9 @@ class RankGeneration(Generation):
         logits = torch.empty((int(head[0]), int(head[1])))
         dist.recv(logits, src=self.last, group=self.group, tag=LOGITS_TAG)
         return logits.to(_DTYPES[int(head[2])])
+
+
+def _kept(logits: Any, keep: int) -> torch.Tensor:
+    """A step's logits, or those of the last `keep` micro-batches of a call of micro-batches,
+    together (`keep` 0: a step)."""
+    return torch.cat(logits[-keep:]) if keep else logits

@@ -6,7 +6,8 @@ For each generation saved (`save_generation`) at SAVED, in turn: loads this rank
 (`fxpipe.generate_ranks.load_generation`) and generates on the prompts in DATA (`input_ids`,
 `attention_mask`, and `kwargs` for every generate): greedy; one asking for more tokens than
 planned (refused on rank 0, the others told); greedy again (nothing of the first two is left);
-sampled after `torch.manual_seed(7)`; one where rank 1's decode stage raises; one more after
+sampled after `torch.manual_seed(7)`; one of a single token (its prompt's micro-batches
+counted); one where rank 1's decode stage raises; one more after
 it (refused: the stages are closed). Rank 0 saves its results to OUT/<i>.pt (i: the SAVED's
 place); every rank writes what each generate raised (its type and first line, "" for none)
 and whether its caches were freed after each to OUT/<i>.rank<r>.txt.
@@ -32,6 +33,7 @@ def main(data: str, out: str, *saved: str) -> None:
             notes.append(f"prefill_by_tokens {generation.prefill_by_tokens}")
             for name, extra in [("greedy", {}), ("over", {"max_new_tokens": 40}),
                                 ("again", {}), ("sampled", {"do_sample": True}),
+                                ("first", {"max_new_tokens": 1}),
                                 ("broken", {}), ("after", {})]:
                 if name == "sampled":
                     torch.manual_seed(7)
@@ -47,6 +49,9 @@ def main(data: str, out: str, *saved: str) -> None:
                     b.numel() == 0 for n, b in generation.stages[1].module.named_buffers()
                     if n.startswith("kv_"))
                 notes.append(f"{name} raised {raised!r} freed {freed}")
+                if name == "first":      # the prompt's micro-batches, fed in one call
+                    prefilled = generation.stages[1 if generation.prefill_by_tokens else 2]
+                    notes.append(f"prompt in {prefilled.last_run.microbatches} micro-batches")
             rank = generation.rank
         if rank == 0:
             torch.save(results, Path(out, f"{i}.pt"))

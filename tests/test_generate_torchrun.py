@@ -16,11 +16,12 @@ WORKER = "tests/generate_worker.py"
 
 def test_a_saved_generation_generates_the_models_tokens_under_torchrun(scripted, tmp_path):
     """Two ranks, 2 lanes, a left-padded batch whose sequence 1 meets its eos early: with the
-    prefill plan (prompts of 6 tokens a step) and without one (prompts through the decode plan,
-    a token a step). Greedy tokens equal `model.generate`'s, twice, around a generate over the
-    planned length (refused on rank 0, the other rank told, both ready after it); samples after
-    a seed equal `model.generate`'s after the same seed; a stage failing ends the generate on both
-ranks (named), and the next is refused; every rank's caches freed after each."""
+    prefill plan (prompts 3 tokens a chunk) and without one (prompts through the decode plan,
+    a token a chunk); every chunk of every lane fed in one call (2 x 2, 6 x 2). Greedy tokens
+    equal `model.generate`'s, twice, around a generate over the planned length (refused on rank
+    0, the other rank told, both ready after it); samples after a seed equal `model.generate`'s
+    after the same seed; a stage failing ends the generate on both ranks (named), and the next
+    is refused; every rank's caches freed after each."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
     ids, mask = prompts(4, 6, [2, 0, 3, 0])
@@ -30,7 +31,7 @@ ranks (named), and the next is refused; every rank's caches freed after each."""
                   do_sample=False)
     torch.save(dict(input_ids=ids, attention_mask=mask, kwargs=kwargs), tmp_path / "data.pt")
     saved = []
-    for prompt in (6, 1):
+    for prompt in (3, 1):
         generation = plan_generation(model, ["cpu", "cpu"], rows=4, prompt=prompt, length=16,
                                      lanes=2, **FAST)
         saved.append(str(save_generation(generation, tmp_path / f"gen{prompt}")))
@@ -62,6 +63,8 @@ ranks (named), and the next is refused; every rank's caches freed after each."""
                              f"over raised {told!r} freed True",
                              "again raised '' freed True",
                              "sampled raised '' freed True",
+                             "first raised '' freed True",
+                             f"prompt in {12 if by_tokens else 4} micro-batches",
                              f"broken raised {broken[rank]!r} freed True",
                              f"after raised {after[rank]!r} freed True"], (rank, notes)
 

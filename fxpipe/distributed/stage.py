@@ -117,7 +117,19 @@ class DistributedStage:
             signature = self.plan.signature
             return split(self.plan, dict(zip(signature.placeholders,
                                              signature.flatten_inputs(args, kwargs))))
+        outputs = self._forwards(prepare)
+        return None if outputs is None else merged(self.plan, outputs)
 
+    def microbatches(self, chunks: list[dict[str, Any]] | None = None) -> list[Any] | None:
+        """A call of the micro-batches given on stage 0 (each its graph inputs by placeholder;
+        not read elsewhere), in order, GPipe order: each one's output on stage `last` (None
+        elsewhere). So stage 1 runs micro-batch m while stage 0 runs m + 1, and each stage runs
+        them in the order given (`fxpipe.generate_ranks` feeds a prompt's chunks so)."""
+        return self._forwards(lambda: Front(list(chunks or [])))
+
+    def _forwards(self, prepare: Callable[[], Front]) -> list[Any] | None:
+        """The forwards of the micro-batches `prepare()` makes on stage 0: their outputs, in
+        order, on stage `last`; None elsewhere."""
         chunks, seeds, _ = self._start(prepare)
         outputs: dict[int, Any] = {}
 
@@ -128,7 +140,7 @@ class DistributedStage:
                   collect if self.index == self.last else None)
         if self.index != self.last:
             return None
-        return merged(self.plan, [outputs[m] for m in range(len(seeds))])
+        return [outputs[m] for m in range(len(seeds))]
 
     def train_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Any], *,
                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor | None:
