@@ -346,32 +346,40 @@ class Generation:
 
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor,
                  slot_mask: torch.Tensor) -> torch.Tensor:
-        """The prompt left-padded to whole chunks, every chunk of every lane (the prefill
-        plan's micro-batches) fed at once to the prefill stages (`LaneSteps`), in order: a stage
-        runs a lane's chunks one after another (each reads the cache the one before wrote),
-        and stage 1 runs chunk c while stage 0 runs chunk c + 1. The last chunk's logits."""
-        pad, P, plan = self._pad, self.prompt, self.prefill
-        ids = torch.cat([ids.new_zeros((ids.shape[0], pad)), ids], 1)
-        positions = torch.cat([positions.new_zeros((ids.shape[0], pad)), positions], 1)
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        lanes = [(int(cut[0]), int(cut[-1]) + 1)
-                 for cut in torch.tensor_split(rows, min(plan.chunks, len(rows)))]
-        signature, fed = plan.signature, []
+        """Every chunk of every lane of the prompt (`chunks`: the prefill plan's micro-batches)
+        fed at once to the prefill stages (`LaneSteps`), in order: a stage runs a lane's chunks
+        one after another (each reads the cache the one before wrote), and stage 1 runs chunk c
+        while stage 0 runs chunk c + 1. The last chunk's logits."""
+        plan = self.prefill
+        chunks, lanes = self.chunks(plan, ids, positions, slot_mask)
         with torch.random.fork_rng(devices=[]), torch.no_grad(), \
                 LaneSteps(self.runtimes[id(plan)]) as steps:
-            for start in range(0, ids.shape[1], P):
-                mask = self.mask(slot_mask[:, :start + P])
-                slots = torch.arange(start, start + P, device=ids.device)
-                for a, b in lanes:
-                    inputs = dict(input_ids=ids[a:b, start:start + P], attention_mask=mask[a:b],
-                                  position_ids=positions[a:b, start:start + P].contiguous(),
-                                  slots=slots, rows=rows[a:b])
-                    values = dict(zip(signature.placeholders, signature.flatten_inputs((), inputs)))
-                    fed.append((steps.feed(values), values))
-            for m, _ in fed[:-len(lanes)]:
+            fed = [(steps.feed(values), values) for values in chunks]
+            for m, _ in fed[:-lanes]:
                 steps.outputs(m)           # (the earlier chunks' logits: not needed)
-            return torch.cat([signature.rebuild_outputs({**values, **steps.outputs(m)})
-                              for m, values in fed[-len(lanes):]])
+            return torch.cat([plan.signature.rebuild_outputs({**values, **steps.outputs(m)})
+                              for m, values in fed[-lanes:]])
+
+    def chunks(self, plan: "Plan", ids: torch.Tensor, positions: torch.Tensor,
+               slot_mask: torch.Tensor) -> tuple[list[dict[str, Any]], int]:
+        """The prompt left-padded to whole chunks of `prompt` tokens, cut into `plan`'s lanes:
+        each chunk's graph inputs (by placeholder) for each lane, chunk after chunk; and the
+        number of lanes."""
+        pad, P = self._pad, self.prompt
+        ids = torch.cat([ids.new_zeros((ids.shape[0], pad)), ids], 1)
+        positions = torch.cat([positions.new_zeros((ids.shape[0], pad)), positions], 1)
+        cuts = torch.tensor_split(torch.arange(ids.shape[0], device=ids.device),
+                                  min(plan.chunks, ids.shape[0]))
+        lanes = [(int(cut[0]), int(cut[-1]) + 1) for cut in cuts]
+        signature, chunks = plan.signature, []
+        for start in range(0, ids.shape[1], P):
+            step = self.inputs(ids[:, start:start + P], positions[:, start:start + P],
+                               slot_mask[:, :start + P], start)
+            for a, b in lanes:
+                lane = {name: v if name == "slots" else v[a:b] for name, v in step.items()}
+                chunks.append(dict(zip(signature.placeholders,
+                                       signature.flatten_inputs((), lane))))
+        return chunks, len(lanes)
 
     def inputs(self, ids: torch.Tensor, positions: torch.Tensor, slot_mask: torch.Tensor,
                offset: int, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

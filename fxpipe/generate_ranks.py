@@ -190,23 +190,9 @@ class RankGeneration(Generation):
         one after another (each reads the cache the one before wrote), and stage 1 runs chunk c
         while stage 0 runs chunk c + 1 (a token a chunk, through the decode plan, where
         `prefill_by_tokens`). The last chunk's logits."""
-        pad, P = self._pad, self.prompt
-        ids = torch.cat([ids.new_zeros((ids.shape[0], pad)), ids], 1)
-        positions = torch.cat([positions.new_zeros((ids.shape[0], pad)), positions], 1)
         kind = DECODE if self.prefill_by_tokens else PREFILL
-        signature = self.stages[kind].plan.signature
-        cuts = torch.tensor_split(torch.arange(ids.shape[0]),
-                                  min(self.stages[kind].plan.chunks, ids.shape[0]))
-        lanes = [(int(cut[0]), int(cut[-1]) + 1) for cut in cuts]
-        chunks = []
-        for start in range(0, ids.shape[1], P):
-            step = self.inputs(ids[:, start:start + P], positions[:, start:start + P],
-                               slot_mask[:, :start + P], start)
-            for a, b in lanes:
-                lane = {name: v if name == "slots" else v[a:b] for name, v in step.items()}
-                chunks.append(dict(zip(signature.placeholders,
-                                       signature.flatten_inputs((), lane))))
-        return self._call(kind, chunks=chunks, keep=len(lanes))
+        chunks, lanes = self.chunks(self.stages[kind].plan, ids, positions, slot_mask)
+        return self._call(kind, chunks=chunks, keep=lanes)
 
     def _run(self, plan: Any, ids: torch.Tensor, positions: torch.Tensor,
              slot_mask: torch.Tensor, offset: int, lane: Any = None) -> torch.Tensor:
