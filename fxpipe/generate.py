@@ -133,14 +133,18 @@ class Generation:
         return self
 
     def _start(self) -> None:
-        """Runtimes for both plans, the decode stages' states owning the caches (`_adopt`)."""
+        """Runtimes for both plans, the decode stages' states owning the caches (`_adopt`);
+        none where generation runs the model as is."""
         held = [sorted(n for n, _ in stage.module.named_buffers() if n.startswith("kv_"))
                 for stage in self.decode.stages]
         # The cache bytes each decode stage was planned with (its memory plan counts them among
         # its buffers), before the stage state takes them over.
         self.kv_predicted = [sum(self.planned[n].nbytes for n in names) for names in held]
         self.kv_layers = [sorted({int(n.rsplit("_", 1)[1]) for n in names}) for names in held]
-        self.runtimes = {id(self.decode): runtime_of(self.decode)}
+        self.runtimes = {}
+        if self.as_is:
+            return
+        self.runtimes[id(self.decode)] = runtime_of(self.decode)
         if self.prefill is not self.decode:
             self.runtimes[id(self.prefill)] = runtime_of(self.prefill)
         self._adopt()
@@ -192,7 +196,8 @@ class Generation:
 
     @property
     def states(self) -> list:
-        return self.runtimes[id(self.decode)].state
+        runtime = self.runtimes.get(id(self.decode))
+        return [] if runtime is None else runtime.state
 
     def kv_bytes(self) -> list[int]:
         """Each decode stage's cache bytes, as its stage state allocates them."""
@@ -261,12 +266,13 @@ class Generation:
     @property
     def last_run(self) -> Any:
         """The latest decode's record (`runtime.record.Run`): on independent lanes, all its
-        steps; in lockstep, its last step."""
-        return self.runtimes[id(self.decode)].last_run
+        steps; in lockstep, its last step (None where it runs the model as is)."""
+        runtime = self.runtimes.get(id(self.decode))
+        return None if runtime is None else runtime.last_run
 
     def decode_bubble(self) -> float | None:
         """The share of stage-time idle in `last_run`, from its first step to its last."""
-        return bubble(self.last_run)
+        return None if self.last_run is None else bubble(self.last_run)
 
     def loop(self, lane: Lane, kwargs: dict[str, Any]) -> Any:
         """Hugging Face's loop over `lane`'s rows (`kwargs`: theirs)."""

@@ -244,6 +244,7 @@ def test_auto_stages_generate_as_is_where_the_lanes_are_slower(scripted, monkeyp
         assert not generation.decode.runs_as_is and asked == [0.0]
         assert generation.as_is.endswith("slower, scripted")
         assert generation.prefill is generation.decode        # no prefill planned for nothing
+        assert not generation.runtimes and generation.last_run is None   # nor stages started
         generates_with_the_model(generation, model, monkeypatch)
     finally:
         generation.close()
