@@ -254,16 +254,27 @@ class RankGeneration(Generation):
     def _send(self, logits: torch.Tensor) -> None:
         """The last rank: the step's logits to rank 0, as float32 after their shape and dtype."""
         head = torch.tensor([*logits.shape, _DTYPES.index(logits.dtype)])
-        dist.send(head, dst=0, group=self.group, tag=LOGITS_TAG)
-        dist.send(logits.detach().float().cpu().contiguous(), dst=0, group=self.group,
-                  tag=LOGITS_TAG)
+        with self._link("send the logits to rank 0"):
+            dist.send(head, dst=0, group=self.group, tag=LOGITS_TAG)
+            dist.send(logits.detach().float().cpu().contiguous(), dst=0, group=self.group,
+                      tag=LOGITS_TAG)
 
     def _receive(self) -> torch.Tensor:
         head = torch.zeros(3, dtype=torch.long)
-        dist.recv(head, src=self.last, group=self.group, tag=LOGITS_TAG)
-        logits = torch.empty((int(head[0]), int(head[1])))
-        dist.recv(logits, src=self.last, group=self.group, tag=LOGITS_TAG)
+        with self._link(f"receive the logits from rank {self.last}"):
+            dist.recv(head, src=self.last, group=self.group, tag=LOGITS_TAG)
+            logits = torch.empty((int(head[0]), int(head[1])))
+            dist.recv(logits, src=self.last, group=self.group, tag=LOGITS_TAG)
         return logits.to(_DTYPES[int(head[2])])
+
+    @contextlib.contextmanager
+    def _link(self, what: str) -> Iterator[None]:
+        """Gloo's failure to `what` as a `DistributedError` naming it."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise DistributedError(f"rank {self.rank} could not {what}\n{e}\nsee the other "
+                                   f"ranks' output") from None
 
 
 def _kept(logits: Any, keep: int) -> torch.Tensor:
