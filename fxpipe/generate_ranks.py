@@ -53,7 +53,8 @@ from .generate import Generation, read_saved
 from .planning.generation import GenerationError, Prefixed
 from .runtime.state import StageState, readers_of
 
-# What rank 0 tells the other ranks before each step: which plan runs it, or that it is over.
+# What rank 0 tells the other ranks before each step (with how many micro-batches' logits to
+# send back, 0 for a step's): which plan runs it, or that the generate is over, or failed.
 STOP, DECODE, PREFILL, FAILED = 0, 1, 2, 3
 LOGITS_TAG = 1      # the logits' messages, apart from the stages' own (tag 0)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -136,7 +137,7 @@ class RankGeneration(Generation):
         return (f"rank {self.rank}: stage {self.index} of a generation of up to {self.rows} "
                 f"sequences of {self.length} tokens, {self.lanes} lanes in step, the caches of "
                 f"{len(self.state.planned)} buffers ({self.state.nbytes / 1e6:.3f} MB); "
-                + ("prompts through the decode plan, a token a step" if self.prefill_by_tokens
+                + ("prompts through the decode plan, a token a chunk" if self.prefill_by_tokens
                    else f"prompts prefilled {self.prompt} tokens at a time"))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

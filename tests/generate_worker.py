@@ -31,6 +31,7 @@ def main(data: str, out: str, *saved: str) -> None:
         results, notes = {}, []
         with load_generation(path, timeout=30) as generation:
             notes.append(f"prefill_by_tokens {generation.prefill_by_tokens}")
+            notes.append(str(generation).rsplit("; ", 1)[1])
             for name, extra in [("greedy", {}), ("over", {"max_new_tokens": 40}),
                                 ("again", {}), ("sampled", {"do_sample": True}),
                                 ("first", {"max_new_tokens": 1}),

@@ -59,6 +59,8 @@ def test_a_saved_generation_generates_the_models_tokens_under_torchrun(scripted,
                                "too")]:
             notes = (out / f"{i}.rank{rank}.txt").read_text().splitlines()
             assert notes == [f"prefill_by_tokens {by_tokens}",
+                             "prompts through the decode plan, a token a chunk" if by_tokens
+                             else "prompts prefilled 3 tokens at a time",
                              "greedy raised '' freed True",
                              f"over raised {told!r} freed True",
                              "again raised '' freed True",
