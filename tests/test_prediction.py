@@ -198,6 +198,19 @@ def test_a_training_plan_of_mostly_python_stages_claims_no_speed_up(scripted):
     assert dataclasses.replace(plan, training=True).claimed_speedup is not None
 
 
+def test_an_early_measured_speed_up_off_the_prediction_says_the_pipeline_may_be_warming(
+        scripted):
+    model, x = chain()
+    plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    slow = plan.record.unpipelined_s / plan.claimed_speedup * 2          # 2x off
+    for runs, warming in [(3, True), (40, False)]:
+        plan.observed.update(runs=runs, times_s=[slow], step_s=slow,
+                             speedup=plan.record.unpipelined_s / slow)
+        text = str(plan)
+        assert "warning: the measured speed-up is 2.00x off the predicted one" in text
+        assert ("a fresh pipeline's first 2-16 calls ran 2-5x slower" in text) == warming
+
+
 @pytest.mark.parametrize("warm_s, timed", [(0.01, [0.05, 0.01, 0.01]), (0.2, [1.0, 1.0, 1.0])])
 def test_a_quick_model_runs_untimed_before_each_sample(monkeypatch, warm_s, timed):
     """The stages' measurements between samples leave the model cold (`cold` here): a model

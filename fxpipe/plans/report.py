@@ -305,8 +305,10 @@ DISAGREE = 3.0
 PYTHON_BOUND = 0.5
 
 
-# Measured and predicted speed-ups further apart than this (the larger over the smaller) warn.
+# Measured and predicted speed-ups further apart than this (the larger over the smaller) warn;
+# up to `WARMING_RUNS` calls, the warning says the pipeline may still be warming up.
 OBSERVED_SLACK = 1.25
+WARMING_RUNS = 16
 
 
 def _observed(plan: Plan) -> list[str]:
@@ -334,7 +336,10 @@ def _observed(plan: Plan) -> list[str]:
             lines.append(f"warning: the measured speed-up is {off:.2f}x off the predicted one: "
                          f"the machine may be busier (or quieter) than at compile, or the calls "
                          f"differ from the example; compile again where the pipeline runs to "
-                         f"plan on its conditions")
+                         f"plan on its conditions"
+                         + (f" (after {seen['runs']} {runs}: a fresh pipeline's first 2-16 "
+                            f"calls ran 2-5x slower on a 2-core machine)"
+                            if seen["runs"] <= WARMING_RUNS else ""))
     return lines
 
 
