@@ -12,11 +12,14 @@ import statistics
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
 import fxpipe.planning.host
 import fxpipe.planning.measure
+import fxpipe.passes.cost_model
 import fxpipe.plans.report
 from fxpipe.passes.cost_model import SAME_DEVICE, DeviceSpec, HostCosts, Link, default_link
 from fxpipe.runtime.schedules import Action, Phase, simulate
@@ -105,13 +108,14 @@ def test_the_prediction_prices_the_call_s_own_work(scripted, monkeypatch, tmp_pa
     # Each forward: 2 nodes of 1 ms and 2 hand-offs of 0.5 ms (3 ms), holding the lock for the
     # hand-offs and `lock_s + wake_s` a node. None: the stages overlap as if it were not there.
     (0.0, 0.0, 5 * 3e-3),
-    # Half of each action (1.5 of 3 ms): two at once hold it no more than one would, as 0.
-    (0.25e-3, 0.0, 5 * 3e-3),
-    # Two thirds: two actions at once progress at 1 / (4/3), 4 ms each where they overlap:
-    # 0F0 alone (3), three overlapping pairs (4 each), 1F3 alone (3).
-    (0.5e-3, 0.0, (3 + 3 * 4 + 3) * 1e-3),
+    # Half of each action (1.5 of 3 ms): two at once each wait for the other's holds half the
+    # time, 1 + 0.5 x 0.5 as long: 0F0 alone (3 ms), three overlapping pairs (3.75 ms each),
+    # 1F3 alone (3 ms).
+    (0.25e-3, 0.0, (3 + 3 * 3.75 + 3) * 1e-3),
+    # Two thirds: 1 + (2/3)^2 = 13/9 as long where they overlap, 13/3 ms a pair.
+    (0.5e-3, 0.0, (3 + 13 + 3) * 1e-3),
     # The same, half of it the wake-up of the thread waiting for the lock.
-    (0.25e-3, 0.25e-3, (3 + 3 * 4 + 3) * 1e-3),
+    (0.25e-3, 0.25e-3, (3 + 13 + 3) * 1e-3),
     # Every node's call holds it throughout (a node of 1 ms takes no more than its compute):
     # the stages take turns, 8 actions of 3 ms one after the other.
     (5e-3, 0.0, 8 * 3e-3),
@@ -123,6 +127,53 @@ def test_stages_holding_the_interpreter_lock_take_turns(scripted, monkeypatch, l
     plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
     assert plan.record.predicted_step_s == pytest.approx(step_s)
     assert max(slot.end_s for slot in plan.predict()) == pytest.approx(plan.record.predicted_step_s)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="2 one-thread stages need 2 cores")
+def test_the_lock_measured_on_the_graph_prices_forwards_and_backwards(scripted, monkeypatch):
+    # The graph measured on two threads at once: each node holds the lock 0.5 ms in its
+    # backward, nothing in its forward. A backward (2 nodes of 1 ms, 2 hand-offs of 0.5 ms)
+    # holds it 2 of its 3 ms; the tiny nodes' lock (`host_costs`) gives way to the graph's.
+    host(monkeypatch, HostCosts(lock_s=1e-3, wake_s=1e-3))
+    monkeypatch.setattr(fxpipe.planning.measure, "lock_held", lambda *a, **k: (0.0, 0.5e-3))
+    model, x = chain()
+    plan = fxpipe.plan(model.train(), ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1,
+                       schedule="gpipe")
+    assert plan.record.host == HostCosts(lock_s=0.0, wake_s=0.0, backward_lock_s=0.5e-3)
+    assert all(m.lock == (0.0, 0.5e-3) for m in plan.record.measurements.values())
+    # Forwards hold it for their hand-offs alone (1 of 3 ms): 0F0, 3 pairs at once each
+    # 1 + (1/3)^2 as long (10/3 ms a pair), 1F3; then 1B alone, 3 pairs of backwards each
+    # 1 + (2/3)^2 as long (13/3 ms a pair), 0B alone.
+    assert plan.record.predicted_step_s == pytest.approx((3 + 10 + 3 + 3 + 13 + 3) * 1e-3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(share=st.floats(0.0, 1.0), copies=st.integers(2, 4))
+def test_the_share_measured_is_the_one_the_simulator_slows_alike_runs_by(share, copies):
+    # `lock_held` reads a share off runs at once: the one with which `simulate` has as many
+    # alike runs take as long as they took.
+    from fxpipe.planning.measure import _held_share
+    from fxpipe.runtime.schedules import lock_slowdown
+    slowdown = lock_slowdown(share, (copies - 1) * share)
+    assert _held_share(slowdown, copies) == pytest.approx(share, abs=1e-9)
+    timetable = [[Action(s, 0, Phase.FORWARD)] for s in range(copies)]
+    slots = simulate(timetable, lambda a: 1.0, {s: [] for s in range(copies)},
+                     lock=lambda a: share)
+    assert max(slot.end_s for slot in slots) == pytest.approx(slowdown)
+
+
+def test_the_lock_is_measured_where_stages_share_a_process_and_cores(monkeypatch):
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    for node in gm.graph.nodes:
+        node.meta["cost"] = fxpipe.passes.cost_model.NodeCost(fwd_s=1e-4, bwd_s=1e-4)
+    x, cpu = torch.randn(2, 4), torch.device("cpu")
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    held = fxpipe.planning.measure.lock_held(gm, (x,), {}, True, cpu, threads=1)
+    assert held is not None and all(0 <= t <= 1e-4 for t in held)     # at most the node
+    # Two copies need two cores each for two threads: none here.
+    assert fxpipe.planning.measure.lock_held(gm, (x,), {}, True, cpu, threads=3) is None
+    forward, backward = fxpipe.planning.measure.lock_held(gm, (x,), {}, False, cpu, threads=2)
+    assert backward == 0.0
 
 
 def test_a_graph_split_to_balance_costs_the_call_what_the_unsplit_one_does():
@@ -141,10 +192,11 @@ def test_a_graph_split_to_balance_costs_the_call_what_the_unsplit_one_does():
 
 def test_the_simulator_lets_one_action_hold_the_lock_at_a_time():
     # Two stages reading nothing from each other, one action of 1 s each, holding the lock
-    # a share of it: shares adding up to 1 or less overlap; beyond, the pair takes the sum.
+    # a share of it: each waits for the other's holds (1 + f x g as long), and shares adding
+    # up to more than 1 take at least their sum.
     timetable = [[Action(0, 0, Phase.FORWARD)], [Action(1, 0, Phase.FORWARD)]]
-    for shares, end in [((0.0, 0.0), 1.0), ((0.5, 0.5), 1.0), ((0.75, 0.75), 1.5),
-                        ((1.0, 1.0), 2.0), ((1.0, 0.0), 1.0)]:
+    for shares, end in [((0.0, 0.0), 1.0), ((0.5, 0.5), 1.25), ((0.75, 0.75), 1.5625),
+                        ((1.0, 1.0), 2.0), ((1.0, 0.0), 1.0), ((0.9, 0.1), 1.09)]:
         slots = simulate(timetable, lambda a: 1.0, {0: [], 1: []},
                          lock=lambda a: shares[a.stage])
         assert max(slot.end_s for slot in slots) == pytest.approx(end), shares
@@ -184,18 +236,23 @@ def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs,
 
 
 def test_a_training_plan_of_mostly_python_stages_claims_no_speed_up(scripted):
-    """A train step's own Python is not priced: where the stages' forwards hold the interpreter
-    lock most of their time, a training plan claims nothing; an inference plan still does."""
-    import dataclasses
-    from fxpipe.passes.cost_model import HostCosts
+    """A train step's own Python is not priced: where a stage's forward and backward both hold
+    the interpreter lock most of their time, a training plan claims nothing; an inference plan
+    still does, and so does a training plan whose forwards alone are mostly Python."""
     model, x = chain()
-    plan = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
-    assert plan.claimed_speedup is not None
-    python = plan.with_record(host=HostCosts(lock_s=1.0))
-    assert python.claimed_speedup is not None          # a call's Python is priced
-    trained = dataclasses.replace(python, training=True)
-    assert trained.claimed_speedup is None and "mostly Python" in str(trained)
-    assert dataclasses.replace(plan, training=True).claimed_speedup is not None
+    called = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    trained = fxpipe.plan(model.train(), ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    # Each stage: forward 2 ms of nodes and 1 ms of hand-offs, backward the same.
+    assert trained.training and trained.claimed_speedup is not None
+    python, forwards = HostCosts(lock_s=1.0, backward_lock_s=1.0), HostCosts(lock_s=1.0)
+    assert called.with_record(host=python).claimed_speedup is not None  # a call's Python is priced
+    assert trained.with_record(host=forwards).claimed_speedup is not None
+    assert trained.with_record(host=forwards).record.host.lock_share(
+        trained.partition.stages[0], False) == pytest.approx(1 / 3)     # its hand-offs
+    mostly = trained.with_record(host=python)
+    assert mostly.claimed_speedup is None
+    assert ("forward holds the interpreter lock 100% of its time and its backward 100%, so its "
+            "work is mostly Python") in " ".join(str(mostly).split())
 
 
 def test_an_early_measured_speed_up_off_the_prediction_says_the_pipeline_may_be_warming(

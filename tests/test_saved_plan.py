@@ -340,6 +340,10 @@ def test_planning_again_from_saved_costs_measures_only_what_is_new(tmp_path, mon
         assert_same_up_to_rounding(pipe(x), model(x))
     node = next(iter(saved.record.measurements.values())).costs
     assert {n.name: n.meta["cost"] for n in pipe.module.graph.nodes if n.op != "output"} == node
+    # So is the interpreter lock on the graph, where 2 cores let two copies run at once.
+    (lock,) = {m.lock for m in saved.record.measurements.values()}
+    if (os.cpu_count() or 1) >= 2:
+        assert lock is not None and pipe.plan.record.host.lock_s == lock[0]
     # Two threads per stage are a new kind of device: measured, once.
     fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, threads_per_stage=2, costs=saved)
     assert measured == [2]

@@ -7,7 +7,8 @@ thread's wake-up (`host_costs`, which `priced_host` gives as a `HostCosts`).
 `handoff_s` is an empty pipeline through the runtime's workers and queues, over the hand-offs the
 cost model counts in it (fitted with the call's own start and end at two micro-batch counts);
 `lock_s` times tiny nodes on one thread and on several at once (the interpreter lock's share of a
-node's call); `wake_s` two threads passing a turn. Each takes tens of milliseconds, once.
+node's call; where planning measures the graph's own, `measure.lock_held`, that one prices it);
+`wake_s` two threads passing a turn. Each takes tens of milliseconds, once.
 """
 
 from __future__ import annotations

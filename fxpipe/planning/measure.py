@@ -6,7 +6,9 @@ plan passed as `costs=` measured, and `calibrate`s each measurement to the whole
 measured in the same conditions (`fitted`: the sizes between two measured ones interpolated,
 for weighing; `as_is`: the model as is, scaled to its own time); `Baseline` times the model as
 given, whole, between those measurements. What a call costs the process besides its stages (the
-runtime's hand-offs, the call's own work, the interpreter lock) is `host.py`'s.
+runtime's hand-offs, the call's own work) is `host.py`'s; so is the interpreter lock, but where
+stages share a process and the cores let them run at once, `lock_held` measures it on the graph
+itself, with the costs (its runs on threads at once against alone).
 
 Costs live on nodes, measured as the stage will run the node: at each configuration's micro-batch
 size, with its stages' intra-op threads, on a worker thread when the stages will run on workers (a
@@ -28,11 +30,12 @@ times.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -55,7 +58,7 @@ from ..runtime.devices import shared_memory, synchronize
 from ..runtime.calls import call_stages, runtime_of, train_stages
 from ..plans.plan_data import Measurement, Plan
 from ..runtime import Runtime
-from .host import intra_op_threads, priced_host
+from .host import LOCK_THREADS, intra_op_threads, priced_host
 from .reference import copied, unchanged
 
 if TYPE_CHECKING:
@@ -73,6 +76,7 @@ class Costs:
         self.between = between       # called after each measurement (`Baseline.sample`)
         self.measured: dict[tuple, dict[fx.Node, NodeCost]] = {}
         self.calibration: dict[tuple, tuple[float, float]] = {}
+        self.locks: dict[tuple, tuple[float, float] | None] = {}     # `lock_held`, per node
         self.marks: dict[tuple, dict[str, dict[str, Any]]] = {}
         self.scaled: dict[tuple, dict[fx.Node, NodeCost]] = {}     # the model as is (`as_is`)
         self.costed: dict[tuple, tuple[Mapping, search.Costed]] = {}     # by `_costed`
@@ -97,7 +101,8 @@ class Costs:
         for (chunks, kind, worker), costs in self.measured.items():
             found[self._key(chunks, kind, worker)] = Measurement(
                 {n.name: cost for n, cost in costs.items()},
-                self.calibration[chunks, kind, worker], self.marks[chunks, kind, worker])
+                self.calibration[chunks, kind, worker], self.marks[chunks, kind, worker],
+                self.locks.get((chunks, kind, worker)))
         return found
 
     def _key(self, chunks: int, kind: str, worker: bool) -> tuple:
@@ -128,7 +133,8 @@ class Costs:
                 self.measured[key] = self._measure(config.chunks, device, worker)
                 self.between()
         return self._costed({d.kind: self.measured[config.chunks, d.kind, worker]
-                             for d in devices}, devices)
+                             for d in devices}, devices,
+                            [self.locks.get((config.chunks, d.kind, worker)) for d in devices])
 
     def is_measured(self, config: search.Config, devices: Sequence[DeviceSpec]) -> bool:
         """Whether `config`'s costs on `devices` were measured (or reused from `costs=`), not
@@ -148,7 +154,7 @@ class Costs:
         if self.is_measured(config, devices):
             return None
         worker, rows = config.num_stages > 1, self.rows(config.chunks)
-        found = {}
+        found, locks = {}, {}
         for kind in dict.fromkeys(d.kind for d in devices):
             sizes = {self.rows(c): c for c, k, w in self.measured if k == kind and w == worker}
             below = [r for r in sizes if r < rows]
@@ -157,9 +163,12 @@ class Costs:
                 return None
             low, high = max(below), min(above)
             at_low, at_high = (self.measured[sizes[r], kind, worker] for r in (low, high))
-            found[kind] = {n: fit_cost(at_low[n], at_high[n], (rows - low) / (high - low))
-                           for n in at_low}
-        return self._costed(found, devices)
+            at = (rows - low) / (high - low)
+            found[kind] = {n: fit_cost(at_low[n], at_high[n], at) for n in at_low}
+            lows, highs = (self.locks.get((sizes[r], kind, worker)) for r in (low, high))
+            locks[kind] = None if lows is None or highs is None else tuple(
+                a + (b - a) * at for a, b in zip(lows, highs))
+        return self._costed(found, devices, [locks[d.kind] for d in devices])
 
     def as_is(self, config: search.Config, devices: Sequence[DeviceSpec],
               seconds: float | None) -> search.Costed | None:
@@ -198,19 +207,26 @@ class Costs:
         return microbatch.rows_of(first, recipe.input_dims) or 1
 
     def _costed(self, by_kind: Mapping[str, Mapping[fx.Node, NodeCost]],
-                devices: Sequence[DeviceSpec]) -> search.Costed:
+                devices: Sequence[DeviceSpec],
+                locks: Sequence[tuple[float, float] | None] = ()) -> search.Costed:
         """The graph costed with each kind's node costs, left on the nodes, and what a call
-        costs the process besides them on `devices` (`priced_host`); built once per costs and
-        devices (a configuration weighed, then planned, is costed once)."""
+        costs the process besides them on `devices` (`priced_host`), the interpreter lock as
+        each device's kind measured it on the graph (`lock_held`: the most of them) where
+        every one did; built once per costs and devices (a configuration weighed, then
+        planned, is costed once)."""
         kinds = list(by_kind)
         for n in self.gm.graph.nodes:
             if n.op != "output":
                 n.meta["costs"] = {k: by_kind[k][n] for k in kinds}
                 n.meta["cost"] = n.meta["costs"][kinds[0]]
-        key = (tuple((k, id(costs)) for k, costs in by_kind.items()), tuple(devices))
+        key = (tuple((k, id(costs)) for k, costs in by_kind.items()), tuple(devices),
+               tuple(locks))
         if key not in self.costed:      # the costs kept with it: their ids stay theirs
             in_process = self.recipe.options.link_name in ("default", "measure")
             host = priced_host(devices) if in_process else HostCosts()
+            if host.holds_lock and locks and all(lock is not None for lock in locks):
+                host = replace(host, lock_s=max(lock[0] for lock in locks), wake_s=0.0,
+                               backward_lock_s=max(lock[1] for lock in locks))
             forward = cost_graph(self.gm, kinds=kinds)
             step = cost_graph(self.gm, training=True, kinds=kinds) if self.training else forward
             self.costed[key] = (by_kind, search.Costed(forward, step, host))
@@ -221,6 +237,7 @@ class Costs:
         reused = self.saved.get(self._key(chunks, device.kind, worker))
         if reused is not None:
             self.calibration[chunks, device.kind, worker] = reused.calibration
+            self.locks[chunks, device.kind, worker] = reused.lock
             self.marks[chunks, device.kind, worker] = dict(reused.marks)
             for n in gm.graph.nodes:     # as measuring writes them: the state units read these
                 n.meta.update(reused.marks.get(n.name, {}))
@@ -236,6 +253,9 @@ class Costs:
                                progress=recipe.progress.nodes, materialize=recipe.plausible)
                 self.calibration[chunks, device.kind, worker] = calibrate(
                     gm, args, kwargs, self.training, torch.device(device.name))
+                self.locks[chunks, device.kind, worker] = lock_held(
+                    gm, args, kwargs, self.training, torch.device(device.name),
+                    device.threads) if worker else None
         _on_worker_thread(run) if worker else run()
         self.marks[chunks, device.kind, worker] = {
             n.name: {key: n.meta[key] for key in WRITTEN if key != "cost" and key in n.meta}
@@ -281,49 +301,136 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
 
     Timing each node alone misses what runs between nodes (the dispatch of the next op, autograd's
     engine walking the whole graph, gradients accumulated across nodes), and adds what timing a
-    node costs: the graph run whole measures what a stage will see. The median of `repeats` runs
-    after a warm-up, on `device` (default: where `gm`'s parameters are; a copy placed there
-    where `gm` is elsewhere), by the host's clock until the device's work is done (on a GPU the
-    nodes' CUDA events time kernels alone; the graph's launches, which a small batch waits on,
-    count here); buffers and random generators are left as they were.
+    node costs: the graph run whole (`_Runner`) measures what a stage will see. The median of
+    `repeats` runs after a warm-up, on `device` (default: where `gm`'s parameters are).
 
     A graph holding meta tensors (planned from the meta device) is not calibrated: factors 1,
     the nodes' own times stand. Its whole run would time drawing every node's weights with the
     nodes (several times the graph's own time), and run the whole model's weights through memory
     once per repeat; its backward would keep them all alive at once.
     """
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    nodes = _computing(gm)
     node_fwd_s = sum(n.meta["cost"].fwd_s for n in nodes)
     node_bwd_s = sum(n.meta["cost"].bwd_s for n in nodes)
     device = device or next((t.device for t in gm.parameters()), torch.device("cpu"))
-    measured = placed_copy(gm, device)
-    inputs = bind_inputs(gm, *pytree.tree_map(
-        lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
-    if holds_meta(measured):
+    runner = _Runner(gm, args, kwargs, training, device)
+    if runner.meta:
         return 1.0, 1.0
-    params = [p for p in measured.parameters() if p.requires_grad]
-    run = _positional(measured)
-    forward_s, step_s = [], []
-    with unchanged_state(measured), torch.random.fork_rng(devices=[]), microbatch_seed(0):
-        for _ in range(repeats + 1):
-            fresh = copied(inputs)
-            elapsed_s = start_timer(device, wall=True)
-            with torch.set_grad_enabled(training and bool(params)):
-                out = run(*fresh)
-                forward_s.append(elapsed_s())
-                loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
-                           if isinstance(t, torch.Tensor) and t.requires_grad)
-                if isinstance(loss, torch.Tensor):
-                    torch.autograd.grad(loss, params, allow_unused=True)
-            step_s.append(elapsed_s())
-    forward = statistics.median(forward_s[1:])
-    backward = max(0.0, statistics.median(step_s[1:]) - forward)
+    with runner.kept():
+        forward, backward = runner.medians(runner.runs(repeats))
     scale = (forward / node_fwd_s if node_fwd_s > 0 else 1.0,
              backward / node_bwd_s if training and node_bwd_s > 0 else 1.0)
     for n in nodes:
         cost = n.meta["cost"]
         n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
     return scale
+
+
+def lock_held(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
+              device: torch.device, threads: int | None, repeats: int = 3
+              ) -> tuple[float, float] | None:
+    """How long each node of `gm` holds the interpreter lock, forward and backward
+    (`HostCosts.lock_s`, `backward_lock_s`), measured as stages on threads of one process share
+    it: the graph run on `copies` threads at once (`threads` intra-op threads each, a core
+    each), against its time alone (its nodes' costs, `calibrate`d just before). Where runs at
+    once take `r` times as long as alone, the share `f` of a run held is the one with which the
+    simulator (`schedules.lock_slowdown`) has `copies` such runs take `r` times as long. Per
+    node: `f` of the time alone over the graph's nodes. None where the machine has too few cores
+    for two copies, on a GPU (what its stages share is priced apart) and on meta."""
+    nodes = _computing(gm)
+    copies = min(LOCK_THREADS, (os.cpu_count() or 1) // (threads or 1))
+    if copies < 2 or not nodes or not is_cpu(device) or holds_meta(gm):
+        return None
+    runner = _Runner(gm, args, kwargs, training, device)
+    alone = (sum(n.meta["cost"].fwd_s for n in nodes), sum(n.meta["cost"].bwd_s for n in nodes))
+    stop, errors = threading.Event(), []
+    started = [threading.Event() for _ in range(copies - 1)]
+
+    def beside(started: threading.Event) -> None:
+        try:
+            with intra_op_threads(threads), microbatch_seed(0):
+                while not stop.is_set():
+                    runner.runs(0)
+                    started.set()
+        except BaseException as e:          # re-raised on the measuring thread
+            errors.append(e)
+            started.set()
+    others = [threading.Thread(target=beside, args=(event,), name="fxpipe-measure", daemon=True)
+              for event in started]
+    with runner.kept():
+        try:
+            for other in others:
+                other.start()
+            for event in started:
+                event.wait()
+            together = None if errors else runner.medians(runner.runs(repeats))
+        finally:
+            stop.set()
+            for other in others:
+                other.join()
+    if errors:
+        raise errors[0]
+    shares = [_held_share(t / a, copies) if a > 0 else 0.0 for t, a in zip(together, alone)]
+    return (shares[0] * alone[0] / len(nodes),
+            shares[1] * alone[1] / len(nodes) if training else 0.0)
+
+
+def _held_share(slowdown: float, copies: int) -> float:
+    """The share of its time each of `copies` alike runs holds the lock, where running at once
+    took them `slowdown` times as long: the inverse of `schedules.lock_slowdown` for runs
+    alike (each waits for the others' holds: 1 + (copies - 1) f^2; held in turn: copies x f),
+    0 to 1."""
+    if slowdown <= 1:
+        return 0.0
+    return min(1.0, ((slowdown - 1) / (copies - 1)) ** 0.5, slowdown / copies)
+
+
+def _computing(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+class _Runner:
+    """`gm` run whole as a stage runs it (a copy placed on `device` where `gm` is elsewhere, one
+    positional argument per input), forward then in training backward to its parameters; timed
+    by the host's clock until the device's work is done (on a GPU the nodes' CUDA events time
+    kernels alone; the graph's launches, which a small batch waits on, count here)."""
+
+    def __init__(self, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any],
+                 training: bool, device: torch.device):
+        self.module, self.training, self.device = placed_copy(gm, device), training, device
+        self.inputs = bind_inputs(gm, *pytree.tree_map(
+            lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
+        self.meta = holds_meta(self.module)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.run = _positional(self.module)
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Buffers and random generators left as they were after the runs."""
+        with unchanged_state(self.module), torch.random.fork_rng(devices=[]), microbatch_seed(0):
+            yield
+
+    def runs(self, repeats: int) -> list[tuple[float, float]]:
+        """`repeats + 1` runs, each timed: (forward, forward and backward)."""
+        times = []
+        for _ in range(repeats + 1):
+            fresh = copied(self.inputs)
+            elapsed_s = start_timer(self.device, wall=True)
+            with torch.set_grad_enabled(self.training and bool(self.params)):
+                out = self.run(*fresh)
+                forward_s = elapsed_s()
+                loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.requires_grad)
+                if isinstance(loss, torch.Tensor):
+                    torch.autograd.grad(loss, self.params, allow_unused=True)
+            times.append((forward_s, elapsed_s()))
+        return times
+
+    @staticmethod
+    def medians(times: Sequence[tuple[float, float]]) -> tuple[float, float]:
+        """Forward and backward medians of runs after the first (a warm-up)."""
+        forward = statistics.median(f for f, _ in times[1:])
+        return forward, max(0.0, statistics.median(s for _, s in times[1:]) - forward)
 
 
 def _positional(gm: fx.GraphModule) -> fx.GraphModule:

@@ -56,13 +56,16 @@ from ..runtime.wiring import Wiring
 @dataclass(frozen=True)
 class Measurement:
     """Every node's cost (by node name) measured in one condition, the calibration applied
-    to them (forward and backward factors), and what else measuring wrote on each node
+    to them (forward and backward factors), what else measuring wrote on each node
     (`annotate_costs.WRITTEN`: its output's shapes, whether a node keeps its output, the state
-    it writes): what `compile(..., costs=plan)` reuses."""
+    it writes) and how long a node holds the interpreter lock, forward and backward, as stages
+    on threads share it (`measure.lock_held`; None: not measured): what
+    `compile(..., costs=plan)` reuses."""
 
     costs: Mapping[str, NodeCost]
     calibration: tuple[float, float]
     marks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    lock: tuple[float, float] | None = None
 
 
 class Runs(enum.Enum):

@@ -119,7 +119,7 @@ def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
                      reads_from, cores=cores, demand=cpu_demand(part.devices),
                      pools=gpu_pools(part.devices),
                      lock=(lambda a: (forward if a.phase is Phase.FORWARD else backward)[a.stage])
-                     if host.lock_s > 0 else None)
+                     if host.holds_lock else None)
     before = host.call_s(chunks, *leaves)
     return [Slot(slot.action, slot.start_s + before, slot.end_s + before) for slot in slots]
 

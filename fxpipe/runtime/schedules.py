@@ -144,10 +144,11 @@ def simulate(timetable: Timetable, duration_s: Callable[[Action], float],
     its pools' shares.
 
     `lock(action)` is the share of an action's time spent holding a lock that one action holds
-    at a time (the interpreter lock of the process the stages' threads share: `HostCosts`):
-    while the running actions' shares add up to more than 1, each progresses at 1 / that sum of
-    its speed, so that the lock is never held twice (where the cores are the tighter share,
-    that one).
+    at a time (the interpreter lock of the process the stages' threads share: `HostCosts`). An
+    action holding a share `f` of its time, beside others holding shares adding up to `g`,
+    progresses at 1 / `lock_slowdown(f, g)` of its speed: each time it takes the lock it waits
+    for another's hold a share `g` of the time, and the lock is never held twice (where the
+    cores are the tighter share, that one).
     """
     read_by: dict[int, list[int]] = {}
     for s, sources in reads_from.items():
@@ -231,7 +232,7 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
                   for capacity, asks in pools]
         held = sum(r[3] for r in running.values())
         rate = {s: min([share for share, (_, asks) in zip(shares, pools) if asks[s] > 0] +
-                       ([1.0 / held] if running[s][3] > 0 and held > 1.0 else []),
+                       [1.0 / lock_slowdown(running[s][3], held - running[s][3])],
                        default=1.0) for s in running}
         step = min([r[2] / rate[s] for s, r in running.items()] + [w - now for w in waits])
         now += step
@@ -244,6 +245,18 @@ def _shared(timetable: Timetable, duration_s: Callable[[Action], float],
                 del running[s]
             else:
                 running[s][2] = left
+
+
+def lock_slowdown(share: float, others: float) -> float:
+    """How many times as long an action holding a lock a `share` of its time takes beside
+    actions holding it shares adding up to `others` (`simulate`): each of its holds waits for
+    theirs a share `others` of the time (1 + `share` x `others`), and where all the shares add
+    up to more than 1, the lock runs them one at a time (their sum). 1 for an action holding
+    none. Two actions holding it throughout take twice as long, as one lock held in turn
+    does."""
+    if share <= 0:
+        return 1.0
+    return max(1.0, 1.0 + share * others, share + others)
 
 
 def validate(timetable: Timetable, chunks: int, reads_from: Mapping[int, Sequence[int]], *,

@@ -166,19 +166,22 @@ class HostCosts:
     one output leaf back into the merged output. So a call's own work is `call_s` (drawn before
     the first action in the predicted timeline, `fxpipe.search.predict_slots`).
 
-    `lock_s`: per node, the most of its call a stage's thread spends holding the interpreter
-    lock (Python, argument parsing, the dispatch up to the kernel, which releases it): one
-    thread of the process holds it at a time, so a node that takes less holds it throughout.
-    A forward action holds it `lock_share` of its time: `lock_s` per node (all of its forward
-    compute where that is less) and its hand-offs (a queue's Python) wholly; a backward only
-    its hand-offs (autograd's engine runs without it). The simulator lets the actions running
-    at once hold it no more than one at a time (`fxpipe.schedules.simulate`'s `lock`): stages
-    of tiny nodes take turns where a model of large ones overlaps. The partitioner balances
-    compute and transfers alone (its relaxed views cannot carry a shared resource); search's
-    exact simulation of each candidate carries the lock, so the configuration chosen and the
-    step predicted do. `wake_s`: how long a thread waiting for the lock takes to wake once it
-    is let go; a node lets it go for its kernel, but no other thread has it before then, so a
-    node keeps it `lock_s + wake_s` (a node quicker than that, all of its time).
+    `lock_s`: per node, the most of its forward a stage's thread spends holding the
+    interpreter lock (Python, argument parsing, the dispatch up to the kernel, which releases
+    it): one thread of the process holds it at a time, so a node that takes less holds it
+    throughout. A forward action holds it `lock_share` of its time: `lock_s` per node (all of
+    its forward compute where that is less) and its hand-offs (a queue's Python) wholly; a
+    backward its hand-offs and `backward_lock_s` per node (autograd's engine runs without the
+    lock, but not all that a backward runs does). The simulator lets actions running at once
+    hold it one at a time, each waiting for the others' holds (`fxpipe.schedules.simulate`'s
+    `lock`): stages of tiny nodes take turns where a model of large ones overlaps. The
+    partitioner balances compute and transfers alone (its relaxed views cannot carry a shared
+    resource); search's exact simulation of each candidate carries the lock, so the
+    configuration chosen and the step predicted do. `wake_s`: how long a thread waiting for
+    the lock takes to wake once it is let go; a node lets it go for its kernel, but no other
+    thread has it before then, so a node keeps it `lock_s + wake_s` (a node quicker than
+    that, all of its time). Measured on the graph itself (`fxpipe.planning.measure.lock_held`),
+    the wake-up is in `lock_s` and `wake_s` is 0.
     """
 
     start_s: float = 0.0
@@ -186,6 +189,7 @@ class HostCosts:
     merge_s: float = 0.0
     lock_s: float = 0.0
     wake_s: float = 0.0
+    backward_lock_s: float = 0.0
 
     def call_s(self, chunks: int, inputs: int, outputs: int) -> float:
         """A call's own work: its start and end, `inputs` leaves split into `chunks`
@@ -195,12 +199,18 @@ class HostCosts:
     def lock_share(self, stage: StageCost, forward: bool) -> float:
         """The share of a `stage`'s forward (or backward) action spent holding the lock."""
         step_s = stage.forward_step_s if forward else stage.backward_step_s
-        if step_s <= 0 or self.lock_s <= 0:
+        if step_s <= 0 or not self.holds_lock:
             return 0.0
         held = stage.comm_s + (min(stage.compute_s - stage.backward_s,
                                    stage.num_nodes * (self.lock_s + self.wake_s))
-                               if forward else 0.0)
+                               if forward else
+                               min(stage.backward_s, stage.num_nodes * self.backward_lock_s))
         return min(1.0, held / step_s)
+
+    @property
+    def holds_lock(self) -> bool:
+        """Whether the interpreter lock is priced."""
+        return self.lock_s > 0 or self.backward_lock_s > 0
 
 
 def format_bytes(nbytes: float) -> str:
