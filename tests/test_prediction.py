@@ -152,7 +152,7 @@ def test_the_lock_measured_on_the_graph_prices_forwards_and_backwards(scripted, 
 def test_the_share_measured_is_the_one_the_simulator_slows_alike_runs_by(share, copies):
     # `lock_held` reads a share off runs at once: the one with which `simulate` has as many
     # alike runs take as long as they took.
-    from fxpipe.planning.measure import _held_share
+    from fxpipe.planning.host import _held_share
     from fxpipe.runtime.schedules import lock_slowdown
     slowdown = lock_slowdown(share, (copies - 1) * share)
     assert _held_share(slowdown, copies) == pytest.approx(share, abs=1e-9)
@@ -168,11 +168,11 @@ def test_the_lock_is_measured_where_stages_share_a_process_and_cores(monkeypatch
         node.meta["cost"] = fxpipe.passes.cost_model.NodeCost(fwd_s=1e-4, bwd_s=1e-4)
     x, cpu = torch.randn(2, 4), torch.device("cpu")
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    held = fxpipe.planning.measure.lock_held(gm, (x,), {}, True, cpu, threads=1)
+    held = fxpipe.planning.host.lock_held(gm, (x,), {}, True, cpu, threads=1)
     assert held is not None and all(0 <= t <= 1e-4 for t in held)     # at most the node
     # Two copies need two cores each for two threads: none here.
-    assert fxpipe.planning.measure.lock_held(gm, (x,), {}, True, cpu, threads=3) is None
-    forward, backward = fxpipe.planning.measure.lock_held(gm, (x,), {}, False, cpu, threads=2)
+    assert fxpipe.planning.host.lock_held(gm, (x,), {}, True, cpu, threads=3) is None
+    forward, backward = fxpipe.planning.host.lock_held(gm, (x,), {}, False, cpu, threads=2)
     assert backward == 0.0
 
 

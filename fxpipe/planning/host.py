@@ -7,7 +7,7 @@ thread's wake-up (`host_costs`, which `priced_host` gives as a `HostCosts`).
 `handoff_s` is an empty pipeline through the runtime's workers and queues, over the hand-offs the
 cost model counts in it (fitted with the call's own start and end at two micro-batch counts);
 `lock_s` times tiny nodes on one thread and on several at once (the interpreter lock's share of a
-node's call; where planning measures the graph's own, `measure.lock_held`, that one prices it);
+node's call; where planning measures the graph's own, `lock_held`, that one prices it);
 `wake_s` two threads passing a turn. Each takes tens of milliseconds, once.
 """
 
@@ -19,7 +19,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,11 +27,14 @@ from torch import nn
 
 from fxpipe.passes.cost_model import DeviceSpec, HostCosts, Link, LinkFn, default_link
 from fxpipe.passes.device import is_cpu
+from fxpipe.passes.materialize import holds_meta
+from fxpipe.passes.randomness import microbatch_seed
 from fxpipe.passes.stage import Stage
 
 from ..runtime import Runtime, microbatch
 from ..runtime.schedules import gpipe, simulate
 from ..runtime.wiring import Wiring
+from .whole import WholeRuns, computing
 
 
 @contextlib.contextmanager
@@ -177,6 +180,74 @@ def lock_s(threads: int) -> float:
         alone, together = timed(1), timed(threads)
         per_node.append(min(alone, together / threads) / (LOCK_RUNS * LOCK_NODES))
     return statistics.median(per_node)
+
+
+
+def lock_held(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
+              device: torch.device, threads: int | None, repeats: int = 3
+              ) -> tuple[float, float] | None:
+    """How long each node of `gm` holds the interpreter lock, forward and backward
+    (`HostCosts.lock_s`, `backward_lock_s`), measured as stages on threads of one process share
+    it: the graph run on `copies` threads at once (`threads` intra-op threads each, a core
+    each), against its runs alone just before (each side at least `LOCK_LEAST_S`; the share
+    priced on the nodes' costs, `calibrate`d to the graph's time). Where runs at
+    once take `r` times as long as alone, the share `f` of a run held is the one with which the
+    simulator (`schedules.lock_slowdown`) has `copies` such runs take `r` times as long. Per
+    node: `f` of the time alone over the graph's nodes. None where the machine has too few cores
+    for two copies, on a GPU (what its stages share is priced apart) and on meta."""
+    nodes = computing(gm)
+    copies = min(LOCK_THREADS, (os.cpu_count() or 1) // (threads or 1))
+    if copies < 2 or not nodes or not is_cpu(device) or holds_meta(gm):
+        return None
+    runner = WholeRuns(gm, args, kwargs, training, device)
+    with runner.kept():
+        alone = runner.medians(runner.runs(repeats, LOCK_LEAST_S))
+    stop, errors = threading.Event(), []
+    started = [threading.Event() for _ in range(copies - 1)]
+
+    def beside(started: threading.Event) -> None:
+        try:
+            with intra_op_threads(threads), microbatch_seed(0):
+                while not stop.is_set():
+                    runner.runs(0)
+                    started.set()
+        except BaseException as e:          # re-raised on the measuring thread
+            errors.append(e)
+            started.set()
+    others = [threading.Thread(target=beside, args=(event,), name="fxpipe-measure", daemon=True)
+              for event in started]
+    with runner.kept():
+        try:
+            for other in others:
+                other.start()
+            for event in started:
+                event.wait()
+            together = None if errors else runner.medians(runner.runs(repeats, LOCK_LEAST_S))
+        finally:
+            stop.set()
+            for other in others:
+                other.join()
+    if errors:
+        raise errors[0]
+    shares = [_held_share(t / a, copies) if a > 0 else 0.0 for t, a in zip(together, alone)]
+    nodes_s = [sum(n.meta["cost"].fwd_s for n in nodes), sum(n.meta["cost"].bwd_s for n in nodes)]
+    return (shares[0] * nodes_s[0] / len(nodes),
+            shares[1] * nodes_s[1] / len(nodes) if training else 0.0)
+
+
+# `lock_held`'s runs alone and at once each fill at least this long (a quick graph's medians
+# then rest on many runs).
+LOCK_LEAST_S = 0.01
+
+
+def _held_share(slowdown: float, copies: int) -> float:
+    """The share of its time each of `copies` alike runs holds the lock, where running at once
+    took them `slowdown` times as long: the inverse of `schedules.lock_slowdown` for runs
+    alike (each waits for the others' holds: 1 + (copies - 1) f^2; held in turn: copies x f),
+    0 to 1."""
+    if slowdown <= 1:
+        return 0.0
+    return min(1.0, ((slowdown - 1) / (copies - 1)) ** 0.5, slowdown / copies)
 
 
 WAKE_TRIPS = 50         # round trips between two threads timed (`wake_s`)

@@ -30,27 +30,22 @@ times.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.passes.annotate_costs import WRITTEN, annotate_costs, bind_inputs
-from fxpipe.passes.device import is_cpu, start_timer
-from fxpipe.passes.codegen import placed_copy
-from fxpipe.passes.materialize import holds_meta
+from fxpipe.passes.annotate_costs import WRITTEN, annotate_costs
+from fxpipe.passes.device import is_cpu
 from fxpipe.passes.cost_model import DeviceSpec, HostCosts, NodeCost, cost_graph
 from fxpipe.passes.errors import CostError
 from fxpipe.passes.graph_values import tensors
-from fxpipe.passes.randomness import microbatch_seed
-from fxpipe.passes.state import unchanged_state
 
 from ..runtime import microbatch
 from . import search
@@ -58,7 +53,8 @@ from ..runtime.devices import shared_memory, synchronize
 from ..runtime.calls import call_stages, runtime_of, train_stages
 from ..plans.plan_data import Measurement, Plan
 from ..runtime import Runtime
-from .host import LOCK_THREADS, intra_op_threads, priced_host
+from .host import intra_op_threads, lock_held, priced_host
+from .whole import WholeRuns, computing
 from .reference import copied, unchanged
 
 if TYPE_CHECKING:
@@ -301,7 +297,7 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
 
     Timing each node alone misses what runs between nodes (the dispatch of the next op, autograd's
     engine walking the whole graph, gradients accumulated across nodes), and adds what timing a
-    node costs: the graph run whole (`_Runner`) measures what a stage will see. The median of
+    node costs: the graph run whole (`WholeRuns`) measures what a stage will see. The median of
     `repeats` runs after a warm-up, on `device` (default: where `gm`'s parameters are).
 
     A graph holding meta tensors (planned from the meta device) is not calibrated: factors 1,
@@ -309,11 +305,11 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     nodes (several times the graph's own time), and run the whole model's weights through memory
     once per repeat; its backward would keep them all alive at once.
     """
-    nodes = _computing(gm)
+    nodes = computing(gm)
     node_fwd_s = sum(n.meta["cost"].fwd_s for n in nodes)
     node_bwd_s = sum(n.meta["cost"].bwd_s for n in nodes)
     device = device or next((t.device for t in gm.parameters()), torch.device("cpu"))
-    runner = _Runner(gm, args, kwargs, training, device)
+    runner = WholeRuns(gm, args, kwargs, training, device)
     if runner.meta:
         return 1.0, 1.0
     with runner.kept():
@@ -324,124 +320,6 @@ def calibrate(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
         cost = n.meta["cost"]
         n.meta["cost"] = replace(cost, fwd_s=cost.fwd_s * scale[0], bwd_s=cost.bwd_s * scale[1])
     return scale
-
-
-def lock_held(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
-              device: torch.device, threads: int | None, repeats: int = 3
-              ) -> tuple[float, float] | None:
-    """How long each node of `gm` holds the interpreter lock, forward and backward
-    (`HostCosts.lock_s`, `backward_lock_s`), measured as stages on threads of one process share
-    it: the graph run on `copies` threads at once (`threads` intra-op threads each, a core
-    each), against its time alone (its nodes' costs, `calibrate`d just before). Where runs at
-    once take `r` times as long as alone, the share `f` of a run held is the one with which the
-    simulator (`schedules.lock_slowdown`) has `copies` such runs take `r` times as long. Per
-    node: `f` of the time alone over the graph's nodes. None where the machine has too few cores
-    for two copies, on a GPU (what its stages share is priced apart) and on meta."""
-    nodes = _computing(gm)
-    copies = min(LOCK_THREADS, (os.cpu_count() or 1) // (threads or 1))
-    if copies < 2 or not nodes or not is_cpu(device) or holds_meta(gm):
-        return None
-    runner = _Runner(gm, args, kwargs, training, device)
-    alone = (sum(n.meta["cost"].fwd_s for n in nodes), sum(n.meta["cost"].bwd_s for n in nodes))
-    stop, errors = threading.Event(), []
-    started = [threading.Event() for _ in range(copies - 1)]
-
-    def beside(started: threading.Event) -> None:
-        try:
-            with intra_op_threads(threads), microbatch_seed(0):
-                while not stop.is_set():
-                    runner.runs(0)
-                    started.set()
-        except BaseException as e:          # re-raised on the measuring thread
-            errors.append(e)
-            started.set()
-    others = [threading.Thread(target=beside, args=(event,), name="fxpipe-measure", daemon=True)
-              for event in started]
-    with runner.kept():
-        try:
-            for other in others:
-                other.start()
-            for event in started:
-                event.wait()
-            together = None if errors else runner.medians(runner.runs(repeats))
-        finally:
-            stop.set()
-            for other in others:
-                other.join()
-    if errors:
-        raise errors[0]
-    shares = [_held_share(t / a, copies) if a > 0 else 0.0 for t, a in zip(together, alone)]
-    return (shares[0] * alone[0] / len(nodes),
-            shares[1] * alone[1] / len(nodes) if training else 0.0)
-
-
-def _held_share(slowdown: float, copies: int) -> float:
-    """The share of its time each of `copies` alike runs holds the lock, where running at once
-    took them `slowdown` times as long: the inverse of `schedules.lock_slowdown` for runs
-    alike (each waits for the others' holds: 1 + (copies - 1) f^2; held in turn: copies x f),
-    0 to 1."""
-    if slowdown <= 1:
-        return 0.0
-    return min(1.0, ((slowdown - 1) / (copies - 1)) ** 0.5, slowdown / copies)
-
-
-def _computing(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-
-
-class _Runner:
-    """`gm` run whole as a stage runs it (a copy placed on `device` where `gm` is elsewhere, one
-    positional argument per input), forward then in training backward to its parameters; timed
-    by the host's clock until the device's work is done (on a GPU the nodes' CUDA events time
-    kernels alone; the graph's launches, which a small batch waits on, count here)."""
-
-    def __init__(self, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any],
-                 training: bool, device: torch.device):
-        self.module, self.training, self.device = placed_copy(gm, device), training, device
-        self.inputs = bind_inputs(gm, *pytree.tree_map(
-            lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs)))
-        self.meta = holds_meta(self.module)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.run = _positional(self.module)
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Buffers and random generators left as they were after the runs."""
-        with unchanged_state(self.module), torch.random.fork_rng(devices=[]), microbatch_seed(0):
-            yield
-
-    def runs(self, repeats: int) -> list[tuple[float, float]]:
-        """`repeats + 1` runs, each timed: (forward, forward and backward)."""
-        times = []
-        for _ in range(repeats + 1):
-            fresh = copied(self.inputs)
-            elapsed_s = start_timer(self.device, wall=True)
-            with torch.set_grad_enabled(self.training and bool(self.params)):
-                out = self.run(*fresh)
-                forward_s = elapsed_s()
-                loss = sum(t.float().sum() for t in pytree.tree_leaves(out)
-                           if isinstance(t, torch.Tensor) and t.requires_grad)
-                if isinstance(loss, torch.Tensor):
-                    torch.autograd.grad(loss, self.params, allow_unused=True)
-            times.append((forward_s, elapsed_s()))
-        return times
-
-    @staticmethod
-    def medians(times: Sequence[tuple[float, float]]) -> tuple[float, float]:
-        """Forward and backward medians of runs after the first (a warm-up)."""
-        forward = statistics.median(f for f, _ in times[1:])
-        return forward, max(0.0, statistics.median(s for _, s in times[1:]) - forward)
-
-
-def _positional(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` as generated code taking one positional argument per placeholder (no `*args`, no
-    defaults), as a stage takes its inputs; on `gm`'s own parameters."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            n.target, n.args = n.name, ()
-    return fx.GraphModule(gm, graph)
 
 
 class Baseline:

@@ -59,7 +59,7 @@ class Measurement:
     to them (forward and backward factors), what else measuring wrote on each node
     (`annotate_costs.WRITTEN`: its output's shapes, whether a node keeps its output, the state
     it writes) and how long a node holds the interpreter lock, forward and backward, as stages
-    on threads share it (`measure.lock_held`; None: not measured): what
+    on threads share it (`host.lock_held`; None: not measured): what
     `compile(..., costs=plan)` reuses."""
 
     costs: Mapping[str, NodeCost]

@@ -305,7 +305,7 @@ DISAGREE = 3.0
 
 # A training plan with a stage whose forward and backward both hold the interpreter lock over
 # this share of their time claims no speed-up: its train step's own Python, not priced, is then
-# a large part of the step. Measured on the graph (`measure.lock_held`): the README net's stages
+# a large part of the step. Measured on the graph (`host.lock_held`): the README net's stages
 # hold it 96-100% of their forwards and 65-70% of their backwards, and its step ran 1.8-2.1x
 # the prediction; ResNet-50 and DenseNet at 2-4 rows a micro-batch 41-87% and 0-32%, their
 # steps within 1.1x.

@@ -180,7 +180,7 @@ class HostCosts:
     configuration chosen and the step predicted do. `wake_s`: how long a thread waiting for
     the lock takes to wake once it is let go; a node lets it go for its kernel, but no other
     thread has it before then, so a node keeps it `lock_s + wake_s` (a node quicker than
-    that, all of its time). Measured on the graph itself (`fxpipe.planning.measure.lock_held`),
+    that, all of its time). Measured on the graph itself (`fxpipe.planning.host.lock_held`),
     the wake-up is in `lock_s` and `wake_s` is 0.
     """
 
