@@ -196,7 +196,7 @@ def lock_held(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
     node: `f` of the time alone over the graph's nodes. None where the machine has too few cores
     for two copies, on a GPU (what its stages share is priced apart) and on meta."""
     nodes = computing(gm)
-    copies = min(LOCK_THREADS, (os.cpu_count() or 1) // (threads or 1))
+    copies = min(LOCK_COPIES, (os.cpu_count() or 1) // (threads or 1))
     if copies < 2 or not nodes or not is_cpu(device) or holds_meta(gm):
         return None
     runner = WholeRuns(gm, args, kwargs, training, device)
@@ -236,8 +236,9 @@ def lock_held(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], traini
 
 
 # `lock_held`'s runs alone and at once each fill at least this long (a quick graph's medians
-# then rest on many runs).
-LOCK_LEAST_S = 0.01
+# then rest on many runs); the copies run at once: what two stages cost each other (more would
+# hold more copies' activations at once, of a model planned near its memory).
+LOCK_LEAST_S, LOCK_COPIES = 0.01, 2
 
 
 def _held_share(slowdown: float, copies: int) -> float:
