@@ -50,7 +50,8 @@ def script_costs(monkeypatch):
     returned dict their own ms (a name matches every node whose name starts with it); costs not
     scaled by calibration; an inference pipeline raced against the model as is runs in its
     predicted time; a call's own work and the interpreter lock not priced (`HostCosts()`, and
-    no lock measured on the graph: `lock_held`), nor the generation loop's own (`loop_step_s`). No timing is then asserted, and plans do not
+    no lock measured on the graph: `lock_held`), nor a training action's own
+    (`train_action_s`), nor the generation loop's own (`loop_step_s`). No timing is then asserted, and plans do not
     depend on the load."""
     heavy: dict[str, float] = {}
 
@@ -67,6 +68,7 @@ def script_costs(monkeypatch):
     monkeypatch.setattr(measure, "calibrate", lambda *args, **kwargs: (1.0, 1.0))
     monkeypatch.setattr(measure, "lock_held", lambda *args, **kwargs: None)
     monkeypatch.setattr(host, "host_costs", lambda threads, cores: HostCosts())
+    monkeypatch.setattr(host, "train_action_s", lambda threads, cores: 0.0)
     monkeypatch.setattr("fxpipe.generate.loop_step_s", lambda model, rows: 0.0)
     monkeypatch.setattr(build, "race", lambda plans, model, recipe: measure.Race(
         tuple(p.record.predicted_step_s for p in plans), plans[0].record.unpipelined_s, 0))

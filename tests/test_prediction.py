@@ -147,6 +147,21 @@ def test_the_lock_measured_on_the_graph_prices_forwards_and_backwards(scripted, 
     assert plan.record.predicted_step_s == pytest.approx((3 + 10 + 3 + 3 + 13 + 3) * 1e-3)
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="2 one-thread stages need 2 cores")
+def test_a_train_step_prices_the_runtime_s_own_work_per_action(scripted, monkeypatch):
+    # Each action of a train step costs the runtime 1 ms of Python besides its stage's 3 ms:
+    # 4 ms, a quarter of it holding the lock. Two at once each take 1 + 1/4 x 1/4 as long
+    # (4.25 ms): forwards 4 + 3 x 4.25 + 4 ms, backwards the same. A call pays none of it.
+    monkeypatch.setattr(fxpipe.planning.host, "train_action_s", lambda threads, cores: 1e-3)
+    model, x = chain()
+    called = fxpipe.plan(model, ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1)
+    assert called.record.predicted_step_s == pytest.approx(5 * 3e-3)
+    trained = fxpipe.plan(model.train(), ["cpu", "cpu"], (x,), chunks=4, threads_per_stage=1,
+                          schedule="gpipe")
+    assert trained.record.host.train_action_s == 1e-3
+    assert trained.record.predicted_step_s == pytest.approx(2 * (4 + 3 * 4.25 + 4) * 1e-3)
+
+
 @settings(max_examples=50, deadline=None)
 @given(share=st.floats(0.0, 1.0), copies=st.integers(2, 4))
 def test_the_share_measured_is_the_one_the_simulator_slows_alike_runs_by(share, copies):
@@ -215,6 +230,10 @@ def test_host_costs_are_measured_once_per_thread_layout():
     assert fxpipe.planning.host._runtime_costs.cache_info().misses == misses + 1
     assert first.start_s >= 0 and first.split_s >= 0 and first.merge_s >= 0
     assert 0 < first.lock_s < 0.1 and 0 < first.wake_s < 0.1
+    misses = fxpipe.planning.host.train_action_s.cache_info().misses
+    action_s = fxpipe.planning.host.train_action_s(*layout)
+    assert 0 <= action_s < 0.1 and fxpipe.planning.host.train_action_s(*layout) == action_s
+    assert fxpipe.planning.host.train_action_s.cache_info().misses == misses + 1
 
 
 def test_the_model_is_timed_warm_between_the_stages_measurements(scripted_costs, monkeypatch):

@@ -19,6 +19,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from fxpipe.passes.randomness import microbatch_seed
 from fxpipe.passes.stage import Stage
 
 from ..runtime import Runtime, microbatch
-from ..runtime.schedules import gpipe, simulate
+from ..runtime.schedules import gpipe, simulate, timetable_for
 from ..runtime.wiring import Wiring
 from .whole import WholeRuns, computing
 
@@ -108,6 +109,41 @@ def _runtime_costs(threads: tuple[int | None, ...], cores: int) -> tuple[float, 
     if hop <= 0:                              # noise: the call's time all hand-offs
         hop = t_many / many
     return hop, max(0.0, t_few - hop * few)
+
+
+@functools.lru_cache(maxsize=None)
+def train_action_s(threads: tuple[int | None, ...], cores: int) -> float:
+    """A training action's own runtime work besides its stage's and its hand-offs
+    (`HostCosts.train_action_s`): train steps of `HANDOFF_CHUNKS` micro-batches through stages
+    scaling what they receive by a parameter (each micro-batch's loss the sum of the last's
+    output), and calls of the same, `HANDOFF_RUNS` times each, interleaved, by the real runtime.
+    What a micro-batch adds to a step, less twice what it adds to a call (a backward's
+    hand-offs are priced as a forward's are), over its forward and backward on each stage.
+    About 100 ms, once a layout."""
+    k = len(threads)
+    stages = [Stage(i, _scaling(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
+              for i in range(k)]
+    runtime = Runtime(stages, Wiring.of(stages, [f"v{k}"]), threads_per_stage=list(threads),
+                      name="fxpipe-probe")
+    times: dict[tuple[bool, int], list[float]] = {
+        (training, chunks): [] for training in (False, True) for chunks in HANDOFF_CHUNKS}
+    try:
+        for run in range(HANDOFF_RUNS + 1):
+            for training, chunks in times:
+                began = time.perf_counter()
+                runtime.run(timetable_for("gpipe", k, chunks, backward=training),
+                            [{"v0": torch.zeros(1)}] * chunks, seeds=[0] * chunks,
+                            loss_of=(lambda m, values: values[f"v{k}"].sum()) if training
+                            else None)
+                if run:                         # the first starts the workers
+                    times[training, chunks].append(time.perf_counter() - began)
+    finally:
+        runtime.close()
+    few, many = HANDOFF_CHUNKS
+    added = {training: (statistics.median(times[training, many]) -
+                        statistics.median(times[training, few])) / (many - few)
+             for training in (False, True)}
+    return max(0.0, added[True] - 2 * added[False]) / (2 * k)
 
 
 # The leaf a call splits and merges (`_call_work_s`), and the timed runs at each count.
@@ -294,6 +330,16 @@ def _tiny_nodes(count: int) -> fx.GraphModule:
     return fx.GraphModule(root, graph)
 
 
+def _scaling() -> fx.GraphModule:
+    """A stage scaling what it receives by a parameter: the least a stage trains."""
+    root = nn.Module()
+    root.register_parameter("scale", nn.Parameter(torch.ones(())))
+    graph = fx.Graph()
+    graph.output((graph.call_function(torch.mul, (graph.placeholder("x"),
+                                                  graph.get_attr("scale"))),))
+    return fx.GraphModule(root, graph)
+
+
 def _passing() -> fx.GraphModule:
     """A stage that computes nothing: it returns the value it received."""
     graph = fx.Graph()
@@ -312,9 +358,12 @@ def priced_link(devices: Sequence[DeviceSpec]) -> LinkFn:
     return functools.partial(default_link, same_device=same)
 
 
-def priced_host(devices: Sequence[DeviceSpec]) -> HostCosts:
-    """What a call costs the process besides the stages on `devices` (`host_costs`), where
-    they are all CPU stages on threads of this process; else nothing priced (`HostCosts()`)."""
+def priced_host(devices: Sequence[DeviceSpec], training: bool = False) -> HostCosts:
+    """What a call (or in `training` a train step) costs the process besides the stages on
+    `devices` (`host_costs`, `train_action_s`), where they are all CPU stages on threads of
+    this process; else nothing priced (`HostCosts()`)."""
     if not all(is_cpu(d.name) for d in devices):
         return HostCosts()
-    return host_costs(tuple(d.threads for d in devices), os.cpu_count() or 1)
+    layout = (tuple(d.threads for d in devices), os.cpu_count() or 1)
+    costs = host_costs(*layout)
+    return replace(costs, train_action_s=train_action_s(*layout)) if training else costs

@@ -219,7 +219,7 @@ class Costs:
                tuple(locks))
         if key not in self.costed:      # the costs kept with it: their ids stay theirs
             in_process = self.recipe.options.link_name in ("default", "measure")
-            host = priced_host(devices) if in_process else HostCosts()
+            host = priced_host(devices, self.training) if in_process else HostCosts()
             if host.holds_lock and locks and all(lock is not None for lock in locks):
                 host = replace(host, lock_s=max(lock[0] for lock in locks), wake_s=0.0,
                                backward_lock_s=max(lock[1] for lock in locks))

@@ -105,21 +105,26 @@ def predict_slots(part: Partition, chunks: int, schedule: str, training: bool,
     `forward_step_s` and each backward action its `backward_step_s`. With `cores`, CPU stages
     whose threads add up to more share them while they run at once; stages on one GPU always
     share it (`simulate`). With `host`, the stages' actions hold the interpreter lock their
-    `HostCosts.lock_share` of their time, one at a time, and the timeline starts after the
+    `HostCosts.lock_share` of their time, and in training each takes the runtime's own
+    `HostCosts.train_action_s` more, holding it throughout; the timeline starts after the
     call's own work (`HostCosts.call_s`, for `leaves`: the call's input and output leaves), so
     that its last action ends when the call returns."""
     k = part.num_stages
     timetable = (timetable_for(schedule, k, chunks, backward=True) if training
                  else gpipe(k, chunks))
-    forward = {s: host.lock_share(c, True) for s, c in enumerate(part.stages)}
-    backward = {s: host.lock_share(c, False) for s, c in enumerate(part.stages)}
-    slots = simulate(timetable, lambda a: (part.stages[a.stage].forward_step_s
-                                           if a.phase is Phase.FORWARD
-                                           else part.stages[a.stage].backward_step_s),
+    extra_s = host.train_action_s if training else 0.0     # the runtime's own, all held
+    step_s, held = {}, {}
+    for s, stage in enumerate(part.stages):
+        for forward in (True, False):
+            own_s = stage.forward_step_s if forward else stage.backward_step_s
+            step_s[s, forward] = own_s + extra_s
+            held[s, forward] = ((host.lock_share(stage, forward) * own_s + extra_s) /
+                                step_s[s, forward] if step_s[s, forward] > 0 else 0.0)
+    slots = simulate(timetable, lambda a: step_s[a.stage, a.phase is Phase.FORWARD],
                      reads_from, cores=cores, demand=cpu_demand(part.devices),
                      pools=gpu_pools(part.devices),
-                     lock=(lambda a: (forward if a.phase is Phase.FORWARD else backward)[a.stage])
-                     if host.holds_lock else None)
+                     lock=(lambda a: held[a.stage, a.phase is Phase.FORWARD])
+                     if host.holds_lock or extra_s > 0 else None)
     before = host.call_s(chunks, *leaves)
     return [Slot(slot.action, slot.start_s + before, slot.end_s + before) for slot in slots]
 

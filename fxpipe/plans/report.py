@@ -250,8 +250,10 @@ def _host(plan: Plan) -> list[str]:
         f"{host.lock_share(stage, forward):.0%}" for stage in plan.partition.stages)
     call_s = host.call_s(plan.chunks, *plan.leaves)
     backwards = f", their backwards {shares(False)}" if plan.training else ""
+    actions = (f", and each action's own {host.train_action_s * 1e3:.3f} ms (what the backward "
+               f"keeps, the loss, the backward's start)" if plan.training else "")
     return [f"besides the stages: the call's own work {call_s * 1e3:.3f} ms (split, merge, the "
-            f"runtime's start and end); the stages' forwards hold the interpreter lock "
+            f"runtime's start and end){actions}; the stages' forwards hold the interpreter lock "
             f"{shares(True)} of their time{backwards}, each waiting for the others' holds"]
 
 

@@ -182,6 +182,10 @@ class HostCosts:
     thread has it before then, so a node keeps it `lock_s + wake_s` (a node quicker than
     that, all of its time). Measured on the graph itself (`fxpipe.planning.host.lock_held`),
     the wake-up is in `lock_s` and `wake_s` is 0.
+
+    `train_action_s`: in a train step, what each action costs the runtime besides its
+    stage's work and hand-offs (keeping what the backward needs, starting it, the loss of a
+    micro-batch), all of it Python: added to each action's time, holding the lock.
     """
 
     start_s: float = 0.0
@@ -190,6 +194,7 @@ class HostCosts:
     lock_s: float = 0.0
     wake_s: float = 0.0
     backward_lock_s: float = 0.0
+    train_action_s: float = 0.0
 
     def call_s(self, chunks: int, inputs: int, outputs: int) -> float:
         """A call's own work: its start and end, `inputs` leaves split into `chunks`
