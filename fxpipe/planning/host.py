@@ -2,13 +2,15 @@
 time and cached per process and thread layout: the runtime's own hand-off between CPU stages
 (`handoff_s`, which `priced_link` prices as the default link), a call's start and end,
 splitting and merging its leaves, the time a node's call holds the interpreter lock and a waiting
-thread's wake-up (`host_costs`, which `priced_host` gives as a `HostCosts`).
+thread's wake-up (`host_costs`, which `priced_host` gives as a `HostCosts`), and in a train step
+each action's own work (`train_action_s`).
 
 `handoff_s` is an empty pipeline through the runtime's workers and queues, over the hand-offs the
 cost model counts in it (fitted with the call's own start and end at two micro-batch counts);
-`lock_s` times tiny nodes on one thread and on several at once (the interpreter lock's share of a
-node's call; where planning measures the graph's own, `lock_held`, that one prices it);
-`wake_s` two threads passing a turn. Each takes tens of milliseconds, once.
+`train_action_s` the same pipeline's train steps against its calls; `lock_s` times tiny nodes on
+one thread and on several at once (the interpreter lock's share of a node's call); `wake_s` two
+threads passing a turn. Each takes tens of milliseconds, once. Where stages share a process and
+cores, planning measures the lock on the graph itself instead (`lock_held`, with its costs).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def train_action_s(threads: tuple[int | None, ...], cores: int) -> float:
     output), and calls of the same, `HANDOFF_RUNS` times each, interleaved, by the real runtime.
     What a micro-batch adds to a step, less twice what it adds to a call (a backward's
     hand-offs are priced as a forward's are), over its forward and backward on each stage.
-    About 100 ms, once a layout."""
+    About a quarter of a second, once a layout, for training plans only."""
     k = len(threads)
     stages = [Stage(i, _scaling(), (f"v{i}",), (f"v{i + 1}",), torch.device("cpu"))
               for i in range(k)]
@@ -218,19 +220,18 @@ def lock_s(threads: int) -> float:
     return statistics.median(per_node)
 
 
-
 def lock_held(gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any], training: bool,
               device: torch.device, threads: int | None, repeats: int = 3
               ) -> tuple[float, float] | None:
     """How long each node of `gm` holds the interpreter lock, forward and backward
     (`HostCosts.lock_s`, `backward_lock_s`), measured as stages on threads of one process share
-    it: the graph run on `copies` threads at once (`threads` intra-op threads each, a core
-    each), against its runs alone just before (each side at least `LOCK_LEAST_S`; the share
-    priced on the nodes' costs, `calibrate`d to the graph's time). Where runs at
+    it: the graph run on `LOCK_COPIES` threads at once (`threads` intra-op threads each, a core
+    each), against its runs alone just before, each side at least `LOCK_LEAST_S`. Where runs at
     once take `r` times as long as alone, the share `f` of a run held is the one with which the
-    simulator (`schedules.lock_slowdown`) has `copies` such runs take `r` times as long. Per
-    node: `f` of the time alone over the graph's nodes. None where the machine has too few cores
-    for two copies, on a GPU (what its stages share is priced apart) and on meta."""
+    simulator (`schedules.lock_slowdown`) has as many such runs take `r` times as long. Per
+    node: `f` of the graph's time (its nodes' costs, `calibrate`d) over its nodes. None where
+    the machine has too few cores for two copies, on a GPU (what its stages share is priced
+    apart) and on meta."""
     nodes = computing(gm)
     copies = min(LOCK_COPIES, (os.cpu_count() or 1) // (threads or 1))
     if copies < 2 or not nodes or not is_cpu(device) or holds_meta(gm):
